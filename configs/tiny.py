@@ -1,0 +1,49 @@
+"""Tiny GPT for CPU development: a few million parameters, fp32 compute, 8 simulated devices.
+
+The default of `make train`. Mesh data 4 x stage 1 x tensor 2.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+    python launch/train.py --config configs/tiny.py --workdir runs/tiny
+"""
+
+from mtnlg_jax import config as config_lib
+
+
+def get_config():
+    config = config_lib.defaults()
+
+    config.mesh.data = 4
+    config.mesh.stage = 1
+    config.mesh.tensor = 2
+
+    model = config.model
+    model.num_layers = 4
+    model.hidden = 256
+    model.heads = 8
+    model.seq_len = 128
+    model.vocab_size = 8192  # the default corpus's sentencepiece model
+    model.init_std = 0.02
+    model.compute_dtype = 'float32'  # bf16 matmuls are slow on CPU
+    model.attention_dropout = 0.0
+    model.hidden_dropout = 0.0
+    model.remat = 'none'
+
+    train = config.train
+    # 2-core CPU: about 0.75 s a step, so `make train` stays well inside 10 minutes.
+    train.global_batch = 16
+    train.micro_batch = 2  # 16 / (2 x data 4) = 2 accumulated micro-steps
+    train.steps = 200
+    train.log_every = 10
+    train.eval_every = 50
+    train.eval_batches = 8
+
+    opt = config.optimizer
+    opt.lr = 1e-3
+    opt.min_lr = 1e-4
+    opt.weight_decay = 0.1
+    # 200 steps x 16 x 128 tokens = 410 k tokens: warm up over the first 5 %.
+    opt.warmup_tokens = 20_000
+    opt.decay_tokens = 200 * 16 * 128
+
+    config.data.path = 'data/default'
+    return config

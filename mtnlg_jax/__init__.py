@@ -1,0 +1,1 @@
+"""mtnlg_jax: Megatron-Turing NLG style GPT training in JAX with 3D parallelism."""

@@ -1,0 +1,227 @@
+"""The config: every key with its default, validation, and the values derived from it.
+
+Experiment files (configs/*.py) start from `defaults()` and change a few keys; launch/train.py
+accepts any key on the command line as `--config.KEY=VALUE`. `resolve()` checks a config
+against the device count before anything is built and fills in what follows from it:
+
+  mesh.{data,stage,tensor}  -1 filled with the devices the other axes leave
+  model.ffn_hidden          0 -> 4 x hidden
+  model.padded_vocab        vocab_size rounded up to a multiple of 128 x tensor (Megatron's rule)
+  train.micro_steps         global_batch / (micro_batch x data), accumulated inside one step
+  optimizer.decay_tokens    0 -> all the tokens of the run
+"""
+
+import math
+
+import ml_collections
+
+REMAT_POLICIES = ('none', 'full', 'selective')
+COMPUTE_DTYPES = ('float32', 'bfloat16', 'float16')
+VOCAB_PAD_MULTIPLE = 128
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key."""
+
+    def __init__(self, key, message):
+        super().__init__(f'config key {key}: {message}')
+        self.key = key
+
+
+def defaults():
+    """Every key a config may set, with the defaults of a GPT-2 small run."""
+    config = ml_collections.ConfigDict()
+    config.mesh = ml_collections.ConfigDict(dict(data=-1, stage=1, tensor=1))
+    config.pipeline = ml_collections.ConfigDict(dict(repeats=1))
+    config.model = ml_collections.ConfigDict(
+        dict(
+            num_layers=12,
+            hidden=768,
+            heads=12,
+            ffn_hidden=0,  # 0: 4 x hidden
+            seq_len=1024,
+            vocab_size=50257,
+            padded_vocab=0,  # derived
+            init_std=0.02,
+            layer_norm_epsilon=1e-5,
+            attention_dropout=0.1,
+            hidden_dropout=0.1,
+            compute_dtype='bfloat16',  # parameters and optimizer state are always fp32
+            remat='none',  # none | full | selective
+        )
+    )
+    config.train = ml_collections.ConfigDict(
+        dict(
+            global_batch=512,
+            micro_batch=1,  # sequences per data-parallel replica per accumulated micro-step
+            micro_steps=0,  # derived
+            steps=1000,
+            seed=0,
+            log_every=10,
+            eval_every=500,  # 0: never
+            eval_batches=8,
+        )
+    )
+    # Adam as in the MT-NLG paper; the learning rate is a function of tokens seen, as there:
+    # linear warmup over warmup_tokens, then cosine decay to min_lr at decay_tokens (counted
+    # from the start, warmup included).
+    config.optimizer = ml_collections.ConfigDict(
+        dict(
+            lr=6e-4,
+            min_lr=6e-5,
+            warmup_tokens=0,
+            decay_tokens=0,  # 0: the run's total
+            b1=0.9,
+            b2=0.95,
+            eps=1e-8,
+            weight_decay=0.1,
+            clip_norm=1.0,
+        )
+    )
+    config.checkpoint = ml_collections.ConfigDict(dict(every=0, keep=3))
+    config.data = ml_collections.ConfigDict(dict(path='data/default'))
+    return config
+
+
+def _require(condition, key, message):
+    if not condition:
+        raise ConfigError(key, message)
+
+
+def _positive(config, *keys):
+    for key in keys:
+        section, name = key.split('.')
+        value = config[section][name]
+        _require(
+            isinstance(value, int) and value > 0, key, f'must be a positive integer, got {value!r}'
+        )
+
+
+def resolve_mesh(mesh, num_devices):
+    """(data, stage, tensor) with a -1 filled; ConfigError if they do not cover num_devices."""
+    sizes = {axis: mesh[axis] for axis in ('data', 'stage', 'tensor')}
+    for axis, size in sizes.items():
+        _require(
+            isinstance(size, int) and (size > 0 or size == -1),
+            f'mesh.{axis}',
+            f'must be a positive integer or -1, got {size!r}',
+        )
+    fill = [axis for axis, size in sizes.items() if size == -1]
+    _require(
+        len(fill) <= 1,
+        f'mesh.{fill[-1]}' if fill else 'mesh',
+        f'only one mesh axis may be -1, got {", ".join("mesh." + a for a in fill)}',
+    )
+    known = math.prod(size for size in sizes.values() if size != -1)
+    if fill:
+        _require(
+            num_devices % known == 0,
+            f'mesh.{fill[0]}',
+            f'-1 cannot fill {num_devices} devices: the other axes multiply to {known}',
+        )
+        sizes[fill[0]] = num_devices // known
+    product = math.prod(sizes.values())
+    _require(
+        product == num_devices,
+        'mesh',
+        f'data x stage x tensor = {sizes["data"]} x {sizes["stage"]} x {sizes["tensor"]} = '
+        f'{product}, but there are {num_devices} devices',
+    )
+    return sizes
+
+
+def padded_vocab_size(vocab_size, tensor):
+    multiple = VOCAB_PAD_MULTIPLE * tensor
+    return -(-vocab_size // multiple) * multiple
+
+
+def resolve(config, num_devices):
+    """A validated copy of `config` with the derived keys filled; ConfigError on the first fault."""
+    config = ml_collections.ConfigDict(config.to_dict())
+    mesh = resolve_mesh(config.mesh, num_devices)
+    config.mesh.update(mesh)
+
+    model, train, opt = config.model, config.train, config.optimizer
+    _positive(
+        config,
+        'model.num_layers',
+        'model.hidden',
+        'model.heads',
+        'model.seq_len',
+        'model.vocab_size',
+        'train.global_batch',
+        'train.micro_batch',
+        'train.steps',
+        'train.log_every',
+        'pipeline.repeats',
+    )
+    if model.ffn_hidden == 0:
+        model.ffn_hidden = 4 * model.hidden
+    _positive(config, 'model.ffn_hidden')
+
+    tensor, data, stage = mesh['tensor'], mesh['data'], mesh['stage']
+    _require(
+        model.hidden % model.heads == 0,
+        'model.hidden',
+        f'{model.hidden} is not divisible by model.heads={model.heads}',
+    )
+    _require(
+        model.heads % tensor == 0,
+        'model.heads',
+        f'{model.heads} heads are not divisible by mesh.tensor={tensor}',
+    )
+    _require(
+        model.ffn_hidden % tensor == 0,
+        'model.ffn_hidden',
+        f'{model.ffn_hidden} is not divisible by mesh.tensor={tensor}',
+    )
+    replica_batch = train.micro_batch * data
+    _require(
+        train.global_batch % replica_batch == 0,
+        'train.global_batch',
+        f'{train.global_batch} is not divisible by train.micro_batch x mesh.data = '
+        f'{train.micro_batch} x {data} = {replica_batch}',
+    )
+    chunks = stage * config.pipeline.repeats
+    _require(
+        model.num_layers % chunks == 0,
+        'model.num_layers',
+        f'{model.num_layers} layers are not divisible by mesh.stage x pipeline.repeats = '
+        f'{stage} x {config.pipeline.repeats} = {chunks}',
+    )
+    _require(stage == 1, 'mesh.stage', 'pipeline parallelism (stage > 1) is not built yet')
+    _require(
+        model.remat in REMAT_POLICIES,
+        'model.remat',
+        f'{model.remat!r} is not one of {", ".join(REMAT_POLICIES)}',
+    )
+    _require(
+        model.compute_dtype in COMPUTE_DTYPES,
+        'model.compute_dtype',
+        f'{model.compute_dtype!r} is not one of {", ".join(COMPUTE_DTYPES)}',
+    )
+    for key in ('attention_dropout', 'hidden_dropout'):
+        _require(0.0 <= model[key] < 1.0, f'model.{key}', f'must be in [0, 1), got {model[key]}')
+    _require(model.init_std > 0, 'model.init_std', f'must be positive, got {model.init_std}')
+
+    model.padded_vocab = padded_vocab_size(model.vocab_size, tensor)
+    train.micro_steps = train.global_batch // replica_batch
+
+    _require(opt.lr > 0, 'optimizer.lr', f'must be positive, got {opt.lr}')
+    _require(
+        0 <= opt.min_lr <= opt.lr,
+        'optimizer.min_lr',
+        f'must be in [0, optimizer.lr={opt.lr}], got {opt.min_lr}',
+    )
+    _require(
+        opt.warmup_tokens >= 0, 'optimizer.warmup_tokens', f'must be >= 0, got {opt.warmup_tokens}'
+    )
+    if opt.decay_tokens == 0:
+        opt.decay_tokens = train.steps * train.global_batch * model.seq_len
+    _require(
+        opt.decay_tokens > opt.warmup_tokens,
+        'optimizer.decay_tokens',
+        f'{opt.decay_tokens} must exceed optimizer.warmup_tokens={opt.warmup_tokens}',
+    )
+    _require(opt.clip_norm >= 0, 'optimizer.clip_norm', f'must be >= 0, got {opt.clip_norm}')
+    return config

@@ -1,0 +1,126 @@
+"""The GPT decoder of Megatron-LM and MT-NLG, readable top to bottom.
+
+    tokens (batch, seq)
+      -> token embedding (vocab-parallel) + learned position embedding, dropout
+      -> num_layers pre-LN blocks, stacked on a leading `layers` axis and scanned
+         (compile time does not grow with depth; `remat` picks what the backward recomputes)
+      -> final layer norm
+      -> logits = hidden @ token_embedding.T   (tied output layer, still vocab-parallel)
+
+Parameters live in fp32; `cast_params` makes the compute-dtype copy the forward runs on.
+The cross-entropy works on the vocabulary shards (logsumexp and the label's logit are
+reductions over `vocab`), so no device ever holds the full (batch, seq, vocab) logits.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtnlg_jax.model.block import SELECTIVE_SAVED, SITES_PER_BLOCK, Block
+from mtnlg_jax.model.layers import LayerNorm, dropout, param
+from mtnlg_jax.parallel.rules import constrain
+
+REMAT_POLICIES = {
+    'full': jax.checkpoint_policies.nothing_saveable,
+    'selective': jax.checkpoint_policies.save_only_these_names(*SELECTIVE_SAVED),
+}
+
+
+class GPT(nnx.Module):
+    def __init__(self, cfg, rngs):
+        """cfg: a resolved `config.model` (ffn_hidden and padded_vocab filled in)."""
+        self.token_embed = param(
+            rngs, (cfg.padded_vocab, cfg.hidden), ('vocab', 'embed'), cfg.init_std
+        )
+        self.position_embed = param(
+            rngs, (cfg.seq_len, cfg.hidden), ('position', 'embed'), cfg.init_std
+        )
+        layer_keys = jax.random.split(rngs.params(), cfg.num_layers)
+        make_blocks = nnx.vmap(
+            lambda key: Block(cfg, nnx.Rngs(params=key)),
+            transform_metadata={nnx.PARTITION_NAME: 'layers', 'logical_axes': 'layers'},
+        )
+        self.blocks = make_blocks(layer_keys)
+        self.final_norm = LayerNorm(cfg.hidden, cfg.layer_norm_epsilon)
+        self.num_layers = cfg.num_layers
+        self.vocab_size = cfg.vocab_size
+        self.hidden_dropout = cfg.hidden_dropout
+        self.remat = cfg.remat
+
+    def __call__(self, tokens, row_keys=None):
+        """Final hidden states (batch, seq, embed). row_keys: one PRNG key per sequence, or None
+        for no dropout."""
+        x = (
+            jnp.take(self.token_embed[...], tokens, axis=0)
+            + self.position_embed[...][: tokens.shape[1]]
+        )
+        x = constrain(x, ('batch', 'seq', 'embed'))
+        x = dropout(x, self.hidden_dropout, row_keys, site=self.num_layers * SITES_PER_BLOCK)
+        x = apply_blocks(self.blocks, x, row_keys, self.remat)
+        return self.final_norm(x)
+
+    def logits(self, hidden):
+        """(batch, seq, vocab) fp32 logits, sharded over `vocab`; padding entries at -inf."""
+        logits = jnp.einsum(
+            'bse,ve->bsv', hidden, self.token_embed[...], preferred_element_type=jnp.float32
+        )
+        logits = constrain(logits, ('batch', 'seq', 'vocab'))
+        vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
+        return jnp.where(vocab_ids < self.vocab_size, logits, -jnp.inf)
+
+
+def apply_blocks(blocks, x, row_keys, remat='none', first_layer=0):
+    """Run a stack of blocks (parameters stacked on a leading axis) over x with lax.scan."""
+    graphdef, stacked = nnx.split(blocks)
+    num_layers = jax.tree.leaves(stacked)[0].shape[0]
+
+    def one_block(x, layer_and_params):
+        layer, params = layer_and_params
+        return nnx.merge(graphdef, params)(x, row_keys, layer), None
+
+    if remat != 'none':
+        one_block = jax.checkpoint(one_block, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    layers = first_layer + jnp.arange(num_layers)
+    x, _ = jax.lax.scan(one_block, x, (layers, stacked))
+    return x
+
+
+def cross_entropy(logits, labels):
+    """Per-token loss from vocab-sharded fp32 logits: only reductions over `vocab`, no gather
+    of the logits, so each device keeps its own vocabulary slice."""
+    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
+    label_logit = jnp.sum(jnp.where(vocab_ids == labels[..., None], logits, 0.0), axis=-1)
+    return jax.nn.logsumexp(logits, axis=-1) - label_logit
+
+
+def cast_params(params, dtype):
+    """The compute copy of the fp32 master parameters."""
+    return jax.tree.map(lambda p: p.astype(dtype), params)
+
+
+def loss_sum(model, batch, row_keys=None):
+    """Summed next-token loss and token count of `batch` (batch, seq + 1)."""
+    inputs, labels = batch[:, :-1], batch[:, 1:]
+    per_token = cross_entropy(model.logits(model(inputs, row_keys)), labels)
+    return per_token.sum(), jnp.asarray(per_token.size, jnp.float32)
+
+
+def create(cfg, seed):
+    """A GPT with parameters initialised from `seed`."""
+    return GPT(cfg, nnx.Rngs(params=seed))
+
+
+def split(model):
+    """(graphdef, fp32 parameters as a plain dict, their logical axis names)."""
+    graphdef, state = nnx.split(model)
+    axes = jax.tree.map(
+        lambda v: v.get_metadata()['logical_axes'],
+        state,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
+    return graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(axes)
+
+
+def merge(graphdef, params):
+    """The module view of a plain parameter dict (inside jit: free)."""
+    return nnx.merge(graphdef, nnx.State(params))

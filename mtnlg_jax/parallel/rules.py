@@ -1,0 +1,94 @@
+"""Logical axis names -> mesh axes: the one place that knows the mesh.
+
+The model names every parameter dimension and every large activation dimension logically
+(`batch`, `embed`, `heads`, ...). This table turns those names into a PartitionSpec over the
+mesh ('data', 'stage', 'tensor'); changing the parallel layout means changing this table,
+never the model. The tensor-parallel rows are Megatron's:
+
+    QKV kernel     (embed, qkv, heads, head_dim)   heads  -> tensor   column parallel
+    attn-out       (heads, head_dim, embed)        heads  -> tensor   row parallel, 1 all-reduce
+    MLP-in         (embed, mlp)                    mlp    -> tensor   column parallel
+    MLP-out        (mlp, embed)                    mlp    -> tensor   row parallel, 1 all-reduce
+    embedding      (vocab, embed)                  vocab  -> tensor   vocabulary parallel; the
+                                                                      tied output layer and the
+                                                                      cross-entropy stay on the
+                                                                      vocabulary shards
+    activations    (batch, ...)                    batch  -> data
+
+ZeRO-1: optimizer state (fp32 master weights and Adam moments) is additionally split over
+'data' along its first dimension that is still whole and divides evenly (`zero_spec`).
+"""
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+LOGICAL_RULES = (
+    ('batch', 'data'),
+    ('vocab', 'tensor'),
+    ('heads', 'tensor'),
+    ('mlp', 'tensor'),
+    ('embed', None),
+    ('head_dim', None),
+    ('qkv', None),
+    ('seq', None),
+    ('kv_seq', None),
+    ('position', None),
+    ('layers', None),
+    ('micro_steps', None),
+)
+ZERO_AXIS = 'data'
+
+_RULES = dict(LOGICAL_RULES)
+
+
+def logical_to_spec(logical_axes):
+    """PartitionSpec of a tuple of logical names (None: a dimension kept whole)."""
+    mesh_axes = []
+    for name in logical_axes:
+        if name is not None and name not in _RULES:
+            raise KeyError(f'logical axis {name!r} has no rule in LOGICAL_RULES')
+        mesh_axes.append(None if name is None else _RULES[name])
+    return PartitionSpec(*mesh_axes)
+
+
+def constrain(x, logical_axes):
+    """Pin an activation's layout by its logical names; a no-op when no mesh is set."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes))
+
+
+def zero_spec(spec, shape, data_size):
+    """`spec` with 'data' added on the first whole dimension that data_size divides (ZeRO-1)."""
+    if data_size == 1:
+        return spec
+    axes = list(spec) + [None] * (len(shape) - len(spec))
+    for dim, (axis, size) in enumerate(zip(axes, shape)):
+        if axis is None and size % data_size == 0:
+            axes[dim] = ZERO_AXIS
+            return PartitionSpec(*axes)
+    return spec  # too small to split evenly: kept whole on every replica
+
+
+def compute_shardings(logical_tree, mesh):
+    """NamedShardings of parameters as used in compute: the rule table, no ZeRO split."""
+    return jax.tree.map(
+        lambda axes: NamedSharding(mesh, logical_to_spec(axes)), logical_tree, is_leaf=_is_axes
+    )
+
+
+def zero_shardings(logical_tree, abstract_params, mesh):
+    """NamedShardings of the fp32 master copy and optimizer moments: rule table + ZeRO split."""
+    data_size = mesh.shape[ZERO_AXIS]
+    return jax.tree.map(
+        lambda axes, leaf: NamedSharding(
+            mesh, zero_spec(logical_to_spec(axes), leaf.shape, data_size)
+        ),
+        logical_tree,
+        abstract_params,
+        is_leaf=_is_axes,
+    )
+
+
+def _is_axes(x):
+    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)

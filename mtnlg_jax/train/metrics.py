@@ -1,0 +1,71 @@
+"""What a run writes for people to read: metrics.jsonl, tensorboard events, a loss-curve PNG.
+
+metrics.jsonl holds one JSON object per logged step (`step`, `loss`, `lr`, `grad_norm`,
+`global_batch`, `tokens_seen`, `step_time_s`, `tokens_per_s`, `tflops_per_device`, `mfu`)
+and one per evaluation (`"eval": true`, `step`, `loss`, `perplexity`).
+"""
+
+import json
+import math
+import os
+
+import matplotlib
+
+matplotlib.use('Agg')  # no display on training machines
+import matplotlib.pyplot as plt  # noqa: E402
+from tensorboardX import SummaryWriter  # noqa: E402
+
+
+class MetricsWriter:
+    """Appends records to metrics.jsonl and mirrors their numbers to tensorboard."""
+
+    def __init__(self, workdir):
+        self.path = os.path.join(workdir, 'metrics.jsonl')
+        self._file = open(self.path, 'a')
+        self._tensorboard = SummaryWriter(os.path.join(workdir, 'tensorboard'))
+
+    def write(self, record):
+        self._file.write(json.dumps(record) + '\n')
+        self._file.flush()
+        prefix = 'eval' if record.get('eval') else 'train'
+        for key, value in record.items():
+            if (
+                key not in ('step', 'eval')
+                and isinstance(value, (int, float))
+                and value is not None
+            ):
+                self._tensorboard.add_scalar(f'{prefix}/{key}', value, record['step'])
+
+    def close(self):
+        self._file.close()
+        self._tensorboard.close()
+
+
+def read_metrics(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_loss_curve(metrics_path, png_path, title=''):
+    """Training and validation loss against tokens seen, saved as a PNG."""
+    records = read_metrics(metrics_path)
+    train = [r for r in records if not r.get('eval')]
+    evals = [r for r in records if r.get('eval')]
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    ax.plot([r['tokens_seen'] for r in train], [r['loss'] for r in train], label='train')
+    if evals:
+        ax.plot(
+            [r['tokens_seen'] for r in evals], [r['loss'] for r in evals], 'o-', label='validation'
+        )
+    ax.set_xlabel('tokens seen')
+    ax.set_ylabel('loss (nats / token)')
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path)
+    plt.close(fig)
+
+
+def perplexity(loss):
+    return math.exp(loss) if loss < 50 else float('inf')

@@ -1,0 +1,131 @@
+"""One optimizer step: gradient accumulation over micro-steps, ZeRO-1 update.
+
+    fp32 master (ZeRO: split over data x tensor)
+        |  cast to compute dtype, all-gather over 'data'  -> compute copy (split over tensor)
+        v
+    scan over micro_steps:  loss, grads = value_and_grad(micro-batch)
+                            acc += fp32(grads)   acc is split over 'data': a reduce-scatter
+        |
+        v
+    clip by global norm, Adam moments, weight decay (all on the ZeRO shards)
+    master -= lr(tokens_seen) * update
+
+The global batch arrives as (micro_steps, global_batch / micro_steps, seq + 1) with the second
+axis split over 'data': each replica sees micro_batch sequences per micro-step.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+
+from mtnlg_jax.model import gpt
+from mtnlg_jax.parallel import rules
+from mtnlg_jax.train.optimizer import learning_rate_schedule
+
+BATCH_AXES = ('micro_steps', 'batch', 'seq')
+
+
+def to_micro_steps(global_batch, micro_steps):
+    """(global_batch, seq + 1) -> (micro_steps, global_batch / micro_steps, seq + 1) and the
+    row index of each sequence in the global batch (its dropout key depends on it alone)."""
+    rows = global_batch.shape[0]
+    tokens = global_batch.reshape(micro_steps, rows // micro_steps, -1)
+    row_ids = np.arange(rows, dtype=np.int32).reshape(micro_steps, rows // micro_steps)
+    return tokens, row_ids
+
+
+def place_batch(tokens, row_ids, mesh):
+    """Put a host batch on the mesh; each device receives only its own rows."""
+    token_sharding = NamedSharding(mesh, rules.logical_to_spec(BATCH_AXES))
+    row_sharding = NamedSharding(mesh, rules.logical_to_spec(BATCH_AXES[:2]))
+    return (
+        jax.make_array_from_callback(tokens.shape, token_sharding, lambda i: tokens[i]),
+        jax.make_array_from_callback(row_ids.shape, row_sharding, lambda i: row_ids[i]),
+    )
+
+
+def _row_keys(config, step, row_ids):
+    """One dropout key per sequence, from (seed, step, row in the global batch); None when the
+    model has no dropout."""
+    if config.model.hidden_dropout == 0 and config.model.attention_dropout == 0:
+        return None
+    step_key = jax.random.fold_in(jax.random.key(config.train.seed + 1), step)
+    return jax.vmap(lambda row: jax.random.fold_in(step_key, row))(row_ids)
+
+
+def compute_copy(config, setup, params):
+    """The compute-dtype parameters, laid out by the rule table alone (gathered over 'data')."""
+    dtype = jnp.dtype(config.model.compute_dtype)
+    return jax.tree.map(
+        lambda p, sharding: jax.lax.with_sharding_constraint(p.astype(dtype), sharding),
+        params,
+        setup.compute_shardings,
+    )
+
+
+def accumulate_gradients(config, setup, params, tokens, row_ids, step):
+    """Mean loss and fp32 gradients over all micro-steps of the global batch."""
+    compute_params = compute_copy(config, setup, params)
+    grad_shardings = setup.state_shardings['params']
+
+    def micro_step(carry, micro_batch):
+        grads_sum, loss_sum, token_count = carry
+        micro_tokens, micro_rows = micro_batch
+
+        def loss_fn(p):
+            return gpt.loss_sum(
+                gpt.merge(setup.graphdef, p), micro_tokens, _row_keys(config, step, micro_rows)
+            )
+
+        (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(compute_params)
+        grads_sum = jax.tree.map(
+            lambda acc, g, sharding: jax.lax.with_sharding_constraint(
+                acc + g.astype(jnp.float32), sharding
+            ),
+            grads_sum,
+            grads,
+            grad_shardings,
+        )
+        return (grads_sum, loss_sum + loss, token_count + count), None
+
+    zeros = jax.tree.map(
+        lambda p, sharding: jax.lax.with_sharding_constraint(
+            jnp.zeros(p.shape, jnp.float32), sharding
+        ),
+        params,
+        grad_shardings,
+    )
+    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+    (grads_sum, loss_sum, token_count), _ = jax.lax.scan(micro_step, init, (tokens, row_ids))
+    grads = jax.tree.map(lambda g: g / token_count, grads_sum)
+    return loss_sum / token_count, grads
+
+
+def make_train_step(config, setup):
+    """jit(state, tokens, row_ids, tokens_after_step) -> (state, metrics); donates the state."""
+    schedule = learning_rate_schedule(config.optimizer)
+
+    def train_step(state, tokens, row_ids, tokens_after_step):
+        params = state['params']
+        loss, grads = accumulate_gradients(config, setup, params, tokens, row_ids, state['step'])
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = setup.optimizer.update(grads, state['opt_state'], params)
+        # The lr of the tokens seen once this batch is consumed: the first step already moves.
+        lr = schedule(tokens_after_step)
+        params = optax.apply_updates(params, jax.tree.map(lambda u: -lr * u, updates))
+        new_state = dict(params=params, opt_state=opt_state, step=state['step'] + 1)
+        return new_state, dict(loss=loss, grad_norm=grad_norm, lr=lr)
+
+    return jax.jit(train_step, out_shardings=(setup.state_shardings, None), donate_argnums=0)
+
+
+def make_eval_step(config, setup):
+    """jit(params, tokens) -> (summed loss, token count) of a (batch, seq + 1) batch."""
+
+    def eval_step(params, tokens):
+        tokens = rules.constrain(tokens, BATCH_AXES[1:])
+        return gpt.loss_sum(gpt.merge(setup.graphdef, compute_copy(config, setup, params)), tokens)
+
+    return jax.jit(eval_step)
