@@ -110,7 +110,7 @@ def make_train_step(config, setup):
     def train_step(state, tokens, row_ids, tokens_after_step):
         params = state['params']
         loss, grads = accumulate_gradients(config, setup, params, tokens, row_ids, state['step'])
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = setup.optimizer.update(grads, state['opt_state'], params)
         # The lr of the tokens seen once this batch is consumed: the first step already moves.
         lr = schedule(tokens_after_step)

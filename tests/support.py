@@ -1,0 +1,106 @@
+"""Helpers the tests share: a small model under any layout, and runs of a few steps."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtnlg_jax import config as config_lib
+from mtnlg_jax.parallel.mesh import make_mesh
+from mtnlg_jax.train import state as state_lib
+from mtnlg_jax.train import step as step_lib
+
+GLOBAL_BATCH = 16
+SEQ_LEN = 32
+VOCAB = 1000  # padded to 1024 for tensor 1, 2, 4 and 8 alike
+
+
+def small_config(data=1, stage=1, tensor=1, micro_steps=2, **model_overrides):
+    """A 2-layer GPT (heads divisible by 8) that runs in seconds, fp32, no dropout."""
+    config = config_lib.defaults()
+    config.mesh.update(dict(data=data, stage=stage, tensor=tensor))
+    config.model.update(
+        dict(
+            num_layers=2,
+            hidden=64,
+            heads=8,
+            seq_len=SEQ_LEN,
+            vocab_size=VOCAB,
+            compute_dtype='float32',
+            attention_dropout=0.0,
+            hidden_dropout=0.0,
+        )
+    )
+    config.model.update(model_overrides)
+    config.train.update(
+        dict(
+            global_batch=GLOBAL_BATCH, micro_batch=GLOBAL_BATCH // (data * micro_steps), seed=3
+        )
+    )
+    config.optimizer.update(dict(lr=3e-3, min_lr=3e-4, warmup_tokens=1024))
+    config.train.steps = 10
+    return config_lib.resolve(config, data * stage * tensor)
+
+
+def layout(config):
+    """Mesh (on the first devices) and train setup of a resolved config."""
+    shape = (config.mesh.data, config.mesh.stage, config.mesh.tensor)
+    mesh = make_mesh(*shape, devices=jax.devices()[: math.prod(shape)])
+    return mesh, state_lib.make_setup(config, mesh)
+
+
+def random_batches(count, seed=0):
+    """Learnable global batches (count, GLOBAL_BATCH, SEQ_LEN + 1): chains of a fixed random
+    bigram map from random starts, so a few steps visibly lower the loss."""
+    rng = np.random.default_rng(seed)
+    successor = np.random.default_rng(1234).permutation(VOCAB)
+    tokens = np.empty((count, GLOBAL_BATCH, SEQ_LEN + 1), np.int64)
+    tokens[..., 0] = rng.integers(0, VOCAB, (count, GLOBAL_BATCH))
+    for t in range(1, SEQ_LEN + 1):
+        tokens[..., t] = successor[tokens[..., t - 1]]
+    return tokens
+
+
+def gradients(config, batch, step=0):
+    """(initial params, loss, grads) of one global batch, all on the host."""
+    mesh, setup = layout(config)
+    with jax.set_mesh(mesh):
+        state = state_lib.init_state(config, setup)
+        tokens, rows = step_lib.place_batch(
+            *step_lib.to_micro_steps(batch.astype(np.int32), config.train.micro_steps), mesh
+        )
+        grad_fn = jax.jit(
+            lambda params, tokens, rows: step_lib.accumulate_gradients(
+                config, setup, params, tokens, rows, jnp.int32(step)
+            )
+        )
+        loss, grads = grad_fn(state['params'], tokens, rows)
+        return jax.device_get((state['params'], loss, grads))
+
+
+def train_losses(config, batches):
+    """Losses of len(batches) train steps from the initial state, and the final state."""
+    mesh, setup = layout(config)
+    train_step = step_lib.make_train_step(config, setup)
+    tokens_per_step = GLOBAL_BATCH * SEQ_LEN
+    losses = []
+    with jax.set_mesh(mesh):
+        state = state_lib.init_state(config, setup)
+        for i, batch in enumerate(batches):
+            tokens, rows = step_lib.place_batch(
+                *step_lib.to_micro_steps(batch.astype(np.int32), config.train.micro_steps), mesh
+            )
+            state, metrics = train_step(state, tokens, rows, jnp.float32((i + 1) * tokens_per_step))
+            losses.append(float(metrics['loss']))
+    return np.array(losses), state
+
+
+def assert_trees_close(actual, expected, atol, rtol=0.0):
+    paths_actual = jax.tree_util.tree_leaves_with_path(actual)
+    paths_expected = jax.tree_util.tree_leaves_with_path(expected)
+    assert [p for p, _ in paths_actual] == [p for p, _ in paths_expected]
+    for (path, a), (_, e) in zip(paths_actual, paths_expected):
+        np.testing.assert_allclose(
+            a, e, atol=atol, rtol=rtol, err_msg=jax.tree_util.keystr(path)
+        )
