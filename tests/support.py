@@ -34,9 +34,7 @@ def small_config(data=1, stage=1, tensor=1, micro_steps=2, **model_overrides):
     )
     config.model.update(model_overrides)
     config.train.update(
-        dict(
-            global_batch=GLOBAL_BATCH, micro_batch=GLOBAL_BATCH // (data * micro_steps), seed=3
-        )
+        dict(global_batch=GLOBAL_BATCH, micro_batch=GLOBAL_BATCH // (data * micro_steps), seed=3)
     )
     config.optimizer.update(dict(lr=3e-3, min_lr=3e-4, warmup_tokens=1024))
     config.train.steps = 10
@@ -101,6 +99,4 @@ def assert_trees_close(actual, expected, atol, rtol=0.0):
     paths_expected = jax.tree_util.tree_leaves_with_path(expected)
     assert [p for p, _ in paths_actual] == [p for p, _ in paths_expected]
     for (path, a), (_, e) in zip(paths_actual, paths_expected):
-        np.testing.assert_allclose(
-            a, e, atol=atol, rtol=rtol, err_msg=jax.tree_util.keystr(path)
-        )
+        np.testing.assert_allclose(a, e, atol=atol, rtol=rtol, err_msg=jax.tree_util.keystr(path))

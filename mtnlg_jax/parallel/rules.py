@@ -19,6 +19,8 @@ ZeRO-1: optimizer state (fp32 master weights and Adam moments) is additionally s
 'data' along its first dimension that is still whole and divides evenly (`zero_spec`).
 """
 
+import math
+
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -58,14 +60,22 @@ def constrain(x, logical_axes):
     return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes))
 
 
-def zero_spec(spec, shape, data_size):
-    """`spec` with 'data' added on the first whole dimension that data_size divides (ZeRO-1)."""
+def zero_spec(spec, shape, mesh_shape):
+    """`spec` with 'data' added for ZeRO-1: on the first whole dimension that the data size
+    divides, else on the first split dimension that still divides evenly (e.g. an MLP bias
+    split over tensor becomes split over (tensor, data)); else left as it is."""
+    data_size = mesh_shape[ZERO_AXIS]
     if data_size == 1:
         return spec
     axes = list(spec) + [None] * (len(shape) - len(spec))
     for dim, (axis, size) in enumerate(zip(axes, shape)):
         if axis is None and size % data_size == 0:
             axes[dim] = ZERO_AXIS
+            return PartitionSpec(*axes)
+    for dim, (axis, size) in enumerate(zip(axes, shape)):
+        split = (axis,) if isinstance(axis, str) else tuple(axis or ())
+        if split and size % (math.prod(mesh_shape[a] for a in split) * data_size) == 0:
+            axes[dim] = split + (ZERO_AXIS,)
             return PartitionSpec(*axes)
     return spec  # too small to split evenly: kept whole on every replica
 
@@ -79,10 +89,9 @@ def compute_shardings(logical_tree, mesh):
 
 def zero_shardings(logical_tree, abstract_params, mesh):
     """NamedShardings of the fp32 master copy and optimizer moments: rule table + ZeRO split."""
-    data_size = mesh.shape[ZERO_AXIS]
     return jax.tree.map(
         lambda axes, leaf: NamedSharding(
-            mesh, zero_spec(logical_to_spec(axes), leaf.shape, data_size)
+            mesh, zero_spec(logical_to_spec(axes), leaf.shape, dict(mesh.shape))
         ),
         logical_tree,
         abstract_params,

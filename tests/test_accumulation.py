@@ -1,0 +1,28 @@
+"""k accumulated micro-steps compute what one step on the whole batch computes."""
+
+import numpy as np
+import pytest
+
+import support
+
+
+@pytest.mark.parametrize('data,tensor', [(1, 1), (4, 2)])
+def test_accumulated_micro_steps_equal_one_whole_batch_step(data, tensor):
+    batch = support.random_batches(1)[0]
+    whole = support.small_config(data=data, tensor=tensor, micro_steps=1)
+    accumulated = support.small_config(data=data, tensor=tensor, micro_steps=4)
+    assert (whole.train.micro_steps, accumulated.train.micro_steps) == (1, 4)
+    _, loss_whole, grads_whole = support.gradients(whole, batch)
+    _, loss_accumulated, grads_accumulated = support.gradients(accumulated, batch)
+    np.testing.assert_allclose(loss_accumulated, loss_whole, rtol=1e-6)
+    support.assert_trees_close(grads_accumulated, grads_whole, atol=1e-5)
+
+
+def test_accumulated_training_follows_whole_batch_training():
+    batches = support.random_batches(5, seed=2)
+    losses_whole, state_whole = support.train_losses(support.small_config(micro_steps=1), batches)
+    losses_accumulated, state_accumulated = support.train_losses(
+        support.small_config(micro_steps=8), batches
+    )
+    np.testing.assert_allclose(losses_accumulated, losses_whole, atol=1e-5)
+    support.assert_trees_close(state_accumulated['params'], state_whole['params'], atol=1e-5)
