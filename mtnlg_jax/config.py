@@ -225,3 +225,13 @@ def resolve(config, num_devices):
     )
     _require(opt.clip_norm >= 0, 'optimizer.clip_norm', f'must be >= 0, got {opt.clip_norm}')
     return config
+
+
+def load(path):
+    """The `get_config()` of a config file, as launch/train.py's --config would load it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location('experiment_config', path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()

@@ -1,0 +1,53 @@
+"""Megatron-Turing NLG 530 B (arXiv 2201.11990): the model, the recipe and the layout.
+
+105 layers, hidden 20480, 128 heads (head dim 160), seq 2048, GPT-2 BPE (50257, padded to
+51200); init normal(0, 4e-3); Adam(0.9, 0.95, 1e-8), weight decay 0.1, clip 1.0; lr 5e-5 with
+linear warmup over 1 B tokens and cosine decay to 10 % over 340 B tokens; global batch 1920
+(the paper ramps it up from 32 over the first 12 B tokens); bf16 compute with fp32 master
+weights and optimizer state. Layout of one replica: tensor 8 inside a DGX node, pipeline 35
+across nodes (3 layers per stage), data parallel over replicas with ZeRO-1.
+
+    python launch/train.py --config configs/mtnlg_530b.py --workdir runs/mtnlg_530b \
+        --config.data.path=PATH
+"""
+
+from mtnlg_jax import config as config_lib
+
+
+def get_config():
+    config = config_lib.defaults()
+    config.mesh.update(dict(data=-1, stage=35, tensor=8))
+    config.pipeline.repeats = 1
+
+    config.model.update(
+        dict(
+            num_layers=105,
+            hidden=20480,
+            heads=128,
+            seq_len=2048,
+            vocab_size=50257,
+            init_std=4e-3,
+            attention_dropout=0.1,
+            hidden_dropout=0.1,
+            compute_dtype='bfloat16',
+            remat='full',
+        )
+    )
+    config.train.update(
+        dict(global_batch=1920, micro_batch=1, steps=140_000, log_every=1, eval_every=1000)
+    )
+    config.optimizer.update(
+        dict(
+            lr=5e-5,
+            min_lr=5e-6,
+            warmup_tokens=1_000_000_000,
+            decay_tokens=340_000_000_000,
+            b1=0.9,
+            b2=0.95,
+            eps=1e-8,
+            weight_decay=0.1,
+            clip_norm=1.0,
+        )
+    )
+    config.checkpoint.update(dict(every=100, keep=2))
+    return config

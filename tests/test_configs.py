@@ -1,0 +1,98 @@
+"""The shipped configs: the papers' shapes and the paper's FLOPs arithmetic."""
+
+import glob
+
+import jax
+import pytest
+from flax import nnx
+
+from mtnlg_jax import config as config_lib
+from mtnlg_jax import plan
+from mtnlg_jax.model import gpt
+
+
+def _param_count(path):
+    """Parameters of a config's model, counted on abstract shapes (nothing is allocated)."""
+    config = config_lib.load(path)
+    config.mesh.update(dict(data=1, stage=1))  # one replica of one stage: the tensor group
+    config.pipeline.repeats = 1
+    config.train.global_batch = config.train.micro_batch
+    config = config_lib.resolve(config, config.mesh.tensor)
+    abstract = nnx.eval_shape(lambda: gpt.create(config.model, 0))
+    return plan.count_params(gpt.split(abstract)[1]), config
+
+
+@pytest.mark.parametrize(
+    'path,expected',
+    [
+        ('configs/gpt2_124m.py', 124.4e6),  # GPT-2 small: 124.4 M with the 50257 vocabulary
+        ('configs/megatron_8_3b.py', 8.3e9),  # Megatron-LM 2019
+        ('configs/mtnlg_530b.py', 529.6e9),  # MT-NLG: about 529.6 B
+    ],
+)
+def test_paper_configs_have_the_papers_parameter_counts(path, expected):
+    count, _ = _param_count(path)
+    assert abs(count - expected) / expected < 0.01, f'{count:,} parameters'
+
+
+def test_mtnlg_vocabulary_pads_to_51200_under_tensor_8():
+    _, config = _param_count('configs/mtnlg_530b.py')
+    assert config.model.padded_vocab == 51200
+    assert config.model.hidden // config.model.heads == 160
+
+
+@pytest.mark.parametrize(
+    'nodes,iteration_s,tflops', [(280, 60.1, 125.7), (350, 50.2, 120.4), (420, 44.4, 113.5)]
+)
+def test_megatron_flops_formula_reproduces_the_mtnlg_table(nodes, iteration_s, tflops):
+    _, config = _param_count('configs/mtnlg_530b.py')
+    flops = plan.megatron_flops_per_step(config.model, global_batch=1920, recompute=True)
+    assert flops / (iteration_s * nodes * 8) / 1e12 == pytest.approx(tflops, abs=0.1)
+
+
+@pytest.mark.parametrize('path', sorted(glob.glob('configs/*.py')))
+def test_every_config_loads_with_every_key_known(path):
+    config = config_lib.load(path)
+    defaults = config_lib.defaults()
+    for section in config.keys():
+        assert set(config[section].keys()) <= set(defaults[section].keys()), section
+
+
+def test_tiny_config_resolves_on_eight_devices():
+    config = config_lib.resolve(config_lib.load('configs/tiny.py'), 8)
+    assert (config.mesh.data, config.mesh.stage, config.mesh.tensor) == (4, 1, 2)
+    assert config.train.micro_steps == 2
+    assert config.model.compute_dtype == 'float32'
+    count, _ = _param_count('configs/tiny.py')
+    assert 1e6 < count < 10e6
+
+
+def test_device_peak_table():
+    cpu = jax.devices()[0]
+    assert plan.device_peak_tflops(cpu, 'bfloat16') is None
+
+    class FakeDevice:
+        device_kind = 'NVIDIA H100 80GB HBM3'
+
+    assert plan.device_peak_tflops(FakeDevice(), 'bfloat16') == 989.0
+
+
+def test_minus_one_fills_the_mesh_with_the_remaining_devices():
+    config = config_lib.load('configs/tiny.py')
+    config.mesh.update(dict(data=-1, stage=1, tensor=2))
+    assert config_lib.resolve(config, 8).mesh.data == 4
+    config.mesh.update(dict(data=2, stage=1, tensor=-1))
+    assert config_lib.resolve(config, 8).mesh.tensor == 4
+
+
+@pytest.mark.parametrize(
+    'vocab,tensor,padded', [(50257, 1, 50304), (50257, 8, 51200), (8192, 2, 8192), (1000, 4, 1024)]
+)
+def test_vocabulary_pads_to_a_multiple_of_128_x_tensor(vocab, tensor, padded):
+    assert config_lib.padded_vocab_size(vocab, tensor) == padded
+
+
+def test_resolve_never_changes_the_users_config():
+    config = config_lib.load('configs/tiny.py')
+    config_lib.resolve(config, 8)
+    assert config.train.micro_steps == 0 and config.model.padded_vocab == 0
