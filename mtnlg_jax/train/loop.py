@@ -11,6 +11,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from tqdm import tqdm
 
 from mtnlg_jax import plan
@@ -127,15 +128,18 @@ def train(config, workdir):
         writer = metrics_lib.MetricsWriter(workdir)
         progress = tqdm(total=train_cfg.steps, unit='step', mininterval=1.0, dynamic_ncols=True)
         last_time, last_step = time.perf_counter(), 0
+        window_losses = []  # device scalars: averaged at the log step, no sync per step
         for step in range(train_cfg.steps):
             host_batch = train_data.samples(step * train_cfg.global_batch, train_cfg.global_batch)
             tokens, row_ids = place_batch(*to_micro_steps(host_batch, train_cfg.micro_steps), mesh)
             tokens_seen = (step + 1) * tokens_per_step
             state, step_metrics = train_step(state, tokens, row_ids, jnp.float32(tokens_seen))
+            window_losses.append(step_metrics['loss'])
             progress.update(1)
             done = step + 1
             if done % train_cfg.log_every == 0 or done == train_cfg.steps:
-                step_metrics = jax.device_get(step_metrics)
+                step_metrics, losses = jax.device_get((step_metrics, window_losses))
+                window_losses = []
                 now = time.perf_counter()
                 step_time = (now - last_time) / (done - last_step)
                 last_time, last_step = now, done
@@ -143,7 +147,7 @@ def train(config, workdir):
                 tflops = flops_per_token * tokens_per_s / jax.device_count() / 1e12
                 record = dict(
                     step=done,
-                    loss=float(step_metrics['loss']),
+                    loss=float(np.mean(losses)),  # mean over the log interval
                     lr=float(step_metrics['lr']),
                     grad_norm=float(step_metrics['grad_norm']),
                     global_batch=train_cfg.global_batch,

@@ -1,6 +1,7 @@
 """What a run writes for people to read: metrics.jsonl, tensorboard events, a loss-curve PNG.
 
-metrics.jsonl holds one JSON object per logged step (`step`, `loss`, `lr`, `grad_norm`,
+metrics.jsonl holds one JSON object per logged step (`step`, `loss` (the mean over the steps
+since the last record, as Megatron logs it), `lr`, `grad_norm`,
 `global_batch`, `tokens_seen`, `step_time_s`, `tokens_per_s`, `tflops_per_device`, `mfu`)
 and one per evaluation (`"eval": true`, `step`, `loss`, `perplexity`).
 """
