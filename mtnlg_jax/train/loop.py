@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from mtnlg_jax import checkpoint as checkpoint_lib
 from mtnlg_jax import plan
 from mtnlg_jax.data.loader import TokenWindowLoader, read_token_file
 from mtnlg_jax.parallel import rules
@@ -95,8 +96,29 @@ def evaluate(config, eval_step, params, loader, mesh):
     return loss_sum / count
 
 
+def restore_or_init(config, setup, checkpoints):
+    """The newest checkpoint of the workdir, resharded onto this layout, or a fresh state.
+    Returns (state, counters) with counters = samples_consumed and tokens_seen."""
+    if checkpoints.latest_step() is None:
+        return init_state(config, setup), dict(samples_consumed=0, tokens_seen=0)
+    abstract = checkpoint_lib.abstract_with_shardings(setup.abstract_state, setup.state_shardings)
+    state, meta = checkpoints.restore(abstract)
+    return state, {key: meta[key] for key in ('samples_consumed', 'tokens_seen')}
+
+
+def checkpoint_meta(config, counters):
+    """What a checkpoint needs besides the arrays to resume exactly."""
+    data_meta = os.path.join(config.data.path, 'meta.json')
+    tokenizer = None
+    if os.path.exists(data_meta):
+        with open(data_meta) as f:
+            tokenizer = json.load(f).get('tokenizer_identity')
+    return dict(counters, config=config.to_dict(), tokenizer_identity=tokenizer)
+
+
 def train(config, workdir):
-    """Train a resolved config in workdir. Raises DataConfigError before anything is written."""
+    """Train a resolved config in workdir, resuming from its newest checkpoint if it has one.
+    Raises DataConfigError before anything is written."""
     train_data, valid_data = open_data(config)
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, 'config.json'), 'w') as f:
@@ -105,34 +127,43 @@ def train(config, workdir):
     mesh = mesh_from_config(config)
     setup = make_setup(config, mesh)
     train_cfg, seq_len = config.train, config.model.seq_len
-    tokens_per_step = train_cfg.global_batch * seq_len
     num_params = plan.count_params(setup.abstract_state['params'])
     flops_per_token = plan.model_flops_per_token(config.model, num_params)
     peak = plan.device_peak_tflops(jax.devices()[0], config.model.compute_dtype)
+    checkpoints = checkpoint_lib.Checkpoints(workdir, keep=config.checkpoint.keep)
+
+    def next_batch(samples_consumed):
+        host_batch = train_data.samples(samples_consumed, train_cfg.global_batch)
+        return place_batch(*to_micro_steps(host_batch, train_cfg.micro_steps), mesh)
 
     with jax.set_mesh(mesh):
-        state = init_state(config, setup)
+        state, counters = restore_or_init(config, setup, checkpoints)
+        first_step = int(state['step'])
         start = time.perf_counter()
-        first_batch = place_batch(
-            *to_micro_steps(train_data.samples(0, train_cfg.global_batch), train_cfg.micro_steps),
-            mesh,
-        )
-        train_step = (
-            make_train_step(config, setup).lower(state, *first_batch, jnp.float32(0)).compile()
-        )
+        train_step = make_train_step(config, setup)
+        train_step = train_step.lower(state, *next_batch(0), jnp.float32(0)).compile()
         eval_step = make_eval_step(config, setup)
         compile_seconds = time.perf_counter() - start
         for line in banner_lines(config, setup, compile_seconds):
             print(line, flush=True)
+        if first_step:
+            print(f'resumed      from step {first_step} of {checkpoints.directory}', flush=True)
 
-        writer = metrics_lib.MetricsWriter(workdir)
-        progress = tqdm(total=train_cfg.steps, unit='step', mininterval=1.0, dynamic_ncols=True)
-        last_time, last_step = time.perf_counter(), 0
+        writer = metrics_lib.MetricsWriter(workdir, resume_step=first_step)
+        progress = tqdm(
+            total=train_cfg.steps,
+            initial=first_step,
+            unit='step',
+            mininterval=1.0,
+            dynamic_ncols=True,
+        )
+        last_time, last_step = time.perf_counter(), first_step
         window_losses = []  # device scalars: averaged at the log step, no sync per step
-        for step in range(train_cfg.steps):
-            host_batch = train_data.samples(step * train_cfg.global_batch, train_cfg.global_batch)
-            tokens, row_ids = place_batch(*to_micro_steps(host_batch, train_cfg.micro_steps), mesh)
-            tokens_seen = (step + 1) * tokens_per_step
+        for step in range(first_step, train_cfg.steps):
+            tokens, row_ids = next_batch(counters['samples_consumed'])
+            counters['samples_consumed'] += train_cfg.global_batch
+            counters['tokens_seen'] += train_cfg.global_batch * seq_len
+            tokens_seen = counters['tokens_seen']
             state, step_metrics = train_step(state, tokens, row_ids, jnp.float32(tokens_seen))
             window_losses.append(step_metrics['loss'])
             progress.update(1)
@@ -143,7 +174,7 @@ def train(config, workdir):
                 now = time.perf_counter()
                 step_time = (now - last_time) / (done - last_step)
                 last_time, last_step = now, done
-                tokens_per_s = tokens_per_step / step_time
+                tokens_per_s = train_cfg.global_batch * seq_len / step_time
                 tflops = flops_per_token * tokens_per_s / jax.device_count() / 1e12
                 record = dict(
                     step=done,
@@ -163,6 +194,9 @@ def train(config, workdir):
                     tok_s=f'{tokens_per_s:,.0f}',
                     mfu='n/a' if peak is None else f'{record["mfu"]:.1%}',
                 )
+            every = config.checkpoint.every
+            if (every and done % every == 0) or done == train_cfg.steps:
+                checkpoints.save(done, state, checkpoint_meta(config, counters))
             if (
                 train_cfg.eval_every and done % train_cfg.eval_every == 0
             ) or done == train_cfg.steps:
@@ -183,6 +217,8 @@ def train(config, workdir):
                 last_time = time.perf_counter()  # evaluation time is not step time
         progress.close()
         writer.close()
+        checkpoints.wait()
+        checkpoints.close()
 
     png = os.path.join(workdir, 'loss.png')
     metrics_lib.plot_loss_curve(writer.path, png, title=os.path.basename(workdir.rstrip('/')))

@@ -20,8 +20,14 @@ from tensorboardX import SummaryWriter  # noqa: E402
 class MetricsWriter:
     """Appends records to metrics.jsonl and mirrors their numbers to tensorboard."""
 
-    def __init__(self, workdir):
+    def __init__(self, workdir, resume_step=0):
+        """Records past `resume_step` are dropped: a resumed run computes them again."""
         self.path = os.path.join(workdir, 'metrics.jsonl')
+        if os.path.exists(self.path):
+            kept = [r for r in read_metrics(self.path) if r['step'] <= resume_step]
+            with open(self.path + '.tmp', 'w') as f:
+                f.writelines(json.dumps(r) + '\n' for r in kept)
+            os.replace(self.path + '.tmp', self.path)
         self._file = open(self.path, 'a')
         self._tensorboard = SummaryWriter(os.path.join(workdir, 'tensorboard'))
 
