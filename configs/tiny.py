@@ -46,4 +46,5 @@ def get_config():
     opt.decay_tokens = 200 * 16 * 128
 
     config.data.path = 'data/default'
+    config.data.tokenizer = 'data/default/tokenizer.model'
     return config

@@ -79,7 +79,9 @@ def defaults():
         )
     )
     config.checkpoint = ml_collections.ConfigDict(dict(every=0, keep=3))
-    config.data = ml_collections.ConfigDict(dict(path='data/default'))
+    config.data = ml_collections.ConfigDict(
+        dict(path='data/default', tokenizer='data/default/tokenizer.model')
+    )
     return config
 
 

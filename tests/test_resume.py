@@ -40,11 +40,17 @@ def test_resume_same_layout_continues_with_identical_losses(tmp_path, token_data
     assert losses(workdir) == uninterrupted  # every step, bit for bit
 
 
-def test_resume_under_another_layout_continues_within_tolerance(tmp_path, token_data, uninterrupted):  # noqa: F811
+def test_resume_under_another_layout_continues_within_tolerance(
+    tmp_path, token_data, uninterrupted
+):  # noqa: F811
     workdir = tmp_path / 'run'
     first = run_train(workdir, *RUN, '--config.train.steps=6', data=token_data)
     assert first.returncode == 0, first.stderr[-3000:]
-    other_layout = ['--config.mesh.data=2', '--config.mesh.tensor=4', '--config.train.micro_batch=4']
+    other_layout = [
+        '--config.mesh.data=2',
+        '--config.mesh.tensor=4',
+        '--config.train.micro_batch=4',
+    ]
     second = run_train(workdir, *RUN, *other_layout, '--config.train.steps=12', data=token_data)
     assert second.returncode == 0, second.stderr[-3000:]
     assert 'mesh         data 2 x stage 1 x tensor 4' in second.stdout

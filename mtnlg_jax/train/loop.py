@@ -17,6 +17,7 @@ from tqdm import tqdm
 from mtnlg_jax import checkpoint as checkpoint_lib
 from mtnlg_jax import plan
 from mtnlg_jax.data.loader import TokenWindowLoader, read_token_file
+from mtnlg_jax.data.tokenizer import Tokenizer
 from mtnlg_jax.parallel import rules
 from mtnlg_jax.parallel.mesh import mesh_from_config
 from mtnlg_jax.train import metrics as metrics_lib
@@ -108,11 +109,9 @@ def restore_or_init(config, setup, checkpoints):
 
 def checkpoint_meta(config, counters):
     """What a checkpoint needs besides the arrays to resume exactly."""
-    data_meta = os.path.join(config.data.path, 'meta.json')
     tokenizer = None
-    if os.path.exists(data_meta):
-        with open(data_meta) as f:
-            tokenizer = json.load(f).get('tokenizer_identity')
+    if os.path.exists(config.data.tokenizer):
+        tokenizer = Tokenizer(config.data.tokenizer).identity
     return dict(counters, config=config.to_dict(), tokenizer_identity=tokenizer)
 
 
