@@ -1,6 +1,7 @@
 """Tiny GPT for CPU development: a few million parameters, fp32 compute, 8 simulated devices.
 
-The default of `make train`. Mesh data 4 x stage 1 x tensor 2.
+The default of `make train`. Mesh data 2 x stage 2 x tensor 2 with a circular pipeline of 2
+repeats: each stage holds 2 of the 4 layers, chunks of one layer.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \
     python launch/train.py --config configs/tiny.py --workdir runs/tiny
@@ -12,9 +13,10 @@ from mtnlg_jax import config as config_lib
 def get_config():
     config = config_lib.defaults()
 
-    config.mesh.data = 4
-    config.mesh.stage = 1
+    config.mesh.data = 2
+    config.mesh.stage = 2
     config.mesh.tensor = 2
+    config.pipeline.repeats = 2
 
     model = config.model
     model.num_layers = 4
@@ -26,12 +28,12 @@ def get_config():
     model.compute_dtype = 'float32'  # bf16 matmuls are slow on CPU
     model.attention_dropout = 0.0
     model.hidden_dropout = 0.0
-    model.remat = 'none'
+    model.remat = 'full'  # the pipeline keeps only each iteration's stage input
 
     train = config.train
     # 2-core CPU: about 0.75 s a step, so `make train` stays well inside 10 minutes.
     train.global_batch = 16
-    train.micro_batch = 2  # 16 / (2 x data 4) = 2 accumulated micro-steps
+    train.micro_batch = 2  # 16 / (2 x data 2) = 4 micro-batches through the pipeline
     train.steps = 200
     train.log_every = 10
     train.eval_every = 50

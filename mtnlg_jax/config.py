@@ -191,7 +191,6 @@ def resolve(config, num_devices):
         f'{model.num_layers} layers are not divisible by mesh.stage x pipeline.repeats = '
         f'{stage} x {config.pipeline.repeats} = {chunks}',
     )
-    _require(stage == 1, 'mesh.stage', 'pipeline parallelism (stage > 1) is not built yet')
     _require(
         model.remat in REMAT_POLICIES,
         'model.remat',
@@ -208,6 +207,13 @@ def resolve(config, num_devices):
 
     model.padded_vocab = padded_vocab_size(model.vocab_size, tensor)
     train.micro_steps = train.global_batch // replica_batch
+    _require(
+        train.micro_steps % stage == 0,
+        'train.global_batch',
+        f'the pipeline (mesh.stage={stage}) needs a multiple of {stage} micro-batches per step, '
+        f'but train.global_batch / (train.micro_batch x mesh.data) = {train.global_batch} / '
+        f'({train.micro_batch} x {data}) = {train.micro_steps}',
+    )
 
     _require(opt.lr > 0, 'optimizer.lr', f'must be positive, got {opt.lr}')
     _require(

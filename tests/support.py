@@ -1,12 +1,16 @@
 """Helpers the tests share: a small model under any layout, and runs of a few steps."""
 
 import math
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from mtnlg_jax import config as config_lib
+from mtnlg_jax.parallel import pipeline
 from mtnlg_jax.parallel.mesh import make_mesh
 from mtnlg_jax.train import state as state_lib
 from mtnlg_jax.train import step as step_lib
@@ -16,10 +20,11 @@ SEQ_LEN = 32
 VOCAB = 1000  # padded to 1024 for tensor 1, 2, 4 and 8 alike
 
 
-def small_config(data=1, stage=1, tensor=1, micro_steps=2, **model_overrides):
+def small_config(data=1, stage=1, tensor=1, micro_steps=2, repeats=1, **model_overrides):
     """A 2-layer GPT (heads divisible by 8) that runs in seconds, fp32, no dropout."""
     config = config_lib.defaults()
     config.mesh.update(dict(data=data, stage=stage, tensor=tensor))
+    config.pipeline.repeats = repeats
     config.model.update(
         dict(
             num_layers=2,
@@ -74,7 +79,15 @@ def gradients(config, batch, step=0):
             )
         )
         loss, grads = grad_fn(state['params'], tokens, rows)
-        return jax.device_get((state['params'], loss, grads))
+        params, loss, grads = jax.device_get((state['params'], loss, grads))
+    return in_layer_order(config, params), loss, in_layer_order(config, grads)
+
+
+def in_layer_order(config, tree):
+    """Block parameters (or gradients) of a pipelined layout back in plain layer order."""
+    return pipeline.to_layer_order(
+        tree, config.model.num_layers, config.mesh.stage, config.pipeline.repeats
+    )
 
 
 def train_losses(config, batches):
@@ -100,3 +113,36 @@ def assert_trees_close(actual, expected, atol, rtol=0.0):
     assert [p for p, _ in paths_actual] == [p for p, _ in paths_expected]
     for (path, a), (_, e) in zip(paths_actual, paths_expected):
         np.testing.assert_allclose(a, e, atol=atol, rtol=rtol, err_msg=jax.tree_util.keystr(path))
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Command-line overrides that shrink configs/tiny.py to a model a test trains in seconds, on
+# the quickest layout to compile (no pipeline): data 4 x stage 1 x tensor 2.
+SMALL_MODEL = [
+    '--config.mesh.data=4',
+    '--config.mesh.stage=1',
+    '--config.mesh.tensor=2',
+    '--config.pipeline.repeats=1',
+    '--config.model.remat=none',
+    '--config.model.num_layers=4',
+    '--config.model.hidden=64',
+    '--config.model.heads=8',
+    '--config.model.seq_len=32',
+    '--config.model.vocab_size=300',
+    '--config.train.global_batch=16',
+    '--config.train.micro_batch=2',
+]
+
+
+def run_train(workdir, *overrides, data=None):
+    """launch/train.py on configs/tiny.py as a user runs it, in a subprocess."""
+    args = [
+        sys.executable,
+        str(ROOT / 'launch/train.py'),
+        '--config',
+        str(ROOT / 'configs/tiny.py'),
+    ]
+    args += ['--workdir', str(workdir), *overrides]
+    if data is not None:
+        args.append(f'--config.data.path={data}')
+    return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=300)

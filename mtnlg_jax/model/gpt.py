@@ -48,30 +48,32 @@ class GPT(nnx.Module):
         self.remat = cfg.remat
 
     def __call__(self, tokens, row_keys=None):
-        """Final hidden states (batch, seq, embed). row_keys: one PRNG key per sequence, or None
-        for no dropout."""
-        x = (
-            jnp.take(self.token_embed[...], tokens, axis=0)
-            + self.position_embed[...][: tokens.shape[1]]
-        )
-        x = constrain(x, ('batch', 'seq', 'embed'))
-        x = dropout(x, self.hidden_dropout, row_keys, site=self.num_layers * SITES_PER_BLOCK)
-        x = apply_blocks(self.blocks, x, row_keys, self.remat)
+        """Final hidden states (batch, seq, embed). row_keys: one PRNG key per sequence, or
+        None for no dropout."""
+        graphdef, stacked = nnx.split(self.blocks)
+        x = apply_block_stack(graphdef, stacked, self.embed(tokens, row_keys), row_keys, self.remat)
         return self.final_norm(x)
 
+    def embed(self, tokens, row_keys=None):
+        """Token + position embeddings (..., seq, embed) of tokens (..., seq), with dropout."""
+        x = jnp.take(self.token_embed[...], tokens, axis=0)
+        x = x + self.position_embed[...][: tokens.shape[-1]]
+        x = constrain(x, ('batch', 'seq', 'embed'))
+        return dropout(x, self.hidden_dropout, row_keys, site=self.num_layers * SITES_PER_BLOCK)
+
     def logits(self, hidden):
-        """(batch, seq, vocab) fp32 logits, sharded over `vocab`; padding entries at -inf."""
+        """(..., batch, seq, vocab) fp32 logits, sharded over `vocab`; padding rows at -inf."""
         logits = jnp.einsum(
-            'bse,ve->bsv', hidden, self.token_embed[...], preferred_element_type=jnp.float32
+            '...e,ve->...v', hidden, self.token_embed[...], preferred_element_type=jnp.float32
         )
         logits = constrain(logits, ('batch', 'seq', 'vocab'))
-        vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
+        vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
         return jnp.where(vocab_ids < self.vocab_size, logits, -jnp.inf)
 
 
-def apply_blocks(blocks, x, row_keys, remat='none', first_layer=0):
-    """Run a stack of blocks (parameters stacked on a leading axis) over x with lax.scan."""
-    graphdef, stacked = nnx.split(blocks)
+def apply_block_stack(graphdef, stacked, x, row_keys, remat='none', first_layer=0):
+    """Run blocks whose parameters are stacked on a leading axis over x, with lax.scan.
+    graphdef: one Block's graph; first_layer: the global index of the first (for dropout)."""
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
 
     def one_block(x, layer_and_params):
@@ -88,7 +90,7 @@ def apply_blocks(blocks, x, row_keys, remat='none', first_layer=0):
 def cross_entropy(logits, labels):
     """Per-token loss from vocab-sharded fp32 logits: only reductions over `vocab`, no gather
     of the logits, so each device keeps its own vocabulary slice."""
-    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
+    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     label_logit = jnp.sum(jnp.where(vocab_ids == labels[..., None], logits, 0.0), axis=-1)
     return jax.nn.logsumexp(logits, axis=-1) - label_logit
 

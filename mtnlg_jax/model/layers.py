@@ -38,14 +38,15 @@ class LayerNorm(nnx.Module):
 def dropout(x, rate, row_keys, site):
     """Inverted dropout whose mask depends only on each sequence's own key and the site.
 
-    `row_keys` holds one PRNG key per sequence of the batch (derived from the step's seed and
-    the sequence's index in the global batch), so the masks are the same whatever the mesh
-    layout or the split into micro-steps. `site` tells dropout sites of one forward apart.
-    No-op when rate is 0 or row_keys is None (evaluation).
+    `row_keys` holds one PRNG key per sequence (shape: x's leading batch dimensions), derived
+    from the step's seed and the sequence's index in the global batch, so the masks are the
+    same whatever the mesh layout, the split into micro-steps or the pipeline schedule. `site`
+    tells dropout sites of one forward apart. No-op when rate is 0 or row_keys is None.
     """
     if rate == 0.0 or row_keys is None:
         return x
+    batch_shape, row_shape = x.shape[: row_keys.ndim], x.shape[row_keys.ndim :]
     keep = jax.vmap(
-        lambda key: jax.random.bernoulli(jax.random.fold_in(key, site), 1.0 - rate, x.shape[1:])
-    )(row_keys)
-    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+        lambda key: jax.random.bernoulli(jax.random.fold_in(key, site), 1.0 - rate, row_shape)
+    )(row_keys.reshape(-1))
+    return jnp.where(keep.reshape(batch_shape + row_shape), x / (1.0 - rate), 0).astype(x.dtype)

@@ -9,6 +9,9 @@ never the model. The tensor-parallel rows are Megatron's:
     attn-out       (heads, head_dim, embed)        heads  -> tensor   row parallel, 1 all-reduce
     MLP-in         (embed, mlp)                    mlp    -> tensor   column parallel
     MLP-out        (mlp, embed)                    mlp    -> tensor   row parallel, 1 all-reduce
+    stacked blocks (layers, ...)                   layers -> stage    each pipeline stage holds
+                                                                      its own layers (see
+                                                                      parallel/pipeline.py)
     embedding      (vocab, embed)                  vocab  -> tensor   vocabulary parallel; the
                                                                       tied output layer and the
                                                                       cross-entropy stay on the
@@ -35,8 +38,9 @@ LOGICAL_RULES = (
     ('seq', None),
     ('kv_seq', None),
     ('position', None),
-    ('layers', None),
+    ('layers', 'stage'),  # block parameters: each pipeline stage holds its own chunks
     ('micro_steps', None),
+    ('stages', 'stage'),  # micro-batches outside the pipeline: embedding and head, 1/p each
 )
 ZERO_AXIS = 'data'
 
@@ -54,10 +58,14 @@ def logical_to_spec(logical_axes):
 
 
 def constrain(x, logical_axes):
-    """Pin an activation's layout by its logical names; a no-op when no mesh is set."""
+    """Pin an activation's layout by the logical names of its trailing dimensions (leading
+    ones are left to XLA); a no-op when no mesh is set."""
     if jax.sharding.get_abstract_mesh().empty:
         return x
-    return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes))
+    leading = (PartitionSpec.UNCONSTRAINED,) * (x.ndim - len(logical_axes))
+    return jax.lax.with_sharding_constraint(
+        x, PartitionSpec(*leading, *logical_to_spec(logical_axes))
+    )
 
 
 def zero_spec(spec, shape, mesh_shape):

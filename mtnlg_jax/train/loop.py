@@ -18,12 +18,11 @@ from mtnlg_jax import checkpoint as checkpoint_lib
 from mtnlg_jax import plan
 from mtnlg_jax.data.loader import TokenWindowLoader, read_token_file
 from mtnlg_jax.data.tokenizer import Tokenizer
-from mtnlg_jax.parallel import rules
+from mtnlg_jax.parallel import pipeline
 from mtnlg_jax.parallel.mesh import mesh_from_config
 from mtnlg_jax.train import metrics as metrics_lib
 from mtnlg_jax.train.state import init_state, make_setup
 from mtnlg_jax.train.step import (
-    BATCH_AXES,
     make_eval_step,
     make_train_step,
     place_batch,
@@ -55,6 +54,18 @@ def open_data(config):
     return loaders['train'], loaders['valid']
 
 
+def pipeline_line(config):
+    stages, repeats, micro = config.mesh.stage, config.pipeline.repeats, config.train.micro_steps
+    if stages == 1:
+        return 'none (mesh.stage = 1)'
+    iterations = pipeline.num_iterations(stages, repeats, micro)
+    return (
+        f'circular, {stages} stages x {repeats} repeats, {micro} micro-batches: {iterations} '
+        f'iterations, bubble fraction (p-1)/(vm+p-1) = '
+        f'{pipeline.bubble_fraction(stages, repeats, micro):.3f}'
+    )
+
+
 def banner_lines(config, setup, compile_seconds):
     """The start banner: what will run, where, and what it costs."""
     num_params = plan.count_params(setup.abstract_state['params'])
@@ -80,18 +91,18 @@ def banner_lines(config, setup, compile_seconds):
         f'(6N + 12LHQT per token); peak '
         f'{plan.device_peak_tflops(device, config.model.compute_dtype) or "unknown"} TFLOP/s '
         f'per device',
+        f'pipeline     {pipeline_line(config)}',
         f'compile      {compile_seconds:.1f} s',
     ]
 
 
 def evaluate(config, eval_step, params, loader, mesh):
-    """Mean validation loss over `train.eval_batches` fixed batches of the validation split."""
-    rows = config.train.global_batch // config.train.micro_steps
-    sharding = jax.sharding.NamedSharding(mesh, rules.logical_to_spec(BATCH_AXES[1:]))
+    """Mean validation loss over `train.eval_batches` fixed global batches of the validation
+    split, laid out in micro-batches as a train step's (the pipeline needs them so)."""
+    size, micro_steps = config.train.global_batch, config.train.micro_steps
     loss_sum, count = 0.0, 0.0
     for i in range(config.train.eval_batches):
-        batch = loader.samples(i * rows, rows)
-        tokens = jax.make_array_from_callback(batch.shape, sharding, lambda index: batch[index])
+        tokens, _ = place_batch(*to_micro_steps(loader.samples(i * size, size), micro_steps), mesh)
         batch_loss, batch_count = eval_step(params, tokens)
         loss_sum, count = loss_sum + float(batch_loss), count + float(batch_count)
     return loss_sum / count
@@ -104,7 +115,19 @@ def restore_or_init(config, setup, checkpoints):
         return init_state(config, setup), dict(samples_consumed=0, tokens_seen=0)
     abstract = checkpoint_lib.abstract_with_shardings(setup.abstract_state, setup.state_shardings)
     state, meta = checkpoints.restore(abstract)
+    state = pipeline_order(config, setup, to='schedule')(state)  # stored in layer order
     return state, {key: meta[key] for key in ('samples_consumed', 'tokens_seen')}
+
+
+def pipeline_order(config, setup, to):
+    """A jitted state -> state that moves block parameters and moments between plain layer
+    order (what checkpoints hold) and the pipeline's stage-major order (what a stage holds).
+    The identity, with nothing moved, unless the schedule has both stages and repeats."""
+    if config.mesh.stage == 1 or config.pipeline.repeats == 1:
+        return lambda state: state
+    convert = pipeline.to_layer_order if to == 'layer' else pipeline.to_schedule_order
+    shape = (config.model.num_layers, config.mesh.stage, config.pipeline.repeats)
+    return jax.jit(lambda state: convert(state, *shape), out_shardings=setup.state_shardings)
 
 
 def checkpoint_meta(config, counters):
@@ -130,6 +153,9 @@ def train(config, workdir):
     flops_per_token = plan.model_flops_per_token(config.model, num_params)
     peak = plan.device_peak_tflops(jax.devices()[0], config.model.compute_dtype)
     checkpoints = checkpoint_lib.Checkpoints(workdir, keep=config.checkpoint.keep)
+    bubble = pipeline.bubble_fraction(
+        config.mesh.stage, config.pipeline.repeats, train_cfg.micro_steps
+    )
 
     def next_batch(samples_consumed):
         host_batch = train_data.samples(samples_consumed, train_cfg.global_batch)
@@ -142,6 +168,7 @@ def train(config, workdir):
         train_step = make_train_step(config, setup)
         train_step = train_step.lower(state, *next_batch(0), jnp.float32(0)).compile()
         eval_step = make_eval_step(config, setup)
+        in_layer_order = pipeline_order(config, setup, to='layer')
         compile_seconds = time.perf_counter() - start
         for line in banner_lines(config, setup, compile_seconds):
             print(line, flush=True)
@@ -186,6 +213,7 @@ def train(config, workdir):
                     tokens_per_s=tokens_per_s,
                     tflops_per_device=tflops,
                     mfu=tflops / peak if peak else None,
+                    pipeline_bubble_fraction=bubble,
                 )
                 writer.write(record)
                 progress.set_postfix(
@@ -195,7 +223,7 @@ def train(config, workdir):
                 )
             every = config.checkpoint.every
             if (every and done % every == 0) or done == train_cfg.steps:
-                checkpoints.save(done, state, checkpoint_meta(config, counters))
+                checkpoints.save(done, in_layer_order(state), checkpoint_meta(config, counters))
             if (
                 train_cfg.eval_every and done % train_cfg.eval_every == 0
             ) or done == train_cfg.steps:

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mtnlg_jax.model import gpt
-from mtnlg_jax.parallel import rules
+from mtnlg_jax.parallel import pipeline, rules
 from mtnlg_jax.train.optimizer import make_optimizer
 
 
@@ -69,10 +69,14 @@ def make_setup(config, mesh):
 
 def init_state(config, setup):
     """The initial state, created directly in its shards. Same values whatever the layout:
-    JAX's partitionable threefry draws the same numbers however the output is split."""
+    JAX's partitionable threefry draws the same numbers however the output is split. Block
+    parameters are put in the pipeline's stage-major order (a no-op without a pipeline)."""
 
     def init():
         _, params, _ = gpt.split(gpt.create(config.model, config.train.seed))
+        params = pipeline.to_schedule_order(
+            params, config.model.num_layers, config.mesh.stage, config.pipeline.repeats
+        )
         return dict(
             params=params, opt_state=setup.optimizer.init(params), step=jnp.zeros((), jnp.int32)
         )

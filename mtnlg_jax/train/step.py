@@ -21,7 +21,7 @@ import optax
 from jax.sharding import NamedSharding
 
 from mtnlg_jax.model import gpt
-from mtnlg_jax.parallel import rules
+from mtnlg_jax.parallel import pipeline, rules
 from mtnlg_jax.train.optimizer import learning_rate_schedule
 
 BATCH_AXES = ('micro_steps', 'batch', 'seq')
@@ -52,7 +52,8 @@ def _row_keys(config, step, row_ids):
     if config.model.hidden_dropout == 0 and config.model.attention_dropout == 0:
         return None
     step_key = jax.random.fold_in(jax.random.key(config.train.seed + 1), step)
-    return jax.vmap(lambda row: jax.random.fold_in(step_key, row))(row_ids)
+    keys = jax.vmap(lambda row: jax.random.fold_in(step_key, row))(row_ids.reshape(-1))
+    return keys.reshape(row_ids.shape)
 
 
 def compute_copy(config, setup, params):
@@ -66,9 +67,16 @@ def compute_copy(config, setup, params):
 
 
 def accumulate_gradients(config, setup, params, tokens, row_ids, step):
-    """Mean loss and fp32 gradients over all micro-steps of the global batch."""
+    """Mean loss and fp32 gradients over all micro-steps of the global batch.
+
+    Without a pipeline: a scan over micro-steps, each a forward and backward pass whose
+    gradients are added to fp32 accumulators. With one (mesh.stage > 1): the micro-batches
+    flow through the circular schedule together and one backward pass covers them all.
+    """
     compute_params = compute_copy(config, setup, params)
     grad_shardings = setup.state_shardings['params']
+    if config.mesh.stage > 1:
+        return _pipelined_gradients(config, setup, compute_params, tokens, row_ids, step)
 
     def micro_step(carry, micro_batch):
         grads_sum, loss_sum, token_count = carry
@@ -103,6 +111,26 @@ def accumulate_gradients(config, setup, params, tokens, row_ids, step):
     return loss_sum / token_count, grads
 
 
+def _pipelined_gradients(config, setup, compute_params, tokens, row_ids, step):
+    def mean_loss(p):
+        total, count = pipeline.pipelined_loss_sum(
+            gpt.merge(setup.graphdef, p),
+            tokens,
+            _row_keys(config, step, row_ids),
+            stages=config.mesh.stage,
+            repeats=config.pipeline.repeats,
+        )
+        return total / count
+
+    loss, grads = jax.value_and_grad(mean_loss)(compute_params)
+    grads = jax.tree.map(
+        lambda g, sharding: jax.lax.with_sharding_constraint(g.astype(jnp.float32), sharding),
+        grads,
+        setup.state_shardings['params'],
+    )
+    return loss, grads
+
+
 def make_train_step(config, setup):
     """jit(state, tokens, row_ids, tokens_after_step) -> (state, metrics); donates the state."""
     schedule = learning_rate_schedule(config.optimizer)
@@ -122,10 +150,22 @@ def make_train_step(config, setup):
 
 
 def make_eval_step(config, setup):
-    """jit(params, tokens) -> (summed loss, token count) of a (batch, seq + 1) batch."""
+    """jit(params, tokens) -> (summed loss, token count) of micro-batches tokens laid out as
+    the train step's (micro_steps, rows, seq + 1), pipelined when the mesh has stages."""
 
     def eval_step(params, tokens):
-        tokens = rules.constrain(tokens, BATCH_AXES[1:])
-        return gpt.loss_sum(gpt.merge(setup.graphdef, compute_copy(config, setup, params)), tokens)
+        tokens = rules.constrain(tokens, BATCH_AXES)
+        model = gpt.merge(setup.graphdef, compute_copy(config, setup, params))
+        if config.mesh.stage > 1:
+            return pipeline.pipelined_loss_sum(
+                model, tokens, None, stages=config.mesh.stage, repeats=config.pipeline.repeats
+            )
+
+        def add_micro_batch(total, micro_tokens):
+            loss, count = gpt.loss_sum(model, micro_tokens)
+            return total + jnp.stack([loss, count]), None
+
+        total, _ = jax.lax.scan(add_micro_batch, jnp.zeros(2, jnp.float32), tokens)
+        return total[0], total[1]
 
     return jax.jit(eval_step)
