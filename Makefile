@@ -26,7 +26,7 @@ train: data
 	$(DEVICES) $(PY) launch/train.py --config $(CONFIG) --workdir $(WORKDIR)
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile  # two workers: the CI machine has 2 cores
 
 bench: setup
 	$(PY) bench/throughput.py

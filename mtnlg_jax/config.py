@@ -207,12 +207,14 @@ def resolve(config, num_devices):
 
     model.padded_vocab = padded_vocab_size(model.vocab_size, tensor)
     train.micro_steps = train.global_batch // replica_batch
+    repeats = config.pipeline.repeats
     _require(
-        train.micro_steps % stage == 0,
+        repeats == 1 or train.micro_steps >= stage,
         'train.global_batch',
-        f'the pipeline (mesh.stage={stage}) needs a multiple of {stage} micro-batches per step, '
-        f'but train.global_batch / (train.micro_batch x mesh.data) = {train.global_batch} / '
-        f'({train.micro_batch} x {data}) = {train.micro_steps}',
+        f'the circular pipeline (mesh.stage={stage}, pipeline.repeats={repeats}) needs at least '
+        f'{stage} micro-batches per step, but train.global_batch / (train.micro_batch x '
+        f'mesh.data) = {train.global_batch} / ({train.micro_batch} x {data}) = '
+        f'{train.micro_steps}',
     )
 
     _require(opt.lr > 0, 'optimizer.lr', f'must be positive, got {opt.lr}')

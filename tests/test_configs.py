@@ -60,8 +60,9 @@ def test_every_config_loads_with_every_key_known(path):
 
 def test_tiny_config_resolves_on_eight_devices():
     config = config_lib.resolve(config_lib.load('configs/tiny.py'), 8)
-    assert (config.mesh.data, config.mesh.stage, config.mesh.tensor) == (4, 1, 2)
-    assert config.train.micro_steps == 2
+    assert (config.mesh.data, config.mesh.stage, config.mesh.tensor) == (2, 2, 2)
+    assert config.pipeline.repeats == 2
+    assert config.train.micro_steps == 4
     assert config.model.compute_dtype == 'float32'
     count, _ = _param_count('configs/tiny.py')
     assert 1e6 < count < 10e6
@@ -79,8 +80,8 @@ def test_device_peak_table():
 
 def test_minus_one_fills_the_mesh_with_the_remaining_devices():
     config = config_lib.load('configs/tiny.py')
-    config.mesh.update(dict(data=-1, stage=1, tensor=2))
-    assert config_lib.resolve(config, 8).mesh.data == 4
+    config.mesh.update(dict(data=-1, stage=2, tensor=2))
+    assert config_lib.resolve(config, 8).mesh.data == 2
     config.mesh.update(dict(data=2, stage=1, tensor=-1))
     assert config_lib.resolve(config, 8).mesh.tensor == 4
 

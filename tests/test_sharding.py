@@ -16,24 +16,25 @@ from mtnlg_jax.train import step as step_lib
 
 # Megatron's layout, written out by hand (not derived from the rule table it checks):
 # column-parallel QKV and MLP-in, row-parallel attention-out and MLP-out, vocab-parallel
-# embedding; layer norms, output biases and positions replicated over 'tensor'.
+# embedding; layer norms, output biases and positions replicated over 'tensor'; the stacked
+# blocks split over 'stage' by layer (a no-op here: stage 1).
 EXPECTED_COMPUTE_SPECS = {
     "['token_embed']": P('tensor', None),
     "['position_embed']": P(None, None),
     "['final_norm']['scale']": P(None),
     "['final_norm']['bias']": P(None),
-    "['blocks']['attention']['qkv_kernel']": P(None, None, None, 'tensor', None),
-    "['blocks']['attention']['qkv_bias']": P(None, None, 'tensor', None),
-    "['blocks']['attention']['out_kernel']": P(None, 'tensor', None, None),
-    "['blocks']['attention']['out_bias']": P(None, None),
-    "['blocks']['mlp']['in_kernel']": P(None, None, 'tensor'),
-    "['blocks']['mlp']['in_bias']": P(None, 'tensor'),
-    "['blocks']['mlp']['out_kernel']": P(None, 'tensor', None),
-    "['blocks']['mlp']['out_bias']": P(None, None),
-    "['blocks']['ln_attn']['scale']": P(None, None),
-    "['blocks']['ln_attn']['bias']": P(None, None),
-    "['blocks']['ln_mlp']['scale']": P(None, None),
-    "['blocks']['ln_mlp']['bias']": P(None, None),
+    "['blocks']['attention']['qkv_kernel']": P('stage', None, None, 'tensor', None),
+    "['blocks']['attention']['qkv_bias']": P('stage', None, 'tensor', None),
+    "['blocks']['attention']['out_kernel']": P('stage', 'tensor', None, None),
+    "['blocks']['attention']['out_bias']": P('stage', None),
+    "['blocks']['mlp']['in_kernel']": P('stage', None, 'tensor'),
+    "['blocks']['mlp']['in_bias']": P('stage', 'tensor'),
+    "['blocks']['mlp']['out_kernel']": P('stage', 'tensor', None),
+    "['blocks']['mlp']['out_bias']": P('stage', None),
+    "['blocks']['ln_attn']['scale']": P('stage', None),
+    "['blocks']['ln_attn']['bias']": P('stage', None),
+    "['blocks']['ln_mlp']['scale']": P('stage', None),
+    "['blocks']['ln_mlp']['bias']": P('stage', None),
 }
 
 
@@ -92,7 +93,7 @@ def test_master_weights_and_adam_moments_are_also_split_over_data(state_and_setu
     assert kernel.addressable_shards[0].data.shape == (2, 64 // 4, 256 // 2)
     # (layers 2, mlp 256): no whole dimension divides, so mlp is split over tensor x data.
     bias = params['blocks']['mlp']['in_bias']
-    assert bias.sharding.spec == P(None, ('tensor', 'data'))
+    assert bias.sharding.spec == P('stage', ('tensor', 'data'))
     assert bias.addressable_shards[0].data.shape == (2, 256 // 8)
 
 
@@ -102,9 +103,9 @@ def test_no_device_holds_the_full_logits():
     mesh, setup = support.layout(config)
     rows = config.train.global_batch // config.train.micro_steps
     tokens = jax.ShapeDtypeStruct(
-        (rows, config.model.seq_len + 1),
+        (config.train.micro_steps, rows, config.model.seq_len + 1),
         jnp.int32,
-        sharding=jax.sharding.NamedSharding(mesh, P('data', None)),
+        sharding=jax.sharding.NamedSharding(mesh, P(None, 'data', None)),
     )
     with jax.set_mesh(mesh):
         state = state_lib.init_state(config, setup)

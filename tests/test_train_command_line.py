@@ -28,7 +28,7 @@ from support import ROOT, SMALL_MODEL, run_train
         ),
         (['--config.model.ffn_hidden=1001'], 'model.ffn_hidden'),
         (['--config.train.global_batch=18'], 'train.global_batch'),  # not a multiple of 2 x 2
-        (['--config.train.global_batch=12'], 'train.global_batch'),  # 3 micro-batches, 2 stages
+        (['--config.train.global_batch=4'], 'train.global_batch'),  # 1 micro-batch, 2 stages
         (['--config.model.num_layers=3', '--config.pipeline.repeats=2'], 'model.num_layers'),
         (['--config.model.remat=sometimes'], 'model.remat'),
         (['--config.model.compute_dtype=int8'], 'model.compute_dtype'),

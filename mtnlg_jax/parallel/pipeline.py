@@ -153,16 +153,19 @@ def run_pipeline(graphdef, stacked, x, row_keys, *, stages, repeats, remat, bubb
 
 def pipelined_loss_sum(model, tokens, row_keys, *, stages, repeats):
     """Summed loss and token count of micro-batches tokens (m, rows, seq + 1), the block stack
-    pipelined. Embedding, final norm and head run outside the pipeline, each stage taking m / p
-    of the micro-batches, so none of that work is repeated on every stage."""
+    pipelined. Embedding, final norm and head run outside the pipeline; when p divides m, each
+    stage takes m / p of the micro-batches, so none of that work is repeated on every stage
+    (otherwise, as for MT-NLG's m = 240 over p = 35, every stage does all of it)."""
     micro_batches = tokens.shape[0]
+    split = stages if micro_batches % stages == 0 else 1
+    stage_axes = ('stages',) if split > 1 else ()
 
-    def by_stage(a):  # (m, ...) -> (m / p, p, ...), the p axis split over 'stage'
-        return a.reshape(micro_batches // stages, stages, *a.shape[1:])
+    def by_stage(a):  # (m, ...) -> (m / split, split, ...), the split axis over 'stage'
+        return a.reshape(micro_batches // split, split, *a.shape[1:])
 
-    tokens = constrain(by_stage(tokens), ('stages', 'batch', 'seq'))
+    tokens = constrain(by_stage(tokens), stage_axes + ('batch', 'seq'))
     keys = None if row_keys is None else by_stage(row_keys)
-    x = constrain(model.embed(tokens[..., :-1], keys), ('stages', 'batch', 'seq', 'embed'))
+    x = constrain(model.embed(tokens[..., :-1], keys), stage_axes + ('batch', 'seq', 'embed'))
     graphdef, stacked = nnx.split(model.blocks)
     x = run_pipeline(
         graphdef,
@@ -173,12 +176,12 @@ def pipelined_loss_sum(model, tokens, row_keys, *, stages, repeats):
         repeats=repeats,
         remat=model.remat,
     )
-    x = constrain(by_stage(x), ('stages', 'batch', 'seq', 'embed'))
+    x = constrain(by_stage(x), stage_axes + ('batch', 'seq', 'embed'))
 
-    @jax.checkpoint  # keep p micro-batches' logits at a time, in the backward pass too
+    @jax.checkpoint  # keep `split` micro-batches' logits at a time, in the backward pass too
     def add_loss(total, hidden_and_labels):
-        hidden, labels = hidden_and_labels  # (p, rows, seq, ...): one micro-batch per stage
-        hidden = constrain(hidden, ('stages', 'batch', 'seq', 'embed'))
+        hidden, labels = hidden_and_labels  # (split, rows, seq, ...): one per stage
+        hidden = constrain(hidden, stage_axes + ('batch', 'seq', 'embed'))
         logits = model.logits(model.final_norm(hidden))
         return total + gpt.cross_entropy(logits, labels).sum(), None
 
