@@ -1,0 +1,85 @@
+"""What the benchmarks share: a config under a layout, its compiled train step, timed steps."""
+
+import os
+import statistics
+import sys
+import time
+
+os.environ['XLA_FLAGS'] = (
+    os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
+).strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from mtnlg_jax import config as config_lib  # noqa: E402
+from mtnlg_jax.parallel.mesh import make_mesh  # noqa: E402
+from mtnlg_jax.train.state import init_state, make_setup  # noqa: E402
+from mtnlg_jax.train.step import make_train_step, place_batch, to_micro_steps  # noqa: E402
+
+
+def layout_config(path, data, stage, tensor, micro_steps, repeats=1, **overrides):
+    """The config file's config under a layout, with `micro_steps` micro-batches per step
+    (global_batch kept); overrides are (section, key) -> value pairs as 'section.key'."""
+    config = config_lib.load(path)
+    config.mesh.update(dict(data=data, stage=stage, tensor=tensor))
+    config.pipeline.repeats = repeats
+    for dotted, value in overrides.items():
+        section, key = dotted.split('.')
+        config[section][key] = value
+    config.train.micro_batch = config.train.global_batch // (data * micro_steps)
+    return config_lib.resolve(config, data * stage * tensor)
+
+
+class CompiledStep:
+    """A config's train step compiled ahead of time on the first devices, with its state."""
+
+    def __init__(self, config):
+        self.config = config
+        devices = config.mesh.data * config.mesh.stage * config.mesh.tensor
+        self.mesh = make_mesh(
+            config.mesh.data, config.mesh.stage, config.mesh.tensor, devices=jax.devices()[:devices]
+        )
+        self.setup = make_setup(config, self.mesh)
+        rng = np.random.default_rng(0)
+        shape = (config.train.global_batch, config.model.seq_len + 1)
+        host_batch = rng.integers(0, config.model.vocab_size, shape).astype(np.int32)
+        with jax.set_mesh(self.mesh):
+            self.state = init_state(config, self.setup)
+            self.batch = place_batch(
+                *to_micro_steps(host_batch, config.train.micro_steps), self.mesh
+            )
+            start = time.perf_counter()
+            lowered = make_train_step(config, self.setup).lower(
+                self.state, *self.batch, jnp.float32(1)
+            )
+            self.compiled = lowered.compile()
+            self.compile_s = time.perf_counter() - start
+
+    def temp_bytes(self):
+        """Peak temporary memory of one device (XLA's memory analysis of the step)."""
+        return self.compiled.memory_analysis().temp_size_in_bytes
+
+    def step_seconds(self, steps):
+        """Median wall time of `steps` steps after one warm-up step."""
+        times = []
+        with jax.set_mesh(self.mesh):
+            for i in range(steps + 1):
+                start = time.perf_counter()
+                self.state, metrics = self.compiled(self.state, *self.batch, jnp.float32(1))
+                jax.block_until_ready(metrics)
+                if i:
+                    times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+
+def print_table(title, header, rows):
+    """A markdown table with the command that made it and the machine it ran on."""
+    print(f'\n{title}')
+    print(f'command: python {" ".join(sys.argv)}')
+    print(f'machine: {jax.devices()[0].device_kind}, {os.cpu_count()} cores, jax {jax.__version__}')
+    print('| ' + ' | '.join(header) + ' |')
+    print('|' + '|'.join('---' for _ in header) + '|')
+    for row in rows:
+        print('| ' + ' | '.join(str(cell) for cell in row) + ' |')
