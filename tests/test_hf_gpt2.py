@@ -35,7 +35,7 @@ HF_CONFIG = dict(
     n_head=8,
     n_positions=32,
     n_ctx=32,
-    vocab_size=1003,  # like GPT-2's 50257: not a multiple of 128, padded on import
+    vocab_size=300,  # like GPT-2's 50257: not a multiple of 128, padded on import
     layer_norm_epsilon=1e-5,
     initializer_range=0.02,
     attn_pdrop=0.0,
@@ -173,7 +173,7 @@ def test_export_then_import_is_bit_exact(original, tmp_path):
 
 def test_a_converted_model_has_the_same_eval_loss_under_two_layouts(original):
     _, workdir = original
-    rows = [(t, np.ones(32, bool)) for t in np.random.default_rng(2).integers(0, 1003, (16, 33))]
+    rows = [(t, np.ones(32, bool)) for t in np.random.default_rng(2).integers(0, 300, (16, 33))]
     losses = []
     for data, tensor in ((4, 2), (1, 8)):
         scorer = Scorer(workdir_lib.load(workdir, data=data, tensor=tensor), progress=False)
@@ -203,7 +203,7 @@ def test_non_gpt2_activations_are_refused_with_one_line_and_nothing_written(tmp_
 
 def test_an_imported_model_trains_on_from_its_weights(original, tmp_path):
     _, workdir = original
-    tokens = np.random.default_rng(3).integers(0, 1003, 4000).astype(np.uint16)
+    tokens = np.random.default_rng(3).integers(0, 300, 4000).astype(np.uint16)
     write_token_file(str(tmp_path / 'train.npy'), tokens)
     write_token_file(str(tmp_path / 'valid.npy'), tokens[:500])
     run = tmp_path / 'run'

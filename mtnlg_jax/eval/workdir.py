@@ -52,6 +52,22 @@ def inference_config(saved, data=None, tensor=None):
     return config
 
 
+def open_tokenizer(path, model_cfg):
+    """The run's sentencepiece tokenizer, checked to match the model's vocabulary (ids the
+    model produces must decode, ids the tokenizer produces must embed)."""
+    from mtnlg_jax.data.tokenizer import Tokenizer
+
+    if not os.path.isfile(path):
+        raise WorkdirError(f'tokenizer {path} not found (--tokenizer PATH)')
+    tokenizer = Tokenizer(path)
+    if tokenizer.vocab_size != model_cfg.vocab_size:
+        raise WorkdirError(
+            f'tokenizer {path} has {tokenizer.vocab_size} pieces, but the model\'s '
+            f'vocabulary is {model_cfg.vocab_size}'
+        )
+    return tokenizer
+
+
 def read_saved_config(workdir):
     path = os.path.join(workdir, 'config.json')
     if not os.path.isfile(path):
