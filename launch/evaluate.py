@@ -155,7 +155,7 @@ def main(argv):
         workdir=args.workdir,
         step=loaded.step,
         data=args.data,
-        mesh=f'data {mesh.data} x tensor {mesh.tensor} on {jax.device_count()} x {jax.devices()[0].device_kind}',
+        mesh=f'data {mesh.data} x tensor {mesh.tensor} on {jax.devices()[0].device_kind}',
         **result,
     )
     print_table(f'{args.task} of {args.workdir} at step {loaded.step}', result)

@@ -153,7 +153,8 @@ def params_from_hf(tensors, model_cfg):
 
     blocks = {}
     for suffix, (module, leaf) in _PER_LAYER.items():
-        stacked = np.stack([take(f'h.{i}.{suffix}', ours_shape.get((module, leaf))) for i in range(layers)])
+        shape = ours_shape.get((module, leaf))
+        stacked = np.stack([take(f'h.{i}.{suffix}', shape) for i in range(layers)])
         blocks.setdefault(module, {})[leaf] = stacked
     wte = take('wte.weight')
     if wte.shape != (model_cfg.vocab_size, hidden):

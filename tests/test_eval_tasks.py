@@ -130,7 +130,7 @@ def test_sliding_windows_score_every_target_once_with_the_overlap_as_context(
     assert scored == list(range(1, length))
 
 
-def test_perplexity_of_a_uniform_model_is_the_vocabulary_size_and_word_normalisation_follows_megatron():
+def test_uniform_model_perplexity_is_the_vocabulary_size_and_words_normalise_as_megatron():
     vocab = 50
     score = bigram_scorer(np.full((vocab, vocab), -math.log(vocab)))
     tokens = np.random.default_rng(0).integers(0, vocab, 301)

@@ -6,12 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support import layout, small_config
 
 from mtnlg_jax.eval.generation import Generator, Sampling, choose_tokens
 from mtnlg_jax.model import gpt
 from mtnlg_jax.train import state as state_lib
 from mtnlg_jax.train import step as step_lib
-from support import layout, small_config
 
 PROMPTS = [[5, 17, 9], [800, 3, 3, 41, 7, 7, 120], [64]]
 
@@ -98,8 +98,3 @@ def test_top_k_and_top_p_sample_only_from_the_kept_tokens():
     assert set(np.asarray(top_p).tolist()) == {0, 1, 2}  # 0.5 + 0.3 < 0.9 <= 0.95
     everything = choose_tokens(logits, keys, Sampling(temperature=1.0))
     assert set(np.asarray(everything).tolist()) == {0, 1, 2, 3}
-
-
-def test_one_device_and_tensor_parallel_generate_the_same(tensor_parallel):
-    one_device, _ = generator(data=1, tensor=1)
-    assert one_device(PROMPTS, 8) == tensor_parallel[0](PROMPTS, 8)
