@@ -106,6 +106,8 @@ def main(argv):
         value = getattr(args, name)
         if value is not None and value < 1:
             fail(f'--{name} must be a positive integer, got {value}')
+    if args.max_tokens and (args.num_words or args.count_words):
+        fail('--max_tokens cuts the text, so the word count would not match: drop one of them')
 
     import jax  # after argument checks: a bad command line costs no JAX start-up
 
@@ -127,6 +129,8 @@ def main(argv):
             fail(str(e))
 
     task_data, num_words = read_task_data(args, tokenizer, config.model.vocab_size)
+    if num_words is not None and num_words < 2:
+        fail(f'word-normalised perplexity needs at least 2 words, got {num_words}')
     if args.task == 'perplexity' and not 0 <= args.overlap < config.model.seq_len:
         fail(f'--overlap must be in [0, seq_len={config.model.seq_len}), got {args.overlap}')
     if args.task == 'multiple_choice' and args.shots >= len(task_data):

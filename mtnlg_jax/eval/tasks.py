@@ -83,6 +83,8 @@ def sliding_windows(tokens, seq_len, overlap):
 def word_perplexity(loss_sum, num_words):
     """Megatron's WikiText-103 figure: exp(summed token loss / (original words - 1)), i.e.
     exp(mean token loss x token ratio) with the ratio (tokens - 1) / (words - 1)."""
+    if num_words < 2:
+        raise ValueError(f'word-normalised perplexity needs at least 2 words, got {num_words}')
     return math.exp(loss_sum / (num_words - 1))
 
 
