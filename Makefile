@@ -22,14 +22,20 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 data: setup
 	$(PY) launch/prepare_data.py --out $(DATA)
 
+# Training ends with the validation perplexity of the final checkpoint and a short sample.
 train: data
 	$(DEVICES) $(PY) launch/train.py --config $(CONFIG) --workdir $(WORKDIR)
+	$(DEVICES) $(PY) launch/evaluate.py --workdir $(WORKDIR) --task perplexity \
+		--data $(DATA)/valid.npy --max_tokens 16384
+	$(DEVICES) $(PY) launch/generate.py --workdir $(WORKDIR) --prompt "In the beginning" \
+		--max_new_tokens 40
 
 test: setup
 	$(PY) -m pytest -q -n 2 --dist loadfile  # two workers: the CI machine has 2 cores
 
 bench: setup
 	$(PY) bench/throughput.py
+	$(PY) bench/generate.py
 
 clean:
 	rm -rf $(VENV) $(DATA) runs

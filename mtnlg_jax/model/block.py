@@ -42,24 +42,52 @@ class Attention(nnx.Module):
         self.out_bias = param(rngs, (hidden,), ('embed',))
         self.dropout_rate = cfg.attention_dropout
 
-    def __call__(self, x, row_keys, site_base):
+    def project_qkv(self, x):
+        """(batch, seq, embed) -> (batch, seq, 3, heads, head_dim), split over heads."""
         qkv = jnp.einsum('bse,ethd->bsthd', x, self.qkv_kernel[...]) + self.qkv_bias[...]
-        qkv = checkpoint_name(constrain(qkv, ('batch', 'seq', 'qkv', 'heads', 'head_dim')), 'qkv')
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        return checkpoint_name(constrain(qkv, ('batch', 'seq', 'qkv', 'heads', 'head_dim')), 'qkv')
+
+    def attend(self, q, k, v, visible, row_keys=None, site=0):
+        """Context of queries q over keys k and values v (batch, len, heads, head_dim);
+        visible: (q_len, k_len) bool, which keys each query may see."""
         scale = 1.0 / math.sqrt(q.shape[-1])
         scores = jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32) * scale
-        seq = x.shape[1]
-        causal = jnp.tril(jnp.ones((seq, seq), bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
         scores = constrain(scores, ('batch', 'heads', 'seq', 'kv_seq'))
         probs = jax.nn.softmax(scores, axis=-1)
-        probs = dropout(probs, self.dropout_rate, row_keys, site_base + _ATTN_PROBS).astype(x.dtype)
-        context = jnp.einsum('bhqk,bkhd->bqhd', probs, v)
-        context = checkpoint_name(
-            constrain(context, ('batch', 'seq', 'heads', 'head_dim')), 'context'
-        )
+        probs = dropout(probs, self.dropout_rate, row_keys, site).astype(q.dtype)
+        context = jnp.einsum('bhqk,bkhd->bqhd', probs, v.astype(q.dtype))
+        return checkpoint_name(constrain(context, ('batch', 'seq', 'heads', 'head_dim')), 'context')
+
+    def project_out(self, context):
+        """(batch, seq, heads, head_dim) -> (batch, seq, embed): row parallel, one all-reduce."""
         out = jnp.einsum('bqhd,hde->bqe', context, self.out_kernel[...]) + self.out_bias[...]
         return checkpoint_name(constrain(out, ('batch', 'seq', 'embed')), 'attn_out')
+
+    def __call__(self, x, row_keys, site_base):
+        qkv = self.project_qkv(x)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        seq = x.shape[1]
+        causal = jnp.tril(jnp.ones((seq, seq), bool))
+        context = self.attend(q, k, v, causal, row_keys, site_base + _ATTN_PROBS)
+        return self.project_out(context)
+
+    def cached(self, x, cache, index):
+        """Attention of new tokens x (batch, new, embed) at positions index, index + 1, ...
+        over every earlier position, for decoding with a KV cache.
+
+        cache: (keys, values), each (batch, max_len, heads, head_dim); the new tokens' keys
+        and values are written at `index` and the updated cache is returned with the output.
+        """
+        qkv = self.project_qkv(x)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        keys, values = (
+            jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), index, axis=1)
+            for c, new in zip(cache, (k, v))
+        )
+        query_pos = index + jnp.arange(x.shape[1])
+        visible = jnp.arange(keys.shape[1])[None, :] <= query_pos[:, None]
+        return self.project_out(self.attend(q, keys, values, visible)), (keys, values)
 
 
 class MLP(nnx.Module):
@@ -96,3 +124,11 @@ class Block(nnx.Module):
         h = self.mlp(self.ln_mlp(x))
         x = x + dropout(h, self.hidden_dropout, row_keys, site + _MLP_RESIDUAL)
         return constrain(x, ('batch', 'seq', 'embed'))
+
+    def cached(self, x, cache, index):
+        """The block on new tokens at positions index, ... with a KV cache (no dropout: for
+        inference); returns (x, updated cache). See Attention.cached."""
+        h, cache = self.attention.cached(self.ln_attn(x), cache, index)
+        x = x + h
+        x = x + self.mlp(self.ln_mlp(x))
+        return constrain(x, ('batch', 'seq', 'embed')), cache

@@ -1,0 +1,1 @@
+"""Evaluation and generation: perplexity, LAMBADA, multiple choice, sampling with a KV cache."""

@@ -1,0 +1,162 @@
+"""Text generation: a batch of prompts, greedy or sampled, with a KV cache, on the mesh.
+
+    Generator(graphdef, params, model_cfg, mesh)(prompts, max_new_tokens, ...)
+
+Prompts of different lengths share one position counter (as Meta's LLaMA reference code
+does): the batch is prefilled up to the shortest prompt in one call, then advances one
+position per call; a row still inside its prompt takes its next prompt token instead of the
+sampled one. Every row thus sits at its true positions (the position embedding is learned and
+absolute, so left padding would shift it) and no attention mask beyond causality is needed.
+
+Sharding: the compute parameters keep the rule table's layout (heads, MLP and vocabulary split
+over 'tensor'), the cache is split over heads, and the batch over 'data' (padded to a
+multiple of it). Sampling runs on device; only the chosen token ids come back each step, so
+the host can stream text as it is produced. `use_cache=False` recomputes the whole sequence
+at every step: the reference the cached path is tested and benchmarked against.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from mtnlg_jax.model import decode, gpt
+from mtnlg_jax.parallel import rules
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """temperature 0: greedy. top_k 0 and top_p 1: no truncation of the distribution."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def check(self):
+        if self.temperature < 0:
+            raise ValueError(f'temperature must be >= 0, got {self.temperature}')
+        if self.top_k < 0:
+            raise ValueError(f'top_k must be >= 0, got {self.top_k}')
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f'top_p must be in (0, 1], got {self.top_p}')
+
+
+def choose_tokens(logits, key, sampling):
+    """Next token ids (batch,) from fp32 logits (batch, vocab) under `sampling`."""
+    if sampling.temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / sampling.temperature
+    if sampling.top_k:
+        kth_largest = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth_largest, -jnp.inf, logits)
+    if sampling.top_p < 1:
+        # Keep the smallest set of most likely tokens whose probability reaches top_p.
+        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(ordered, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the strictly more likely ones
+        kept = jnp.where(before < sampling.top_p, ordered, jnp.inf)
+        threshold = jnp.min(kept, axis=-1, keepdims=True)
+        logits = jnp.where(logits < threshold, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+class Generator:
+    """Generation from compute-dtype parameters laid out on `mesh` by the rule table."""
+
+    def __init__(self, graphdef, params, model_cfg, mesh):
+        self.graphdef, self.params, self.cfg, self.mesh = graphdef, params, model_cfg, mesh
+        self.dtype = jax.tree.leaves(params)[0].dtype
+        self._batch_sharding = NamedSharding(mesh, rules.logical_to_spec(('batch',)))
+
+    @functools.partial(jax.jit, static_argnums=(0, 1, 2))
+    def _empty_cache(self, rows, max_len):
+        return decode.init_cache(self.cfg, rows, max_len, self.dtype)
+
+    @functools.partial(jax.jit, static_argnums=(0, 3))
+    def _prefill(self, params, tokens, max_len):
+        """The cache after tokens (batch, n), with room for max_len positions."""
+        cache = decode.init_cache(self.cfg, tokens.shape[0], max_len, self.dtype)
+        return decode.forward_cached(gpt.merge(self.graphdef, params), tokens, cache, 0)[1]
+
+    @functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(2,))
+    def _cached_step(self, params, cache, token, index, sampling, key):
+        """`token` sits at position index - 1: the cache grows by it and its logits choose the
+        token at `index`."""
+        logits, cache = decode.forward_cached(
+            gpt.merge(self.graphdef, params), token[:, None], cache, index - 1
+        )
+        return choose_tokens(logits, jax.random.fold_in(key, index), sampling), cache
+
+    @functools.partial(jax.jit, static_argnums=(0, 4))
+    def _full_step(self, params, tokens, index, sampling, key):
+        """Recompute the whole buffer; the token at `index` from the logits at index - 1."""
+        model = gpt.merge(self.graphdef, params)
+        hidden = jax.lax.dynamic_slice_in_dim(model(tokens), index - 1, 1, axis=1)
+        logits = model.logits(hidden)[:, 0]
+        return choose_tokens(logits, jax.random.fold_in(key, index), sampling)
+
+    def __call__(
+        self,
+        prompts,
+        max_new_tokens,
+        sampling=Sampling(),
+        seed=0,
+        eod_id=None,
+        use_cache=True,
+        on_tokens=None,
+    ):
+        """The new tokens of each prompt (lists of ids), at most max_new_tokens each, ending
+        at (and including) eod_id. on_tokens(row, token) is called as each token is chosen."""
+        sampling.check()
+        lengths = np.array([len(p) for p in prompts])
+        if len(prompts) == 0 or lengths.min() == 0:
+            raise ValueError('every prompt needs at least one token')
+        if lengths.max() >= self.cfg.seq_len:
+            raise ValueError(
+                f'a prompt of {lengths.max()} tokens leaves no room in seq_len={self.cfg.seq_len}'
+            )
+        total = int(min(self.cfg.seq_len, lengths.max() + max_new_tokens))
+        rows = -(-len(prompts) // self.mesh.shape['data']) * self.mesh.shape['data']
+        buffer = np.zeros((rows, total), np.int32)
+        for row, prompt in enumerate(prompts):
+            buffer[row, : len(prompt)] = prompt
+        lengths = np.concatenate([lengths, np.full(rows - len(prompts), lengths.min())])
+        quota = np.minimum(lengths + max_new_tokens, total)  # position after a row's last token
+        finished = quota <= lengths
+        outputs = [[] for _ in prompts]
+        key = jax.random.key(seed)
+        start = int(lengths.min())
+
+        with jax.set_mesh(self.mesh):
+            put = functools.partial(jax.device_put, device=self._batch_sharding)
+            if use_cache:
+                # The logits after the first start - 1 tokens are not needed: prefill those,
+                # then feed token start - 1 through the same step as every later token.
+                cache = self._prefill_cache(buffer[:, : start - 1], total)
+            for index in range(start, total):
+                if use_cache:
+                    chosen, cache = self._cached_step(
+                        self.params, cache, put(buffer[:, index - 1]), index, sampling, key
+                    )
+                else:
+                    chosen = self._full_step(self.params, put(buffer), index, sampling, key)
+                chosen = np.asarray(chosen)
+                generating = (index >= lengths) & ~finished
+                buffer[generating, index] = chosen[generating]
+                for row in np.flatnonzero(generating[: len(prompts)]):
+                    outputs[row].append(int(chosen[row]))
+                    if on_tokens is not None:
+                        on_tokens(row, int(chosen[row]))
+                finished |= generating & ((chosen == eod_id) | (index + 1 >= quota))
+                if finished.all():
+                    break
+        return outputs
+
+    def _prefill_cache(self, tokens, total):
+        """The cache after `tokens` (batch, n >= 0), with room for `total` positions."""
+        if tokens.shape[1] == 0:
+            return self._empty_cache(tokens.shape[0], total)
+        return self._prefill(self.params, jax.device_put(tokens, self._batch_sharding), total)

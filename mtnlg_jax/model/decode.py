@@ -1,0 +1,47 @@
+"""The GPT forward for decoding with a KV cache: one path for inference, apart from training.
+
+Training runs the block stack through `gpt.apply_blocks` (pipelined when mesh.stage > 1);
+decoding needs each layer's keys and values of every earlier position, so it scans the same
+stacked block parameters with that layer's slice of the cache alongside:
+
+    cache = (keys, values), each (layers, batch, max_len, heads, head_dim), split over heads
+    forward_cached(model, tokens (batch, new), cache, index)
+        -> logits of the last new position (batch, vocab), cache with positions
+           index .. index + new - 1 filled
+
+A prompt goes in as one call (prefill), then one token per call.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtnlg_jax.parallel.rules import constrain
+
+CACHE_AXES = ('layers', 'batch', 'kv_seq', 'heads', 'head_dim')
+
+
+def init_cache(model_cfg, batch, max_len, dtype):
+    """An empty cache for `batch` sequences of up to `max_len` positions."""
+    head_dim = model_cfg.hidden // model_cfg.heads
+    shape = (model_cfg.num_layers, batch, max_len, model_cfg.heads, head_dim)
+    return tuple(constrain(jnp.zeros(shape, dtype), CACHE_AXES) for _ in range(2))
+
+
+def forward_cached(model, tokens, cache, index):
+    """Logits (batch, vocab) after tokens (batch, new) at positions index .. index + new - 1,
+    and the updated cache. The caller keeps index + new <= model.seq_len."""
+    positions = jax.lax.dynamic_slice_in_dim(model.position_embed[...], index, tokens.shape[1])
+    x = jnp.take(model.token_embed[...], tokens, axis=0) + positions
+    x = constrain(x, ('batch', 'seq', 'embed'))
+    graphdef, stacked = nnx.split(model.blocks)
+
+    def one_block(x, block_and_cache):
+        params, keys, values = block_and_cache
+        x, (keys, values) = nnx.merge(graphdef, params).cached(x, (keys, values), index)
+        return x, (keys, values)
+
+    x, cache = jax.lax.scan(one_block, x, (stacked, *cache))
+    cache = tuple(constrain(c, CACHE_AXES) for c in cache)
+    hidden = model.final_norm(x[:, -1:])
+    return model.logits(hidden)[:, 0], cache

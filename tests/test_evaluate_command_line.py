@@ -1,0 +1,126 @@
+"""launch/evaluate.py and launch/generate.py as a user runs them, on a workdir imported from
+a small Hugging Face GPT-2 with a small sentencepiece tokenizer: their figures and text equal
+the library's, and bad input fails with one line before anything is compiled."""
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from test_hf_gpt2 import ROOT, hf_gpt2_logits, original  # noqa: F401
+
+from mtnlg_jax.data.tokenizer import Tokenizer
+from mtnlg_jax.eval import tasks
+from mtnlg_jax.eval import workdir as workdir_lib
+from mtnlg_jax.eval.generation import Generator
+from mtnlg_jax.eval.scoring import Scorer
+
+TEXT = ' '.join(f'In the beginning {w} was the word {i} .' for i, w in enumerate('abcdefg' * 4))
+
+
+@pytest.fixture(scope='module')
+def tokenizer(tmp_path_factory):
+    directory = tmp_path_factory.mktemp('tokenizer')
+    return Tokenizer.train([TEXT] * 20, str(directory / 'tok'), vocab_size=300)
+
+
+def run(script, *args):
+    return subprocess.run(
+        [sys.executable, str(ROOT / 'launch' / script), *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+
+
+def test_perplexity_of_a_text_file_with_megatron_word_normalisation(original, tokenizer, tmp_path):  # noqa: F811
+    _, workdir = original
+    (tmp_path / 'wiki.txt').write_text(TEXT)
+    output = tmp_path / 'ppl.json'
+    result = run(
+        'evaluate.py',
+        *('--workdir', workdir, '--task', 'perplexity', '--data', tmp_path / 'wiki.txt'),
+        *('--overlap', 8, '--count_words', '--tokenizer', tokenizer.model_path),
+        *('--tensor', 4, '--data_parallel', 2, '--output', output),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert '| word_perplexity' in result.stdout
+    record = json.loads(output.read_text())
+    tokens = tokenizer.encode(TEXT)
+    scorer = Scorer(workdir_lib.load(workdir), progress=False)
+    expected = tasks.perplexity(scorer, tokens, 32, 8, num_words=len(TEXT.split(' ')))
+    assert record['step'] == 0 and record['mesh'].startswith('data 2 x tensor 4')
+    assert record['words'] == len(TEXT.split(' '))
+    assert record['token_perplexity'] == pytest.approx(expected['token_perplexity'], rel=1e-5)
+    assert record['word_perplexity'] == pytest.approx(
+        math.exp(record['loss'] * (len(tokens) - 1) / (record['words'] - 1)), rel=1e-6
+    )
+
+
+def test_generate_streams_the_greedy_completion_of_the_library(original, tokenizer, tmp_path):  # noqa: F811
+    _, workdir = original
+    output = tmp_path / 'out.json'
+    result = run(
+        'generate.py',
+        *('--workdir', workdir, '--prompt', 'In the beginning', '--max_new_tokens', 10),
+        *('--tokenizer', tokenizer.model_path, '--tensor', 2, '--output', output),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads(output.read_text())['completions'][0]
+    loaded = workdir_lib.load(workdir, data=1, tensor=1)
+    generate = Generator(loaded.graphdef, loaded.params, loaded.config.model, loaded.mesh)
+    expected = generate([tokenizer.encode('In the beginning')], 10, eod_id=tokenizer.eod_id)[0]
+    assert record['tokens'] == expected
+    assert result.stdout == 'In the beginning' + tokenizer.decode(expected) + '\n'
+
+
+@pytest.mark.parametrize(
+    'script,args,message',
+    [
+        (
+            'evaluate.py',
+            ['--task', 'lambada', '--data', 'missing.jsonl'],
+            '--data missing.jsonl: no such file',
+        ),
+        (
+            'evaluate.py',
+            ['--task', 'perplexity', '--data', 'x', '--batch_size', '0'],
+            '--batch_size must be',
+        ),
+        (
+            'evaluate.py',
+            ['--task', 'squad', '--data', 'x'],
+            "argument --task: invalid choice: 'squad'",
+        ),
+        ('generate.py', ['--prompt', 'x', '--tensor', '3'], 'config key model.heads: 8 heads'),
+    ],
+)
+def test_bad_input_fails_with_one_line(original, script, args, message):  # noqa: F811
+    _, workdir = original
+    result = run(script, '--workdir', workdir, *args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith('error: ') and message in lines[0], lines
+
+
+def test_scorer_sums_log_probabilities_and_flags_rows_of_argmax_tokens(original):  # noqa: F811
+    tensors, workdir = original
+    loaded = workdir_lib.load(workdir, data=4, tensor=2)
+    generate = Generator(loaded.graphdef, loaded.params, loaded.config.model, loaded.mesh)
+    greedy = [7] + generate([[7]], 31)[0]  # every target is the argmax
+    not_greedy = greedy[:-1] + [(greedy[-1] + 1) % 300]  # but the last
+    random = list(np.random.default_rng(4).integers(0, 300, 32))
+    mask = np.ones(31, bool)
+    log_prob, all_argmax, count = Scorer(loaded, progress=False)(
+        [(np.array(t), mask) for t in (greedy, not_greedy, random)] + [(np.array(random), ~mask)]
+    )
+    assert all_argmax.tolist() == [True, False, False, True]  # an empty mask holds vacuously
+    assert count.tolist() == [31, 31, 31, 0]
+    for tokens, value in zip((greedy, not_greedy, random), log_prob):
+        logits = hf_gpt2_logits(tensors, np.array(tokens[:-1]))
+        shifted = logits - logits.max(-1, keepdims=True)
+        log_softmax = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+        assert value == pytest.approx(log_softmax[np.arange(31), tokens[1:]].sum(), abs=1e-3)
