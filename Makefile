@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# Eight simulated CPU devices: the mesh of the tiny config (data 4 x stage 1 x tensor 2).
+# Eight simulated CPU devices: the mesh of the tiny config (data 2 x stage 2 x tensor 2).
 DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=8
 CONFIG ?= configs/tiny.py
 WORKDIR ?= runs/tiny
@@ -35,6 +35,7 @@ test: setup
 
 bench: setup
 	$(PY) bench/throughput.py
+	$(PY) bench/pipeline.py
 	$(PY) bench/generate.py
 
 clean:
