@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from mtnlg_jax.data.loader import write_token_file
+from mtnlg_jax.data.indexed import IndexedDatasetWriter
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMALL_MODEL = [
@@ -21,6 +21,7 @@ SMALL_MODEL = [
     '--config.model.vocab_size=300',
     '--config.train.global_batch=16',
     '--config.train.micro_batch=2',
+    '--config.train.rampup.start=0',
 ]
 
 
@@ -33,18 +34,20 @@ def run_train(workdir, *overrides, data=None):
     ]
     args += ['--workdir', str(workdir), *overrides]
     if data is not None:
-        args.append(f'--config.data.path={data}')
+        args.append(f'--config.data.sources=((1.0, {str(data)!r}),)')
     return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 
 @pytest.fixture(scope='module')
 def token_data(tmp_path_factory):
-    """A small learnable dataset: a repeating pattern of token ids below 300."""
-    path = tmp_path_factory.mktemp('data')
+    """Prefix of a small learnable indexed dataset: 220 documents of one pattern of ids < 300."""
+    prefix = str(tmp_path_factory.mktemp('data') / 'pattern')
     pattern = np.random.default_rng(0).integers(0, 300, 97)
-    write_token_file(str(path / 'train.npy'), np.tile(pattern, 200).astype(np.uint16))
-    write_token_file(str(path / 'valid.npy'), np.tile(pattern, 20).astype(np.uint16))
-    return path
+    writer = IndexedDatasetWriter(prefix, np.uint16)
+    for _ in range(220):
+        writer.add(pattern)
+    writer.finish()
+    return prefix
 
 
 @pytest.mark.parametrize(
@@ -69,7 +72,7 @@ def token_data(tmp_path_factory):
         (['--config.train.steps=0'], 'train.steps'),
         (['--config.model.no_such_key=1'], 'no_such_key'),
         (['--config.train.steps=many'], 'train.steps'),
-        (['--config.data.path=/nonexistent/corpus'], '/nonexistent/corpus/train.npy'),
+        (['--config.data.sources=((1.0, "/nonexistent/corpus"),)'], '/nonexistent/corpus.idx'),
     ],
 )
 def test_bad_input_is_one_error_line_exit_2_and_the_workdir_untouched(tmp_path, overrides, key):
@@ -91,7 +94,7 @@ def test_token_ids_beyond_the_vocabulary_are_an_error(tmp_path, token_data):
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith('error: ')
-    assert 'model.vocab_size=200' in result.stderr and 'train.npy' in result.stderr
+    assert 'model.vocab_size=200' in result.stderr and 'pattern.bin' in result.stderr
     assert not (tmp_path / 'run').exists()
 
 
