@@ -1,18 +1,22 @@
-"""Weighted blends of datasets, in Megatron's order: the blend follows its weights exactly.
+"""Weighted blends of datasets in a fixed order that follows the weights within one sample.
 
-Megatron's blended dataset does not draw a source at random for each sample: sample i goes to
-the source whose count lags its share the most, the largest `weight * (i + 1) - count so far`
-(first source on ties). Every prefix of the blend is then within one sample of its weights,
-and the order is a pure function of the weights, so a blend is as reproducible as its sources
-(each shuffled by the seed). Megatron's helper measures the lag before the sample,
-`weight * max(i, 1)`, which lets a source fall up to 1.2 samples behind; after it, as here,
-keeps every count within one.
+Like Megatron's blended dataset, and unlike random draws, the source of each sample is a
+deterministic, error-minimising function of the weights, so a blend is as reproducible as its
+sources (each shuffled by the seed) and every prefix of it holds each source's share. Megatron
+gives sample i to the source that lags most, the largest `weight * max(i, 1) - count`; that
+greedy rule lets a source fall up to 1.2 samples behind (1.19 with `i + 1`). Here the rule is
+Tijdeman's chairman assignment, which is proven to keep every count of D sources within
+1 - 1/(2D - 2) of weight * n at every prefix n:
 
-    weights 0.5 / 0.3 / 0.2:   0 0 1 0 2 1 0 0 1 2 ...   (source of samples 0, 1, 2, ...)
+    n = i + 1,  delta = 1 / (2D - 2)
+    eligible:   sources with weight * n - count >= delta (never too far ahead once chosen)
+    choose:     the eligible one whose next deadline (count + 1 - delta) / weight comes first
 
-The assignment is prefix-stable: samples 0..n-1 do not depend on how many follow. It is
-computed on demand, in doubling chunks, by the loop Megatron runs in C++ (a few microseconds
-per sample here), and kept in memory.
+    weights 0.5 / 0.3 / 0.2:   0 1 0 2 0 1 0 2 1 0 ...   (source of samples 0, 1, 2, ...)
+
+The assignment is prefix-stable (samples 0..n-1 do not depend on how many follow), computed on
+demand in doubling chunks by a plain loop (about 4 us per sample for the 15 MT-NLG sources),
+and kept in memory.
 """
 
 import threading
@@ -46,14 +50,17 @@ class BlendedDataset:
 
     def _extend(self, size):
         weights, counts = self.weights.tolist(), self._counts
-        others = range(1, len(weights))
+        delta = 1 / (2 * len(weights) - 2) if len(weights) > 1 else 0.0
+        threshold = delta - 1e-9  # float slack: some source always has weight * n - count >= 1/D
+        candidates = list(enumerate(weights))
         sources, positions = [], []
         for i in range(len(self._source), size):
-            best, best_error = 0, weights[0] * (i + 1) - counts[0]
-            for d in others:
-                error = weights[d] * (i + 1) - counts[d]
-                if error > best_error:
-                    best, best_error = d, error
+            best, best_deadline = 0, float('inf')
+            for d, weight in candidates:
+                if weight * (i + 1) - counts[d] >= threshold:
+                    deadline = (counts[d] + 1 - delta) / weight
+                    if deadline < best_deadline:
+                        best, best_deadline = d, deadline
             sources.append(best)
             positions.append(counts[best])
             counts[best] += 1
