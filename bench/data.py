@@ -112,24 +112,47 @@ def main():
     with tempfile.TemporaryDirectory() as folder:
         preprocessing, prefixes = bench_preprocessing(folder)
         loading = [bench_loader(name, prefixes, args.batches) for name in ('tiny', 'gpt2_124m')]
+    load = os.getloadavg()[0]
     print(f'command: python {" ".join(sys.argv)}')
-    print(
-        f'machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}, jax {jax.__version__}'
+    print(f'machine: {os.cpu_count()} cores, load average {load:.1f}, jax {jax.__version__}')
+    print_table(
+        ['workers', 'documents', 'tokens', 'seconds', 'documents/s', 'tokens/s'],
+        [
+            [w, f'{d:,}', f'{t:,}', f'{s:.1f}', f'{d / s:,.0f}', f'{t / s:,.0f}']
+            for w, d, t, s in preprocessing
+        ],
     )
-    print('\n| workers | documents | tokens | seconds | documents/s | tokens/s |')
-    print('|---|---|---|---|---|---|')
-    for workers, documents, tokens, seconds in preprocessing:
-        print(
-            f'| {workers} | {documents:,} | {tokens:,} | {seconds:.1f} | {documents / seconds:,.0f} | {tokens / seconds:,.0f} |'
-        )
-    print(
-        '\n| config | seq | global batch | host read samples/s | placed on 8 devices samples/s | a step consumes samples/s | headroom | step figure |'
+    print_table(
+        [
+            'config',
+            'seq',
+            'global batch',
+            'host read samples/s',
+            'placed on 8 devices samples/s',
+            'a step consumes samples/s',
+            'headroom',
+            'step figure',
+        ],  # fmt: skip
+        [
+            [
+                name,
+                seq,
+                batch,
+                f'{host:,.0f}',
+                f'{placed:,.0f}',
+                f'{needed:,.1f}',
+                f'{placed / needed:,.1f} x',
+                how,
+            ]  # fmt: skip
+            for name, seq, batch, host, placed, needed, how in loading
+        ],
     )
-    print('|---|---|---|---|---|---|---|---|')
-    for name, seq, batch, host, placed, needed, how in loading:
-        print(
-            f'| {name} | {seq} | {batch} | {host:,.0f} | {placed:,.0f} | {needed:,.1f} | {placed / needed:,.1f} x | {how} |'
-        )
+
+
+def print_table(header, rows):
+    print()
+    for row in [header, ['---'] * len(header), *rows]:
+        print('| ' + ' | '.join(str(cell) for cell in row) + ' |')
 
 
 if __name__ == '__main__':
