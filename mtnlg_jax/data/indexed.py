@@ -154,11 +154,14 @@ class IndexedDatasetWriter:
 
     def add(self, ids):
         """Append one document's token ids (its eod token included, if it has one)."""
-        array = np.asarray(ids, dtype=self.dtype)
-        self._bin.write(array.tobytes())
-        self._sizes.write(np.int32(len(array)).tobytes())
-        self.documents += 1
-        self.tokens += len(array)
+        self.add_documents(ids, [len(ids)])
+
+    def add_documents(self, ids, lengths):
+        """Append several documents at once: their ids concatenated, and each one's length."""
+        self._bin.write(np.asarray(ids, dtype=self.dtype).tobytes())
+        self._sizes.write(np.asarray(lengths, dtype=np.int32).tobytes())
+        self.documents += len(lengths)
+        self.tokens += int(np.sum(lengths))
 
     def finish(self):
         """Write the index from the streamed sizes and move both files into place."""

@@ -26,6 +26,7 @@ from mtnlg_jax.data.tokenizer import Tokenizer
 
 JSON_SUFFIXES = ('.jsonl', '.json')
 IN_FLIGHT_PER_WORKER = 4
+CHUNK_CHARACTERS = 1 << 17
 
 
 class InputError(ValueError):
@@ -72,29 +73,34 @@ def documents(paths, json_key):
             raise InputError(f'{path}: not UTF-8 text ({e.reason} at byte {e.start})') from None
 
 
-def chunks(iterable, size):
-    chunk = []
-    for item in iterable:
-        chunk.append(item)
-        if len(chunk) == size:
+def chunks(texts, max_documents, max_characters=CHUNK_CHARACTERS):
+    """Lists of texts of at most max_documents, cut sooner at max_characters so that a few
+    long documents still spread over the workers."""
+    chunk, characters = [], 0
+    for text in texts:
+        chunk.append(text)
+        characters += len(text)
+        if len(chunk) == max_documents or characters >= max_characters:
             yield chunk
-            chunk = []
+            chunk, characters = [], 0
     if chunk:
         yield chunk
 
 
-_worker_tokenizer = None
+_worker = None  # (tokenizer, token dtype) of this worker process
 
 
 def _start_worker(model_path):
-    global _worker_tokenizer
-    _worker_tokenizer = Tokenizer(model_path)
+    global _worker
+    tokenizer = Tokenizer(model_path)
+    _worker = tokenizer, token_dtype(tokenizer.vocab_size)
 
 
 def _encode(texts):
-    """One chunk -> (all token ids with an eod after each document, tokens per document)."""
-    ids = [_worker_tokenizer.encode_document(text) for text in texts]
-    return np.fromiter((i for doc in ids for i in doc), np.int64), [len(doc) for doc in ids]
+    """One chunk -> (its token ids with an eod after each document, tokens per document)."""
+    tokenizer, dtype = _worker
+    ids = [np.asarray(tokenizer.encode_document(text), dtype) for text in texts]
+    return np.concatenate(ids), np.fromiter(map(len, ids), np.int32, len(ids))
 
 
 def tokenize(paths, tokenizer_model, output_prefix, json_key='text', workers=1, chunk_documents=64):
@@ -106,10 +112,8 @@ def tokenize(paths, tokenizer_model, output_prefix, json_key='text', workers=1, 
     start = time.perf_counter()
 
     def write(result):
-        ids, lengths = result
-        for piece in np.split(ids, np.cumsum(lengths)[:-1]):
-            writer.add(piece)
-        progress.update(len(lengths))
+        writer.add_documents(*result)
+        progress.update(len(result[1]))
         rate = writer.tokens / max(time.perf_counter() - start, 1e-9)
         progress.set_postfix_str(f'{rate:,.0f} tokens/s', refresh=False)
 
