@@ -36,7 +36,7 @@ class BlendedDataset:
         self.datasets = list(datasets)
         self.weights = weights / weights.sum()
         self.seq_len = self.datasets[0].seq_len
-        self._source = np.zeros(0, np.int32)  # which dataset sample i comes from
+        self._source = np.zeros(0, np.int16)  # which dataset sample i comes from
         self._position = np.zeros(0, np.int64)  # and which of that dataset's samples it is
         self._counts = [0] * len(self.datasets)
         self._lock = threading.Lock()
@@ -64,7 +64,7 @@ class BlendedDataset:
             sources.append(best)
             positions.append(counts[best])
             counts[best] += 1
-        self._source = np.concatenate([self._source, np.asarray(sources, np.int32)])
+        self._source = np.concatenate([self._source, np.asarray(sources, np.int16)])
         self._position = np.concatenate([self._position, np.asarray(positions, np.int64)])
 
     def read(self, indices):
