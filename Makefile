@@ -7,6 +7,7 @@ DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=8
 CONFIG ?= configs/tiny.py
 WORKDIR ?= runs/tiny
 DATA := data/default
+SOURCES := kjv python_stdlib
 
 .PHONY: setup data train test bench clean
 
@@ -19,14 +20,27 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $@
 
-data: setup
-	$(PY) launch/prepare_data.py --out $(DATA)
+# The default corpus: each source exported to jsonl, one tokenizer trained on both, then each
+# source preprocessed into its own .bin/.idx pair (configs/tiny.py blends them).
+data: $(SOURCES:%=$(DATA)/%.idx)
+
+$(DATA)/raw/.exported: $(VENV)/.installed launch/export_corpus.py mtnlg_jax/data/corpus.py
+	$(PY) launch/export_corpus.py --out $(DATA)/raw
+	touch $@
+
+$(DATA)/tokenizer.model: $(DATA)/raw/.exported
+	$(PY) launch/preprocess.py --input $(DATA)/raw --train-tokenizer --vocab-size 8192 \
+		--tokenizer-model $@
+
+$(DATA)/%.idx: $(DATA)/tokenizer.model launch/preprocess.py
+	$(PY) launch/preprocess.py --input $(DATA)/raw/$*.jsonl --tokenizer-model $< \
+		--output-prefix $(DATA)/$* --workers 2
 
 # Training ends with the validation perplexity of the final checkpoint and a short sample.
 train: data
 	$(DEVICES) $(PY) launch/train.py --config $(CONFIG) --workdir $(WORKDIR)
 	$(DEVICES) $(PY) launch/evaluate.py --workdir $(WORKDIR) --task perplexity \
-		--data $(DATA)/valid.npy --max_tokens 16384
+		--data $(DATA)/kjv --split valid --max_tokens 16384
 	$(DEVICES) $(PY) launch/generate.py --workdir $(WORKDIR) --prompt "In the beginning" \
 		--max_new_tokens 40
 

@@ -5,7 +5,7 @@ batch 512 x 1024 = 0.5 M tokens, lr 6e-4 with 375 M warmup tokens, cosine to 10 
 Data parallel over every device; bf16 compute.
 
     python launch/train.py --config configs/gpt2_124m.py --workdir runs/gpt2_124m \
-        --config.data.path=PATH
+        --config.data.sources="((1.0, 'PATH/PREFIX'),)"   # PREFIX.bin/.idx: launch/preprocess.py
 """
 
 from mtnlg_jax import config as config_lib

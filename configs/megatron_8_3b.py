@@ -7,7 +7,7 @@ scaled by 1/sqrt(2 x layers). The paper counts iterations; here the schedule is 
 3 k x 512 x 1024 = 1.57 B warmup tokens, 300 k x 512 x 1024 = 157 B decay tokens.
 
     python launch/train.py --config configs/megatron_8_3b.py --workdir runs/megatron_8_3b \
-        --config.data.path=PATH
+        --config.data.sources="((1.0, 'PATH/PREFIX'),)"   # PREFIX.bin/.idx: launch/preprocess.py
 """
 
 from mtnlg_jax import config as config_lib

@@ -3,15 +3,37 @@
 105 layers, hidden 20480, 128 heads (head dim 160), seq 2048, GPT-2 BPE (50257, padded to
 51200); init normal(0, 4e-3); Adam(0.9, 0.95, 1e-8), weight decay 0.1, clip 1.0; lr 5e-5 with
 linear warmup over 1 B tokens and cosine decay to 10 % over 340 B tokens; global batch 1920
-(the paper ramps it up from 32 over the first 12 B tokens); bf16 compute with fp32 master
-weights and optimizer state. Layout of one replica: tensor 8 inside a DGX node, pipeline 35
-across nodes (3 layers per stage), data parallel over replicas with ZeRO-1.
+ramped up from 32 by 32 over the first 12 B tokens; bf16 compute with fp32 master weights and
+optimizer state. Layout of one replica: tensor 8 inside a DGX node, pipeline 35 across nodes
+(3 layers per stage), data parallel over replicas with ZeRO-1. Data: the paper's blend of 15
+sources at its sampling weights (MTNLG_BLEND), each a .bin/.idx pair under DATA_ROOT (written
+by launch/preprocess.py, or Megatron-LM's tools/preprocess_data.py with the GPT-2 BPE); the
+paths are yours to set.
 
-    python launch/train.py --config configs/mtnlg_530b.py --workdir runs/mtnlg_530b \
-        --config.data.path=PATH
+    python launch/train.py --config configs/mtnlg_530b.py --workdir runs/mtnlg_530b
 """
 
 from mtnlg_jax import config as config_lib
+
+DATA_ROOT = '/data/mtnlg'
+# Sampling weight (%) of each source in MT-NLG's training blend (arXiv 2201.11990, table 2).
+MTNLG_BLEND = (
+    (19.3, 'openwebtext2'),
+    (15.7, 'cc-2021-04'),
+    (14.3, 'books3'),
+    (13.0, 'cc-2020-50'),
+    (9.4, 'pile-cc'),
+    (9.0, 'realnews'),
+    (5.7, 'stackexchange'),
+    (4.8, 'wikipedia'),
+    (2.9, 'pubmed-abstracts'),
+    (1.6, 'github'),
+    (1.4, 'arxiv'),
+    (1.0, 'bookcorpus2'),
+    (0.9, 'pg-19'),
+    (0.9, 'cc-stories'),
+    (0.2, 'nih-exporter'),
+)
 
 
 def get_config():
@@ -36,6 +58,7 @@ def get_config():
     config.train.update(
         dict(global_batch=1920, micro_batch=1, steps=140_000, log_every=1, eval_every=1000)
     )
+    config.train.rampup.update(dict(start=32, increment=32, tokens=12_000_000_000))
     config.optimizer.update(
         dict(
             lr=5e-5,
@@ -50,4 +73,5 @@ def get_config():
         )
     )
     config.checkpoint.update(dict(every=100, keep=2))
+    config.data.sources = tuple((weight, f'{DATA_ROOT}/{name}') for weight, name in MTNLG_BLEND)
     return config

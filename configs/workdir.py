@@ -3,7 +3,7 @@
 For a workdir that launch/convert.py imported from Hugging Face, or any earlier run:
 
     python launch/train.py --config configs/workdir.py:runs/gpt2 --workdir runs/gpt2 \
-        --config.data.path=PATH --config.train.steps=N [--config.mesh.tensor=2 ...]
+        --config.data.sources='((1.0, PREFIX),)' --config.train.steps=N [--config.mesh.tensor=2 ...]
 
 Keys come back resolved; launch/train.py resolves them again for this run's devices (derived
 keys are recomputed), and any key can still be overridden on the command line.

@@ -1,14 +1,15 @@
 """Evaluate a workdir's checkpoint: perplexity, LAMBADA, multiple choice.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python launch/evaluate.py \
-        --workdir runs/tiny --task perplexity --data data/default/valid.npy
+        --workdir runs/tiny --task perplexity --data data/default/kjv --split valid
     ... --task perplexity --data wiki.test.tokens --overlap 32 --count_words   (WikiText-103)
     ... --task lambada --data lambada_test.jsonl                    ({"text": ...} per line)
     ... --task multiple_choice --data hellaswag.jsonl --shots 1     ({"context", "choices",
                                                                      "answer"} per line)
 
-Perplexity reads a token file (.npy, as launch/prepare_data.py writes) or a text file (any
-other name, tokenised with the run's tokenizer); with --count_words (text) or --num_words N the
+Perplexity reads a Megatron indexed dataset (--data PREFIX of PREFIX.bin/.idx, as
+launch/preprocess.py writes; --split train|valid|test takes that split of its documents under
+the run's data.split) or a text file (any other name, tokenised with the run's tokenizer); with --count_words (text) or --num_words N the
 word-normalised perplexity of Megatron's WikiText-103 protocol is reported as well. Results
 print as a table and are written as JSON (default DIR/eval/<task>_step<N>.json). The mesh is
 the run's unless --data_parallel / --tensor say otherwise; any layout reads the checkpoint.
@@ -38,7 +39,10 @@ def parse_args(argv):
     parser.add_argument('--workdir', required=True, help='a run of launch/train.py')
     parser.add_argument('--step', type=int, help='checkpoint step (default: the newest)')
     parser.add_argument('--task', required=True, choices=TASKS)
-    parser.add_argument('--data', required=True, help='.npy token file, text file or jsonl')
+    parser.add_argument('--data', required=True, help='indexed dataset prefix, text or jsonl')
+    parser.add_argument(
+        '--split', choices=('train', 'valid', 'test'), help='perplexity: a split of --data'
+    )
     parser.add_argument('--overlap', type=int, default=32, help='perplexity: context tokens')
     words = parser.add_mutually_exclusive_group()
     words.add_argument('--num_words', type=int, help='perplexity: original word count')
@@ -55,21 +59,39 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-def read_task_data(args, tokenizer, vocab_size):
+def indexed_tokens(prefix, split, data_split):
+    """The tokens of an indexed dataset's documents, all or those of one split."""
+    import numpy as np
+
+    from mtnlg_jax.data.gpt_dataset import split_ranges
+    from mtnlg_jax.data.indexed import IndexedDataset
+
+    indexed = IndexedDataset(prefix)
+    first, stop = split_ranges(data_split, len(indexed))[split] if split else (0, len(indexed))
+    if stop <= first:
+        fail(f'--data {prefix}: its {split} split (data.split {data_split}) has no documents')
+    return np.concatenate([indexed[i] for i in range(first, stop)])
+
+
+def read_task_data(args, tokenizer, config):
     """The task's input, read and checked before any model is loaded."""
     import numpy as np
 
-    from mtnlg_jax.data.loader import DataError, read_token_file
+    from mtnlg_jax.data.indexed import DataError
     from mtnlg_jax.eval import tasks
 
-    if not os.path.isfile(args.data):
-        fail(f'--data {args.data}: no such file')
+    vocab_size = config.model.vocab_size
+    indexed = os.path.isfile(args.data + '.idx')
+    if not indexed and not os.path.isfile(args.data):
+        fail(f'--data {args.data}: no such file (nor {args.data}.idx)')
+    if args.split and not (indexed and args.task == 'perplexity'):
+        fail('--split takes a split of an indexed dataset, for --task perplexity')
     try:
         if args.task == 'perplexity':
-            if args.data.endswith('.npy'):
+            if indexed:
                 if args.count_words:
                     fail('--count_words needs a text file; give --num_words for a token file')
-                tokens = read_token_file(args.data)
+                tokens = indexed_tokens(args.data, args.split, config.data.split)
                 num_words = args.num_words
             else:
                 with open(args.data, encoding='utf-8') as f:
@@ -128,7 +150,7 @@ def main(argv):
         except workdir_lib.WorkdirError as e:
             fail(str(e))
 
-    task_data, num_words = read_task_data(args, tokenizer, config.model.vocab_size)
+    task_data, num_words = read_task_data(args, tokenizer, config)
     if num_words is not None and num_words < 2:
         fail(f'word-normalised perplexity needs at least 2 words, got {num_words}')
     if args.task == 'perplexity' and not 0 <= args.overlap < config.model.seq_len:

@@ -37,7 +37,7 @@ def main(argv):
     import jax  # after flag parsing: a bad command line costs no JAX start-up
 
     from mtnlg_jax import config as config_lib
-    from mtnlg_jax.data.loader import DataError
+    from mtnlg_jax.data.indexed import DataError
     from mtnlg_jax.train import loop
 
     try:
@@ -49,7 +49,7 @@ def main(argv):
         fail(f'{e}{hint}')
     try:
         loop.train(config, _WORKDIR.value)
-    except (loop.DataConfigError, DataError) as e:
+    except DataError as e:
         fail(str(e))
 
 

@@ -8,12 +8,16 @@ against the device count before anything is built and fills in what follows from
   model.ffn_hidden          0 -> 4 x hidden
   model.padded_vocab        vocab_size rounded up to a multiple of 128 x tensor (Megatron's rule)
   train.micro_steps         global_batch / (micro_batch x data), accumulated inside one step
-  optimizer.decay_tokens    0 -> all the tokens of the run
+                            (during a ramp-up, train.rampup, each smaller batch has fewer)
+  optimizer.decay_tokens    0 -> all the tokens of the run, ramp-up included
 """
 
 import math
 
 import ml_collections
+
+from mtnlg_jax.data.gpt_dataset import parse_split
+from mtnlg_jax.train import rampup
 
 REMAT_POLICIES = ('none', 'full', 'selective')
 COMPUTE_DTYPES = ('float32', 'bfloat16', 'float16')
@@ -60,6 +64,9 @@ def defaults():
             log_every=10,
             eval_every=500,  # 0: never
             eval_batches=8,
+            # Batch-size ramp-up (start 0: none): from `start` sequences, `increment` at a time,
+            # to global_batch over the first `tokens` tokens (MT-NLG: 32, 32, 12 B).
+            rampup=ml_collections.ConfigDict(dict(start=0, increment=0, tokens=0)),
         )
     )
     # Adam as in the MT-NLG paper; the learning rate is a function of tokens seen, as there:
@@ -79,8 +86,14 @@ def defaults():
         )
     )
     config.checkpoint = ml_collections.ConfigDict(dict(every=0, keep=3))
+    # sources: (weight, path prefix of a .bin/.idx pair) ..., blended by weight; split: the
+    # train, valid and test shares of each source's documents, as Megatron's --split.
     config.data = ml_collections.ConfigDict(
-        dict(path='data/default', tokenizer='data/default/tokenizer.model')
+        dict(
+            sources=((0.5, 'data/default/kjv'), (0.5, 'data/default/python_stdlib')),
+            split='969,30,1',
+            tokenizer='data/default/tokenizer.model',
+        )
     )
     return config
 
@@ -207,15 +220,9 @@ def resolve(config, num_devices):
 
     model.padded_vocab = padded_vocab_size(model.vocab_size, tensor)
     train.micro_steps = train.global_batch // replica_batch
-    repeats = config.pipeline.repeats
-    _require(
-        repeats == 1 or train.micro_steps >= stage,
-        'train.global_batch',
-        f'the circular pipeline (mesh.stage={stage}, pipeline.repeats={repeats}) needs at least '
-        f'{stage} micro-batches per step, but train.global_batch / (train.micro_batch x '
-        f'mesh.data) = {train.global_batch} / ({train.micro_batch} x {data}) = '
-        f'{train.micro_steps}',
-    )
+    _check_rampup(train, replica_batch)
+    _check_pipeline(config, replica_batch)
+    _check_data(config.data)
 
     _require(opt.lr > 0, 'optimizer.lr', f'must be positive, got {opt.lr}')
     _require(
@@ -227,7 +234,7 @@ def resolve(config, num_devices):
         opt.warmup_tokens >= 0, 'optimizer.warmup_tokens', f'must be >= 0, got {opt.warmup_tokens}'
     )
     if opt.decay_tokens == 0:
-        opt.decay_tokens = train.steps * train.global_batch * model.seq_len
+        opt.decay_tokens = rampup.total_samples(train, model.seq_len) * model.seq_len
     _require(
         opt.decay_tokens > opt.warmup_tokens,
         'optimizer.decay_tokens',
@@ -235,6 +242,80 @@ def resolve(config, num_devices):
     )
     _require(opt.clip_norm >= 0, 'optimizer.clip_norm', f'must be >= 0, got {opt.clip_norm}')
     return config
+
+
+def _check_pipeline(config, replica_batch):
+    """A circular pipeline (repeats > 1) needs at least `stage` micro-batches in every step,
+    the smallest batch of a ramp-up included."""
+    stage, repeats, train = config.mesh.stage, config.pipeline.repeats, config.train
+    key, smallest = 'train.global_batch', train.global_batch
+    if train.rampup.start:
+        key, smallest = 'train.rampup.start', train.rampup.start
+    _require(
+        repeats == 1 or smallest // replica_batch >= stage,
+        key,
+        f'the circular pipeline (mesh.stage={stage}, pipeline.repeats={repeats}) needs at least '
+        f'{stage} micro-batches per step, but {key} / (train.micro_batch x mesh.data) = '
+        f'{smallest} / ({train.micro_batch} x {config.mesh.data}) = {smallest // replica_batch}',
+    )
+
+
+def _check_rampup(train, replica_batch):
+    """Every batch of the ramp must split into whole micro-steps of micro_batch x data."""
+    ramp = train.rampup
+    if not ramp.start:
+        return
+    for name in ('start', 'increment', 'tokens'):
+        value = ramp[name]
+        _require(
+            isinstance(value, int) and value > 0,
+            f'train.rampup.{name}',
+            f'must be a positive integer when train.rampup.start is set, got {value!r}',
+        )
+    _require(
+        ramp.start < train.global_batch,
+        'train.rampup.start',
+        f'{ramp.start} must be below train.global_batch={train.global_batch}',
+    )
+    _require(
+        (train.global_batch - ramp.start) % ramp.increment == 0,
+        'train.rampup.increment',
+        f'{ramp.increment} does not step from train.rampup.start={ramp.start} to '
+        f'train.global_batch={train.global_batch}',
+    )
+    for name in ('start', 'increment'):
+        _require(
+            ramp[name] % replica_batch == 0,
+            f'train.rampup.{name}',
+            f'{ramp[name]} is not divisible by train.micro_batch x mesh.data = {replica_batch}, '
+            f'so some batch of the ramp would not split into micro-steps',
+        )
+
+
+def _check_data(data):
+    sources = data.sources
+    _require(
+        isinstance(sources, (tuple, list))
+        and len(sources) > 0
+        and all(
+            isinstance(s, (tuple, list))
+            and len(s) == 2
+            and isinstance(s[0], (int, float))
+            and s[0] > 0
+            and isinstance(s[1], str)
+            and s[1]
+            for s in sources
+        ),
+        'data.sources',
+        f'must be ((weight > 0, path prefix), ...), got {sources!r}',
+    )
+    try:
+        train, valid, _ = parse_split(data.split)
+    except (ValueError, AttributeError) as e:
+        raise ConfigError('data.split', str(e)) from None
+    _require(
+        train > 0 and valid > 0, 'data.split', f'{data.split!r} leaves no train or valid share'
+    )
 
 
 def load(path):

@@ -14,11 +14,13 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope='module')
 def token_data(tmp_path_factory):
-    """A small learnable dataset for command-line runs: a repeating pattern of ids below 300."""
-    from mtnlg_jax.data.loader import write_token_file
+    """Prefix of a small learnable indexed dataset: 220 documents of one pattern of ids < 300."""
+    from mtnlg_jax.data.indexed import IndexedDatasetWriter
 
-    path = tmp_path_factory.mktemp('data')
+    prefix = str(tmp_path_factory.mktemp('data') / 'pattern')
     pattern = np.random.default_rng(0).integers(0, 300, 97)
-    write_token_file(str(path / 'train.npy'), np.tile(pattern, 200).astype(np.uint16))
-    write_token_file(str(path / 'valid.npy'), np.tile(pattern, 20).astype(np.uint16))
-    return path
+    writer = IndexedDatasetWriter(prefix, np.uint16)
+    for _ in range(220):
+        writer.add(pattern)
+    writer.finish()
+    return prefix

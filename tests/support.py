@@ -131,6 +131,7 @@ SMALL_MODEL = [
     '--config.model.vocab_size=300',
     '--config.train.global_batch=16',
     '--config.train.micro_batch=2',
+    '--config.train.rampup.start=0',
 ]
 
 
@@ -143,6 +144,6 @@ def run_train(workdir, *overrides, data=None):
         str(ROOT / 'configs/tiny.py'),
     ]
     args += ['--workdir', str(workdir), *overrides]
-    if data is not None:
-        args.append(f'--config.data.path={data}')
+    if data is not None:  # the prefix of one indexed dataset (conftest's token_data)
+        args.append(f'--config.data.sources=((1.0, {str(data)!r}),)')
     return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=300)

