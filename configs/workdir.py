@@ -15,7 +15,17 @@ import os
 import ml_collections
 
 
+def _tuples(value):
+    """JSON has only lists; the config's sequences are tuples (and only tuples can be
+    overridden on the command line)."""
+    if isinstance(value, dict):
+        return {key: _tuples(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return tuple(_tuples(item) for item in value)
+    return value
+
+
 def get_config(workdir):
     path = os.path.join(workdir, 'config.json')
     with open(path) as f:
-        return ml_collections.ConfigDict(json.load(f))
+        return ml_collections.ConfigDict(_tuples(json.load(f)))

@@ -11,7 +11,7 @@ from mtnlg_jax import config as config_lib
 from mtnlg_jax.data import loader as loader_lib
 from mtnlg_jax.data.indexed import IndexedDatasetWriter
 from mtnlg_jax.parallel.mesh import make_mesh
-from test_train_command_line import SMALL_MODEL, run_train, token_data  # noqa: F401
+from support import SMALL_MODEL, run_train
 
 SEQ_LEN = 8
 STEPS = 7

@@ -9,7 +9,7 @@ from mtnlg_jax import config as config_lib
 from mtnlg_jax.train import rampup
 from mtnlg_jax.train.optimizer import learning_rate_schedule
 from test_loader import SEQ_LEN, config_for, sources  # noqa: F401
-from test_train_command_line import SMALL_MODEL, run_train, token_data  # noqa: F401
+from support import SMALL_MODEL, run_train
 
 
 def test_the_ramp_schedule_of_batch_sizes(sources):  # noqa: F811
