@@ -60,6 +60,13 @@ def defaults():
             log_every=10,
             eval_every=500,  # 0: never
             eval_batches=8,
+            # A step with a NaN or Inf loss or gradient norm is skipped (state unchanged);
+            # this many in a row stop the run.
+            max_consecutive_skips=10,
+            # Fault drill: steps inject_nan_at_step .. + inject_nan_steps - 1 get a NaN loss
+            # and gradients, to check on a real cluster what a bad step does (0: never).
+            inject_nan_at_step=0,
+            inject_nan_steps=1,
         )
     )
     # Adam as in the MT-NLG paper; the learning rate is a function of tokens seen, as there:
@@ -78,7 +85,12 @@ def defaults():
             clip_norm=1.0,
         )
     )
-    config.checkpoint = ml_collections.ConfigDict(dict(every=0, keep=3))
+    # init_from: a workdir (or checkpoint directory) of another run whose newest checkpoint
+    # gives this run's initial parameters (with init_full_state: its whole state and data
+    # position), under any layout. Used only while this workdir has no checkpoint of its own.
+    config.checkpoint = ml_collections.ConfigDict(
+        dict(every=0, keep=3, init_from='', init_full_state=False)
+    )
     config.data = ml_collections.ConfigDict(
         dict(path='data/default', tokenizer='data/default/tokenizer.model')
     )
@@ -156,6 +168,9 @@ def resolve(config, num_devices):
         'train.steps',
         'train.log_every',
         'pipeline.repeats',
+        'train.max_consecutive_skips',
+        'train.inject_nan_steps',
+        'checkpoint.keep',
     )
     if model.ffn_hidden == 0:
         model.ffn_hidden = 4 * model.hidden
@@ -209,6 +224,12 @@ def resolve(config, num_devices):
     model.padded_vocab = padded_vocab_size(model.vocab_size, tensor)
     train.micro_steps = train.global_batch // replica_batch
 
+    for key in ('train.inject_nan_at_step', 'checkpoint.every'):
+        section, name = key.split('.')
+        value = config[section][name]
+        _require(
+            isinstance(value, int) and value >= 0, key, f'must be an integer >= 0, got {value!r}'
+        )
     _require(opt.lr > 0, 'optimizer.lr', f'must be positive, got {opt.lr}')
     _require(
         0 <= opt.min_lr <= opt.lr,

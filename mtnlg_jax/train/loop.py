@@ -17,11 +17,11 @@ from tqdm import tqdm
 from mtnlg_jax import checkpoint as checkpoint_lib
 from mtnlg_jax import plan
 from mtnlg_jax.data.loader import TokenWindowLoader, read_token_file
-from mtnlg_jax.data.tokenizer import Tokenizer
 from mtnlg_jax.parallel import rules
 from mtnlg_jax.parallel.mesh import mesh_from_config
+from mtnlg_jax.train import faults, resume
 from mtnlg_jax.train import metrics as metrics_lib
-from mtnlg_jax.train.state import init_state, make_setup
+from mtnlg_jax.train.state import make_setup
 from mtnlg_jax.train.step import (
     BATCH_AXES,
     make_eval_step,
@@ -98,31 +98,19 @@ def evaluate(config, eval_step, params, loader, mesh):
 
 
 def restore_or_init(config, setup, checkpoints):
-    """The newest checkpoint of the workdir, resharded onto this layout, or a fresh state.
-    Returns (state, counters) with counters = samples_consumed and tokens_seen."""
-    if checkpoints.latest_step() is None:
-        return init_state(config, setup), dict(samples_consumed=0, tokens_seen=0)
-    abstract = checkpoint_lib.abstract_with_shardings(setup.abstract_state, setup.state_shardings)
-    state, meta = checkpoints.restore(abstract)
-    return state, {key: meta[key] for key in ('samples_consumed', 'tokens_seen')}
+    """The newest usable checkpoint of the workdir (or of checkpoint.init_from), resharded
+    onto this layout, or a fresh state. Returns (state, counters); see train/resume.py."""
+    return resume.restore_or_init(config, setup, checkpoints)
 
 
-def checkpoint_meta(config, counters):
-    """What a checkpoint needs besides the arrays to resume exactly."""
-    tokenizer = None
-    if os.path.exists(config.data.tokenizer):
-        tokenizer = Tokenizer(config.data.tokenizer).identity
-    return dict(counters, config=config.to_dict(), tokenizer_identity=tokenizer)
+checkpoint_meta = resume.checkpoint_meta
 
 
 def train(config, workdir):
     """Train a resolved config in workdir, resuming from its newest checkpoint if it has one.
-    Raises DataConfigError before anything is written."""
+    Raises DataConfigError or CheckpointError before anything is written, NonFiniteError
+    after train.max_consecutive_skips non-finite steps. Returns the final state."""
     train_data, valid_data = open_data(config)
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, 'config.json'), 'w') as f:
-        json.dump(config.to_dict(), f, indent=2)
-
     mesh = mesh_from_config(config)
     setup = make_setup(config, mesh)
     train_cfg, seq_len = config.train, config.model.seq_len
@@ -135,8 +123,11 @@ def train(config, workdir):
         host_batch = train_data.samples(samples_consumed, train_cfg.global_batch)
         return place_batch(*to_micro_steps(host_batch, train_cfg.micro_steps), mesh)
 
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), faults.StopSignals() as stop_signals:
         state, counters = restore_or_init(config, setup, checkpoints)
+        os.makedirs(workdir, exist_ok=True)
+        with open(os.path.join(workdir, 'config.json'), 'w') as f:
+            json.dump(config.to_dict(), f, indent=2)
         first_step = int(state['step'])
         start = time.perf_counter()
         train_step = make_train_step(config, setup)
@@ -145,8 +136,21 @@ def train(config, workdir):
         compile_seconds = time.perf_counter() - start
         for line in banner_lines(config, setup, compile_seconds):
             print(line, flush=True)
-        if first_step:
-            print(f'resumed      from step {first_step} of {checkpoints.directory}', flush=True)
+        nan_drill = range(
+            train_cfg.inject_nan_at_step, train_cfg.inject_nan_at_step + train_cfg.inject_nan_steps
+        )
+        nan_step = make_train_step(config, setup, inject_nan=True) if nan_drill[0] else None
+        skips = faults.SkipCounter(train_cfg.max_consecutive_skips, counters['skipped_steps'])
+
+        def save(step):
+            skips.flush()  # a step past the limit of non-finite steps is never saved
+            counters['skipped_steps'] = skips.total
+            checkpoints.save(step, state, checkpoint_meta(config, counters))
+
+        def preempted(step):
+            if jax.process_count() > 1:
+                return checkpoints.reached_preemption(step)
+            return stop_signals.requested
 
         writer = metrics_lib.MetricsWriter(workdir, resume_step=first_step)
         progress = tqdm(
@@ -158,66 +162,80 @@ def train(config, workdir):
         )
         last_time, last_step = time.perf_counter(), first_step
         window_losses = []  # device scalars: averaged at the log step, no sync per step
-        for step in range(first_step, train_cfg.steps):
-            tokens, row_ids = next_batch(counters['samples_consumed'])
-            counters['samples_consumed'] += train_cfg.global_batch
-            counters['tokens_seen'] += train_cfg.global_batch * seq_len
-            tokens_seen = counters['tokens_seen']
-            state, step_metrics = train_step(state, tokens, row_ids, jnp.float32(tokens_seen))
-            window_losses.append(step_metrics['loss'])
-            progress.update(1)
-            done = step + 1
-            if done % train_cfg.log_every == 0 or done == train_cfg.steps:
-                step_metrics, losses = jax.device_get((step_metrics, window_losses))
-                window_losses = []
-                now = time.perf_counter()
-                step_time = (now - last_time) / (done - last_step)
-                last_time, last_step = now, done
-                tokens_per_s = train_cfg.global_batch * seq_len / step_time
-                tflops = flops_per_token * tokens_per_s / jax.device_count() / 1e12
-                record = dict(
-                    step=done,
-                    loss=float(np.mean(losses)),  # mean over the log interval
-                    lr=float(step_metrics['lr']),
-                    grad_norm=float(step_metrics['grad_norm']),
-                    global_batch=train_cfg.global_batch,
-                    tokens_seen=tokens_seen,
-                    step_time_s=step_time,
-                    tokens_per_s=tokens_per_s,
-                    tflops_per_device=tflops,
-                    mfu=tflops / peak if peak else None,
-                )
-                writer.write(record)
-                progress.set_postfix(
-                    loss=f'{record["loss"]:.3f}',
-                    tok_s=f'{tokens_per_s:,.0f}',
-                    mfu='n/a' if peak is None else f'{record["mfu"]:.1%}',
-                )
-            every = config.checkpoint.every
-            if (every and done % every == 0) or done == train_cfg.steps:
-                checkpoints.save(done, state, checkpoint_meta(config, counters))
-            if (
-                train_cfg.eval_every and done % train_cfg.eval_every == 0
-            ) or done == train_cfg.steps:
-                loss = evaluate(config, eval_step, state['params'], valid_data, mesh)
-                writer.write(
-                    dict(
+        try:
+            for step in range(first_step, train_cfg.steps):
+                tokens, row_ids = next_batch(counters['samples_consumed'])
+                counters['samples_consumed'] += train_cfg.global_batch
+                counters['tokens_seen'] += train_cfg.global_batch * seq_len
+                tokens_seen = counters['tokens_seen']
+                step_fn = nan_step if step + 1 in nan_drill else train_step
+                state, step_metrics = step_fn(state, tokens, row_ids, jnp.float32(tokens_seen))
+                window_losses.append(step_metrics['loss'])
+                progress.update(1)
+                done = step + 1
+                skips.push(done, step_metrics['skipped'])
+                stopping = preempted(done)
+                if done % train_cfg.log_every == 0 or done == train_cfg.steps or stopping:
+                    skips.flush()
+                    step_metrics, losses = jax.device_get((step_metrics, window_losses))
+                    window_losses = []
+                    now = time.perf_counter()
+                    step_time = (now - last_time) / (done - last_step)
+                    last_time, last_step = now, done
+                    tokens_per_s = train_cfg.global_batch * seq_len / step_time
+                    tflops = flops_per_token * tokens_per_s / jax.device_count() / 1e12
+                    record = dict(
                         step=done,
-                        eval=True,
-                        loss=loss,
+                        loss=float(np.mean(losses)),  # mean over the log interval
+                        lr=float(step_metrics['lr']),
+                        grad_norm=float(step_metrics['grad_norm']),
+                        global_batch=train_cfg.global_batch,
                         tokens_seen=tokens_seen,
-                        perplexity=metrics_lib.perplexity(loss),
+                        step_time_s=step_time,
+                        tokens_per_s=tokens_per_s,
+                        tflops_per_device=tflops,
+                        mfu=tflops / peak if peak else None,
+                        skipped_steps=skips.total,
                     )
-                )
-                progress.write(
-                    f'step {done}: validation loss {loss:.4f}, '
-                    f'perplexity {metrics_lib.perplexity(loss):.2f}'
-                )
-                last_time = time.perf_counter()  # evaluation time is not step time
-        progress.close()
-        writer.close()
-        checkpoints.wait()
-        checkpoints.close()
+                    writer.write(record)
+                    progress.set_postfix(
+                        loss=f'{record["loss"]:.3f}',
+                        tok_s=f'{tokens_per_s:,.0f}',
+                        mfu='n/a' if peak is None else f'{record["mfu"]:.1%}',
+                    )
+                every = config.checkpoint.every
+                if (every and done % every == 0) or done == train_cfg.steps or stopping:
+                    save(done)
+                if stopping:
+                    progress.write(
+                        f'stopped      at step {done} on request: checkpoint saved; '
+                        f'the same command resumes it'
+                    )
+                    break
+                if (
+                    train_cfg.eval_every and done % train_cfg.eval_every == 0
+                ) or done == train_cfg.steps:
+                    loss = evaluate(config, eval_step, state['params'], valid_data, mesh)
+                    writer.write(
+                        dict(
+                            step=done,
+                            eval=True,
+                            loss=loss,
+                            tokens_seen=tokens_seen,
+                            perplexity=metrics_lib.perplexity(loss),
+                        )
+                    )
+                    progress.write(
+                        f'step {done}: validation loss {loss:.4f}, '
+                        f'perplexity {metrics_lib.perplexity(loss):.2f}'
+                    )
+                    last_time = time.perf_counter()  # evaluation time is not step time
+            skips.flush()
+        finally:  # also on NonFiniteError: the saves in flight complete, nothing new is saved
+            progress.close()
+            writer.close()
+            checkpoints.wait()
+            checkpoints.close()
 
     png = os.path.join(workdir, 'loss.png')
     metrics_lib.plot_loss_curve(writer.path, png, title=os.path.basename(workdir.rstrip('/')))

@@ -103,20 +103,34 @@ def accumulate_gradients(config, setup, params, tokens, row_ids, step):
     return loss_sum / token_count, grads
 
 
-def make_train_step(config, setup):
-    """jit(state, tokens, row_ids, tokens_after_step) -> (state, metrics); donates the state."""
+def make_train_step(config, setup, inject_nan=False):
+    """jit(state, tokens, row_ids, tokens_after_step) -> (state, metrics); donates the state.
+
+    A step whose loss or gradient norm is NaN or Inf leaves the parameters and optimizer
+    state as they were (only `step` advances: the batch is consumed) and reports
+    `skipped` = 1. inject_nan: a variant whose loss and gradients are NaN, for the fault
+    drill `train.inject_nan_at_step` (never compiled unless the drill is configured)."""
     schedule = learning_rate_schedule(config.optimizer)
 
     def train_step(state, tokens, row_ids, tokens_after_step):
         params = state['params']
         loss, grads = accumulate_gradients(config, setup, params, tokens, row_ids, state['step'])
+        if inject_nan:
+            loss, grads = loss + jnp.nan, jax.tree.map(lambda g: g + jnp.nan, grads)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = setup.optimizer.update(grads, state['opt_state'], params)
         # The lr of the tokens seen once this batch is consumed: the first step already moves.
         lr = schedule(tokens_after_step)
-        params = optax.apply_updates(params, jax.tree.map(lambda u: -lr * u, updates))
-        new_state = dict(params=params, opt_state=opt_state, step=state['step'] + 1)
-        return new_state, dict(loss=loss, grad_norm=grad_norm, lr=lr)
+        new_params = optax.apply_updates(params, jax.tree.map(lambda u: -lr * u, updates))
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        kept = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old),
+            (new_params, opt_state),
+            (params, state['opt_state']),
+        )
+        new_state = dict(params=kept[0], opt_state=kept[1], step=state['step'] + 1)
+        skipped = jnp.logical_not(finite).astype(jnp.int32)
+        return new_state, dict(loss=loss, grad_norm=grad_norm, lr=lr, skipped=skipped)
 
     return jax.jit(train_step, out_shardings=(setup.state_shardings, None), donate_argnums=0)
 
