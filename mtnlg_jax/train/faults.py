@@ -53,12 +53,14 @@ class StopSignals:
 
 class SkipCounter:
     """Counts skipped steps from each step's `skipped` flag, one step behind the device.
-    Raises NonFiniteError once `limit` consecutive steps were skipped."""
+    Once `limit` consecutive steps were skipped, `error` says so (the loop stops, saving
+    nothing more, and raises NonFiniteError after the saves in flight complete)."""
 
     def __init__(self, limit, total=0):
         self.limit = limit
         self.total = total
         self.consecutive = 0
+        self.error = None
         self._pending = None  # (step, device flag) not yet read
 
     def push(self, step, skipped):
@@ -78,8 +80,8 @@ class SkipCounter:
         self.total += 1
         self.consecutive += 1
         print(f'warning: step {step} skipped: non-finite loss or gradient norm', flush=True)
-        if self.consecutive >= self.limit:
-            raise NonFiniteError(
+        if self.consecutive >= self.limit and self.error is None:
+            self.error = (
                 f'{self.consecutive} consecutive steps up to step {step} had a non-finite loss '
                 f'or gradient norm (train.max_consecutive_skips={self.limit}); the run stops '
                 f'with its checkpoints as they were'

@@ -143,7 +143,9 @@ def train(config, workdir):
         skips = faults.SkipCounter(train_cfg.max_consecutive_skips, counters['skipped_steps'])
 
         def save(step):
-            skips.flush()  # a step past the limit of non-finite steps is never saved
+            skips.flush()
+            if skips.error:  # past the limit of non-finite steps: keep the last good checkpoint
+                return
             counters['skipped_steps'] = skips.total
             checkpoints.save(step, state, checkpoint_meta(config, counters))
 
@@ -162,80 +164,82 @@ def train(config, workdir):
         )
         last_time, last_step = time.perf_counter(), first_step
         window_losses = []  # device scalars: averaged at the log step, no sync per step
-        try:
-            for step in range(first_step, train_cfg.steps):
-                tokens, row_ids = next_batch(counters['samples_consumed'])
-                counters['samples_consumed'] += train_cfg.global_batch
-                counters['tokens_seen'] += train_cfg.global_batch * seq_len
-                tokens_seen = counters['tokens_seen']
-                step_fn = nan_step if step + 1 in nan_drill else train_step
-                state, step_metrics = step_fn(state, tokens, row_ids, jnp.float32(tokens_seen))
-                window_losses.append(step_metrics['loss'])
-                progress.update(1)
-                done = step + 1
-                skips.push(done, step_metrics['skipped'])
-                stopping = preempted(done)
-                if done % train_cfg.log_every == 0 or done == train_cfg.steps or stopping:
-                    skips.flush()
-                    step_metrics, losses = jax.device_get((step_metrics, window_losses))
-                    window_losses = []
-                    now = time.perf_counter()
-                    step_time = (now - last_time) / (done - last_step)
-                    last_time, last_step = now, done
-                    tokens_per_s = train_cfg.global_batch * seq_len / step_time
-                    tflops = flops_per_token * tokens_per_s / jax.device_count() / 1e12
-                    record = dict(
+        for step in range(first_step, train_cfg.steps):
+            tokens, row_ids = next_batch(counters['samples_consumed'])
+            counters['samples_consumed'] += train_cfg.global_batch
+            counters['tokens_seen'] += train_cfg.global_batch * seq_len
+            tokens_seen = counters['tokens_seen']
+            step_fn = nan_step if step + 1 in nan_drill else train_step
+            state, step_metrics = step_fn(state, tokens, row_ids, jnp.float32(tokens_seen))
+            window_losses.append(step_metrics['loss'])
+            progress.update(1)
+            done = step + 1
+            skips.push(done, step_metrics['skipped'])
+            stopping = preempted(done)
+            if done % train_cfg.log_every == 0 or done == train_cfg.steps or stopping:
+                skips.flush()
+                step_metrics, losses = jax.device_get((step_metrics, window_losses))
+                window_losses = []
+                now = time.perf_counter()
+                step_time = (now - last_time) / (done - last_step)
+                last_time, last_step = now, done
+                tokens_per_s = train_cfg.global_batch * seq_len / step_time
+                tflops = flops_per_token * tokens_per_s / jax.device_count() / 1e12
+                record = dict(
+                    step=done,
+                    loss=float(np.mean(losses)),  # mean over the log interval
+                    lr=float(step_metrics['lr']),
+                    grad_norm=float(step_metrics['grad_norm']),
+                    global_batch=train_cfg.global_batch,
+                    tokens_seen=tokens_seen,
+                    step_time_s=step_time,
+                    tokens_per_s=tokens_per_s,
+                    tflops_per_device=tflops,
+                    mfu=tflops / peak if peak else None,
+                    skipped_steps=skips.total,
+                )
+                writer.write(record)
+                progress.set_postfix(
+                    loss=f'{record["loss"]:.3f}',
+                    tok_s=f'{tokens_per_s:,.0f}',
+                    mfu='n/a' if peak is None else f'{record["mfu"]:.1%}',
+                )
+            every = config.checkpoint.every
+            if (every and done % every == 0) or done == train_cfg.steps or stopping:
+                save(done)
+            if skips.error:
+                break
+            if stopping:
+                progress.write(
+                    f'stopped      at step {done} on request: checkpoint saved; '
+                    f'the same command resumes it'
+                )
+                break
+            if (
+                train_cfg.eval_every and done % train_cfg.eval_every == 0
+            ) or done == train_cfg.steps:
+                loss = evaluate(config, eval_step, state['params'], valid_data, mesh)
+                writer.write(
+                    dict(
                         step=done,
-                        loss=float(np.mean(losses)),  # mean over the log interval
-                        lr=float(step_metrics['lr']),
-                        grad_norm=float(step_metrics['grad_norm']),
-                        global_batch=train_cfg.global_batch,
+                        eval=True,
+                        loss=loss,
                         tokens_seen=tokens_seen,
-                        step_time_s=step_time,
-                        tokens_per_s=tokens_per_s,
-                        tflops_per_device=tflops,
-                        mfu=tflops / peak if peak else None,
-                        skipped_steps=skips.total,
+                        perplexity=metrics_lib.perplexity(loss),
                     )
-                    writer.write(record)
-                    progress.set_postfix(
-                        loss=f'{record["loss"]:.3f}',
-                        tok_s=f'{tokens_per_s:,.0f}',
-                        mfu='n/a' if peak is None else f'{record["mfu"]:.1%}',
-                    )
-                every = config.checkpoint.every
-                if (every and done % every == 0) or done == train_cfg.steps or stopping:
-                    save(done)
-                if stopping:
-                    progress.write(
-                        f'stopped      at step {done} on request: checkpoint saved; '
-                        f'the same command resumes it'
-                    )
-                    break
-                if (
-                    train_cfg.eval_every and done % train_cfg.eval_every == 0
-                ) or done == train_cfg.steps:
-                    loss = evaluate(config, eval_step, state['params'], valid_data, mesh)
-                    writer.write(
-                        dict(
-                            step=done,
-                            eval=True,
-                            loss=loss,
-                            tokens_seen=tokens_seen,
-                            perplexity=metrics_lib.perplexity(loss),
-                        )
-                    )
-                    progress.write(
-                        f'step {done}: validation loss {loss:.4f}, '
-                        f'perplexity {metrics_lib.perplexity(loss):.2f}'
-                    )
-                    last_time = time.perf_counter()  # evaluation time is not step time
-            skips.flush()
-        finally:  # also on NonFiniteError: the saves in flight complete, nothing new is saved
-            progress.close()
-            writer.close()
-            checkpoints.wait()
-            checkpoints.close()
+                )
+                progress.write(
+                    f'step {done}: validation loss {loss:.4f}, '
+                    f'perplexity {metrics_lib.perplexity(loss):.2f}'
+                )
+                last_time = time.perf_counter()  # evaluation time is not step time
+        skips.flush()
+        progress.close()
+        writer.close()
+        checkpoints.wait()  # saves in flight complete, also after non-finite steps
+        checkpoints.close()
+    if skips.error:
+        raise faults.NonFiniteError(skips.error)
 
     png = os.path.join(workdir, 'loss.png')
     metrics_lib.plot_loss_curve(writer.path, png, title=os.path.basename(workdir.rstrip('/')))
