@@ -24,7 +24,8 @@ SMALL_MODEL = [
 ]
 
 
-def run_train(workdir, *overrides, data=None):
+def train_args(workdir, *overrides, data=None):
+    """The command line of launch/train.py with configs/tiny.py and `overrides`."""
     args = [
         sys.executable,
         str(ROOT / 'launch/train.py'),
@@ -34,6 +35,11 @@ def run_train(workdir, *overrides, data=None):
     args += ['--workdir', str(workdir), *overrides]
     if data is not None:
         args.append(f'--config.data.path={data}')
+    return args
+
+
+def run_train(workdir, *overrides, data=None):
+    args = train_args(workdir, *overrides, data=data)
     return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 
