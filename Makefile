@@ -30,6 +30,7 @@ test: setup
 
 bench: setup
 	$(PY) bench/throughput.py
+	$(PY) bench/checkpoint.py
 
 clean:
 	rm -rf $(VENV) $(DATA) runs
