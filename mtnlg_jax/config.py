@@ -63,10 +63,18 @@ def defaults():
             # A step with a NaN or Inf loss or gradient norm is skipped (state unchanged);
             # this many in a row stop the run.
             max_consecutive_skips=10,
-            # Fault drill: steps inject_nan_at_step .. + inject_nan_steps - 1 get a NaN loss
-            # and gradients, to check on a real cluster what a bad step does (0: never).
+            # Loss-spike rollback, as PaLM did (spike_factor 0: off): a loss above
+            # spike_factor x the mean of the last spike_window losses goes back to the newest
+            # checkpoint and skips the batches up to the spike and spike_skip_batches more.
+            spike_factor=0.0,
+            spike_window=20,
+            spike_skip_batches=0,
+            # Fault drills, to check on a real cluster what a bad step does (0: never): steps
+            # inject_nan_at_step .. + inject_nan_steps - 1 get a NaN loss and gradients;
+            # step inject_spike_at_step reports 10 x its loss.
             inject_nan_at_step=0,
             inject_nan_steps=1,
+            inject_spike_at_step=0,
         )
     )
     # Adam as in the MT-NLG paper; the learning rate is a function of tokens seen, as there:
@@ -170,6 +178,7 @@ def resolve(config, num_devices):
         'pipeline.repeats',
         'train.max_consecutive_skips',
         'train.inject_nan_steps',
+        'train.spike_window',
         'checkpoint.keep',
     )
     if model.ffn_hidden == 0:
@@ -224,12 +233,22 @@ def resolve(config, num_devices):
     model.padded_vocab = padded_vocab_size(model.vocab_size, tensor)
     train.micro_steps = train.global_batch // replica_batch
 
-    for key in ('train.inject_nan_at_step', 'checkpoint.every'):
+    for key in (
+        'train.inject_nan_at_step',
+        'train.inject_spike_at_step',
+        'train.spike_skip_batches',
+        'checkpoint.every',
+    ):
         section, name = key.split('.')
         value = config[section][name]
         _require(
             isinstance(value, int) and value >= 0, key, f'must be an integer >= 0, got {value!r}'
         )
+    _require(
+        train.spike_factor == 0 or train.spike_factor > 1,
+        'train.spike_factor',
+        f'must be 0 (off) or above 1, got {train.spike_factor}',
+    )
     _require(opt.lr > 0, 'optimizer.lr', f'must be positive, got {opt.lr}')
     _require(
         0 <= opt.min_lr <= opt.lr,

@@ -149,7 +149,7 @@ def test_a_non_finite_step_leaves_parameters_and_optimizer_state_unchanged():
         state = jax.tree.map(jnp.copy, initial)  # the step donates its input
         before = jax.device_get(state)
         tokens, rows = step_lib.place_batch(*step_lib.to_micro_steps(batch, 2), mesh)
-        poisoned = step_lib.make_train_step(config, setup, inject_nan=True)
+        poisoned = step_lib.make_train_step(config, setup, inject='nan')
         state, metrics = poisoned(state, tokens, rows, jnp.float32(512))
     after = jax.device_get(state)
     assert int(metrics['skipped']) == 1 and not np.isfinite(float(metrics['loss']))
@@ -158,12 +158,25 @@ def test_a_non_finite_step_leaves_parameters_and_optimizer_state_unchanged():
     assert int(after['step']) == 1  # the batch is consumed
 
 
-def test_the_skip_counter_stops_after_the_limit_of_consecutive_skips():
-    counter = faults.SkipCounter(limit=2)
+def test_the_step_guard_stops_after_the_limit_of_consecutive_skips():
+    counter = faults.StepGuard(max_consecutive_skips=2)
     for step, skipped in enumerate([1, 0, 1, 1, 0], start=1):
-        counter.push(step, jnp.int32(skipped))
+        counter.push(step, dict(skipped=jnp.int32(skipped), loss=jnp.float32(1.0)))
         if step == 3:
             assert counter.error is None  # step 3 is read only once step 4 is pushed
     counter.flush()
     assert counter.total == 3
     assert counter.error and 'up to step 4' in counter.error
+
+
+def test_the_step_guard_flags_a_loss_above_the_factor_times_the_running_mean():
+    guard = faults.StepGuard(max_consecutive_skips=3, spike_factor=2.0, spike_window=3)
+    for step, loss in enumerate([4.0, 3.0, 2.0, 5.9, 6.1, 1.0], start=1):
+        guard.push(step, dict(skipped=jnp.int32(0), loss=jnp.float32(loss)))
+    guard.flush()
+    # mean of 4, 3, 2 is 3: 5.9 is not a spike; then mean of 3, 2, 5.9 = 3.63: 6.1 is not
+    # either; the first loss above twice the mean would be; none here until a real jump.
+    assert guard.spike is None
+    guard.push(7, dict(skipped=jnp.int32(0), loss=jnp.float32(30.0)))
+    guard.flush()
+    assert guard.spike[0] == 7 and guard.spike[1] == 30.0

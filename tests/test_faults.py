@@ -62,3 +62,30 @@ def test_a_checkpoint_of_another_model_is_one_error_line_and_nothing_is_deleted(
     assert 'blocks/attention/out_bias' in error[0]
     assert '(2, 64)' in error[0] and '(2, 128)' in error[0]
     assert {p: p.stat().st_mtime_ns for p in workdir.rglob('*')} == before  # untouched
+
+
+def test_a_loss_spike_rolls_back_to_the_last_checkpoint_and_skips_the_batches_past_it(
+    tmp_path,
+    token_data,  # noqa: F811
+):
+    workdir = tmp_path / 'run'
+    result = run_train(
+        workdir,
+        *FAST,
+        '--config.train.steps=8',
+        '--config.checkpoint.every=2',
+        '--config.train.spike_factor=3.0',
+        '--config.train.spike_window=3',
+        '--config.train.spike_skip_batches=2',
+        '--config.train.inject_spike_at_step=6',  # reports 10 x its loss
+        data=token_data,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert 'loss spike at step 6' in result.stdout
+    assert 'rolled back to step 4, data moved on to sample 128' in result.stdout
+    # 6 batches before the spike was seen, 2 skipped, then steps 5 to 8 again: step 6 is saved
+    # only after the rollback, at 10 batches of 16; step 8 at 12.
+    for step, batches in ((6, 10), (8, 12)):
+        meta = json.loads((workdir / 'checkpoints' / str(step) / 'meta' / 'metadata').read_text())
+        assert meta['samples_consumed'] == batches * 16
+        assert meta['tokens_seen'] == step * 16 * 32  # what the model trained on

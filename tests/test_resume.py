@@ -145,8 +145,11 @@ def incomplete_saves(checkpoints):
 
 @pytest.mark.parametrize('signum', [signal.SIGTERM])
 def test_a_signal_finishes_the_step_saves_exits_0_and_the_run_resumes_exactly(
-    tmp_path, runs, token_data, signum
-):  # noqa: F811
+    tmp_path,
+    runs,
+    token_data,  # noqa: F811
+    signum,
+):
     workdir = tmp_path / 'run'
     process = start_train(workdir, '--config.train.steps=1000', data=token_data)
     wait_until(lambda: logged_steps(workdir) >= 3, process)
@@ -162,8 +165,10 @@ def test_a_signal_finishes_the_step_saves_exits_0_and_the_run_resumes_exactly(
 
 
 def test_a_run_killed_during_an_async_save_resumes_from_the_newest_complete_checkpoint(
-    tmp_path, runs, token_data
-):  # noqa: F811
+    tmp_path,
+    runs,
+    token_data,  # noqa: F811
+):
     workdir = tmp_path / 'run'
     checkpoints = workdir / 'checkpoints'
     for _ in range(3):  # a kill that lands just after a save completes leaves nothing to test
@@ -205,8 +210,13 @@ needs_pipeline = pytest.mark.skipif(
     ids=lambda value: 'x'.join(map(str, value)) if isinstance(value, tuple) else f'L{value}',
 )
 def test_a_checkpoint_resumes_under_another_layout_with_the_uninterrupted_losses(
-    tmp_path, runs, token_data, saved_under, resumed_under, layers
-):  # noqa: F811
+    tmp_path,
+    runs,
+    token_data,  # noqa: F811
+    saved_under,
+    resumed_under,
+    layers,
+):
     workdir = runs.stopped_at_half(saved_under, layers, into=tmp_path / 'run')
     resumed = train_ok(
         workdir,

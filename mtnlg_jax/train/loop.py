@@ -136,17 +136,26 @@ def train(config, workdir):
         compile_seconds = time.perf_counter() - start
         for line in banner_lines(config, setup, compile_seconds):
             print(line, flush=True)
-        nan_drill = range(
-            train_cfg.inject_nan_at_step, train_cfg.inject_nan_at_step + train_cfg.inject_nan_steps
+        drills = {train_cfg.inject_spike_at_step: 'spike'}
+        first_nan = train_cfg.inject_nan_at_step
+        drills.update(
+            dict.fromkeys(range(first_nan, first_nan + train_cfg.inject_nan_steps), 'nan')
         )
-        nan_step = make_train_step(config, setup, inject_nan=True) if nan_drill[0] else None
-        skips = faults.SkipCounter(train_cfg.max_consecutive_skips, counters['skipped_steps'])
+        drill_steps = {
+            kind: make_train_step(config, setup, inject=kind) for kind in ('nan', 'spike')
+        }
+        guard = faults.StepGuard(
+            train_cfg.max_consecutive_skips,
+            train_cfg.spike_factor,
+            train_cfg.spike_window,
+            counters['skipped_steps'],
+        )
 
         def save(step):
-            skips.flush()
-            if skips.error:  # past the limit of non-finite steps: keep the last good checkpoint
+            guard.flush()
+            if guard.error or guard.spike:  # keep the last good checkpoint
                 return
-            counters['skipped_steps'] = skips.total
+            counters['skipped_steps'] = guard.total
             checkpoints.save(step, state, checkpoint_meta(config, counters))
 
         def preempted(step):
@@ -164,20 +173,22 @@ def train(config, workdir):
         )
         last_time, last_step = time.perf_counter(), first_step
         window_losses = []  # device scalars: averaged at the log step, no sync per step
-        for step in range(first_step, train_cfg.steps):
+        step = first_step
+        while step < train_cfg.steps:
             tokens, row_ids = next_batch(counters['samples_consumed'])
             counters['samples_consumed'] += train_cfg.global_batch
             counters['tokens_seen'] += train_cfg.global_batch * seq_len
             tokens_seen = counters['tokens_seen']
-            step_fn = nan_step if step + 1 in nan_drill else train_step
+            drill = drills.pop(step + 1, None)  # once: a rolled-back step is not drilled again
+            step_fn = drill_steps[drill] if drill else train_step
             state, step_metrics = step_fn(state, tokens, row_ids, jnp.float32(tokens_seen))
             window_losses.append(step_metrics['loss'])
             progress.update(1)
             done = step + 1
-            skips.push(done, step_metrics['skipped'])
+            guard.push(done, step_metrics)
             stopping = preempted(done)
             if done % train_cfg.log_every == 0 or done == train_cfg.steps or stopping:
-                skips.flush()
+                guard.flush()
                 step_metrics, losses = jax.device_get((step_metrics, window_losses))
                 window_losses = []
                 now = time.perf_counter()
@@ -196,7 +207,7 @@ def train(config, workdir):
                     tokens_per_s=tokens_per_s,
                     tflops_per_device=tflops,
                     mfu=tflops / peak if peak else None,
-                    skipped_steps=skips.total,
+                    skipped_steps=guard.total,
                 )
                 writer.write(record)
                 progress.set_postfix(
@@ -207,7 +218,7 @@ def train(config, workdir):
             every = config.checkpoint.every
             if (every and done % every == 0) or done == train_cfg.steps or stopping:
                 save(done)
-            if skips.error:
+            if guard.error:
                 break
             if stopping:
                 progress.write(
@@ -233,13 +244,28 @@ def train(config, workdir):
                     f'perplexity {metrics_lib.perplexity(loss):.2f}'
                 )
                 last_time = time.perf_counter()  # evaluation time is not step time
-        skips.flush()
+            step = done
+            if guard.spike:
+                rolled = resume.roll_back(config, setup, checkpoints, counters)
+                spike_step, spike_loss, mean = guard.spike
+                guard.spike = None
+                if rolled is None:
+                    progress.write(f'loss spike at step {spike_step}: no checkpoint to go back to')
+                    continue
+                step, state, counters = rolled
+                progress.write(
+                    f'loss spike at step {spike_step}: {spike_loss:.4f} > '
+                    f'{train_cfg.spike_factor} x running mean {mean:.4f}; rolled back to step '
+                    f'{step}, data moved on to sample {counters["samples_consumed"]}'
+                )
+                progress.n, window_losses, last_step = step, [], step
+        guard.flush()
         progress.close()
         writer.close()
         checkpoints.wait()  # saves in flight complete, also after non-finite steps
         checkpoints.close()
-    if skips.error:
-        raise faults.NonFiniteError(skips.error)
+    if guard.error:
+        raise faults.NonFiniteError(guard.error)
 
     png = os.path.join(workdir, 'loss.png')
     metrics_lib.plot_loss_curve(writer.path, png, title=os.path.basename(workdir.rstrip('/')))

@@ -5,6 +5,8 @@
                                          whole state and counters) of PATH's newest checkpoint
     else                              -> init_state from train.seed
 
+After a loss spike, `roll_back` goes back to the newest checkpoint with the data moved on.
+
 The counters are what the data and the schedule need to continue exactly: samples consumed
 (the loader's position), tokens seen (the learning-rate schedule), steps skipped as
 non-finite. The RNG state is the step itself: dropout keys are fold_in(key(train.seed + 1),
@@ -107,3 +109,21 @@ def _init_from(config, setup, state, counters, log):
         what = 'parameters'
     log(f'initialised  {what} from step {step} of {directory}')
     return state, counters
+
+
+def roll_back(config, setup, checkpoints, counters):
+    """After a loss spike: (step, state, counters) of the newest checkpoint, with the data
+    moved past every batch consumed so far (the spike's among them) and
+    train.spike_skip_batches more; None if there is no checkpoint to go back to."""
+    checkpoints.wait()
+    found = _restore_newest(checkpoints, setup)
+    if found is None:
+        return None
+    step, state, meta = found
+    skip = config.train.spike_skip_batches * config.train.global_batch
+    rolled = dict(
+        _counters_of(meta),
+        samples_consumed=counters['samples_consumed'] + skip,
+        skipped_steps=counters['skipped_steps'],
+    )
+    return step, state, rolled
