@@ -1,7 +1,8 @@
 """The training loop: one flat function, read top to bottom.
 
 validate data  ->  build mesh and state  ->  compile (ahead of time, timed)  ->  banner
-for each step:  global batch of the step  ->  train_step  ->  log / evaluate
+for each step:  global batch of the step  ->  train_step  ->  log / checkpoint / evaluate
+                (SIGTERM: save and stop; loss spike: roll back; see faults.py, resume.py)
 at the end:     evaluate, write the loss-curve PNG
 """
 
