@@ -29,7 +29,7 @@ DEFAULT_LAYOUT = (4, 1, 2, 1)  # data, stage, tensor, repeats: configs/tiny.py's
 
 def pipeline_available():
     """Whether this build accepts stage > 1 (pipeline parallelism lands separately)."""
-    config = config_lib.load('configs/tiny.py')
+    config = config_lib.load(str(ROOT / 'configs/tiny.py'))
     config.mesh.update(dict(data=2, stage=2, tensor=2))
     try:
         config_lib.resolve(config, 8)
