@@ -13,7 +13,14 @@ import pytest
 
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.checkpoint import TMP_MARKER
-from test_train_command_line import ROOT, SMALL_MODEL, run_train, token_data, train_args  # noqa: F401
+from test_train_command_line import (  # noqa: F401
+    ROOT,
+    SMALL_MODEL,
+    TRAIN_ENV,
+    run_train,
+    token_data,
+    train_args,
+)
 
 RUN = [
     *SMALL_MODEL,
@@ -119,7 +126,7 @@ def start_train(workdir, *overrides, data):
     out = open(workdir.parent / 'stdout.txt', 'w')
     err = open(workdir.parent / 'stderr.txt', 'w')
     args = train_args(workdir, *RUN, *overrides, data=data)
-    return subprocess.Popen(args, stdout=out, stderr=err, cwd=ROOT, text=True)
+    return subprocess.Popen(args, stdout=out, stderr=err, cwd=ROOT, env=TRAIN_ENV, text=True)
 
 
 def wait_until(condition, process, timeout=240):
