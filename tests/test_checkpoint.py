@@ -174,8 +174,7 @@ def test_the_step_guard_flags_a_loss_above_the_factor_times_the_running_mean():
     for step, loss in enumerate([4.0, 3.0, 2.0, 5.9, 6.1, 1.0], start=1):
         guard.push(step, dict(skipped=jnp.int32(0), loss=jnp.float32(loss)))
     guard.flush()
-    # mean of 4, 3, 2 is 3: 5.9 is not a spike; then mean of 3, 2, 5.9 = 3.63: 6.1 is not
-    # either; the first loss above twice the mean would be; none here until a real jump.
+    # Each loss is compared with the mean of the three before it: 5.9 < 2 x 3, 6.1 < 2 x 3.63.
     assert guard.spike is None
     guard.push(7, dict(skipped=jnp.int32(0), loss=jnp.float32(30.0)))
     guard.flush()
