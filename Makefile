@@ -51,6 +51,7 @@ bench: setup
 	$(PY) bench/throughput.py
 	$(PY) bench/pipeline.py
 	$(PY) bench/generate.py
+	$(PY) bench/checkpoint.py
 
 clean:
 	rm -rf $(VENV) $(DATA) runs

@@ -6,6 +6,9 @@
 Any config key can be overridden on the command line (`--config.mesh.tensor=4`). Bad input
 (config, data, flags) prints one line `error: ...` and exits with status 2 before anything is
 compiled or written.
+
+Re-running the same command on a workdir resumes its newest complete checkpoint, under this
+command's layout. SIGTERM or SIGINT finishes the current step, saves and exits 0.
 """
 
 import sys
@@ -37,8 +40,9 @@ def main(argv):
     import jax  # after flag parsing: a bad command line costs no JAX start-up
 
     from mtnlg_jax import config as config_lib
+    from mtnlg_jax.checkpoint import CheckpointError
     from mtnlg_jax.data.indexed import DataError
-    from mtnlg_jax.train import loop
+    from mtnlg_jax.train import faults, loop
 
     try:
         config = config_lib.resolve(_CONFIG.value, jax.device_count())
@@ -49,8 +53,11 @@ def main(argv):
         fail(f'{e}{hint}')
     try:
         loop.train(config, _WORKDIR.value)
-    except DataError as e:
+    except (DataError, CheckpointError) as e:
         fail(str(e))
+    except faults.NonFiniteError as e:  # not bad input, a run that went wrong: status 1
+        print(f'error: {e}', file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == '__main__':

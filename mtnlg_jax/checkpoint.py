@@ -1,19 +1,42 @@
-"""Sharded orbax checkpoints of the train state that restore onto any mesh layout.
+"""Sharded, asynchronous orbax checkpoints of the train state that restore onto any layout.
 
     <workdir>/checkpoints/<step>/state   params, optimizer state, step: tensorstore arrays,
                                          each process writing only its own shards
-    <workdir>/checkpoints/<step>/meta    JSON: samples consumed, tokens seen, the resolved
-                                         config and the tokenizer's identity
+    <workdir>/checkpoints/<step>/meta    JSON: samples consumed, tokens seen, skipped steps,
+                                         the RNG seed, the resolved config, the tokenizer's
+                                         identity
+    <workdir>/checkpoints/<step>.orbax-checkpoint-tmp-*   a save in flight (or killed in one)
 
-The arrays are stored in their logical shapes, whatever the layout that wrote them; restoring
-reads them straight into the shardings of the layout that restores (orbax reshards), so a run
-saved under (data 4, tensor 2) resumes under (data 2, tensor 4) with no conversion step.
+Saving: `save` blocks only while the arrays are copied off the devices, then orbax writes them
+in a background thread into a temporary directory and renames it to `<step>` once every
+process has finished: a process killed mid-save leaves only a `*-tmp-*` directory, which
+orbax never lists as a step, so restore takes the newest complete checkpoint.
+
+Restoring: the arrays are stored in their logical shapes, whatever the layout that wrote them,
+so they are read straight into the shardings of the layout that restores (orbax reshards): a
+run saved under (data 4, tensor 2) resumes under (data 2, tensor 4) with no conversion step.
+Before reading, the stored shapes are checked against the model's; a different model is a
+`CheckpointError` naming the first mismatched array. Dimensions the caller marks resizable
+(the padded vocabulary, whose padding depends on the tensor size) may differ: orbax pads or
+truncates them (the padding rows never reach the loss). `restore_newest` skips unreadable
+checkpoints with a warning naming each; nothing here deletes a checkpoint that failed to
+restore.
 """
 
+import glob
 import os
+import sys
 
 import jax
 import orbax.checkpoint as ocp
+
+TMP_MARKER = '.orbax-checkpoint-tmp'
+SET_ASIDE_SUFFIX = '.unusable'
+NOT_RESIZABLE = -1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the one-line message names it and why."""
 
 
 def abstract_with_shardings(abstract_tree, shardings):
@@ -25,13 +48,50 @@ def abstract_with_shardings(abstract_tree, shardings):
     )
 
 
-class Checkpoints:
-    """The checkpoints of one workdir: save every `every` steps and at the end, keep `keep`."""
+def checkpoint_directory(path):
+    """The checkpoints of `path`: `path/checkpoints` when `path` is a workdir, else `path`."""
+    path = os.path.abspath(path)
+    nested = os.path.join(path, 'checkpoints')
+    return nested if os.path.isdir(nested) else path
 
-    def __init__(self, workdir, keep=3):
-        self.directory = os.path.abspath(os.path.join(workdir, 'checkpoints'))
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+def _path_name(key_path):
+    """'params/blocks/mlp/in_kernel' from a key path, whatever container each level was
+    (dicts, tuples, optax's named tuples: orbax stores the latter as dicts)."""
+    names = []
+    for key in key_path:
+        for attribute in ('key', 'name', 'idx'):
+            if hasattr(key, attribute):
+                names.append(str(getattr(key, attribute)))
+                break
+    return '/'.join(names)
+
+
+def _shapes_by_name(tree):
+    is_array = lambda x: hasattr(x, 'shape') and hasattr(x, 'dtype')  # noqa: E731
+    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_array)
+    return {_path_name(path): tuple(leaf.shape) for path, leaf in leaves if is_array(leaf)}
+
+
+def _first_one_line(error):
+    text = str(error).strip().splitlines()
+    return f'{type(error).__name__}: {text[0][:200] if text else ""}'
+
+
+class Checkpoints:
+    """The checkpoints of one workdir: save every `every` steps and at the end, keep `keep`.
+
+    `directory` (instead of a workdir) opens another run's checkpoints, e.g. read-only for
+    `checkpoint.init_from`."""
+
+    def __init__(self, workdir, keep=3, *, directory=None, read_only=False):
+        self.directory = os.path.abspath(directory or os.path.join(workdir, 'checkpoints'))
+        # create=False: nothing is written to the workdir until the first save.
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=False, read_only=read_only)
+        handlers = dict(state=ocp.StandardCheckpointHandler(), meta=ocp.JsonCheckpointHandler())
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_handlers=handlers
+        )
 
     def latest_step(self):
         return self._manager.latest_step()
@@ -39,8 +99,13 @@ class Checkpoints:
     def all_steps(self):
         return list(self._manager.all_steps())
 
+    def incomplete(self):
+        """Directories of saves that never finished (a process killed while writing)."""
+        return sorted(glob.glob(os.path.join(self.directory, f'*{TMP_MARKER}*')))
+
     def save(self, step, state, meta):
         """Start writing `state` and `meta` at `step`; training goes on while it writes."""
+        self._set_aside_steps_from(step)
         self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -49,16 +114,98 @@ class Checkpoints:
             force=True,
         )
 
-    def restore(self, abstract_state, step=None):
-        """(state, meta) of `step` (default: the newest), laid out as `abstract_state` says."""
+    def _set_aside_steps_from(self, step):
+        """Steps at or past `step` exist only if restore skipped them as unreadable: they are
+        renamed `<step>.unusable` (kept for inspection, never deleted) so the new save can
+        take their place and the step list stays in order."""
+        stale = [s for s in self.all_steps() if s >= step]
+        if not stale:
+            return
+        self._manager.wait_until_finished()
+        for s in stale:
+            old = os.path.join(self.directory, str(s))
+            new = old + SET_ASIDE_SUFFIX
+            while os.path.exists(new):
+                new += SET_ASIDE_SUFFIX
+            os.rename(old, new)
+            print(f'warning: checkpoint {old} set aside as {new}', file=sys.stderr, flush=True)
+        self._manager.reload()
+
+    def check_fits(self, abstract_state, step, resizable=None):
+        """CheckpointError naming the first array of `abstract_state` (in tree order) that the
+        checkpoint at `step` lacks or holds in another shape. `resizable`: a tree like
+        `abstract_state` with, per array, the one dimension that may differ (or -1)."""
+        stored_tree = self._manager.item_metadata(step)['state']
+        if stored_tree is None:  # corrupted, not a model mismatch: restore_newest skips it
+            raise FileNotFoundError(f'no readable array metadata in {self.directory}/{step}')
+        stored = _shapes_by_name(stored_tree)
+        expected = _shapes_by_name(abstract_state)
+        allowed = {}
+        if resizable is not None:
+            leaves = jax.tree_util.tree_leaves_with_path(resizable)
+            allowed = {_path_name(path): dim for path, dim in leaves}
+        where = os.path.join(self.directory, str(step))
+        for name, shape in expected.items():
+            if name not in stored:
+                raise CheckpointError(f'checkpoint {where} has no array {name} (shape {shape})')
+            differs = [d for d, (a, b) in enumerate(zip(stored[name], shape)) if a != b]
+            resizes = differs == [allowed.get(name, NOT_RESIZABLE)]
+            if len(stored[name]) != len(shape) or (differs and not resizes):
+                raise CheckpointError(
+                    f'checkpoint {where} does not fit this model: {name} has shape '
+                    f'{stored[name]} in the checkpoint but {shape} in the model'
+                )
+        extra = sorted(set(stored) - set(expected))
+        if extra:
+            raise CheckpointError(f'checkpoint {where} holds {extra[0]}, which the model lacks')
+
+    def restore(self, abstract_state, step=None, *, resizable=None):
+        """(state, meta) of `step` (default: the newest), laid out as `abstract_state` says.
+        Raises CheckpointError if the shapes do not fit (see `check_fits`)."""
         step = self.latest_step() if step is None else step
+        self.check_fits(abstract_state, step, resizable)
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
+                # strict=False lets orbax pad or cut the dimensions check_fits allowed.
+                state=ocp.args.StandardRestore(abstract_state, strict=resizable is None),
+                meta=ocp.args.JsonRestore(),
             ),
         )
         return restored['state'], restored['meta']
+
+    def restore_newest(self, abstract_state, *, resizable=None):
+        """(step, state, meta) of the newest checkpoint that reads, or None if there is none.
+        Unreadable ones are skipped with a warning on stderr naming each; a model mismatch,
+        or no readable checkpoint at all, is a CheckpointError. Nothing is deleted."""
+        steps = sorted(self.all_steps(), reverse=True)
+        unreadable = []
+        for step in steps:
+            where = os.path.join(self.directory, str(step))
+            try:
+                state, meta = self.restore(abstract_state, step, resizable=resizable)
+            except CheckpointError:
+                raise
+            except Exception as error:  # a corrupted or truncated file: any reader error
+                unreadable.append(str(step))
+                print(
+                    f'warning: skipping unreadable checkpoint {where} ({_first_one_line(error)})',
+                    file=sys.stderr,
+                    flush=True,
+                )
+                continue
+            return step, state, meta
+        if unreadable:
+            raise CheckpointError(
+                f'no usable checkpoint in {self.directory}: step(s) {", ".join(unreadable)} '
+                f'are unreadable (left on disk)'
+            )
+        return None
+
+    def reached_preemption(self, step):
+        """True on every process once the cluster has announced a preemption (multi-process
+        runs under jax.distributed; a single process handles its own signals)."""
+        return self._manager.reached_preemption(step)
 
     def wait(self):
         """Block until every save in flight is on disk."""

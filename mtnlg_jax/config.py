@@ -67,6 +67,21 @@ def defaults():
             # Batch-size ramp-up (start 0: none): from `start` sequences, `increment` at a time,
             # to global_batch over the first `tokens` tokens (MT-NLG: 32, 32, 12 B).
             rampup=ml_collections.ConfigDict(dict(start=0, increment=0, tokens=0)),
+            # A step with a NaN or Inf loss or gradient norm is skipped (state unchanged);
+            # this many in a row stop the run.
+            max_consecutive_skips=10,
+            # Loss-spike rollback, as PaLM did (spike_factor 0: off): a loss above
+            # spike_factor x the mean of the last spike_window losses goes back to the newest
+            # checkpoint and skips the batches up to the spike and spike_skip_batches more.
+            spike_factor=0.0,
+            spike_window=20,
+            spike_skip_batches=0,
+            # Fault drills, to check on a real cluster what a bad step does (0: never): steps
+            # inject_nan_at_step .. + inject_nan_steps - 1 get a NaN loss and gradients;
+            # step inject_spike_at_step reports 10 x its loss.
+            inject_nan_at_step=0,
+            inject_nan_steps=1,
+            inject_spike_at_step=0,
         )
     )
     # Adam as in the MT-NLG paper; the learning rate is a function of tokens seen, as there:
@@ -85,7 +100,12 @@ def defaults():
             clip_norm=1.0,
         )
     )
-    config.checkpoint = ml_collections.ConfigDict(dict(every=0, keep=3))
+    # init_from: a workdir (or checkpoint directory) of another run whose newest checkpoint
+    # gives this run's initial parameters (with init_full_state: its whole state and data
+    # position), under any layout. Used only while this workdir has no checkpoint of its own.
+    config.checkpoint = ml_collections.ConfigDict(
+        dict(every=0, keep=3, init_from='', init_full_state=False)
+    )
     # sources: (weight, path prefix of a .bin/.idx pair) ..., blended by weight; split: the
     # train, valid and test shares of each source's documents, as Megatron's --split.
     config.data = ml_collections.ConfigDict(
@@ -169,6 +189,10 @@ def resolve(config, num_devices):
         'train.steps',
         'train.log_every',
         'pipeline.repeats',
+        'train.max_consecutive_skips',
+        'train.inject_nan_steps',
+        'train.spike_window',
+        'checkpoint.keep',
     )
     if model.ffn_hidden == 0:
         model.ffn_hidden = 4 * model.hidden
@@ -224,6 +248,22 @@ def resolve(config, num_devices):
     _check_pipeline(config, replica_batch)
     _check_data(config.data)
 
+    for key in (
+        'train.inject_nan_at_step',
+        'train.inject_spike_at_step',
+        'train.spike_skip_batches',
+        'checkpoint.every',
+    ):
+        section, name = key.split('.')
+        value = config[section][name]
+        _require(
+            isinstance(value, int) and value >= 0, key, f'must be an integer >= 0, got {value!r}'
+        )
+    _require(
+        train.spike_factor == 0 or train.spike_factor > 1,
+        'train.spike_factor',
+        f'must be 0 (off) or above 1, got {train.spike_factor}',
+    )
     _require(opt.lr > 0, 'optimizer.lr', f'must be positive, got {opt.lr}')
     _require(
         0 <= opt.min_lr <= opt.lr,

@@ -1,9 +1,13 @@
 """Helpers the tests share: a small model under any layout, and runs of a few steps."""
 
+import atexit
 import math
+import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -135,8 +139,22 @@ SMALL_MODEL = [
 ]
 
 
-def run_train(workdir, *overrides, data=None):
-    """launch/train.py on configs/tiny.py as a user runs it, in a subprocess."""
+# The process tests start launch/train.py dozens of times with the same few small models: an
+# XLA compilation cache shared by this session's runs lets every run after the first skip
+# most of its compile time (about 5x faster on a 2-core CPU).
+_COMPILATION_CACHE = tempfile.mkdtemp(prefix='mtnlg_jax_test_xla_cache_')
+atexit.register(shutil.rmtree, _COMPILATION_CACHE, True)
+TRAIN_ENV = dict(
+    os.environ,
+    JAX_COMPILATION_CACHE_DIR=_COMPILATION_CACHE,
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0',
+)
+
+
+def train_args(workdir, *overrides, data=None):
+    """The command line of launch/train.py with configs/tiny.py and `overrides`; data: the
+    prefix of one indexed dataset (conftest's token_data)."""
     args = [
         sys.executable,
         str(ROOT / 'launch/train.py'),
@@ -144,6 +162,14 @@ def run_train(workdir, *overrides, data=None):
         str(ROOT / 'configs/tiny.py'),
     ]
     args += ['--workdir', str(workdir), *overrides]
-    if data is not None:  # the prefix of one indexed dataset (conftest's token_data)
+    if data is not None:
         args.append(f'--config.data.sources=((1.0, {str(data)!r}),)')
-    return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    return args
+
+
+def run_train(workdir, *overrides, data=None):
+    """launch/train.py as a user runs it, in a subprocess."""
+    args = train_args(workdir, *overrides, data=data)
+    return subprocess.run(
+        args, capture_output=True, text=True, cwd=ROOT, env=TRAIN_ENV, timeout=300
+    )

@@ -1,11 +1,18 @@
 """Invariants 3 and 4 of DESIGN.md at the command line: a stopped run resumes from its workdir
-with the losses the uninterrupted run had, under the same layout or another."""
+with the losses the uninterrupted run had, exactly under the same layout, within 1e-4 under
+any other (data, stage, tensor, repeats), with no conversion step."""
 
 import json
+import re
+import shutil
+import signal
+import subprocess
+import time
 
 import pytest
 
-from support import SMALL_MODEL, run_train
+from mtnlg_jax.checkpoint import TMP_MARKER
+from support import ROOT, SMALL_MODEL, TRAIN_ENV, run_train, train_args
 
 RUN = [
     *SMALL_MODEL,
@@ -15,6 +22,17 @@ RUN = [
     '--config.optimizer.warmup_tokens=2048',
     '--config.optimizer.decay_tokens=20000',  # fixed: the schedule must not depend on steps
 ]
+STEPS, HALF = 20, 10
+DEFAULT_LAYOUT = (4, 1, 2, 1)  # data, stage, tensor, repeats: configs/tiny.py's
+
+
+def layout_flags(data, stage, tensor, repeats):
+    return [
+        f'--config.mesh.data={data}',
+        f'--config.mesh.stage={stage}',
+        f'--config.mesh.tensor={tensor}',
+        f'--config.pipeline.repeats={repeats}',
+    ]
 
 
 def losses(workdir):
@@ -22,45 +40,177 @@ def losses(workdir):
     return {r['step']: r['loss'] for r in records if not r.get('eval')}
 
 
-@pytest.fixture(scope='module')
-def uninterrupted(tmp_path_factory, token_data):
-    workdir = tmp_path_factory.mktemp('straight')
-    result = run_train(workdir, *RUN, '--config.train.steps=12', data=token_data)
+def train_ok(workdir, *overrides, data):
+    result = run_train(workdir, *RUN, *overrides, data=data)
     assert result.returncode == 0, result.stderr[-3000:]
-    return losses(workdir)
+    return result
 
 
-def test_resume_same_layout_continues_with_identical_losses(tmp_path, token_data, uninterrupted):
+class Runs:
+    """Runs the tests share, made once per module: the uninterrupted run of each model depth
+    (under the default layout, a checkpoint at step 10 and 20) and the step-10 workdirs."""
+
+    def __init__(self, tmp_path_factory, data):
+        self.tmp, self.data = tmp_path_factory, data
+        self._cache = {}
+
+    def uninterrupted(self, layers=2):
+        if ('straight', layers) not in self._cache:
+            workdir = self.tmp.mktemp(f'straight{layers}')
+            train_ok(
+                workdir,
+                f'--config.model.num_layers={layers}',
+                f'--config.train.steps={STEPS}',
+                f'--config.checkpoint.every={HALF}',
+                data=self.data,
+            )
+            self._cache['straight', layers] = workdir
+        return self._cache['straight', layers]
+
+    def stopped_at_half(self, layout, layers, into):
+        """A copy in `into` of a run stopped after 10 steps under `layout`."""
+        if ('half', layout, layers) not in self._cache:
+            if layout == DEFAULT_LAYOUT:  # the uninterrupted run, as it was at step 10
+                workdir = self.tmp.mktemp('half')
+                shutil.copytree(self.uninterrupted(layers), workdir, dirs_exist_ok=True)
+                shutil.rmtree(workdir / 'checkpoints' / str(STEPS))
+            else:
+                workdir = self.tmp.mktemp('half')
+                train_ok(
+                    workdir,
+                    *layout_flags(*layout),
+                    f'--config.model.num_layers={layers}',
+                    f'--config.train.steps={HALF}',
+                    data=self.data,
+                )
+            self._cache['half', layout, layers] = workdir
+        shutil.copytree(self._cache['half', layout, layers], into)
+        return into
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory, token_data):
+    return Runs(tmp_path_factory, token_data)
+
+
+def test_ten_steps_stop_and_resume_to_twenty_gives_identical_losses(tmp_path, runs, token_data):
     workdir = tmp_path / 'run'
-    first = run_train(workdir, *RUN, '--config.train.steps=6', data=token_data)
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = run_train(workdir, *RUN, '--config.train.steps=12', data=token_data)
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert 'resumed      from step 6' in second.stdout
-    assert losses(workdir) == uninterrupted  # every step, bit for bit
+    train_ok(workdir, f'--config.train.steps={HALF}', data=token_data)
+    second = train_ok(workdir, f'--config.train.steps={STEPS}', data=token_data)
+    assert f'resumed      from step {HALF}' in second.stdout
+    assert losses(workdir) == losses(runs.uninterrupted())  # every step, bit for bit
 
 
-PIPELINED = [  # data 2 x stage 2 x tensor 2, circular with 2 repeats: layers in stage order
-    '--config.mesh.data=2',
-    '--config.mesh.stage=2',
-    '--config.pipeline.repeats=2',
-    '--config.train.micro_batch=2',
-]
-TENSOR_4 = ['--config.mesh.data=2', '--config.mesh.stage=1', '--config.mesh.tensor=4']
+def start_train(workdir, *overrides, data):
+    """launch/train.py started in the background, its output in files (no pipe to fill)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = open(workdir.parent / 'stdout.txt', 'w')
+    err = open(workdir.parent / 'stderr.txt', 'w')
+    args = train_args(workdir, *RUN, *overrides, data=data)
+    return subprocess.Popen(args, stdout=out, stderr=err, cwd=ROOT, env=TRAIN_ENV, text=True)
 
 
-@pytest.mark.parametrize('before,after', [(PIPELINED, TENSOR_4), (TENSOR_4, PIPELINED)])
-def test_resume_under_another_layout_continues_within_tolerance(
-    tmp_path, token_data, uninterrupted, before, after
+def wait_until(condition, process, timeout=240):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, 'the run ended before the test could interrupt it'
+        assert time.monotonic() < deadline, 'timed out'
+        time.sleep(0.01)
+
+
+def logged_steps(workdir):
+    path = workdir / 'metrics.jsonl'
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def complete_steps(checkpoints):
+    return [int(p.name) for p in checkpoints.glob('*') if p.name.isdigit()]
+
+
+def incomplete_saves(checkpoints):
+    return list(checkpoints.glob(f'*{TMP_MARKER}*'))
+
+
+# SIGINT takes the same handler (faults.StopSignals); one signal keeps the suite's time down.
+@pytest.mark.parametrize('signum', [signal.SIGTERM], ids=['SIGTERM'])
+def test_a_signal_finishes_the_step_saves_exits_0_and_the_run_resumes_exactly(
+    tmp_path,
+    runs,
+    token_data,
+    signum,
 ):
-    """Across stage and repeats too: checkpoints hold the blocks in plain layer order."""
     workdir = tmp_path / 'run'
-    first = run_train(workdir, *RUN, *before, '--config.train.steps=6', data=token_data)
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = run_train(workdir, *RUN, *after, '--config.train.steps=12', data=token_data)
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert 'resumed      from step 6' in second.stdout
-    resumed = losses(workdir)
-    assert sorted(resumed) == sorted(uninterrupted)
-    for step in range(1, 13):  # the pipelined half, before or after, matches as well
-        assert resumed[step] == pytest.approx(uninterrupted[step], abs=1e-4), step
+    process = start_train(workdir, '--config.train.steps=1000', data=token_data)
+    wait_until(lambda: logged_steps(workdir) >= 3, process)
+    process.send_signal(signum)
+    assert process.wait(timeout=120) == 0, (tmp_path / 'stderr.txt').read_text()[-3000:]
+    stopped = re.search(r'stopped +at step (\d+)', (tmp_path / 'stdout.txt').read_text())
+    stopped_at = int(stopped.group(1))
+    assert 3 <= stopped_at < STEPS
+    assert (workdir / 'checkpoints' / str(stopped_at)).is_dir()
+    resumed = train_ok(workdir, f'--config.train.steps={STEPS}', data=token_data)
+    assert f'resumed      from step {stopped_at}' in resumed.stdout
+    assert losses(workdir) == losses(runs.uninterrupted())
+
+
+def test_a_run_killed_during_an_async_save_resumes_from_the_newest_complete_checkpoint(
+    tmp_path,
+    runs,
+    token_data,
+):
+    workdir = tmp_path / 'run'
+    checkpoints = workdir / 'checkpoints'
+    for _ in range(3):  # a kill that lands just after a save completes leaves nothing to test
+        process = start_train(
+            workdir, '--config.train.steps=1000', '--config.checkpoint.every=1', data=token_data
+        )
+        wait_until(lambda: complete_steps(checkpoints) and incomplete_saves(checkpoints), process)
+        process.kill()
+        process.wait()
+        if incomplete_saves(checkpoints):
+            break
+    incomplete = incomplete_saves(checkpoints)
+    assert incomplete, 'no kill landed during a save'
+    complete = max(complete_steps(checkpoints))
+    assert complete < STEPS
+    resumed = train_ok(workdir, f'--config.train.steps={STEPS}', data=token_data)
+    assert f'resumed      from step {complete}' in resumed.stdout
+    assert 'ignored incomplete save(s)' in resumed.stdout and incomplete[0].name in resumed.stdout
+    assert losses(workdir) == losses(runs.uninterrupted())
+
+
+@pytest.mark.parametrize(
+    'saved_under,resumed_under,layers',
+    [
+        ((4, 1, 2, 1), (1, 1, 8, 1), 2),  # padded vocabulary 512 -> 1024
+        ((8, 1, 1, 1), (2, 1, 4, 1), 2),  # padded vocabulary 384 -> 512
+        ((4, 1, 2, 1), (2, 2, 2, 1), 2),  # into a pipeline
+        ((2, 2, 2, 1), (8, 1, 1, 1), 2),  # out of one
+        ((1, 2, 4, 2), (4, 1, 2, 1), 4),  # circular, stage-major storage, out
+        ((4, 1, 2, 1), (2, 2, 2, 2), 4),  # and in
+    ],
+    ids=lambda value: 'x'.join(map(str, value)) if isinstance(value, tuple) else f'L{value}',
+)
+def test_a_checkpoint_resumes_under_another_layout_with_the_uninterrupted_losses(
+    tmp_path,
+    runs,
+    token_data,
+    saved_under,
+    resumed_under,
+    layers,
+):
+    workdir = runs.stopped_at_half(saved_under, layers, into=tmp_path / 'run')
+    resumed = train_ok(
+        workdir,
+        *layout_flags(*resumed_under),
+        f'--config.model.num_layers={layers}',
+        f'--config.train.steps={STEPS}',
+        data=token_data,
+    )
+    data, stage, tensor, _ = resumed_under
+    assert f'mesh         data {data} x stage {stage} x tensor {tensor}' in resumed.stdout
+    assert f'resumed      from step {HALF}' in resumed.stdout
+    expected, actual = losses(runs.uninterrupted(layers)), losses(workdir)
+    assert sorted(actual) == sorted(expected)
+    for step in range(HALF + 1, STEPS + 1):
+        assert actual[step] == pytest.approx(expected[step], abs=1e-4), step

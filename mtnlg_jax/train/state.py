@@ -83,3 +83,15 @@ def init_state(config, setup):
 
     with jax.set_mesh(setup.mesh):
         return jax.jit(init, out_shardings=setup.state_shardings)()
+
+
+def pipeline_order(config, setup, to):
+    """A jitted state -> state that moves block parameters and moments between plain layer
+    order (what checkpoints hold) and the pipeline's stage-major order (what a stage holds),
+    `to` 'layer' or 'schedule'. The identity, with nothing moved, unless the schedule has both
+    stages and repeats."""
+    if config.mesh.stage == 1 or config.pipeline.repeats == 1:
+        return lambda state: state
+    convert = pipeline.to_layer_order if to == 'layer' else pipeline.to_schedule_order
+    shape = (config.model.num_layers, config.mesh.stage, config.pipeline.repeats)
+    return jax.jit(lambda state: convert(state, *shape), out_shardings=setup.state_shardings)

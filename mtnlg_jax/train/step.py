@@ -8,7 +8,7 @@
         |
         v
     clip by global norm, Adam moments, weight decay (all on the ZeRO shards)
-    master -= lr(tokens_seen) * update
+    master -= lr(tokens_seen) * update      (kept as it was if loss or grad norm is not finite)
 
 The global batch arrives as (micro_steps, global_batch / micro_steps, seq + 1) with the second
 axis split over 'data': each replica sees micro_batch sequences per micro-step.
@@ -131,20 +131,37 @@ def _pipelined_gradients(config, setup, compute_params, tokens, row_ids, step):
     return loss, grads
 
 
-def make_train_step(config, setup):
-    """jit(state, tokens, row_ids, tokens_after_step) -> (state, metrics); donates the state."""
+def make_train_step(config, setup, inject=None):
+    """jit(state, tokens, row_ids, tokens_after_step) -> (state, metrics); donates the state.
+
+    A step whose loss or gradient norm is NaN or Inf leaves the parameters and optimizer
+    state as they were (only `step` advances: the batch is consumed) and reports
+    `skipped` = 1. inject: a variant for the fault drills (never compiled unless a drill is
+    configured): 'nan' makes the loss and gradients NaN (`train.inject_nan_at_step`),
+    'spike' reports 10 x the loss (`train.inject_spike_at_step`)."""
     schedule = learning_rate_schedule(config.optimizer)
 
     def train_step(state, tokens, row_ids, tokens_after_step):
         params = state['params']
         loss, grads = accumulate_gradients(config, setup, params, tokens, row_ids, state['step'])
+        if inject == 'nan':
+            loss, grads = loss + jnp.nan, jax.tree.map(lambda g: g + jnp.nan, grads)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = setup.optimizer.update(grads, state['opt_state'], params)
         # The lr of the tokens seen once this batch is consumed: the first step already moves.
         lr = schedule(tokens_after_step)
-        params = optax.apply_updates(params, jax.tree.map(lambda u: -lr * u, updates))
-        new_state = dict(params=params, opt_state=opt_state, step=state['step'] + 1)
-        return new_state, dict(loss=loss, grad_norm=grad_norm, lr=lr)
+        new_params = optax.apply_updates(params, jax.tree.map(lambda u: -lr * u, updates))
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        kept = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old),
+            (new_params, opt_state),
+            (params, state['opt_state']),
+        )
+        new_state = dict(params=kept[0], opt_state=kept[1], step=state['step'] + 1)
+        skipped = jnp.logical_not(finite).astype(jnp.int32)
+        if inject == 'spike':
+            loss = 10.0 * loss
+        return new_state, dict(loss=loss, grad_norm=grad_norm, lr=lr, skipped=skipped)
 
     return jax.jit(train_step, out_shardings=(setup.state_shardings, None), donate_argnums=0)
 

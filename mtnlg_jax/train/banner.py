@@ -1,0 +1,74 @@
+"""The start banner: what will run, where, and what it costs, before the first step."""
+
+import jax
+
+from mtnlg_jax import plan
+from mtnlg_jax.parallel import pipeline
+from mtnlg_jax.train import rampup
+
+
+def pipeline_line(config):
+    stages, repeats, micro = config.mesh.stage, config.pipeline.repeats, config.train.micro_steps
+    if stages == 1:
+        return 'none (mesh.stage = 1)'
+    iterations = pipeline.num_iterations(stages, repeats, micro)
+    return (
+        f'circular, {stages} stages x {repeats} repeats, {micro} micro-batches: {iterations} '
+        f'iterations, bubble fraction (p-1)/(vm+p-1) = '
+        f'{pipeline.bubble_fraction(stages, repeats, micro):.3f}'
+    )
+
+
+def lines(config, setup, compile_seconds, train_data):
+    """The start banner: what will run, where, and what it costs."""
+    num_params = plan.count_params(setup.abstract_state['params'])
+    tokens_per_step = config.train.global_batch * config.model.seq_len
+    flops_per_step = plan.model_flops_per_token(config.model, num_params) * tokens_per_step
+    held = plan.bytes_per_device(config, setup)
+    mesh = config.mesh
+    device = jax.devices()[0]
+    return [
+        f'model        {num_params / 1e6:.2f} M parameters: {config.model.num_layers} layers, '
+        f'hidden {config.model.hidden}, {config.model.heads} heads, seq {config.model.seq_len}, '
+        f'vocab {config.model.vocab_size} (padded {config.model.padded_vocab}), '
+        f'{config.model.compute_dtype} compute, remat {config.model.remat}',
+        f'mesh         data {mesh.data} x stage {mesh.stage} x tensor {mesh.tensor} '
+        f'on {jax.device_count()} x {device.device_kind} ({jax.process_count()} process(es))',
+        f'batch        global {config.train.global_batch} = micro_batch {config.train.micro_batch} '
+        f'x data {mesh.data} x {config.train.micro_steps} micro-steps; '
+        f'{tokens_per_step} tokens per step',
+        *rampup_lines(config),
+        f'per device   parameters {plan.format_bytes(held["parameters"])}, '
+        f'gradients {plan.format_bytes(held["gradients"])}, '
+        f'optimizer {plan.format_bytes(held["optimizer"])} (ZeRO-1 over data {mesh.data})',
+        f'FLOPs        {flops_per_step / 1e12:.3f} TFLOP model FLOPs per step '
+        f'(6N + 12LHQT per token); peak '
+        f'{plan.device_peak_tflops(device, config.model.compute_dtype) or "unknown"} TFLOP/s '
+        f'per device',
+        f'pipeline     {pipeline_line(config)}',
+        f'compile      {compile_seconds:.1f} s',
+        *data_lines(config, train_data),
+    ]
+
+
+def rampup_lines(config):
+    """The banner's ramp-up line, if the config ramps the batch up."""
+    train_cfg = config.train
+    if not rampup.enabled(train_cfg):
+        return []
+    ramp, replica_batch = train_cfg.rampup, train_cfg.micro_batch * config.mesh.data
+    stages = rampup.stages(train_cfg)
+    return [
+        f'ramp-up      global batch {ramp.start} -> {train_cfg.global_batch} by {ramp.increment} '
+        f'over the first {ramp.tokens:,} tokens: {len(stages)} sizes, micro-steps '
+        f'{stages[0] // replica_batch} .. {stages[-1] // replica_batch} (each compiles once)'
+    ]
+
+
+def data_lines(config, train_data):
+    """The banner's data line: the blend and the split."""
+    sources = ', '.join(
+        f'{weight:g} {prefix} ({dataset.num_tokens:,} train tokens)'
+        for (weight, prefix), dataset in zip(config.data.sources, train_data.datasets)
+    )
+    return [f'data         split {config.data.split} of {sources}']

@@ -1,0 +1,110 @@
+"""Faults a long run must survive: preemption signals and non-finite steps.
+
+Preemption: SIGTERM (what schedulers send before they kill) or SIGINT (Ctrl-C) sets a flag;
+the loop finishes the step it is on, saves, and exits 0. A second SIGINT interrupts at once.
+Multi-process runs ask orbax instead (`Checkpoints.reached_preemption`), so that every
+process stops at the same step.
+
+Loss spikes (optional, as PaLM did): a loss above train.spike_factor x the running mean of
+the last train.spike_window losses rolls the run back to its newest checkpoint and moves the
+data past the spike and train.spike_skip_batches more batches (see resume.roll_back).
+
+Non-finite steps: the train step itself keeps the old parameters and optimizer state when
+the loss or the gradient norm is NaN or Inf (jnp.where inside the jitted step) and reports
+`skipped`. The host reads that flag (and the loss) one step late, while the next step
+already runs, so watching never stalls the device:
+
+    dispatch step n  ->  read skipped of step n-1  ->  dispatch step n+1  -> ...
+"""
+
+import collections
+import signal
+
+import jax
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive non-finite steps: the run stops, its checkpoints untouched."""
+
+
+class StopSignals:
+    """Context manager: while inside, SIGTERM and SIGINT request a stop instead of killing."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received = None
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.received == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: the user means it
+        self.received = signum
+
+    @property
+    def requested(self):
+        return self.received is not None
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        return False
+
+
+class StepGuard:
+    """Watches each step's `skipped` flag and loss, one step behind the device.
+
+    Counts skipped steps; once `max_consecutive_skips` were skipped in a row, `error` says
+    so (the loop stops, saving nothing more, and raises NonFiniteError once the saves in
+    flight complete). With `spike_factor` > 0, a loss above spike_factor x the mean of the
+    last `spike_window` losses sets `spike` = (step, loss, mean): the loop rolls back."""
+
+    def __init__(self, max_consecutive_skips, spike_factor=0.0, spike_window=20, total=0):
+        self.limit = max_consecutive_skips
+        self.spike_factor = spike_factor
+        self.total = total
+        self.consecutive = 0
+        self.error = None
+        self.spike = None
+        self._recent = collections.deque(maxlen=spike_window)
+        self._pending = None  # (step, device metrics) not yet read
+
+    def push(self, step, metrics):
+        """Record step `step`'s device metrics; reads the previous step's."""
+        self.flush()
+        self._pending = (step, (metrics['skipped'], metrics['loss']))
+
+    def flush(self):
+        """Read the pending step now (before a save, a log record or the end of the run)."""
+        if self._pending is None:
+            return
+        step, flags = self._pending
+        self._pending = None
+        skipped, loss = jax.device_get(flags)
+        if skipped:
+            self._skipped(step)
+            return
+        self.consecutive = 0
+        recent = self._recent
+        if self.spike_factor and len(recent) == recent.maxlen and self.spike is None:
+            mean = sum(recent) / len(recent)
+            if loss > self.spike_factor * mean:
+                self.spike = (step, float(loss), mean)
+                return
+        recent.append(float(loss))
+
+    def _skipped(self, step):
+        self.total += 1
+        self.consecutive += 1
+        print(f'warning: step {step} skipped: non-finite loss or gradient norm', flush=True)
+        if self.consecutive >= self.limit and self.error is None:
+            self.error = (
+                f'{self.consecutive} consecutive steps up to step {step} had a non-finite loss '
+                f'or gradient norm (train.max_consecutive_skips={self.limit}); the run stops '
+                f'with its checkpoints as they were'
+            )

@@ -1,0 +1,135 @@
+"""Where a run starts: its own newest checkpoint, another run's, or a fresh state.
+
+    workdir has a usable checkpoint?  -> resume it (any layout), counters from its meta
+    else checkpoint.init_from=PATH?   -> parameters (or, with checkpoint.init_full_state, the
+                                         whole state and counters) of PATH's newest checkpoint
+    else                              -> init_state from train.seed
+
+After a loss spike, `roll_back` goes back to the newest checkpoint with the data moved on.
+
+The counters are what the data and the schedule need to continue exactly: samples consumed
+(the loader's position), tokens seen (the learning-rate schedule), steps skipped as
+non-finite. The RNG state is the step itself: dropout keys are fold_in(key(train.seed + 1),
+step, row), so a checkpoint stores only the seed (in its config and as `rng_seed`).
+"""
+
+import os
+
+import jax
+import optax
+
+from mtnlg_jax import checkpoint as checkpoint_lib
+from mtnlg_jax.data.tokenizer import Tokenizer
+from mtnlg_jax.train.state import init_state, pipeline_order
+
+COUNTERS = ('samples_consumed', 'tokens_seen', 'skipped_steps')
+
+
+def fresh_counters():
+    return dict.fromkeys(COUNTERS, 0)
+
+
+def checkpoint_meta(config, counters):
+    """What a checkpoint needs besides the arrays to resume exactly."""
+    tokenizer = None
+    if os.path.exists(config.data.tokenizer):
+        tokenizer = Tokenizer(config.data.tokenizer).identity
+    return dict(
+        counters,
+        rng_seed=config.train.seed,  # dropout keys: fold_in(key(seed + 1), step, row)
+        config=config.to_dict(),
+        tokenizer_identity=tokenizer,
+    )
+
+
+def resizable_dims(setup):
+    """Per state array, the dimension a checkpoint may hold in another size: the padded
+    vocabulary (its padding is a multiple of 128 x tensor, so it changes with the layout)."""
+    vocab_dims = jax.tree.map(
+        lambda axes: axes.index('vocab') if 'vocab' in axes else checkpoint_lib.NOT_RESIZABLE,
+        setup.logical_axes,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+    opt_dims = optax.tree_map_params(
+        setup.optimizer,
+        lambda _, dim: dim,
+        setup.abstract_state['opt_state'],
+        vocab_dims,
+        transform_non_params=lambda _: checkpoint_lib.NOT_RESIZABLE,
+    )
+    return dict(params=vocab_dims, opt_state=opt_dims, step=checkpoint_lib.NOT_RESIZABLE)
+
+
+def _restore_newest(config, checkpoints, setup):
+    """(step, state, meta) of the newest readable checkpoint, on this layout, with the blocks
+    put back in the pipeline's stage-major order (checkpoints hold plain layer order)."""
+    abstract = checkpoint_lib.abstract_with_shardings(setup.abstract_state, setup.state_shardings)
+    found = checkpoints.restore_newest(abstract, resizable=resizable_dims(setup))
+    if found is None:
+        return None
+    step, state, meta = found
+    return step, pipeline_order(config, setup, to='schedule')(state), meta
+
+
+def _counters_of(meta):
+    return {key: int(meta.get(key, 0)) for key in COUNTERS}
+
+
+def restore_or_init(config, setup, checkpoints, log=print):
+    """(state, counters) to start from; CheckpointError if a checkpoint does not fit."""
+    found = _restore_newest(config, checkpoints, setup)
+    if found is not None:
+        step, state, meta = found
+        incomplete = checkpoints.incomplete()
+        note = f'; ignored incomplete save(s): {", ".join(incomplete)}' if incomplete else ''
+        log(f'resumed      from step {step} of {checkpoints.directory} (newest complete{note})')
+        return state, _counters_of(meta)
+    state, counters = init_state(config, setup), fresh_counters()
+    if config.checkpoint.init_from:
+        state, counters = _init_from(config, setup, state, counters, log)
+    return state, counters
+
+
+def _init_from(config, setup, state, counters, log):
+    """The fresh state with another run's parameters (or its whole state) put in."""
+    directory = checkpoint_lib.checkpoint_directory(config.checkpoint.init_from)
+    if not os.path.isdir(directory):
+        raise checkpoint_lib.CheckpointError(
+            f'checkpoint.init_from={config.checkpoint.init_from!r}: no such directory'
+        )
+    source = checkpoint_lib.Checkpoints(None, directory=directory, read_only=True)
+    try:
+        found = _restore_newest(config, source, setup)
+    finally:
+        source.close()
+    if found is None:
+        raise checkpoint_lib.CheckpointError(
+            f'checkpoint.init_from={config.checkpoint.init_from!r}: no checkpoint in {directory}'
+        )
+    step, other, meta = found
+    if config.checkpoint.init_full_state:
+        state, counters = other, _counters_of(meta)
+        what = 'parameters, optimizer state, step and data position'
+    else:
+        state = dict(state, params=other['params'])
+        what = 'parameters'
+    log(f'initialised  {what} from step {step} of {directory}')
+    return state, counters
+
+
+def roll_back(config, setup, checkpoints, counters):
+    """After a loss spike: (step, state, counters) of the newest checkpoint, with the data
+    moved past every batch consumed so far (the spike's among them) and
+    train.spike_skip_batches more; None if there is no checkpoint to go back to."""
+    checkpoints.wait()
+    found = _restore_newest(config, checkpoints, setup)
+    if found is None:
+        return None
+    step, state, meta = found
+    skip = config.train.spike_skip_batches * config.train.global_batch
+    rolled = dict(
+        _counters_of(meta),
+        samples_consumed=counters['samples_consumed'] + skip,
+        skipped_steps=counters['skipped_steps'],
+    )
+    return step, state, rolled
