@@ -132,7 +132,8 @@ class Checkpoints:
         self._manager.reload()
 
     def check_fits(self, abstract_state, step, resizable=None):
-        """CheckpointError naming the first array of `abstract_state` (in tree order) that the
+        """CheckpointError naming the first array of `abstract_state` (parameters first, then in
+        tree order) that the
         checkpoint at `step` lacks or holds in another shape. `resizable`: a tree like
         `abstract_state` with, per array, the one dimension that may differ (or -1)."""
         stored_tree = self._manager.item_metadata(step)['state']
@@ -145,7 +146,11 @@ class Checkpoints:
             leaves = jax.tree_util.tree_leaves_with_path(resizable)
             allowed = {_path_name(path): dim for path, dim in leaves}
         where = os.path.join(self.directory, str(step))
-        for name, shape in expected.items():
+        # Parameters first: a model of another shape is named by its parameter, not by the
+        # Adam moment that happens to sort before it.
+        for name, shape in sorted(
+            expected.items(), key=lambda item: not item[0].startswith('params')
+        ):
             if name not in stored:
                 raise CheckpointError(f'checkpoint {where} has no array {name} (shape {shape})')
             differs = [d for d, (a, b) in enumerate(zip(stored[name], shape)) if a != b]

@@ -59,8 +59,8 @@ def test_a_checkpoint_of_another_model_is_one_error_line_and_nothing_is_deleted(
     assert wider.returncode == 2, wider.stderr[-3000:]
     error = [line for line in wider.stderr.splitlines() if line.startswith('error: ')]
     assert len(error) == 1 and wider.stderr.strip().splitlines()[-1] == error[0]
-    assert 'blocks/attention/out_bias' in error[0]
-    assert '(2, 64)' in error[0] and '(2, 128)' in error[0]
+    assert 'params/blocks/attention/out_bias' in error[0]  # layers 4 (SMALL_MODEL) x hidden
+    assert '(4, 64)' in error[0] and '(4, 128)' in error[0]
     assert {p: p.stat().st_mtime_ns for p in workdir.rglob('*')} == before  # untouched
 
 
