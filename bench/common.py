@@ -23,6 +23,7 @@ def layout_config(path, data, stage, tensor, micro_steps, repeats=1, **overrides
     """The config file's config under a layout, with `micro_steps` micro-batches per step
     (global_batch kept); overrides are (section, key) -> value pairs as 'section.key'."""
     config = config_lib.load(path)
+    config.train.rampup.start = 0  # a benchmark times one batch size
     config.mesh.update(dict(data=data, stage=stage, tensor=tensor))
     config.pipeline.repeats = repeats
     for dotted, value in overrides.items():
