@@ -43,7 +43,7 @@ def import_hf(hf_dir, workdir, config):
     from mtnlg_jax import config as config_lib
     from mtnlg_jax import hf_gpt2
     from mtnlg_jax.parallel.mesh import mesh_from_config
-    from mtnlg_jax.train.loop import checkpoint_meta
+    from mtnlg_jax.train.resume import checkpoint_meta, fresh_counters
     from mtnlg_jax.train.state import make_setup
 
     try:
@@ -70,7 +70,7 @@ def import_hf(hf_dir, workdir, config):
         state = dict(params=params, opt_state=init_opt(params), step=jax.numpy.int32(0))
         os.makedirs(workdir, exist_ok=True)
         checkpoints = checkpoint_lib.Checkpoints(workdir, keep=config.checkpoint.keep)
-        checkpoints.save(0, state, checkpoint_meta(config, dict(samples_consumed=0, tokens_seen=0)))
+        checkpoints.save(0, state, checkpoint_meta(config, fresh_counters()))
         checkpoints.wait()
         checkpoints.close()
     with open(os.path.join(workdir, 'config.json'), 'w') as f:

@@ -82,7 +82,7 @@ def test_another_model_shape_names_the_first_mismatched_array_and_both_shapes(tm
         restore_into(tmp_path, small_config(hidden=32))
     message = str(error.value)
     assert '\n' not in message
-    assert 'opt_state/1/mu/blocks/attention/out_bias' in message  # first in tree order
+    assert 'params/blocks/attention/out_bias' in message  # parameters are checked first
     assert '(2, 64)' in message and '(2, 32)' in message
     assert sorted(os.listdir(tmp_path / 'checkpoints')) == before
 

@@ -54,7 +54,7 @@ class Runs:
         self.tmp, self.data = tmp_path_factory, data
         self._cache = {}
 
-    def uninterrupted(self, layers=2):
+    def uninterrupted(self, layers=4):  # SMALL_MODEL's depth
         if ('straight', layers) not in self._cache:
             workdir = self.tmp.mktemp(f'straight{layers}')
             train_ok(
