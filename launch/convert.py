@@ -21,6 +21,8 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
+from mtnlg_jax.cli import fail
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 _CONFIG = config_flags.DEFINE_config_file(
     'config', str(ROOT / 'configs/gpt2_124m.py'), 'Config of every non-model key (import).'
@@ -29,11 +31,6 @@ _IMPORT = flags.DEFINE_string('import_hf', None, 'Hugging Face GPT-2 directory t
 _EXPORT = flags.DEFINE_string('export_hf', None, 'Directory to export the checkpoint to.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'The workdir to write (import) or read (export).')
 _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step to export (default: the newest).')
-
-
-def fail(message):
-    print(f'error: {message}', file=sys.stderr)
-    sys.exit(2)
 
 
 def import_hf(hf_dir, workdir, config):

@@ -21,17 +21,9 @@ import json
 import os
 import sys
 
+from mtnlg_jax.cli import ArgumentParser, fail
+
 TASKS = ('perplexity', 'lambada', 'multiple_choice')
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message):
-        fail(message)
-
-
-def fail(message):
-    print(f'error: {message}', file=sys.stderr)
-    sys.exit(2)
 
 
 def parse_args(argv):

@@ -18,15 +18,7 @@ import json
 import os
 import sys
 
-
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message):
-        fail(message)
-
-
-def fail(message):
-    print(f'error: {message}', file=sys.stderr)
-    sys.exit(2)
+from mtnlg_jax.cli import ArgumentParser, fail
 
 
 def parse_args(argv):

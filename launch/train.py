@@ -16,13 +16,10 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
+from mtnlg_jax.cli import fail
+
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'ml_collections config file.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory of the run.')
-
-
-def fail(message):
-    print(f'error: {message}', file=sys.stderr)
-    sys.exit(2)
 
 
 def main(argv):

@@ -2,27 +2,18 @@
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
+from mtnlg_jax import config as config_lib
 from mtnlg_jax.train.optimizer import learning_rate_schedule, make_optimizer, weight_decay_mask
 
 
 def _opt(**overrides):
-    cfg = dict(
-        lr=5e-5,
-        min_lr=5e-6,
-        warmup_tokens=1_000_000_000,
-        decay_tokens=340_000_000_000,
-        b1=0.9,
-        b2=0.95,
-        eps=1e-8,
-        weight_decay=0.1,
-        clip_norm=1.0,
-    )
-    cfg.update(overrides)
-    return ml_collections.ConfigDict(cfg)
+    """configs/mtnlg_530b.py's optimizer section (the paper's recipe), with overrides."""
+    opt = config_lib.load('configs/mtnlg_530b.py').optimizer
+    opt.update(overrides)
+    return opt
 
 
 def test_schedule_in_tokens_matches_mtnlg():
