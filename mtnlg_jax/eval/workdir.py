@@ -44,8 +44,10 @@ def inference_config(saved, data=None, tensor=None):
     tensor = config.mesh.tensor if tensor is None else tensor
     config.mesh.update(dict(data=data, stage=1, tensor=tensor))
     config.pipeline.repeats = 1  # checkpoints hold the blocks in layer order: no schedule
-    # Training batch keys only need to be consistent with the new mesh; inference ignores them.
+    # Training batch keys only need to be consistent with the new mesh; inference ignores them
+    # (and a batch-size ramp-up with them).
     config.train.update(dict(global_batch=data, micro_batch=1))
+    config.train.rampup.start = 0
     num_devices = data * tensor if data > 0 and tensor > 0 else jax.device_count()
     padded_vocab = saved['model']['padded_vocab']
     config = config_lib.resolve(config, num_devices)

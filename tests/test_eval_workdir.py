@@ -1,0 +1,18 @@
+"""A run's config, re-resolved for inference on another mesh."""
+
+import jax
+import pytest
+
+from mtnlg_jax import config as config_lib
+from mtnlg_jax.eval import workdir as workdir_lib
+
+
+@pytest.mark.parametrize('data,tensor', [(None, None), (1, 8), (8, 1)])
+def test_the_default_runs_config_resolves_for_inference_on_any_mesh(data, tensor):
+    """configs/tiny.py trains with a pipeline and a batch-size ramp-up; inference has neither,
+    keeps the checkpoint's padded vocabulary and takes any data x tensor mesh."""
+    saved = config_lib.resolve(config_lib.load('configs/tiny.py'), jax.device_count()).to_dict()
+    config = workdir_lib.inference_config(saved, data, tensor)
+    assert (config.mesh.stage, config.pipeline.repeats, config.train.rampup.start) == (1, 1, 0)
+    assert config.mesh.tensor == (tensor or saved['mesh']['tensor'])
+    assert config.model.padded_vocab == saved['model']['padded_vocab']
