@@ -29,7 +29,7 @@ from mtnlg_jax.data.gpt_dataset import GPTDataset, split_ranges
 from mtnlg_jax.data.indexed import DataError, IndexedDataset
 from mtnlg_jax.parallel import rules
 from mtnlg_jax.train import rampup
-from mtnlg_jax.train.step import BATCH_AXES
+from mtnlg_jax.train.step import BATCH_AXES, micro_step_row_ids, place_row_ids
 
 # Token ids are checked against the vocabulary on this many leading tokens of each source: a
 # mismatched tokenizer shows at once, and opening a 300 B token corpus stays instant.
@@ -99,9 +99,7 @@ def place_train_batch(dataset, mesh, samples_consumed, global_batch, micro_steps
         shape,
         NamedSharding(mesh, rules.logical_to_spec(BATCH_AXES)),
     )
-    row_ids = np.arange(global_batch, dtype=np.int32).reshape(micro_steps, rows)
-    row_sharding = NamedSharding(mesh, rules.logical_to_spec(BATCH_AXES[:2]))
-    return tokens, jax.make_array_from_callback(row_ids.shape, row_sharding, lambda i: row_ids[i])
+    return tokens, place_row_ids(micro_step_row_ids(global_batch, micro_steps), mesh)
 
 
 def abstract_train_batch(config, mesh, micro_steps):

@@ -19,7 +19,8 @@ never the model. The tensor-parallel rows are Megatron's:
     activations    (batch, ...)                    batch  -> data
 
 ZeRO-1: optimizer state (fp32 master weights and Adam moments) is additionally split over
-'data' along its first dimension that is still whole and divides evenly (`zero_spec`).
+'data' along its first whole dimension that divides evenly, else along a split dimension that
+still divides (`zero_spec`).
 """
 
 import math

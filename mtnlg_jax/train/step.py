@@ -27,23 +27,32 @@ from mtnlg_jax.train.optimizer import learning_rate_schedule
 BATCH_AXES = ('micro_steps', 'batch', 'seq')
 
 
+def micro_step_row_ids(global_batch, micro_steps):
+    """(micro_steps, global_batch / micro_steps): each sequence's index in the global batch
+    (its dropout key depends on it alone)."""
+    return np.arange(global_batch, dtype=np.int32).reshape(micro_steps, -1)
+
+
+def place_row_ids(row_ids, mesh):
+    """Row ids on the mesh, laid out as the tokens' first two axes."""
+    sharding = NamedSharding(mesh, rules.logical_to_spec(BATCH_AXES[:2]))
+    return jax.make_array_from_callback(row_ids.shape, sharding, lambda i: row_ids[i])
+
+
 def to_micro_steps(global_batch, micro_steps):
     """(global_batch, seq + 1) -> (micro_steps, global_batch / micro_steps, seq + 1) and the
-    row index of each sequence in the global batch (its dropout key depends on it alone)."""
+    row ids of micro_step_row_ids."""
     rows = global_batch.shape[0]
     tokens = global_batch.reshape(micro_steps, rows // micro_steps, -1)
-    row_ids = np.arange(rows, dtype=np.int32).reshape(micro_steps, rows // micro_steps)
-    return tokens, row_ids
+    return tokens, micro_step_row_ids(rows, micro_steps)
 
 
 def place_batch(tokens, row_ids, mesh):
-    """Put a host batch on the mesh; each device receives only its own rows."""
+    """Put a host batch held whole in memory on the mesh; each device receives only its own
+    rows (the training loop reads datasets per process instead: data/loader.py)."""
     token_sharding = NamedSharding(mesh, rules.logical_to_spec(BATCH_AXES))
-    row_sharding = NamedSharding(mesh, rules.logical_to_spec(BATCH_AXES[:2]))
-    return (
-        jax.make_array_from_callback(tokens.shape, token_sharding, lambda i: tokens[i]),
-        jax.make_array_from_callback(row_ids.shape, row_sharding, lambda i: row_ids[i]),
-    )
+    tokens = jax.make_array_from_callback(tokens.shape, token_sharding, lambda i: tokens[i])
+    return tokens, place_row_ids(row_ids, mesh)
 
 
 def _row_keys(config, step, row_ids):
