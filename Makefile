@@ -9,7 +9,7 @@ WORKDIR ?= runs/tiny
 DATA := data/default
 SOURCES := kjv python_stdlib
 
-.PHONY: setup data train test bench clean
+.PHONY: setup data train train-multiprocess test bench clean
 
 setup: $(VENV)/.installed
 
@@ -20,29 +20,48 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $@
 
-# The default corpus: each source exported to jsonl, one tokenizer trained on both, then each
-# source preprocessed into its own .bin/.idx pair (configs/tiny.py blends them).
+# The default corpus: each source exported to jsonl and curated (launch/curate.py: exact and
+# fuzzy deduplication; DATA/curated/SOURCE.report.json says what was removed and why), one
+# tokenizer trained on both, then each source preprocessed into its own .bin/.idx pair
+# (configs/tiny.py blends them). Quality filtering is off for both sources: MT-NLG applied it
+# to Common Crawl only, and Gopher's repetition rules would drop a sixth of the Bible's
+# chapters (README, Curation). Per-source flags: CURATE_<source>.
+CURATE_kjv ?= --stages exact fuzzy
+CURATE_python_stdlib ?= --stages exact fuzzy
 data: $(SOURCES:%=$(DATA)/%.idx)
 
 $(DATA)/raw/.exported: $(VENV)/.installed launch/export_corpus.py mtnlg_jax/data/corpus.py
 	$(PY) launch/export_corpus.py --out $(DATA)/raw
 	touch $@
 
-$(DATA)/tokenizer.model: $(DATA)/raw/.exported
-	$(PY) launch/preprocess.py --input $(DATA)/raw --train-tokenizer --vocab-size 8192 \
+$(DATA)/curated/%.jsonl: $(DATA)/raw/.exported launch/curate.py $(wildcard mtnlg_jax/data/curate/*.py)
+	$(PY) launch/curate.py --input $(DATA)/raw/$*.jsonl --output $@ --workers 2 $(CURATE_$*)
+
+$(DATA)/tokenizer.model: $(SOURCES:%=$(DATA)/curated/%.jsonl)
+	$(PY) launch/preprocess.py --input $^ --train-tokenizer --vocab-size 8192 \
 		--tokenizer-model $@
 
 $(DATA)/%.idx: $(DATA)/tokenizer.model launch/preprocess.py
-	$(PY) launch/preprocess.py --input $(DATA)/raw/$*.jsonl --tokenizer-model $< \
-		--output-prefix $(DATA)/$* --workers 2
+	$(PY) launch/preprocess.py --input $(DATA)/curated/$*.jsonl --tokenizer-model $< \
+		--output-prefix $(DATA)/$* --append-eod --workers 2
 
-# Training ends with the validation perplexity of the final checkpoint and a short sample.
+# Training ends with the validation loss of the final checkpoint next to a unigram and a bigram
+# model of the same tokens (bench/baselines.py), and a short sample, sampled: greedy decoding
+# loops on a model this small ("the LORD, and the LORD, ...").
 train: data
 	$(DEVICES) $(PY) launch/train.py --config $(CONFIG) --workdir $(WORKDIR)
 	$(DEVICES) $(PY) launch/evaluate.py --workdir $(WORKDIR) --task perplexity \
-		--data $(DATA)/kjv --split valid --max_tokens 16384
+		--data $(DATA)/kjv --split valid --max_tokens 16384 --output $(WORKDIR)/eval/kjv_valid.json
+	$(PY) bench/baselines.py --data $(DATA)/kjv --split valid --max_tokens 16384 \
+		--model_eval $(WORKDIR)/eval/kjv_valid.json
 	$(DEVICES) $(PY) launch/generate.py --workdir $(WORKDIR) --prompt "In the beginning" \
-		--max_new_tokens 40
+		--max_new_tokens 40 --do_sample --temperature 0.8 --top_p 0.95 --seed 0
+
+# The same training as 2 processes x 4 CPU devices through jax.distributed (gloo), as it would
+# run on 2 hosts: process 0 prints here, process 1 logs to $(WORKDIR)-2proc/logs/process_1.log.
+train-multiprocess: data
+	$(PY) launch/spawn.py --processes 2 --devices_per_process 4 -- \
+		launch/train.py --config $(CONFIG) --workdir $(WORKDIR)-2proc
 
 test: setup
 	$(PY) -m pytest -q -n 2 --dist loadfile  # two workers: the CI machine has 2 cores
@@ -52,6 +71,7 @@ bench: setup
 	$(PY) bench/pipeline.py
 	$(PY) bench/generate.py
 	$(PY) bench/checkpoint.py
+	$(PY) bench/scale.py --results runs/scale
 
 clean:
 	rm -rf $(VENV) $(DATA) runs

@@ -5,18 +5,20 @@ import statistics
 import sys
 import time
 
-os.environ['XLA_FLAGS'] = (
-    os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
-).strip()
+if 'xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', ''):
+    os.environ['XLA_FLAGS'] = (
+        os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
+    ).strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mtnlg_jax import config as config_lib  # noqa: E402
-from mtnlg_jax.parallel.mesh import make_mesh  # noqa: E402
+from mtnlg_jax.parallel.mesh import mesh_from_config  # noqa: E402
 from mtnlg_jax.train.state import init_state, make_setup  # noqa: E402
-from mtnlg_jax.train.step import make_train_step, place_batch, to_micro_steps  # noqa: E402
+from mtnlg_jax.data.batch import place_batch, to_micro_steps  # noqa: E402
+from mtnlg_jax.train.step import make_train_step  # noqa: E402
 
 
 def layout_config(path, data, stage, tensor, micro_steps, repeats=1, **overrides):
@@ -33,15 +35,19 @@ def layout_config(path, data, stage, tensor, micro_steps, repeats=1, **overrides
     return config_lib.resolve(config, data * stage * tensor)
 
 
+def own_layout_config(path):
+    """The config file's config under its own mesh and micro-batch, one batch size."""
+    config = config_lib.load(path)
+    config.train.rampup.start = 0
+    return config_lib.resolve(config, config.mesh.data * config.mesh.stage * config.mesh.tensor)
+
+
 class CompiledStep:
     """A config's train step compiled ahead of time on the first devices, with its state."""
 
     def __init__(self, config):
         self.config = config
-        devices = config.mesh.data * config.mesh.stage * config.mesh.tensor
-        self.mesh = make_mesh(
-            config.mesh.data, config.mesh.stage, config.mesh.tensor, devices=jax.devices()[:devices]
-        )
+        self.mesh = mesh_from_config(config)
         self.setup = make_setup(config, self.mesh)
         rng = np.random.default_rng(0)
         shape = (config.train.global_batch, config.model.seq_len + 1)

@@ -38,7 +38,7 @@ def make_generator(path):
     config.train.update(dict(global_batch=1, micro_batch=1))
     config.model.compute_dtype = 'float32'  # bf16 matmuls are slow on CPU
     config = config_lib.resolve(config, tensor)
-    mesh = make_mesh(1, 1, tensor, devices=jax.devices()[:tensor])
+    mesh = make_mesh(1, 1, tensor)
     setup = make_setup(config, mesh)
     with jax.set_mesh(mesh):
         params = jax.jit(

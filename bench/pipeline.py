@@ -1,43 +1,65 @@
-"""The circular pipeline: step time against the other layouts, its bubble, its memory.
+"""The pipeline schedules: step time against the other layouts, bubble, memory.
 
-    python bench/pipeline.py [--config configs/tiny.py] [--steps 3]
+    python bench/pipeline.py [--config configs/tiny.py] [--steps 3] [--tables time,bubble,memory]
 
-Three tables, all from one run on the same 8 devices:
+Three tables, all from one run on the same 8 devices, for each `pipeline.schedule`:
 
-1. Step time of data 2 x stage 2 x tensor 2 (repeats 1 and 2) against data 8 and data 4 x
+1. Step time of data 2 x stage 2 x tensor 2 (v = 1 and 2) against data 8 and data 4 x
    tensor 2, same global batch, as ratios to data 8. On a CPU the 8 devices are simulated
    on shared cores, so stages do not run at the same time: the ratio shows what the schedule
-   adds (bubble iterations, activation transfers), not a speed-up.
-2. Measured against predicted bubble fraction for p = 2 and 4, v = 1 and 2. Measured: step
-   time T grows with the number of micro-batches m as T = c + w m at fixed micro-batch size;
-   w / v is the time of one pipeline iteration, and the p - 1 iterations without work cost
-   (p - 1) w / v, so the measured bubble is (p - 1) (w / v) / T(m). It is below the predicted
-   (p - 1) / (v m + p - 1) by the share of T spent outside the iterations (embedding, head,
-   optimizer update).
-3. Peak temporary memory per device (XLA's memory analysis of the compiled step) as m grows,
-   at fixed micro-batch size: the scan keeps one stage input per iteration, so it grows with
-   v m + p - 1.
+   adds (recompute, hand-offs, bubble work), not a speed-up.
+2. Measured against predicted bubble fraction, p = 2 and 4. Measured: step time T grows with
+   the number of micro-batches m as T = c + w m at fixed micro-batch size; w / v is one
+   chunk's forward and backward, the p - 1 ticks of ramp cost (p - 1) w / v, so the measured
+   bubble is (p - 1) (w / v) / T(m). Predicted: (p - 1) / (v m + p - 1) for gpipe, the
+   table's (parallel/schedule.py) for 1f1b / interleaved. On a CPU a waiting stage costs no
+   time (the simulated devices share the cores): the 1F1B engine skips idle slots, GPipe's
+   scan computes on zeros, so only GPipe's measured figure means anything here.
+3. Peak temporary memory per device (XLA's memory analysis of the compiled train step) as m
+   grows, at fixed micro-batch size: GPipe order keeps every micro-batch's stage inputs
+   (v m + p - 1), 1F1B-family schedules at most the table's in-flight count, whatever m.
+
+    python bench/pipeline.py --scale [--micro_batches 240]
+
+4. (--scale, alone: 280 CPU devices) configs/mtnlg_530b.py's train step, one replica (tensor
+   8 x stage 35, data 1), m = 240 micro-batches of 1 sequence (its data-8 share of 1920), 1F1B,
+   full recompute, bf16, compiled on forced CPU devices with nothing allocated: XLA's memory
+   analysis per device. Data 8 with ZeRO-1 splits the fp32 master copy and Adam moments 8
+   ways: added by arithmetic (7/8 of them taken off), until several processes can compile
+   data 8.
 """
 
 import argparse
+import os
+import sys
 
-import numpy as np
-from common import CompiledStep, layout_config, print_table
+SCALE_DEVICES = 280  # one MT-NLG replica: tensor 8 x stage 35
+if '--scale' in sys.argv:  # before JAX is imported (bench/common.py imports it)
+    os.environ['XLA_FLAGS'] = (
+        os.environ.get('XLA_FLAGS', '')
+        + f' --xla_force_host_platform_device_count={SCALE_DEVICES}'
+        + ' --xla_disable_hlo_passes=all-reduce-promotion'  # XLA:CPU, bf16 all-reduce
+    )
 
-from mtnlg_jax.parallel import pipeline
+import numpy as np  # noqa: E402
+from common import CompiledStep, layout_config, print_table  # noqa: E402
+
+from mtnlg_jax.parallel import pipeline  # noqa: E402
 
 LAYERS = 8  # divisible by p x v = 8
 
 
+SCHEDULES = [('gpipe', 1), ('gpipe', 2), ('1f1b', 1), ('interleaved', 2)]
+
+
 def step_time_table(path, steps):
-    layouts = [  # (name, data, stage, tensor, repeats)
-        ('data 8', 8, 1, 1, 1),
-        ('data 4 x tensor 2', 4, 1, 2, 1),
-        ('data 2 x stage 2 x tensor 2, v = 1', 2, 2, 2, 1),
-        ('data 2 x stage 2 x tensor 2, v = 2', 2, 2, 2, 2),
+    layouts = [('data 8', 8, 1, 1, 1, '1f1b'), ('data 4 x tensor 2', 4, 1, 2, 1, '1f1b')]
+    layouts += [
+        (f'data 2 x stage 2 x tensor 2, {schedule}, v = {repeats}', 2, 2, 2, repeats, schedule)
+        for schedule, repeats in SCHEDULES
     ]
     rows, base = [], None
-    for name, data, stage, tensor, repeats in layouts:
+    for name, data, stage, tensor, repeats, schedule in layouts:
         micro_steps = 4 if stage > 1 else 2  # same global batch: 16 = mb x data x m
         config = layout_config(
             path,
@@ -46,11 +68,11 @@ def step_time_table(path, steps):
             tensor,
             micro_steps,
             repeats,
-            **{'model.num_layers': LAYERS, 'model.remat': 'full'},
+            **{'model.num_layers': LAYERS, 'model.remat': 'full', 'pipeline.schedule': schedule},
         )
         seconds = CompiledStep(config).step_seconds(steps)
         base = base or seconds
-        bubble = pipeline.bubble_fraction(stage, repeats, config.train.micro_steps)
+        bubble = pipeline.bubble_fraction(stage, repeats, config.train.micro_steps, schedule)
         rows.append(
             (
                 name,
@@ -64,64 +86,113 @@ def step_time_table(path, steps):
     print_table('Step time, global batch 16 x 128 tokens, 8 layers, full recompute', header, rows)
 
 
+def stage_only_config(path, stages, repeats, micro, schedule):
+    """Mesh stage only, m micro-batches of 1 sequence, full recompute."""
+    overrides = {
+        'model.num_layers': LAYERS,
+        'model.remat': 'full',
+        'train.global_batch': micro,
+        'pipeline.schedule': schedule,
+    }
+    return layout_config(path, 1, stages, 1, micro, repeats, **overrides)
+
+
 def bubble_table(path, steps):
     rows = []
-    for stages, repeats in [(2, 1), (2, 2), (4, 1), (4, 2)]:
-        micro = [4, 8, 16]
-        times = []
-        for m in micro:
-            config = layout_config(
-                path,
-                1,
-                stages,
-                1,
-                m,
-                repeats,
-                **{'model.num_layers': LAYERS, 'model.remat': 'full', 'train.global_batch': m},
-            )
-            times.append(CompiledStep(config).step_seconds(steps))
-        slope, _ = np.polyfit(micro, times, 1)
-        iteration = slope / repeats
-        for m, seconds in zip(micro, times):
-            measured = (stages - 1) * iteration / seconds
-            predicted = pipeline.bubble_fraction(stages, repeats, m)
-            rows.append(
-                (stages, repeats, m, f'{seconds:.3f}', f'{measured:.3f}', f'{predicted:.3f}')
-            )
-    header = ('p', 'v', 'm', 'step s', 'measured bubble', 'predicted (p-1)/(vm+p-1)')
+    for schedule, repeats in SCHEDULES:
+        for stages in (2, 4):
+            micro = [4, 8, 16]
+            times = []
+            for m in micro:
+                config = stage_only_config(path, stages, repeats, m, schedule)
+                times.append(CompiledStep(config).step_seconds(steps))
+            slope, _ = np.polyfit(micro, times, 1)
+            for m, seconds in zip(micro, times):
+                measured = (stages - 1) * slope / repeats / seconds
+                predicted = pipeline.bubble_fraction(stages, repeats, m, schedule)
+                rows.append(
+                    (schedule, stages, repeats, m, f'{seconds:.3f}', f'{measured:.3f}',
+                     f'{predicted:.3f}')
+                )
+    header = ('schedule', 'p', 'v', 'm', 'step s', 'measured bubble', 'predicted')
     print_table('Bubble fraction, 1 sequence per micro-batch, stage only', header, rows)
 
 
 def memory_table(path):
     rows = []
-    for stages, repeats in [(2, 1), (2, 2), (4, 1), (4, 2)]:
-        for m in [2, 4, 8, 16]:
-            if repeats > 1 and m < stages:
-                rows.append((stages, repeats, m, 'n/a (v > 1 needs m >= p)'))
-                continue
-            config = layout_config(
-                path,
-                1,
-                stages,
-                1,
-                m,
-                repeats,
-                **{'model.num_layers': LAYERS, 'model.remat': 'full', 'train.global_batch': m},
-            )
-            mib = CompiledStep(config).temp_bytes() / 2**20
-            rows.append((stages, repeats, m, f'{mib:.1f}'))
-    header = ('p', 'v', 'm', 'peak temporary MiB per device')
-    print_table('Memory as micro-batches grow, 1 sequence per micro-batch', header, rows)
+    for schedule, repeats in SCHEDULES:
+        for stages in (2, 4):
+            cells = []
+            for m in (4, 8, 16, 32):
+                if schedule == 'gpipe' and repeats > 1 and m < stages:
+                    cells.append('n/a')
+                    continue
+                config = stage_only_config(path, stages, repeats, m, schedule)
+                cells.append(f'{CompiledStep(config).temp_bytes() / 2**20:.1f}')
+            rows.append((schedule, stages, repeats, *cells))
+    header = ('schedule', 'p', 'v', 'm = 4', 'm = 8', 'm = 16', 'm = 32')
+    print_table(
+        'Peak temporary MiB per device of the compiled train step, 1 sequence per micro-batch',
+        header,
+        rows,
+    )
+
+
+def scale_table(micro_batches):
+    from mtnlg_jax import config as config_lib
+    from mtnlg_jax import plan
+    from mtnlg_jax.plan import compile as compile_lib
+
+    config = config_lib.load('configs/mtnlg_530b.py')
+    config.mesh.update(dict(data=1, stage=35, tensor=8))
+    config.train.update(dict(global_batch=micro_batches, micro_batch=1))
+    config.train.rampup.start = 0
+    config.pipeline.schedule = '1f1b'
+    config = config_lib.resolve(config, SCALE_DEVICES)
+    compiled, _, info = compile_lib.compile_train_step(config)
+    memory = compile_lib.memory(compiled)
+    held = plan.bytes_per_device(config, info['setup'])
+    zero_share = held['optimizer'] * 7 // 8  # data 8: master + moments split 8 ways
+    gib = lambda n: f'{n / 2**30:.1f}'  # noqa: E731
+    rows = [
+        ('arguments (state: bf16 copy not included; fp32 master + moments, data 1)',
+         gib(memory['argument_bytes'])),
+        ('outputs - aliased (donated state)', gib(memory['output_bytes'] - memory['alias_bytes'])),
+        ('temporaries', gib(memory['temp_bytes'])),
+        ('peak, one replica (data 1)', gib(memory['peak_bytes'])),
+        ('ZeRO-1 over data 8: 7/8 of master + moments off (arithmetic)', f'-{gib(zero_share)}'),
+        ('peak per device, data 8', gib(memory['peak_bytes'] - zero_share)),
+        ('compile s', f'{info["compile_s"]:.0f}'),
+    ]
+    print_table(
+        f'mtnlg_530b train step, tensor 8 x stage 35, m = {micro_batches}, 1F1B, full recompute, '
+        f'bf16, {config.pipeline.schedule} table of '
+        f'{pipeline.num_ticks(35, 1, micro_batches)} ticks: GiB per device',
+        ('', 'GiB'),
+        rows,
+    )
+    for note in compile_lib.CPU_COMPILE_NOTES:
+        print(f'- {note}')
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--config', default='configs/tiny.py')
     parser.add_argument('--steps', type=int, default=3)
+    parser.add_argument('--tables', default='time,bubble,memory')
+    parser.add_argument('--scale', action='store_true')
+    parser.add_argument('--micro_batches', type=int, default=240)
     args = parser.parse_args()
-    step_time_table(args.config, args.steps)
-    bubble_table(args.config, args.steps)
-    memory_table(args.config)
+    if args.scale:
+        scale_table(args.micro_batches)
+        return
+    tables = args.tables.split(',')
+    if 'time' in tables:
+        step_time_table(args.config, args.steps)
+    if 'bubble' in tables:
+        bubble_table(args.config, args.steps)
+    if 'memory' in tables:
+        memory_table(args.config)
 
 
 if __name__ == '__main__':

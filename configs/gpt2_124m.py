@@ -6,6 +6,11 @@ Data parallel over every device; bf16 compute.
 
     python launch/train.py --config configs/gpt2_124m.py --workdir runs/gpt2_124m \
         --config.data.sources="((1.0, 'PATH/PREFIX'),)"   # PREFIX.bin/.idx: launch/preprocess.py
+
+The corpus is tokenized with the same files, as Megatron does it:
+    python launch/preprocess.py --input corpus.jsonl --tokenizer-type GPT2BPETokenizer \
+        --vocab-file data/gpt2/vocab.json --merge-file data/gpt2/merges.txt \
+        --output-prefix PATH/PREFIX --append-eod --workers 8
 """
 
 from mtnlg_jax import config as config_lib
@@ -27,6 +32,7 @@ def get_config():
             hidden_dropout=0.1,
             compute_dtype='bfloat16',
             remat='none',
+            sequence_parallel=True,
         )
     )
     config.train.update(
@@ -46,4 +52,5 @@ def get_config():
         )
     )
     config.checkpoint.update(dict(every=1000, keep=3))
+    config.data.tokenizer = 'data/gpt2'  # GPT-2 BPE: DIR/vocab.json + merges.txt
     return config

@@ -31,6 +31,7 @@ def get_config():
             hidden_dropout=0.1,
             compute_dtype='bfloat16',
             remat='full',
+            sequence_parallel=True,
         )
     )
     config.train.update(
@@ -50,4 +51,5 @@ def get_config():
         )
     )
     config.checkpoint.update(dict(every=1000, keep=3))
+    config.data.tokenizer = 'data/gpt2'  # GPT-2 BPE: DIR/vocab.json + merges.txt
     return config

@@ -53,6 +53,7 @@ def get_config():
             hidden_dropout=0.1,
             compute_dtype='bfloat16',
             remat='full',
+            sequence_parallel=True,
         )
     )
     config.train.update(
@@ -74,4 +75,5 @@ def get_config():
     )
     config.checkpoint.update(dict(every=100, keep=2))
     config.data.sources = tuple((weight, f'{DATA_ROOT}/{name}') for weight, name in MTNLG_BLEND)
+    config.data.tokenizer = f'{DATA_ROOT}/gpt2'  # GPT-2 BPE (gpt2-vocab.json, gpt2-merges.txt)
     return config

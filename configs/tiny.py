@@ -1,13 +1,12 @@
 """Tiny GPT for CPU development: a few million parameters, fp32 compute, 8 simulated devices.
 
-The default of `make train`. Mesh data 2 x stage 2 x tensor 2 with a circular pipeline of 2
-repeats: each stage holds 2 of the 4 layers, chunks of one layer. Data: the default corpus's
+The default of `make train`. Mesh data 2 x stage 2 x tensor 2 with an interleaved 1F1B
+pipeline of 2 repeats: each stage holds 2 of the 4 layers, chunks of one layer. Data: the default corpus's
 two sources (launch/export_corpus.py, then launch/preprocess.py), blended half and half; the
 batch ramps up from 8 to 16 sequences over the first 40,960 tokens, as MT-NLG's did from 32
-(8 sequences are 2 micro-batches, as many as the circular pipeline needs).
+(8 sequences are 2 micro-batches).
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 \
-    python launch/train.py --config configs/tiny.py --workdir runs/tiny
+    python launch/train.py --config configs/tiny.py --workdir runs/tiny   # makes 8 CPU devices
 """
 
 from mtnlg_jax import config as config_lib
@@ -19,7 +18,7 @@ def get_config():
     config.mesh.data = 2
     config.mesh.stage = 2
     config.mesh.tensor = 2
-    config.pipeline.repeats = 2
+    config.pipeline.repeats = 2  # with the default schedule 1f1b: interleaved 1F1B
 
     model = config.model
     model.num_layers = 4
@@ -31,7 +30,7 @@ def get_config():
     model.compute_dtype = 'float32'  # bf16 matmuls are slow on CPU
     model.attention_dropout = 0.0
     model.hidden_dropout = 0.0
-    model.remat = 'full'  # the pipeline keeps only each iteration's stage input
+    model.remat = 'full'
 
     train = config.train
     # 2-core CPU: about 1 s a step, so `make train` stays well inside 10 minutes.

@@ -1,18 +1,18 @@
-"""The config a workdir was made with (its config.json), to continue it with launch/train.py.
+"""The config a workdir was made with (its config.json's inputs), to continue it.
 
 For a workdir that launch/convert.py imported from Hugging Face, or any earlier run:
 
     python launch/train.py --config configs/workdir.py:runs/gpt2 --workdir runs/gpt2 \
         --config.data.sources='((1.0, PREFIX),)' --config.train.steps=N [--config.mesh.tensor=2 ...]
 
-Keys come back resolved; launch/train.py resolves them again for this run's devices (derived
-keys are recomputed), and any key can still be overridden on the command line.
+The keys come back as the run was given them (paths absolute), never its derived values:
+launch/train.py derives them again for this run (decay_tokens from this train.steps, the mesh
+from these devices), prints what changed, and any key can still be overridden.
 """
 
-import json
-import os
-
 import ml_collections
+
+from mtnlg_jax.rundir import RunDir
 
 
 def _tuples(value):
@@ -26,6 +26,4 @@ def _tuples(value):
 
 
 def get_config(workdir):
-    path = os.path.join(workdir, 'config.json')
-    with open(path) as f:
-        return ml_collections.ConfigDict(_tuples(json.load(f)))
+    return ml_collections.ConfigDict(_tuples(RunDir(workdir).read_inputs()))

@@ -1,7 +1,7 @@
 """Evaluate a workdir's checkpoint: perplexity, LAMBADA, multiple choice.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python launch/evaluate.py \
-        --workdir runs/tiny --task perplexity --data data/default/kjv --split valid
+    python launch/evaluate.py --workdir runs/tiny --task perplexity --data data/default/kjv \\
+        --split valid
     ... --task perplexity --data wiki.test.tokens --overlap 32 --count_words   (WikiText-103)
     ... --task lambada --data lambada_test.jsonl                    ({"text": ...} per line)
     ... --task multiple_choice --data hellaswag.jsonl --shots 1     ({"context", "choices",
@@ -9,25 +9,29 @@
 
 Perplexity reads a Megatron indexed dataset (--data PREFIX of PREFIX.bin/.idx, as
 launch/preprocess.py writes; --split train|valid|test takes that split of its documents under
-the run's data.split) or a text file (any other name, tokenised with the run's tokenizer); with --count_words (text) or --num_words N the
-word-normalised perplexity of Megatron's WikiText-103 protocol is reported as well. Results
-print as a table and are written as JSON (default DIR/eval/<task>_step<N>.json). The mesh is
-the run's unless --data_parallel / --tensor say otherwise; any layout reads the checkpoint.
-Bad input prints one line `error: ...` and exits with status 2 before anything is compiled.
+the run's data.split) or a text file (any other name, tokenised with the run's tokenizer);
+with --count_words (text) or --num_words N the word-normalised perplexity of Megatron's
+WikiText-103 protocol is reported as well. Results
+print as a table and are written as JSON, by default to
+WORKDIR/eval/<task>_<data>[_<split>][_shots<N>]_step<N>.json, so results of different data,
+shots or steps never overwrite each other. The mesh is the run's unless --data_parallel /
+--tensor say otherwise (on a CPU-only machine the tool makes that many CPU devices itself);
+any layout reads the checkpoint, parameters only. Bad input prints one line `error: ...` and
+exits with status 2 before anything is compiled or written.
 """
 
-import argparse
 import json
 import os
 import sys
 
-from mtnlg_jax.cli import ArgumentParser, fail
+from mtnlg_jax import distributed
+from mtnlg_jax.cli import ArgumentParser, check_output_file, cpu_devices, fail, workdir_config
 
 TASKS = ('perplexity', 'lambada', 'multiple_choice')
 
 
 def parse_args(argv):
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument('--workdir', required=True, help='a run of launch/train.py')
     parser.add_argument('--step', type=int, help='checkpoint step (default: the newest)')
     parser.add_argument('--task', required=True, choices=TASKS)
@@ -46,36 +50,28 @@ def parse_args(argv):
     parser.add_argument('--batch_size', type=int, default=8, help='rows per model call')
     parser.add_argument('--data_parallel', type=int, help='mesh data size (default: the run)')
     parser.add_argument('--tensor', type=int, help='mesh tensor size (default: the run)')
-    parser.add_argument('--tokenizer', help="sentencepiece model (default: the run's)")
-    parser.add_argument('--output', help='JSON file (default: WORKDIR/eval/TASK_stepN.json)')
+    parser.add_argument(
+        '--tokenizer', help="sentencepiece .model or GPT-2 BPE files (default: the run's)"
+    )
+    parser.add_argument('--output', help='JSON file (default: WORKDIR/eval/<name>.json, above)')
+    distributed.add_arguments(parser)
     return parser.parse_args(argv)
-
-
-def indexed_tokens(prefix, split, data_split):
-    """The tokens of an indexed dataset's documents, all or those of one split."""
-    import numpy as np
-
-    from mtnlg_jax.data.gpt_dataset import split_ranges
-    from mtnlg_jax.data.indexed import IndexedDataset
-
-    indexed = IndexedDataset(prefix)
-    first, stop = split_ranges(data_split, len(indexed))[split] if split else (0, len(indexed))
-    if stop <= first:
-        fail(f'--data {prefix}: its {split} split (data.split {data_split}) has no documents')
-    return np.concatenate([indexed[i] for i in range(first, stop)])
 
 
 def read_task_data(args, tokenizer, config):
     """The task's input, read and checked before any model is loaded."""
     import numpy as np
 
-    from mtnlg_jax.data.indexed import DataError
+    from mtnlg_jax.data.gpt_dataset import split_tokens
+    from mtnlg_jax.data.indexed import DataError, IndexedDataset
     from mtnlg_jax.eval import tasks
 
     vocab_size = config.model.vocab_size
     indexed = os.path.isfile(args.data + '.idx')
     if not indexed and not os.path.isfile(args.data):
         fail(f'--data {args.data}: no such file (nor {args.data}.idx)')
+    if indexed and args.task != 'perplexity':
+        fail(f'--data {args.data}: an indexed dataset; --task {args.task} reads a .jsonl file')
     if args.split and not (indexed and args.task == 'perplexity'):
         fail('--split takes a split of an indexed dataset, for --task perplexity')
     try:
@@ -83,7 +79,7 @@ def read_task_data(args, tokenizer, config):
             if indexed:
                 if args.count_words:
                     fail('--count_words needs a text file; give --num_words for a token file')
-                tokens = indexed_tokens(args.data, args.split, config.data.split)
+                tokens = split_tokens(IndexedDataset(args.data), args.split, config.data.split)
                 num_words = args.num_words
             else:
                 with open(args.data, encoding='utf-8') as f:
@@ -105,6 +101,17 @@ def read_task_data(args, tokenizer, config):
         fail(f'--data {args.data}: {e}')
 
 
+def result_name(args, step):
+    """<task>_<data>[_<split>][_shots<N>]_step<N>: one file per task, data, shots and step."""
+    data = os.path.basename(args.data.rstrip('/')).rsplit('.', 1)[0] or 'data'
+    parts = [args.task, data]
+    if args.split:
+        parts.append(args.split)
+    if args.task == 'multiple_choice':
+        parts.append(f'shots{args.shots}')
+    return '_'.join(parts + [f'step{step}'])
+
+
 def print_table(title, result):
     """A two-column markdown table of the result under its title."""
     rows = [(k, f'{v:.4f}' if isinstance(v, float) else str(v)) for k, v in result.items()]
@@ -122,13 +129,21 @@ def main(argv):
             fail(f'--{name} must be a positive integer, got {value}')
     if args.max_tokens and (args.num_words or args.count_words):
         fail('--max_tokens cuts the text, so the word count would not match: drop one of them')
+    if args.output:
+        check_output_file(args.output)
+    run_mesh = workdir_config(args.workdir)['mesh']
+    devices = (args.data_parallel or run_mesh['data']) * (args.tensor or run_mesh['tensor'])
+    cpu_devices(max(1, devices // distributed.requested_process_count(args)))
 
-    import jax  # after argument checks: a bad command line costs no JAX start-up
+    # Before any JAX call; a bad command line has cost no JAX start-up.
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    import jax
 
     from mtnlg_jax import config as config_lib
     from mtnlg_jax.eval import tasks
     from mtnlg_jax.eval import workdir as workdir_lib
     from mtnlg_jax.eval.scoring import Scorer
+    from mtnlg_jax.rundir import RunDir
 
     try:
         saved = workdir_lib.read_saved_config(args.workdir)
@@ -138,7 +153,11 @@ def main(argv):
 
     def tokenizer():
         try:
-            return workdir_lib.open_tokenizer(args.tokenizer or config.data.tokenizer, config.model)
+            return workdir_lib.open_tokenizer(
+                args.tokenizer or config.data.tokenizer,
+                config.model,
+                '--tokenizer' if args.tokenizer else "the run's data.tokenizer (or --tokenizer)",
+            )
         except workdir_lib.WorkdirError as e:
             fail(str(e))
 
@@ -172,14 +191,18 @@ def main(argv):
         task=args.task,
         workdir=args.workdir,
         step=loaded.step,
-        data=args.data,
+        data=os.path.abspath(args.data),
+        settings={
+            name: getattr(args, name)
+            for name in ('split', 'overlap', 'max_tokens', 'num_words', 'shots', 'seed', 'limit')
+        },
         mesh=f'data {mesh.data} x tensor {mesh.tensor} on {jax.devices()[0].device_kind}',
         **result,
     )
+    if not distributed.is_primary():
+        return
     print_table(f'{args.task} of {args.workdir} at step {loaded.step}', result)
-    output = args.output or os.path.join(
-        args.workdir, 'eval', f'{args.task}_step{loaded.step}.json'
-    )
+    output = args.output or RunDir(args.workdir).eval_output(result_name(args, loaded.step))
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     with open(output, 'w') as f:
         json.dump(record, f, indent=2)

@@ -9,7 +9,6 @@ which turns each into its own .bin/.idx pair for configs/tiny.py to blend. Each 
 (by rename) only once complete.
 """
 
-import argparse
 import json
 import os
 import sys
@@ -20,11 +19,12 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mtnlg_jax.data.corpus import default_sources
+from mtnlg_jax.cli import ArgumentParser  # noqa: E402
+from mtnlg_jax.data.corpus import default_sources  # noqa: E402
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument('--out', required=True, help='folder for <source>.jsonl')
     args = parser.parse_args(argv)
     try:

@@ -1,20 +1,33 @@
 #!/usr/bin/env python3
-"""Raw text -> sentencepiece tokens -> a Megatron `.bin`/`.idx` pair (mtnlg_jax/data/indexed.py).
+"""Raw text -> tokens -> a Megatron `.bin`/`.idx` pair (mtnlg_jax/data/indexed.py), with the
+flags of Megatron-LM's tools/preprocess_data.py.
 
-    python launch/preprocess.py --input corpus.jsonl [more files or folders ...] \\
-        --tokenizer-model data/tokenizer.model --output-prefix data/corpus [--workers 2]
-    python launch/preprocess.py --input raw/ --train-tokenizer --vocab-size 8192 \\
+    python launch/preprocess.py --input corpus.jsonl [more files or folders ...] \
+        --tokenizer-model data/tokenizer.model --output-prefix data/corpus --append-eod \
+        [--workers 2]
+    python launch/preprocess.py --input corpus.jsonl --json-keys text title \
+        --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json \
+        --merge-file gpt2-merges.txt --output-prefix data/corpus --append-eod --workers 8
+        # -> data/corpus_text_document.bin/.idx and data/corpus_title_document.bin/.idx
+    python launch/preprocess.py --input raw/ --train-tokenizer --vocab-size 8192 \
         --tokenizer-model data/tokenizer.model            # train only: no --output-prefix
+    python launch/preprocess.py --input raw/ --train-tokenizer --vocab-size 8192 \
+        --tokenizer-type GPT2BPETokenizer --vocab-file data/bpe/vocab.json \
+        --merge-file data/bpe/merges.txt                   # a byte-level BPE, GPT-2's format
 
-Inputs: `.jsonl`/`.json` files (one JSON object per line, the document under `--json-key`),
-other files (one plain-text document each) and folders of them; see mtnlg_jax/data/preprocess.py
-for how they are read, tokenized by `--workers` processes and streamed to disk. Tokens are stored
-as uint16 when the vocabulary fits, else int32; every document ends with the eod token.
+Megatron's flags keep Megatron's meanings: `--json-keys K ...` writes one dataset per key,
+named PREFIX_K_document as Megatron names them; `--append-eod` ends every document with the
+end-of-document token (without it, none); `--tokenizer-type` SentencePieceTokenizer (with
+`--tokenizer-model`) or GPT2BPETokenizer (with `--vocab-file` and `--merge-file`, through
+Hugging Face's `tokenizers`); `--workers` tokenizer processes. Beyond them: several `--input`
+files and folders, plain-text files (one document each), `--json-key K` (one key, written to
+PREFIX.bin/.idx itself), and `--train-tokenizer` (sentencepiece or a byte-level BPE). See
+mtnlg_jax/data/preprocess.py for how input is read and streamed to disk. Tokens are stored as
+uint16 when the vocabulary fits, else int32.
 Bad input prints one line `error: ...` naming the argument or file and exits with status 2;
 the output files appear only once complete, so a failed run leaves earlier ones as they were.
 """
 
-import argparse
 import os
 import sys
 import time
@@ -24,27 +37,31 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mtnlg_jax.data.preprocess import InputError, documents, tokenize
-from mtnlg_jax.data.tokenizer import Tokenizer, TokenizerError
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of usage + message
-        raise InputError(message)
+from mtnlg_jax.cli import ArgumentParser  # noqa: E402
+from mtnlg_jax.data.gpt2_bpe import GPT2BPETokenizer  # noqa: E402
+from mtnlg_jax.data.preprocess import InputError, documents, tokenize  # noqa: E402
+from mtnlg_jax.data.tokenizer import KINDS, Tokenizer, TokenizerError  # noqa: E402
 
 
 def parse_args(argv):
-    p = _Parser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__)
     p.add_argument('--input', nargs='+', required=True, help='jsonl / text files or folders')
-    p.add_argument('--output-prefix', help='writes PREFIX.bin and PREFIX.idx')
-    p.add_argument('--tokenizer-model', required=True, help='sentencepiece .model to use or train')
-    p.add_argument('--train-tokenizer', action='store_true', help='train --tokenizer-model first')
+    p.add_argument('--output-prefix', help='writes PREFIX.bin/.idx (PREFIX_KEY_document.*)')
+    keys = p.add_mutually_exclusive_group()
+    keys.add_argument('--json-keys', nargs='+', help='one dataset per key (Megatron)')
+    keys.add_argument('--json-key', default='text', help='the one key, written to PREFIX')
+    p.add_argument('--tokenizer-type', choices=KINDS, help='default: GPT2BPETokenizer with '
+                   '--vocab-file, else SentencePieceTokenizer')  # fmt: skip
+    p.add_argument('--tokenizer-model', help='sentencepiece .model to use or train')
+    p.add_argument('--vocab-file', help='GPT-2 BPE vocab.json to use or train')
+    p.add_argument('--merge-file', help='GPT-2 BPE merges.txt to use or train')
+    p.add_argument('--append-eod', action='store_true', help='end each document with eod')
+    p.add_argument('--workers', type=int, default=1)
+    p.add_argument('--train-tokenizer', action='store_true', help='train the tokenizer first')
     p.add_argument('--tokenizer-input', nargs='+', help='what to train it on (default: --input)')
     p.add_argument('--vocab-size', type=int, default=8192)
-    p.add_argument('--model-type', choices=('bpe', 'unigram'), default='bpe')
-    p.add_argument('--seed', type=int, default=0, help='of the tokenizer training')
-    p.add_argument('--json-key', default='text')
-    p.add_argument('--workers', type=int, default=1)
+    p.add_argument('--model-type', choices=('bpe', 'unigram'), default='bpe', help='sentencepiece')
+    p.add_argument('--seed', type=int, default=0, help='of the sentencepiece training')
     p.add_argument('--chunk-documents', type=int, default=64, help='documents per worker task')
     args = p.parse_args(argv)
     for path in args.input + (args.tokenizer_input or []):
@@ -52,23 +69,60 @@ def parse_args(argv):
             raise InputError(f'--input {path}: no such file or folder')
     if args.workers < 1 or args.chunk_documents < 1:
         raise InputError('--workers and --chunk-documents must be at least 1')
-    if args.train_tokenizer:
-        if not args.tokenizer_model.endswith('.model'):
+    if args.tokenizer_type is None:
+        args.tokenizer_type = KINDS[1] if args.vocab_file else KINDS[0]
+    if args.tokenizer_type == 'GPT2BPETokenizer':
+        if args.tokenizer_model:
+            raise InputError('--tokenizer-model is sentencepiece\'s: GPT2BPETokenizer takes '
+                             '--vocab-file and --merge-file')  # fmt: skip
+        files = {'--vocab-file': args.vocab_file, '--merge-file': args.merge_file}
+        minimum = 258
+    else:
+        if args.vocab_file or args.merge_file:
+            raise InputError('--vocab-file and --merge-file need --tokenizer-type GPT2BPETokenizer')
+        files = {'--tokenizer-model': args.tokenizer_model}
+        minimum = 260
+        if (
+            args.train_tokenizer
+            and args.tokenizer_model
+            and not args.tokenizer_model.endswith('.model')
+        ):
             raise InputError(f'--tokenizer-model {args.tokenizer_model}: must end in .model')
-        if args.vocab_size < 260:
-            raise InputError(f'--vocab-size must be at least 260, got {args.vocab_size}')
-    elif not os.path.isfile(args.tokenizer_model):
-        raise InputError(
-            f'--tokenizer-model {args.tokenizer_model}: no such file (add --train-tokenizer)'
-        )
-    elif not args.output_prefix:
+    for flag, path in files.items():
+        if not path:
+            raise InputError(f'{flag} is required with --tokenizer-type {args.tokenizer_type}')
+        if not args.train_tokenizer and not os.path.isfile(path):
+            raise InputError(f'{flag} {path}: no such file (add --train-tokenizer)')
+    if args.train_tokenizer and args.vocab_size < minimum:
+        raise InputError(f'--vocab-size must be at least {minimum}, got {args.vocab_size}')
+    if not args.train_tokenizer and not args.output_prefix:
         raise InputError('--output-prefix is required unless --train-tokenizer is given')
+    if not args.train_tokenizer:
+        try:
+            open_tokenizer(args)
+        except Exception as e:  # whatever sentencepiece or tokenizers say of a foreign file
+            flags = ' / '.join(f'{flag} {path}' for flag, path in files.items())
+            kind = 'GPT-2 BPE files' if args.tokenizer_type == KINDS[1] else 'a sentencepiece model'
+            raise InputError(f'{flags}: not {kind} ({e})') from None
+    written = [('--output-prefix', args.output_prefix)]
+    if args.train_tokenizer:
+        written.append(('--tokenizer-model', args.tokenizer_model))
+    for flag, path in written:
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            raise InputError(f'{flag} {path}: no folder {folder}')
     return args
 
 
+def open_tokenizer(args):
+    if args.tokenizer_type == 'GPT2BPETokenizer':
+        return GPT2BPETokenizer(args.vocab_file, args.merge_file)
+    return Tokenizer(args.tokenizer_model)
+
+
 def train_tokenizer(args):
-    """Train --tokenizer-model on the documents; a bad input file is reported as itself, not
-    as the sentencepiece failure it causes (the model is written only after training)."""
+    """Train the tokenizer on the documents; a bad input file is reported as itself, not
+    as the training failure it causes (the files are written only after training)."""
     input_errors = []
 
     def recorded(docs):
@@ -78,18 +132,23 @@ def train_tokenizer(args):
             input_errors.append(e)
             raise
 
+    texts = recorded(documents(args.tokenizer_input or args.input, args.json_key))
     try:
+        if args.tokenizer_type == 'GPT2BPETokenizer':
+            return GPT2BPETokenizer.train(texts, args.vocab_file, args.merge_file, args.vocab_size)
         return Tokenizer.train(
-            recorded(documents(args.tokenizer_input or args.input, args.json_key)),
+            texts,
             args.tokenizer_model[: -len('.model')],
             args.vocab_size,
             model_type=args.model_type,
             seed=args.seed,
         )
-    except TokenizerError:
+    except Exception as e:  # sentencepiece and tokenizers raise their own kinds
         if input_errors:
             raise input_errors[0] from None
-        raise
+        if isinstance(e, TokenizerError):
+            raise
+        raise TokenizerError(f'tokenizer training failed: {e}') from None
 
 
 def main(argv=None):
@@ -98,26 +157,30 @@ def main(argv=None):
         if args.train_tokenizer:
             start = time.perf_counter()
             trained = train_tokenizer(args)
+            kind = args.model_type if trained.kind == KINDS[0] else 'byte-level BPE'
             print(
-                f'trained {args.tokenizer_model}: {args.model_type}, vocab '
+                f'trained {", ".join(trained.files)}: {args.tokenizer_type} ({kind}), vocab '
                 f'{trained.vocab_size} ({time.perf_counter() - start:.1f} s)'
             )
         if not args.output_prefix:
             return 0
-        writer, seconds = tokenize(
+        writers, seconds = tokenize(
             args.input,
-            args.tokenizer_model,
+            open_tokenizer(args),
             args.output_prefix,
             args.json_key,
             args.workers,
             args.chunk_documents,
+            append_eod=args.append_eod,
+            json_keys=args.json_keys,
         )
-        print(
-            f'wrote {args.output_prefix}.bin/.idx: {writer.documents:,} documents, '
-            f'{writer.tokens:,} tokens ({writer.dtype}) in {seconds:.1f} s: '
-            f'{writer.documents / seconds:,.0f} documents/s, {writer.tokens / seconds:,.0f} '
-            f'tokens/s with {args.workers} worker(s)'
-        )
+        for writer in writers if args.json_keys else [writers]:
+            print(
+                f'wrote {writer.prefix}.bin/.idx: {writer.documents:,} documents, '
+                f'{writer.tokens:,} tokens ({writer.dtype}) in {seconds:.1f} s: '
+                f'{writer.documents / seconds:,.0f} documents/s, {writer.tokens / seconds:,.0f} '
+                f'tokens/s with {args.workers} worker(s)'
+            )
         return 0
     except (InputError, TokenizerError, OSError) as e:
         print(f'error: {e}', file=sys.stderr)

@@ -1,40 +1,80 @@
 """Train a GPT from an ml_collections config.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 \
     python launch/train.py --config configs/tiny.py --workdir runs/tiny [--config.KEY=VALUE ...]
 
-Any config key can be overridden on the command line (`--config.mesh.tensor=4`). Bad input
-(config, data, flags) prints one line `error: ...` and exits with status 2 before anything is
-compiled or written.
+Any config key can be overridden on the command line (`--config.mesh.tensor=4`). On a machine
+without accelerators the CPU offers as many devices as the config's mesh asks for (unless
+XLA_FLAGS already sets --xla_force_host_platform_device_count). Bad input (config, data,
+tokenizer, workdir, flags) prints one line `error: ...` and exits with status 2 before anything
+is compiled or written.
 
 Re-running the same command on a workdir resumes its newest complete checkpoint, under this
-command's layout. SIGTERM or SIGINT finishes the current step, saves and exits 0.
+command's layout; if the workdir is already at train.steps there is nothing to do (exit 0).
+SIGTERM or SIGINT finishes the current step, saves and exits 0.
+
+The same command runs as one of several processes (jax.distributed) under launch/spawn.py,
+SLURM (launch/slurm/train.sbatch), Open MPI, or with --coordinator, --num_processes and
+--process_id; process 0 prints and writes the run's outputs.
 """
 
 import sys
 
-from absl import flags
-from ml_collections import config_flags
-
+from mtnlg_jax import cli, distributed
 from mtnlg_jax.cli import fail
+from mtnlg_jax.rundir import RunDir, RunDirError
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'ml_collections config file.')
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Directory of the run.')
+
+def parse_args(argv):
+    parser = cli.ArgumentParser(description=__doc__)
+    parser.add_config()
+    parser.add_argument('--workdir', required=True, help='directory of the run (created)')
+    distributed.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def check_tokenizer(config):
+    """data.tokenizer must exist and match model.vocab_size ('' : a run of token ids only)."""
+    from mtnlg_jax.eval import workdir as workdir_lib
+
+    if not config.data.tokenizer:
+        return
+    try:
+        key = 'config key data.tokenizer:'
+        workdir_lib.open_tokenizer(config.data.tokenizer, config.model, key)
+    except workdir_lib.WorkdirError as e:
+        fail(f'{e} (--config.data.tokenizer= trains on token ids with none)')
+
+
+def changed_inputs(before, after, prefix=''):
+    """['key: old -> new', ...] between two input dicts (a continued run says what changed)."""
+    lines = []
+    for key in sorted(set(before) | set(after)):
+        old, new = before.get(key), after.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            lines += changed_inputs(old, new, f'{prefix}{key}.')
+        elif old != new and not (isinstance(old, list) and tuple(map(_tuple, old)) == new):
+            lines.append(f'{prefix}{key}: {old!r} -> {new!r}')
+    return lines
+
+
+def _tuple(value):
+    return tuple(map(_tuple, value)) if isinstance(value, list) else value
 
 
 def main(argv):
+    args = parse_args(argv)
+    run_dir = RunDir(args.workdir)
     try:
-        flags.FLAGS(argv)
-    except flags.Error as e:
-        fail(str(e).splitlines()[0])
-    except (OSError, SyntaxError, AttributeError) as e:  # the config file could not be loaded
-        fail(f'--config: {e}')
-    if _CONFIG.value is None:
-        fail('--config is required, e.g. --config configs/tiny.py')
-    if not _WORKDIR.value:
-        fail('--workdir is required')
-
-    import jax  # after flag parsing: a bad command line costs no JAX start-up
+        run_dir.check_writable()
+    except RunDirError as e:
+        fail(str(e))
+    # Each process offers its share of the mesh's devices.
+    cli.cpu_devices(
+        max(1, cli.mesh_device_count(args.config.mesh) // distributed.requested_process_count(args))
+    )
+    # Before any JAX call; a bad command line has cost no JAX start-up.
+    distributed.initialize_for_config(args.config, args)
+    import jax
 
     from mtnlg_jax import config as config_lib
     from mtnlg_jax.checkpoint import CheckpointError
@@ -42,20 +82,42 @@ def main(argv):
     from mtnlg_jax.train import faults, loop
 
     try:
-        config = config_lib.resolve(_CONFIG.value, jax.device_count())
+        config = config_lib.resolve(args.config, jax.device_count())
     except config_lib.ConfigError as e:
         hint = ''
-        if e.key == 'mesh' and jax.default_backend() == 'cpu':
-            hint = ' (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=8)'
+        if e.key == 'mesh' and jax.default_backend() == 'cpu' and jax.process_count() == 1:
+            hint = ' (on CPU, leave XLA_FLAGS unset or set --xla_force_host_platform_device_count)'
         fail(f'{e}{hint}')
+    steps = run_dir.saved_steps()
+    if steps and steps[-1] >= config.train.steps:
+        cli.nothing_to_do(
+            f'nothing to do: {args.workdir} is at step {steps[-1]} and train.steps is '
+            f'{config.train.steps} (raise --config.train.steps to train on)'
+        )
+    check_tokenizer(config)
+    if run_dir.has_config():
+        try:
+            before = run_dir.read_inputs()
+        except RunDirError as e:
+            fail(str(e))
+        changes = changed_inputs(before, config.inputs.to_dict())
+        if distributed.is_primary():
+            print(
+                f'config       continues {run_dir.config_path}; '
+                + (f'changed: {", ".join(changes)}' if changes else 'no input changed'),
+                flush=True,
+            )
     try:
-        loop.train(config, _WORKDIR.value)
-    except (DataError, CheckpointError) as e:
+        loop.train(config, args.workdir)
+    except (DataError, CheckpointError, config_lib.ConfigError) as e:
         fail(str(e))
     except faults.NonFiniteError as e:  # not bad input, a run that went wrong: status 1
         print(f'error: {e}', file=sys.stderr)
         sys.exit(1)
+    except jax.errors.JaxRuntimeError as e:
+        distributed.exit_after_runtime_error(e)
+        raise
 
 
 if __name__ == '__main__':
-    main(sys.argv)
+    main(sys.argv[1:])

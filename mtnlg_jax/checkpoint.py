@@ -23,12 +23,17 @@ checkpoints with a warning naming each; nothing here deletes a checkpoint that f
 restore.
 """
 
+import contextlib
 import glob
+import logging
 import os
 import sys
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from mtnlg_jax.rundir import RunDir
 
 TMP_MARKER = '.orbax-checkpoint-tmp'
 SET_ASIDE_SUFFIX = '.unusable'
@@ -48,10 +53,24 @@ def abstract_with_shardings(abstract_tree, shardings):
     )
 
 
+@contextlib.contextmanager
+def _quiet_orbax():
+    """Orbax logs a warning each time a manager opens read-only (that it will not save), and
+    errors of its own for unreadable files that the caller reports in one line: noise on a
+    tool's stderr, whose error lines must stand alone."""
+    logger = logging.getLogger('absl')  # orbax logs through absl, absl through this logger
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def checkpoint_directory(path):
     """The checkpoints of `path`: `path/checkpoints` when `path` is a workdir, else `path`."""
     path = os.path.abspath(path)
-    nested = os.path.join(path, 'checkpoints')
+    nested = RunDir(path).checkpoints
     return nested if os.path.isdir(nested) else path
 
 
@@ -73,7 +92,7 @@ def _shapes_by_name(tree):
     return {_path_name(path): tuple(leaf.shape) for path, leaf in leaves if is_array(leaf)}
 
 
-def _first_one_line(error):
+def first_line(error):
     text = str(error).strip().splitlines()
     return f'{type(error).__name__}: {text[0][:200] if text else ""}'
 
@@ -85,13 +104,16 @@ class Checkpoints:
     `checkpoint.init_from`."""
 
     def __init__(self, workdir, keep=3, *, directory=None, read_only=False):
-        self.directory = os.path.abspath(directory or os.path.join(workdir, 'checkpoints'))
+        self.directory = os.path.abspath(directory or RunDir(workdir).checkpoints)
         # create=False: nothing is written to the workdir until the first save.
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=False, read_only=read_only)
         handlers = dict(state=ocp.StandardCheckpointHandler(), meta=ocp.JsonCheckpointHandler())
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_handlers=handlers
-        )
+        with _quiet_orbax() if read_only else contextlib.nullcontext():
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=keep, create=False, read_only=read_only
+            )
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=options, item_handlers=handlers
+            )
 
     def latest_step(self):
         return self._manager.latest_step()
@@ -122,24 +144,29 @@ class Checkpoints:
         if not stale:
             return
         self._manager.wait_until_finished()
-        for s in stale:
+        for s in stale if jax.process_index() == 0 else ():  # one process renames
             old = os.path.join(self.directory, str(s))
             new = old + SET_ASIDE_SUFFIX
             while os.path.exists(new):
                 new += SET_ASIDE_SUFFIX
             os.rename(old, new)
             print(f'warning: checkpoint {old} set aside as {new}', file=sys.stderr, flush=True)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices('mtnlg_jax: checkpoints set aside')
         self._manager.reload()
 
-    def check_fits(self, abstract_state, step, resizable=None):
-        """CheckpointError naming the first array of `abstract_state` (parameters first, then in
-        tree order) that the
-        checkpoint at `step` lacks or holds in another shape. `resizable`: a tree like
-        `abstract_state` with, per array, the one dimension that may differ (or -1)."""
+    def _stored_tree(self, step):
         stored_tree = self._manager.item_metadata(step)['state']
         if stored_tree is None:  # corrupted, not a model mismatch: restore_newest skips it
             raise FileNotFoundError(f'no readable array metadata in {self.directory}/{step}')
-        stored = _shapes_by_name(stored_tree)
+        return stored_tree
+
+    def check_fits(self, abstract_state, step, resizable=None, partial=False):
+        """CheckpointError naming the first array of `abstract_state` (parameters first, then in
+        tree order) that the checkpoint at `step` lacks or holds in another shape. `resizable`:
+        a tree like `abstract_state` with, per array, the one dimension that may differ (or
+        -1). partial: the checkpoint may hold more than `abstract_state` asks for."""
+        stored = _shapes_by_name(self._stored_tree(step))
         expected = _shapes_by_name(abstract_state)
         allowed = {}
         if resizable is not None:
@@ -161,7 +188,7 @@ class Checkpoints:
                     f'{stored[name]} in the checkpoint but {shape} in the model'
                 )
         extra = sorted(set(stored) - set(expected))
-        if extra:
+        if extra and not partial:
             raise CheckpointError(f'checkpoint {where} holds {extra[0]}, which the model lacks')
 
     def restore(self, abstract_state, step=None, *, resizable=None):
@@ -179,6 +206,38 @@ class Checkpoints:
         )
         return restored['state'], restored['meta']
 
+    def restore_params(self, abstract_params, step):
+        """The parameters alone of `step`, laid out as `abstract_params` says: evaluation,
+        generation and export leave the optimizer moments (twice the parameters' bytes) on
+        disk. CheckpointError if they do not fit the model."""
+        with _quiet_orbax():
+            return self._restore_params(abstract_params, step)
+
+    def _restore_params(self, abstract_params, step):
+        self.check_fits(dict(params=abstract_params), step, partial=True)
+        # The standard handler reads whole trees only; orbax's PyTree handler (same files)
+        # reads the subtree asked for.
+        reader = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(create=False, read_only=True),
+            item_handlers=dict(state=ocp.PyTreeCheckpointHandler()),
+        )
+        target = dict(params=abstract_params)
+        try:
+            restored = reader.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(
+                        target,
+                        restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                        partial_restore=True,
+                    )
+                ),
+            )
+        finally:
+            reader.close()
+        return restored['state']['params']
+
     def restore_newest(self, abstract_state, *, resizable=None):
         """(step, state, meta) of the newest checkpoint that reads, or None if there is none.
         Unreadable ones are skipped with a warning on stderr naming each; a model mismatch,
@@ -194,7 +253,7 @@ class Checkpoints:
             except Exception as error:  # a corrupted or truncated file: any reader error
                 unreadable.append(str(step))
                 print(
-                    f'warning: skipping unreadable checkpoint {where} ({_first_one_line(error)})',
+                    f'warning: skipping unreadable checkpoint {where} ({first_line(error)})',
                     file=sys.stderr,
                     flush=True,
                 )

@@ -1,12 +1,26 @@
-"""The command-line contract every launch script keeps: bad input is one line, exit status 2.
+"""The command-line contract every launch script keeps (docs/cli.md).
 
-    error: <what is wrong, naming the flag, key or file>
+    bad input     ->  one line `error: <what is wrong, naming the flag, key or file>`, exit 2,
+                      before anything is compiled or written
+    --help        ->  the tool's flags (and, for tools that take a config, its keys)
+    nothing to do ->  one line saying so, exit 0
 
-It prints before anything is compiled or written, so a mistyped command costs nothing.
+One flag dialect: argparse, `--snake_case` flags (preprocess keeps Megatron's own kebab-case
+spellings), and a config given as `--config FILE[:ARG]` with any key overridden as
+`--config.SECTION.KEY=VALUE` (the spelling of ml_collections' config_flags).
+
+This module imports neither JAX nor the model: a tool parses and checks its command line,
+then sets the CPU device count it needs (`cpu_devices`), and only then imports JAX.
 """
 
 import argparse
+import ast
+import difflib
+import os
 import sys
+
+CONFIG_PREFIX = '--config.'
+DEVICE_COUNT_FLAG = '--xla_force_host_platform_device_count'
 
 
 def fail(message):
@@ -15,8 +29,233 @@ def fail(message):
     sys.exit(2)
 
 
+def nothing_to_do(message):
+    """Print `message` and exit with status 0: the command has no work left."""
+    print(message)
+    sys.exit(0)
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage errors are one `error:` line (not usage text) and exit 2."""
+    """argparse whose usage errors are one `error:` line (not usage text) and exit 2; no
+    abbreviated flags (a prefix that works today would break when a flag is added).
+
+    `add_config()` adds `--config FILE[:ARG]` and `--config.KEY=VALUE` overrides: parse_args
+    then returns the loaded, overridden (not yet resolved) ConfigDict as `args.config`."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault('allow_abbrev', False)
+        kwargs.setdefault('formatter_class', argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
+        self._config_flag = None
 
     def error(self, message):
         fail(message)
+
+    def add_config(self, default=None, help='an ml_collections file with get_config()'):
+        self._config_flag = dict(default=default)
+        self.add_argument(
+            '--config',
+            default=default,
+            required=default is None,
+            metavar='FILE[:ARG]',
+            help=f'{help}; then --config.SECTION.KEY=VALUE overrides any key (see below)',
+        )
+        self.epilog = (self.epilog or '') + config_keys_help()
+
+    def parse_args(self, argv=None):
+        argv = list(sys.argv[1:] if argv is None else argv)
+        overrides, rest = [], []
+        if self._config_flag is not None:
+            overrides, rest = split_overrides(argv)
+        else:
+            rest = argv
+        args = super().parse_args(rest)
+        if self._config_flag is not None:
+            args.config_path = args.config
+            args.config = apply_overrides(load_config(args.config), overrides)
+        return args
+
+
+def config_keys_help():
+    """The --help text listing every config key and its default."""
+    from mtnlg_jax import config as config_lib
+
+    lines = ['\nconfig keys (--config.SECTION.KEY=VALUE; docs/cli.md says what each means):']
+    for section, values in config_lib.defaults().items():
+        keys = ', '.join(_flat_keys(values))
+        lines.append(f'  {section}: {keys}')
+    return '\n'.join(lines)
+
+
+def _flat_keys(section, prefix=''):
+    keys = []
+    for key, value in section.items():
+        if hasattr(value, 'items'):
+            keys += _flat_keys(value, f'{prefix}{key}.')
+        else:
+            keys.append(f'{prefix}{key}={value!r}')
+    return keys
+
+
+def split_overrides(argv):
+    """([(key, value text), ...], the other arguments) of a command line: `--config.K=V` and
+    `--config.K V` are overrides."""
+    overrides, rest, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith(CONFIG_PREFIX):
+            key, equals, value = arg[len(CONFIG_PREFIX) :].partition('=')
+            if not equals:
+                if i + 1 >= len(argv) or argv[i + 1].startswith('--'):
+                    fail(f'{arg}: give a value, as {arg}=VALUE')
+                value, i = argv[i + 1], i + 1
+            overrides.append((key, value))
+        else:
+            rest.append(arg)
+        i += 1
+    return overrides, rest
+
+
+def load_config(spec):
+    """The ConfigDict of `FILE` or `FILE:ARG` (ARG passed to get_config); an error line names
+    the file and what went wrong in it."""
+    from mtnlg_jax import config as config_lib
+
+    path, _, arg = spec.partition(':') if not os.path.isfile(spec) else (spec, '', '')
+    if not os.path.isfile(path):
+        fail(f'--config {path}: no such file')
+    try:
+        return config_lib.load(path, arg or None)
+    except Exception as e:  # the config file is the user's code: any error is theirs
+        fail(f'--config {spec}: {type(e).__name__}: {_one_line(e)}')
+
+
+def apply_overrides(config, overrides):
+    """`config` with each (dotted key, value text) set, typed as the key's current value."""
+    for key, text in overrides:
+        parent, name = _parent_of(config, key)
+        current = parent[name]
+        if hasattr(current, 'items'):
+            fail(f'--config.{key}: is a section; set one of its keys, e.g. --config.{key}.'
+                 f'{next(iter(current.keys()))}=...')
+        value = parse_value(key, text, current)
+        try:
+            parent[name] = value
+        except (TypeError, ValueError) as e:
+            fail(f'--config.{key}={text}: {_one_line(e)}')
+    return config
+
+
+def _parent_of(config, key):
+    """(the ConfigDict holding the last part of `key`, that part); error if a part is unknown,
+    with the nearest known key suggested."""
+    parts = key.split('.')
+    node = config
+    for depth, part in enumerate(parts):
+        if not hasattr(node, 'keys') or part not in node.keys():
+            known = list(node.keys()) if hasattr(node, 'keys') else []
+            where = '.'.join(parts[:depth])
+            close = difflib.get_close_matches(part, known, n=1)
+            hint = f'; did you mean --config.{".".join(parts[:depth] + close)}?' if close else ''
+            section = f'section {where}' if where else 'the config'
+            fail(f'--config.{key}: {section} has no key {part!r}{hint}')
+        if depth < len(parts) - 1:
+            node = node[part]
+    return node, parts[-1]
+
+
+TRUE, FALSE = ('true', '1', 'yes'), ('false', '0', 'no')
+
+
+def parse_value(key, text, current):
+    """The value of `text` for a key whose value is now `current` (its type decides)."""
+
+    def bad(kind):
+        fail(f'--config.{key}={text}: not {kind}')
+
+    if isinstance(current, bool):
+        if text.lower() not in TRUE + FALSE:
+            bad('true or false')
+        return text.lower() in TRUE
+    if isinstance(current, int):
+        try:
+            return int(text)
+        except ValueError:
+            try:
+                number = float(text)  # 1e9 and 12e9 are integers too
+            except ValueError:
+                bad('an integer')
+            if not number.is_integer():
+                bad('an integer')
+            return int(number)
+    if isinstance(current, float):
+        try:
+            return float(text)
+        except ValueError:
+            bad('a number')
+    if isinstance(current, str):
+        return text
+    try:
+        value = ast.literal_eval(text)
+    except (SyntaxError, ValueError):
+        if isinstance(current, (tuple, list)):
+            bad('a Python tuple literal, e.g. "((1.0, \'data/corpus\'),)"')
+        return text
+    if isinstance(current, (tuple, list)) and not isinstance(value, (tuple, list)):
+        bad('a tuple')
+    return tuple(value) if isinstance(current, tuple) else value
+
+
+def _one_line(error):
+    text = str(error).strip().splitlines()
+    return ' '.join(line.strip() for line in text) if text else type(error).__name__
+
+
+def cpu_devices(count):
+    """Make JAX's CPU platform offer `count` devices, as the tool's mesh needs; call before
+    JAX is imported. Harmless on an accelerator machine (the flag shapes only the host
+    platform); a count the user set in XLA_FLAGS is kept. Returns the count in force, or None
+    if JAX was already imported (by a config file, say): then the config's mesh check says
+    what to set."""
+    if 'jax' in sys.modules:
+        return None
+    flags = os.environ.get('XLA_FLAGS', '')
+    for flag in flags.split():
+        if flag.startswith(DEVICE_COUNT_FLAG + '='):
+            return int(flag.partition('=')[2])
+    os.environ['XLA_FLAGS'] = f'{flags} {DEVICE_COUNT_FLAG}={count}'.strip()
+    return count
+
+
+def mesh_device_count(mesh, fill=8):
+    """Devices a config's mesh section asks for; an axis of -1 fills `fill` devices (rounded up
+    to a multiple of the other axes)."""
+    sizes = [mesh[axis] for axis in ('data', 'stage', 'tensor')]
+    known = 1
+    for size in sizes:
+        if isinstance(size, int) and size > 0:
+            known *= size
+    if -1 in sizes:
+        return max(known, -(-fill // known) * known)
+    return known
+
+
+def workdir_config(workdir):
+    """A workdir's config.json (a dict), read without JAX; the error line names the file."""
+    from mtnlg_jax.rundir import RunDir, RunDirError
+
+    try:
+        return RunDir(workdir).read_config()
+    except RunDirError as e:
+        fail(str(e))
+
+
+def check_output_file(path, flag='--output'):
+    """Error unless `path` can be written as a file (not a folder, its folder creatable)."""
+    if os.path.isdir(path):
+        fail(f'{flag} {path}: is a directory; give a file name')
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        fail(f'{flag} {path}: cannot be written under {parent}')

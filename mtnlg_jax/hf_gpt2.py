@@ -83,8 +83,10 @@ def model_overrides(hf_config):
     )
 
 
-def hf_config_of(model_cfg):
-    """A Hugging Face GPT2LMHeadModel config.json (a dict) of a resolved `config.model`."""
+def hf_config_of(model_cfg, eod_id=None):
+    """A Hugging Face GPT2LMHeadModel config.json (a dict) of a resolved `config.model`;
+    eod_id: the tokenizer's end-of-text id (default: the last, GPT-2's 50256)."""
+    eod_id = model_cfg.vocab_size - 1 if eod_id is None else eod_id
     return dict(
         architectures=['GPT2LMHeadModel'],
         model_type='gpt2',
@@ -103,8 +105,8 @@ def hf_config_of(model_cfg):
         embd_pdrop=model_cfg.hidden_dropout,
         scale_attn_weights=True,
         tie_word_embeddings=True,
-        bos_token_id=model_cfg.vocab_size - 1,
-        eos_token_id=model_cfg.vocab_size - 1,
+        bos_token_id=eod_id,
+        eos_token_id=eod_id,
     )
 
 
@@ -115,10 +117,19 @@ def read(directory):
     for path in (config_path, weights_path):
         if not os.path.isfile(path):
             raise HFFormatError(f'{path} not found')
-    with open(config_path) as f:
-        hf_config = json.load(f)
+    try:
+        with open(config_path) as f:
+            hf_config = json.load(f)
+    except ValueError as e:
+        raise HFFormatError(f'{config_path}: not JSON ({e})') from None
+    if not isinstance(hf_config, dict):
+        raise HFFormatError(f'{config_path}: not a JSON object')
+    try:
+        stored = safetensors.numpy.load_file(weights_path)
+    except Exception as e:  # safetensors' own error types vary with its version
+        raise HFFormatError(f'{weights_path}: not a readable safetensors file ({e})') from None
     tensors = {}
-    for name, value in safetensors.numpy.load_file(weights_path).items():
+    for name, value in stored.items():
         name = name.removeprefix('transformer.')
         if not _NOT_PARAMETERS.match(name):
             tensors[name] = value
@@ -130,9 +141,13 @@ def write(directory, hf_config, tensors):
     with open(os.path.join(directory, 'config.json'), 'w') as f:
         json.dump(hf_config, f, indent=2)
     # 'format': 'pt' is the metadata transformers expects of a model.safetensors.
-    safetensors.numpy.save_file(
-        tensors, os.path.join(directory, 'model.safetensors'), metadata={'format': 'pt'}
-    )
+    weights = os.path.join(directory, 'model.safetensors')
+    safetensors.numpy.save_file(tensors, weights, metadata={'format': 'pt'})
+    # safetensors writes through a private temporary file (mode 0600): give the weights the
+    # mode any other new file gets (0644 under the usual umask 022).
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(weights, 0o666 & ~umask)
 
 
 def params_from_hf(tensors, model_cfg):

@@ -1,7 +1,6 @@
 """Helpers the tests share: a small model under any layout, and runs of a few steps."""
 
 import atexit
-import math
 import os
 import pathlib
 import shutil
@@ -24,11 +23,13 @@ SEQ_LEN = 32
 VOCAB = 1000  # padded to 1024 for tensor 1, 2, 4 and 8 alike
 
 
-def small_config(data=1, stage=1, tensor=1, micro_steps=2, repeats=1, **model_overrides):
+def small_config(
+    data=1, stage=1, tensor=1, micro_steps=2, repeats=1, schedule='1f1b', **model_overrides
+):
     """A 2-layer GPT (heads divisible by 8) that runs in seconds, fp32, no dropout."""
     config = config_lib.defaults()
     config.mesh.update(dict(data=data, stage=stage, tensor=tensor))
-    config.pipeline.repeats = repeats
+    config.pipeline.update(dict(repeats=repeats, schedule=schedule))
     config.model.update(
         dict(
             num_layers=2,
@@ -53,7 +54,7 @@ def small_config(data=1, stage=1, tensor=1, micro_steps=2, repeats=1, **model_ov
 def layout(config):
     """Mesh (on the first devices) and train setup of a resolved config."""
     shape = (config.mesh.data, config.mesh.stage, config.mesh.tensor)
-    mesh = make_mesh(*shape, devices=jax.devices()[: math.prod(shape)])
+    mesh = make_mesh(*shape)
     return mesh, state_lib.make_setup(config, mesh)
 
 
@@ -119,6 +120,18 @@ def assert_trees_close(actual, expected, atol, rtol=0.0):
         np.testing.assert_allclose(a, e, atol=atol, rtol=rtol, err_msg=jax.tree_util.keystr(path))
 
 
+def assert_gradients_close(actual, expected, atol=1e-5, relative=1e-5):
+    """Per leaf: max |actual - expected| within `relative` x the leaf's largest |expected|
+    (a leaf of small gradients is held to its own scale) and within `atol` everywhere."""
+    assert_trees_close(actual, expected, atol=atol)
+    for (path, a), e in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected)):
+        error, scale = np.abs(np.asarray(a) - e).max(), np.abs(e).max()
+        assert error <= relative * scale, (
+            f'{jax.tree_util.keystr(path)}: max error {error:.3g} above {relative:g} x the '
+            f"leaf's max |gradient| {scale:.3g}"
+        )
+
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Command-line overrides that shrink configs/tiny.py to a model a test trains in seconds, on
 # the quickest layout to compile (no pipeline): data 4 x stage 1 x tensor 2.
@@ -133,9 +146,11 @@ SMALL_MODEL = [
     '--config.model.heads=8',
     '--config.model.seq_len=32',
     '--config.model.vocab_size=300',
+    '--config.data.tokenizer=',  # none: tiny's own (8192 pieces) does not fit
     '--config.train.global_batch=16',
     '--config.train.micro_batch=2',
     '--config.train.rampup.start=0',
+    '--config.data.tokenizer=',  # token ids < 300 of no tokenizer (none is checked then)
 ]
 
 
@@ -172,4 +187,16 @@ def run_train(workdir, *overrides, data=None):
     args = train_args(workdir, *overrides, data=data)
     return subprocess.run(
         args, capture_output=True, text=True, cwd=ROOT, env=TRAIN_ENV, timeout=300
+    )
+
+
+def run_launch(script, *args, env=None):
+    """launch/SCRIPT with `args` as a user runs it, in a subprocess."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / 'launch' / script), *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
     )

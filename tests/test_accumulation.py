@@ -6,16 +6,18 @@ import pytest
 import support
 
 
-@pytest.mark.parametrize('data,tensor', [(1, 1), (4, 2)])
-def test_accumulated_micro_steps_equal_one_whole_batch_step(data, tensor):
+@pytest.mark.parametrize('data,tensor,sp', [(1, 1, False), (4, 2, True)])
+def test_accumulated_micro_steps_equal_one_whole_batch_step(data, tensor, sp):
     batch = support.random_batches(1)[0]
-    whole = support.small_config(data=data, tensor=tensor, micro_steps=1)
-    accumulated = support.small_config(data=data, tensor=tensor, micro_steps=4)
+    whole = support.small_config(data=data, tensor=tensor, micro_steps=1, sequence_parallel=sp)
+    accumulated = support.small_config(
+        data=data, tensor=tensor, micro_steps=4, sequence_parallel=sp
+    )
     assert (whole.train.micro_steps, accumulated.train.micro_steps) == (1, 4)
     _, loss_whole, grads_whole = support.gradients(whole, batch)
     _, loss_accumulated, grads_accumulated = support.gradients(accumulated, batch)
     np.testing.assert_allclose(loss_accumulated, loss_whole, rtol=1e-6)
-    support.assert_trees_close(grads_accumulated, grads_whole, atol=1e-5)
+    support.assert_gradients_close(grads_accumulated, grads_whole)
 
 
 def test_accumulated_training_follows_whole_batch_training():

@@ -26,10 +26,12 @@ def test_bytes_per_device_match_tensor_and_zero_arithmetic():
     held = plan.bytes_per_device(config, setup)
     # Compute copy: 2 bytes (bf16) per parameter, tensor-parallel ones split over tensor.
     assert held['parameters'] == 2 * (split // tensor + replicated)
-    # ZeRO-1: fp32 gradients and master + two moments split over data as well
-    # (every leaf of this model has a dimension that data, or data x tensor, divides).
-    assert held['gradients'] == 4 * (split // tensor + replicated) // data
-    assert held['optimizer'] == 3 * held['gradients']
+    # fp32 gradient accumulators as the compute copy: each replica sums its own micro-steps
+    # until the step's reduce-scatter over data.
+    assert held['gradients'] == 4 * (split // tensor + replicated)
+    # ZeRO-1: fp32 master + two moments split over data as well (every leaf of this model has
+    # a dimension that data, or data x tensor, divides).
+    assert held['optimizer'] == 3 * 4 * (split // tensor + replicated) // data
 
 
 def test_bytes_per_device_of_actual_arrays_match_the_plan():

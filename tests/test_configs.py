@@ -95,7 +95,12 @@ def test_vocabulary_pads_to_a_multiple_of_128_x_tensor(vocab, tensor, padded):
     assert config_lib.padded_vocab_size(vocab, tensor) == padded
 
 
-def test_resolve_never_changes_the_users_config():
+def test_resolve_never_changes_the_users_config_and_keeps_derived_values_apart():
     config = config_lib.load('configs/tiny.py')
-    config_lib.resolve(config, 8)
-    assert config.train.micro_steps == 0 and config.model.padded_vocab == 0
+    given = config.to_dict()
+    resolved = config_lib.resolve(config, 8)
+    assert config.to_dict() == given
+    assert 'micro_steps' not in config.train and 'padded_vocab' not in config.model  # not inputs
+    assert resolved.derived.train.micro_steps == resolved.train.micro_steps == 4
+    assert resolved.derived.model.padded_vocab == resolved.model.padded_vocab == 8192
+    assert 'derived' not in resolved.inputs and resolved.inputs.model.ffn_hidden == 0

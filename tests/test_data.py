@@ -131,3 +131,18 @@ def test_default_sources_are_kjv_and_python_stdlib():
     sources = dict(corpus.default_sources())
     assert list(sources) == ["kjv", "python_stdlib"]
     assert next(sources["kjv"]()).startswith("Genesis 1\n")
+
+
+def test_load_opens_either_kind_and_names_the_file_it_cannot_use(tokenizer, tmp_path):
+    from mtnlg_jax.data.tokenizer import load
+
+    assert load(tokenizer.model_path).identity == tokenizer.identity
+    (tmp_path / "bad.model").write_text("not a model")
+    (tmp_path / "empty").mkdir()
+    for path, message in (
+        (tmp_path / "bad.model", "bad.model: not a sentencepiece model"),
+        (tmp_path / "missing", "missing: no such tokenizer"),
+        (tmp_path / "empty", "empty/vocab.json: no such GPT-2 BPE vocab file"),
+    ):
+        with pytest.raises(TokenizerError, match=re.escape(message)):
+            load(str(path))

@@ -4,12 +4,13 @@ the library's, and bad input fails with one line before anything is compiled."""
 
 import json
 import math
-import subprocess
-import sys
+import os
+import shutil
 
 import numpy as np
 import pytest
-from test_hf_gpt2 import ROOT, hf_gpt2_logits, original  # noqa: F401
+from support import run_launch as run
+from test_hf_gpt2 import hf_gpt2_logits, original  # noqa: F401
 
 from mtnlg_jax.data.gpt_dataset import split_ranges
 from mtnlg_jax.data.indexed import IndexedDatasetWriter
@@ -28,13 +29,11 @@ def tokenizer(tmp_path_factory):
     return Tokenizer.train([TEXT] * 20, str(directory / 'tok'), vocab_size=300)
 
 
-def run(script, *args):
-    return subprocess.run(
-        [sys.executable, str(ROOT / 'launch' / script), *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
+def snapshot(directory):
+    return sorted(
+        (os.path.relpath(os.path.join(root, name), directory), os.path.getsize(os.path.join(root, name)))
+        for root, _, names in os.walk(directory)
+        for name in names
     )
 
 
@@ -46,13 +45,14 @@ def test_perplexity_of_an_indexed_dataset_split(original, tmp_path):  # noqa: F8
     for document in documents:
         writer.add(document)
     writer.finish()
-    output = tmp_path / 'ppl.json'
     result = run(
         'evaluate.py',
         *('--workdir', workdir, '--task', 'perplexity', '--data', prefix, '--split', 'train'),
-        *('--overlap', 8, '--output', output),
+        *('--overlap', 8),
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    output = workdir / 'eval' / 'perplexity_corpus_train_step0.json'  # task, data, split, step
+    assert result.stdout.strip().endswith(f'wrote {output}')
     train_documents = split_ranges(workdir_lib.read_saved_config(workdir)['data']['split'], 10)
     first, stop = train_documents['train']
     tokens = documents[first:stop].reshape(-1)
@@ -88,15 +88,21 @@ def test_perplexity_of_a_text_file_with_megatron_word_normalisation(original, to
 
 
 def test_generate_streams_the_greedy_completion_of_the_library(original, tokenizer, tmp_path):  # noqa: F811
+    """Without XLA_FLAGS, as the README runs it: the tool makes its CPU devices itself."""
     _, workdir = original
     output = tmp_path / 'out.json'
     result = run(
         'generate.py',
         *('--workdir', workdir, '--prompt', 'In the beginning', '--max_new_tokens', 10),
         *('--tokenizer', tokenizer.model_path, '--tensor', 2, '--output', output),
+        env={k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'},
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    record = json.loads(output.read_text())['completions'][0]
+    written = json.loads(output.read_text())
+    settings = written['settings']
+    assert settings['do_sample'] is False and settings['max_new_tokens'] == 10
+    assert settings['seed'] == 0 and settings['use_cache'] is True
+    record = written['completions'][0]
     loaded = workdir_lib.load(workdir, data=1, tensor=1)
     generate = Generator(loaded.graphdef, loaded.params, loaded.config.model, loaded.mesh)
     expected = generate([tokenizer.encode('In the beginning')], 10, eod_id=tokenizer.eod_id)[0]
@@ -104,30 +110,116 @@ def test_generate_streams_the_greedy_completion_of_the_library(original, tokeniz
     assert result.stdout == 'In the beginning' + tokenizer.decode(expected) + '\n'
 
 
+@pytest.fixture(scope='module')
+def broken(original, tmp_path_factory):  # noqa: F811
+    """Copies of the imported workdir whose checkpoint cannot serve their config: another
+    model, positions beyond the stored table, truncated files, no orbax checkpoint at all;
+    and an indexed dataset prefix."""
+    _, workdir = original
+    root = tmp_path_factory.mktemp('broken')
+
+    def copy(name, **model):
+        target = root / name
+        shutil.copytree(workdir, target)
+        saved = json.loads((target / 'config.json').read_text())
+        for section in (saved, saved['inputs']):
+            section['model'].update(model)
+        (target / 'config.json').write_text(json.dumps(saved))
+        return target
+
+    copy('other_model', hidden=128)
+    copy('long_positions', seq_len=64)
+    for path in (copy('truncated') / 'checkpoints').rglob('*'):
+        if path.is_file():
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    not_orbax = copy('not_orbax')
+    shutil.rmtree(not_orbax / 'checkpoints')
+    (not_orbax / 'checkpoints' / '0').mkdir(parents=True)
+    (not_orbax / 'checkpoints' / '0' / 'state').write_text('not a checkpoint')
+    writer = IndexedDatasetWriter(str(root / 'tokens'), np.uint16)
+    writer.add(np.arange(50))
+    writer.finish()
+    return root
+
+
 @pytest.mark.parametrize(
-    'script,args,message',
+    'script,workdir,args,message',
     [
         (
             'evaluate.py',
+            None,
             ['--task', 'lambada', '--data', 'missing.jsonl'],
             '--data missing.jsonl: no such file',
         ),
         (
             'evaluate.py',
+            None,
             ['--task', 'perplexity', '--data', 'x', '--batch_size', '0'],
             '--batch_size must be',
         ),
         (
             'evaluate.py',
+            None,
             ['--task', 'squad', '--data', 'x'],
             "argument --task: invalid choice: 'squad'",
         ),
-        ('generate.py', ['--prompt', 'x', '--tensor', '3'], 'config key model.heads: 8 heads'),
+        ('generate.py', None, ['--prompt', 'x', '--tensor', '3'], 'config key model.heads: 8'),
+        ('generate.py', None, ['--prompt', 'x', '--do_sample', '--temperature', '-1'],
+         '--temperature must be'),
+        (
+            'evaluate.py',
+            None,
+            ['--task', 'lambada', '--data', '{root}/tokens'],
+            'an indexed dataset; --task lambada reads a .jsonl file',
+        ),
+        (
+            'evaluate.py',
+            'other_model',
+            ['--task', 'perplexity', '--data', '{root}/tokens', '--overlap', '8'],
+            'does not fit this model: params/',
+        ),
+        (
+            'generate.py',
+            'long_positions',
+            ['--prompt', 'In', '--tokenizer', '{tokenizer}', '--max_new_tokens', '8'],
+            'params/position_embed has shape (32, 64) in the checkpoint but (64, 64)',
+        ),
+        ('convert.py', 'truncated', ['--export_hf', '{root}/out'], 'checkpoints/0 is unreadable'),
+        (
+            'evaluate.py',
+            'not_orbax',
+            ['--task', 'perplexity', '--data', '{root}/tokens', '--overlap', '8'],
+            'checkpoints/0 is unreadable',
+        ),
     ],
 )
-def test_bad_input_fails_with_one_line(original, script, args, message):  # noqa: F811
+def test_bad_input_fails_with_one_line(  # noqa: F811
+    original, broken, tokenizer, script, workdir, args, message  # noqa: F811
+):
+    workdir = broken / workdir if workdir else original[1]
+    before = snapshot(broken)
+    fill = dict(root=broken, tokenizer=tokenizer.model_path)
+    result = run(script, '--workdir', workdir, *(a.format(**fill) for a in args))
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith('error: ') and message in lines[0], lines
+    assert snapshot(broken) == before  # no eval/ results, no export written
+
+
+@pytest.mark.parametrize(
+    'args,message',
+    [
+        (['--temperature', '0.5'], '--temperature shapes sampling: add --do_sample'),
+        (['--max_new_tokens', '30'], 'max_new_tokens 30: a prompt of 3 tokens leaves room for 29'),
+        (['--num_return_sequences', '0'], 'num_return_sequences must be a positive integer'),
+    ],
+)
+def test_bad_generation_settings_fail_with_one_line(original, tokenizer, args, message):  # noqa: F811
     _, workdir = original
-    result = run(script, '--workdir', workdir, *args)
+    prompt = tokenizer.decode(tokenizer.encode('In the beginning')[:3])
+    assert len(tokenizer.encode(prompt)) == 3
+    result = run('generate.py', '--workdir', workdir, '--prompt', prompt,
+                 '--tokenizer', tokenizer.model_path, *args)  # fmt: skip
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith('error: ') and message in lines[0], lines

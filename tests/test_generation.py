@@ -6,8 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support import layout, small_config
+from support import VOCAB, layout, small_config
 
+from mtnlg_jax.eval import completion
 from mtnlg_jax.eval.generation import Generator, Sampling, choose_tokens
 from mtnlg_jax.model import gpt
 
@@ -32,16 +33,21 @@ def tensor_parallel():
     return generator(data=2, tensor=4)
 
 
-def greedy_by_recomputation(generate, prompt, new_tokens):
+def greedy_by_recomputation(generate, prompt, new_tokens, repetition_penalty=1.0):
     """The reference: one prompt at a time on one device, its whole sequence through the
-    model at every step (padded to seq_len after the end: causal attention ignores that)."""
+    model at every step (padded to seq_len after the end: causal attention ignores that);
+    the repetition penalty as Hugging Face's docs state it, in numpy."""
     model = gpt.merge(generate.graphdef, jax.device_get(generate.params))
     seq_len = generate.cfg.seq_len
     all_logits = jax.jit(lambda tokens: model.logits(model(tokens))[0])
     tokens = list(prompt)
     for _ in range(new_tokens):
         padded = jnp.asarray([tokens + [0] * (seq_len - len(tokens))])
-        tokens.append(int(jnp.argmax(all_logits(padded)[len(tokens) - 1])))
+        logits = np.array(all_logits(padded)[len(tokens) - 1])
+        for seen in set(tokens):
+            value = logits[seen]
+            logits[seen] = value / repetition_penalty if value > 0 else value * repetition_penalty
+        tokens.append(int(np.argmax(logits)))
     return tokens[len(prompt) :]
 
 
@@ -50,7 +56,8 @@ def test_greedy_with_the_kv_cache_equals_greedy_by_full_recomputation(tensor_par
     cached = generate(PROMPTS, max_new_tokens=12)
     recomputed = generate(PROMPTS, max_new_tokens=12, use_cache=False)
     reference = [greedy_by_recomputation(generate, prompt, 12) for prompt in PROMPTS]
-    assert cached == recomputed == reference
+    bucketed = Generator(generate.graphdef, generate.params, generate.cfg, generate.mesh, 4)
+    assert cached == recomputed == reference == bucketed(PROMPTS, max_new_tokens=12)
     assert len({tuple(row) for row in cached}) == len(PROMPTS)  # not one degenerate answer
 
 
@@ -65,8 +72,10 @@ def test_generation_stops_at_end_of_document_and_at_the_sequence_length(tensor_p
     for row in (0, 2):  # the others stop at their own first eod, if any, else run to the end
         expected = free[row][: free[row].index(eod) + 1] if eod in free[row] else free[row]
         assert stopped[row] == expected
-    long = generate([[1] * (config.model.seq_len - 4)], max_new_tokens=100)
+    long = generate([[1] * (config.model.seq_len - 4)], max_new_tokens=4)
     assert len(long[0]) == 4
+    with pytest.raises(ValueError, match='exceed the context window'):
+        generate([[1] * (config.model.seq_len - 4)], max_new_tokens=5)  # no silent cut
 
 
 def test_tokens_are_streamed_as_they_are_chosen(tensor_parallel):
@@ -95,3 +104,63 @@ def test_top_k_and_top_p_sample_only_from_the_kept_tokens():
     assert set(np.asarray(everything).tolist()) == {0, 1, 2, 3}
     for greedy in (Sampling(temperature=3.0, top_k=1), Sampling(temperature=3.0, top_p=1e-6)):
         assert set(np.asarray(choose_tokens(logits, keys, greedy)).tolist()) == {0}
+
+
+class OneCharacterPerToken:
+    """A stand-in tokenizer: token i is the character U+4E00 + i, so text and tokens align."""
+
+    eod_id = VOCAB - 1
+
+    def encode(self, text):
+        return [ord(c) - 0x4E00 for c in text]
+
+    def decode(self, ids):
+        return ''.join(chr(0x4E00 + i) for i in ids if i != self.eod_id)
+
+
+def test_repetition_penalty_changes_greedy_output_as_specified(tensor_parallel):
+    generate, _ = tensor_parallel
+    free = generate(PROMPTS, 12)
+    penalised = generate(PROMPTS, 12, Sampling(repetition_penalty=3.0))
+    reference = [greedy_by_recomputation(generate, p, 12, repetition_penalty=3.0) for p in PROMPTS]
+    assert penalised == reference and penalised != free
+    assert all(len(set(row)) > len(set(f)) for row, f in zip(penalised, free) if len(set(f)) < 12)
+
+
+def test_stop_strings_end_a_sequence_and_cut_its_text(tensor_parallel):
+    generate, _ = tensor_parallel
+    tokenizer, prompts = OneCharacterPerToken(), [OneCharacterPerToken().decode(p) for p in PROMPTS]
+    free = completion.complete(generate, tokenizer, prompts, completion.Settings(max_new_tokens=10))
+    text = free[1][0].text
+    k = next(k for k in range(2, 10) if text[k] not in text[:k])  # a first occurrence
+    stop = text[k - 1 : k + 1]  # two characters: completed by token k
+    stopped = completion.complete(
+        generate, tokenizer, prompts, completion.Settings(max_new_tokens=10, stop=('x', stop))
+    )
+    assert stopped[1][0].tokens == free[1][0].tokens[: k + 1]
+    assert stopped[1][0].text == text[: k - 1]
+    for row in (0, 2):
+        expected, cut = completion.cut_at_stop(free[row][0].text, (stop,))
+        assert stopped[row][0].text == expected
+        if not cut:
+            assert stopped[row][0].tokens == free[row][0].tokens
+
+
+def test_num_return_sequences_and_sampling_settings(tensor_parallel):
+    generate, config = tensor_parallel
+    tokenizer, prompts = OneCharacterPerToken(), [OneCharacterPerToken().decode(p) for p in PROMPTS]
+    hot = completion.Settings(max_new_tokens=6, do_sample=True, temperature=2.0,
+                              num_return_sequences=3, seed=4)  # fmt: skip
+    sampled = completion.complete(generate, tokenizer, prompts, hot)
+    assert [len(sequences) for sequences in sampled] == [3, 3, 3]
+    assert len({tuple(s.tokens) for s in sampled[1]}) > 1  # the copies sample independently
+    assert completion.complete(generate, tokenizer, prompts, hot) == sampled
+    greedy = completion.complete(
+        generate, tokenizer, prompts, completion.Settings(max_new_tokens=6, num_return_sequences=2)
+    )
+    assert all(a == b for a, b in greedy)
+    with pytest.raises(ValueError, match='room for 4 new tokens'):
+        too_long = completion.Settings(max_new_tokens=5)
+        completion.complete(
+            generate, tokenizer, [tokenizer.decode([1] * (config.model.seq_len - 4))], too_long
+        )

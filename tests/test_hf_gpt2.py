@@ -3,6 +3,8 @@ imported, its logits checked against an independent numpy forward of HF's GPT2LM
 exported back bit for bit, evaluated under two layouts, and trained further by
 launch/train.py from the imported weights."""
 
+import contextlib
+import io
 import json
 import math
 import pathlib
@@ -13,6 +15,7 @@ import sys
 import jax
 import ml_collections
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 import safetensors.numpy
 
@@ -115,7 +118,7 @@ def hf_gpt2_logits(tensors, token_ids):
     return layer_norm(x, 'ln_f') @ t['wte.weight'].T
 
 
-def import_into(hf_dir, workdir, *overrides):
+def import_into(hf_dir, workdir, *overrides, **position):
     config = config_lib.load(str(ROOT / 'configs/gpt2_124m.py'))
     config.model.compute_dtype = 'float32'
     config.train.update(dict(global_batch=16, micro_batch=2))
@@ -123,7 +126,7 @@ def import_into(hf_dir, workdir, *overrides):
     for key, value in overrides:
         section, name = key.split('.')
         config[section][name] = value
-    convert.import_hf(str(hf_dir), str(workdir), config)
+    convert.import_hf(str(hf_dir), str(workdir), config, **position)
     return workdir
 
 
@@ -166,7 +169,14 @@ def test_export_then_import_is_bit_exact(original, tmp_path):
     assert sorted(exported) == sorted(originals)
     for name, value in originals.items():
         assert exported[name].dtype == np.float32 and np.array_equal(exported[name], value), name
-    reimported = import_into(tmp_path / 'exported', tmp_path / 'again')
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        reimported = import_into(tmp_path / 'exported', tmp_path / 'again')
+    # The recipe comes from --config (gpt2_124m.py), not from the model: said, not inherited
+    # silently.
+    assert 'recipe       from --config: lr 0.0006 after 375,000,000 warm-up tokens' in (
+        printed.getvalue()
+    )
     first = workdir_lib.load(workdir, data=1, tensor=1)
     second = workdir_lib.load(reimported, data=1, tensor=1)
     for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params)):
@@ -182,6 +192,19 @@ def test_a_converted_model_has_the_same_eval_loss_under_two_layouts(original):
         log_prob, _, count = scorer(rows)
         losses.append(-log_prob.sum() / count.sum())
     assert losses[0] == pytest.approx(losses[1], abs=1e-5)
+
+
+def test_an_import_at_a_megatron_runs_iteration_continues_at_its_step_and_data_position(
+    original, tmp_path
+):
+    tensors, _ = original
+    hf_dir = write_hf_dir(tmp_path / 'hf', tensors)
+    workdir = import_into(hf_dir, tmp_path / 'at', at_step=5, samples_consumed=80)
+    assert [p.name for p in (workdir / 'checkpoints').iterdir()] == ['5']
+    state = ocp.StandardCheckpointer().restore(workdir / 'checkpoints/5/state')
+    assert int(state['step']) == 5  # the step the training loop goes on from
+    meta = json.loads((workdir / 'checkpoints/5/meta/metadata').read_text())
+    assert (meta['samples_consumed'], meta['tokens_seen']) == (80, 80 * HF_CONFIG['n_positions'])
 
 
 def test_non_gpt2_activations_are_refused_with_one_line_and_nothing_written(tmp_path):
@@ -216,7 +239,8 @@ def test_an_imported_model_trains_on_from_its_weights(original, tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / 'launch/train.py'), '--config', f'configs/workdir.py:{workdir}']
         + ['--workdir', str(run), sources, '--config.train.steps=1']
-        + ['--config.train.log_every=1', '--config.train.eval_batches=1'],
+        + ['--config.train.log_every=1', '--config.train.eval_batches=1']
+        + ['--config.data.tokenizer='],  # the default one's 8192 pieces are not this model's
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -23,7 +23,7 @@ def write(prefix, docs, dtype=np.uint16):
 
 
 def write_like_megatron(prefix, sequences, document_bounds, dtype_code, dtype):
-    """An independent writer, straight from REFERENCE.md's description of the format."""
+    """An independent writer, straight from the format in docs/reference.md."""
     with open(f'{prefix}.bin', 'wb') as f:
         for sequence in sequences:
             f.write(np.asarray(sequence, dtype=dtype).tobytes())

@@ -1,5 +1,5 @@
 """The loader: the same global batches under every layout and after a restart from a consumed
-count (DESIGN.md invariant 1), each process reading only its own rows, and data errors."""
+count (invariant 1 of docs/design.md), each process reading only its own rows, and data errors."""
 
 import shutil
 
@@ -10,7 +10,7 @@ import pytest
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.data import loader as loader_lib
 from mtnlg_jax.data.indexed import IndexedDatasetWriter
-from mtnlg_jax.parallel.mesh import make_mesh
+from mtnlg_jax.parallel.mesh import make_mesh, mesh_from_config
 from support import SMALL_MODEL, run_train
 
 SEQ_LEN = 8
@@ -34,7 +34,7 @@ def sources(tmp_path_factory):
     return prefixes
 
 
-def config_for(sources, data, tensor, micro_batch):
+def config_for(sources, data, tensor, micro_batch, order='layout_independent'):
     config = config_lib.defaults()
     config.mesh.update(dict(data=data, stage=1, tensor=tensor))
     config.model.update(dict(num_layers=1, hidden=64, heads=8, seq_len=SEQ_LEN, vocab_size=20_000))
@@ -42,17 +42,13 @@ def config_for(sources, data, tensor, micro_batch):
     # 8, 8, 16, 24, then 32: the ramp's 48 samples in 3 increments of 16.
     config.train.rampup.update(dict(start=8, increment=8, tokens=48 * SEQ_LEN))
     config.data.sources = ((0.7, sources[0]), (0.3, sources[1]))
+    config.data.order = order
     return config_lib.resolve(config, data * tensor)
 
 
 def run_batches(config, samples_consumed=0, steps=STEPS):
     """[(samples consumed, global batch, micro-steps, host tokens (B, seq + 1))] of `steps`."""
-    mesh = make_mesh(
-        config.mesh.data,
-        1,
-        config.mesh.tensor,
-        devices=jax.devices()[: config.mesh.data * config.mesh.tensor],
-    )
+    mesh = mesh_from_config(config)
     train = loader_lib.open_datasets(config)['train']
     batches = loader_lib.TrainBatches(config, train, mesh, samples_consumed)
     seen = []
@@ -79,9 +75,10 @@ def run_batches(config, samples_consumed=0, steps=STEPS):
     return seen, train
 
 
-def test_global_batches_are_the_same_under_every_layout_and_follow_the_ramp(sources):
+@pytest.mark.parametrize('order', config_lib.DATA_ORDERS)
+def test_global_batches_are_the_same_under_every_layout_and_follow_the_ramp(sources, order):
     runs = {
-        layout: run_batches(config_for(sources, *layout))
+        layout: run_batches(config_for(sources, *layout, order=order))
         for layout in [(4, 2, 2), (8, 1, 1), (1, 8, 8), (4, 2, 1)]  # data, tensor, micro_batch
     }
     reference, train = runs[(4, 2, 2)]
@@ -101,8 +98,9 @@ def test_global_batches_are_the_same_under_every_layout_and_follow_the_ramp(sour
     assert (both < 10_000).any() and (both >= 10_000).any()  # both sources appear
 
 
-def test_a_restart_from_a_consumed_count_continues_with_the_same_batches(sources):
-    config = config_for(sources, 4, 2, 2)
+@pytest.mark.parametrize('order', config_lib.DATA_ORDERS)
+def test_a_restart_from_a_consumed_count_continues_with_the_same_batches(sources, order):
+    config = config_for(sources, 4, 2, 2, order=order)
     straight, _ = run_batches(config)
     restarted, _ = run_batches(config, samples_consumed=straight[3][0], steps=STEPS - 3)
     for (c, b, m, tokens), (c_ref, b_ref, m_ref, tokens_ref) in zip(restarted, straight[3:]):
@@ -147,6 +145,7 @@ def test_a_reader_error_surfaces_in_the_training_loop(sources):
         (dict(sources=(('x', 1.0),)), 'data.sources'),
         (dict(split='1,0'), 'data.split'),
         (dict(split='a,b'), 'data.split'),
+        (dict(order='shuffled'), 'data.order'),
     ],
 )
 def test_bad_data_keys_are_config_errors(sources, data, key):

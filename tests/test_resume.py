@@ -1,4 +1,4 @@
-"""Invariants 3 and 4 of DESIGN.md at the command line: a stopped run resumes from its workdir
+"""Invariants 3 and 4 of docs/design.md at the command line: a stopped run resumes from its workdir
 with the losses the uninterrupted run had, exactly under the same layout, within 1e-4 under
 any other (data, stage, tensor, repeats), with no conversion step."""
 
@@ -26,12 +26,13 @@ STEPS, HALF = 20, 10
 DEFAULT_LAYOUT = (4, 1, 2, 1)  # data, stage, tensor, repeats: configs/tiny.py's
 
 
-def layout_flags(data, stage, tensor, repeats):
+def layout_flags(data, stage, tensor, repeats, schedule='1f1b'):
     return [
         f'--config.mesh.data={data}',
         f'--config.mesh.stage={stage}',
         f'--config.mesh.tensor={tensor}',
         f'--config.pipeline.repeats={repeats}',
+        f'--config.pipeline.schedule={schedule}',
     ]
 
 
@@ -98,7 +99,12 @@ def test_ten_steps_stop_and_resume_to_twenty_gives_identical_losses(tmp_path, ru
     train_ok(workdir, f'--config.train.steps={HALF}', data=token_data)
     second = train_ok(workdir, f'--config.train.steps={STEPS}', data=token_data)
     assert f'resumed      from step {HALF}' in second.stdout
+    assert f'changed: train.steps: {HALF} -> {STEPS}' in second.stdout
     assert losses(workdir) == losses(runs.uninterrupted())  # every step, bit for bit
+    config = (workdir / 'config.json').read_text()
+    third = train_ok(workdir, f'--config.train.steps={STEPS}', data=token_data)
+    assert third.stdout.startswith(f'nothing to do: {workdir} is at step {STEPS}')
+    assert (workdir / 'config.json').read_text() == config
 
 
 def start_train(workdir, *overrides, data):
@@ -184,7 +190,7 @@ def test_a_run_killed_during_an_async_save_resumes_from_the_newest_complete_chec
     [
         ((4, 1, 2, 1), (1, 1, 8, 1), 2),  # padded vocabulary 512 -> 1024
         ((2, 2, 2, 1), (8, 1, 1, 1), 2),  # out of a pipeline, padded vocabulary 512 -> 384
-        ((1, 2, 4, 2), (4, 1, 2, 1), 4),  # circular, stage-major storage, out
+        ((1, 2, 4, 2, 'gpipe'), (2, 2, 2, 1), 4),  # GPipe order, v = 2 -> 1F1B, v = 1
         ((4, 1, 2, 1), (2, 2, 2, 2), 4),  # and in
     ],
     ids=lambda value: 'x'.join(map(str, value)) if isinstance(value, tuple) else f'L{value}',
@@ -205,7 +211,7 @@ def test_a_checkpoint_resumes_under_another_layout_with_the_uninterrupted_losses
         f'--config.train.steps={STEPS}',
         data=token_data,
     )
-    data, stage, tensor, _ = resumed_under
+    data, stage, tensor = resumed_under[:3]
     assert f'mesh         data {data} x stage {stage} x tensor {tensor}' in resumed.stdout
     assert f'resumed      from step {HALF}' in resumed.stdout
     expected, actual = losses(runs.uninterrupted(layers)), losses(workdir)

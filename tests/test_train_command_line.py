@@ -28,21 +28,41 @@ from support import ROOT, SMALL_MODEL, run_train
         ),
         (['--config.model.ffn_hidden=1001'], 'model.ffn_hidden'),
         (['--config.train.global_batch=18'], 'train.global_batch'),  # not a multiple of 2 x 2
-        (  # 1 micro-batch for 2 stages
-            ['--config.train.global_batch=4', '--config.train.rampup.start=0'],
+        (  # GPipe's circular order: 1 micro-batch for 2 stages (1F1B takes it)
+            [
+                '--config.train.global_batch=4',
+                '--config.train.rampup.start=0',
+                '--config.pipeline.schedule=gpipe',
+            ],
             'train.global_batch',
         ),
         (  # the ramp's first batch is 1 micro-batch for 2 stages
-            ['--config.train.rampup.start=4', '--config.train.rampup.increment=4'],
+            [
+                '--config.train.rampup.start=4',
+                '--config.train.rampup.increment=4',
+                '--config.pipeline.schedule=gpipe',
+            ],
             'train.rampup.start',
+        ),
+        (['--config.pipeline.schedule=zigzag'], 'pipeline.schedule'),
+        (
+            ['--config.pipeline.schedule=interleaved', '--config.pipeline.repeats=1'],
+            'pipeline.schedule',
         ),
         (['--config.model.num_layers=3', '--config.pipeline.repeats=2'], 'model.num_layers'),
         (['--config.model.remat=sometimes'], 'model.remat'),
         (['--config.model.compute_dtype=int8'], 'model.compute_dtype'),
+        (  # sequence shards over tensor 2 need an even sequence length
+            ['--config.model.sequence_parallel=True', '--config.model.seq_len=127'],
+            'model.sequence_parallel',
+        ),
         (['--config.train.steps=0'], 'train.steps'),
         (['--config.model.no_such_key=1'], 'no_such_key'),
         (['--config.train.steps=many'], 'train.steps'),
-        (['--config.data.sources=((1.0, "/nonexistent/corpus"),)'], '/nonexistent/corpus.idx'),
+        (  # no tokenizer, so the data is what fails (also where data/default was never built)
+            ['--config.data.sources=((1.0, "/nonexistent/corpus"),)', '--config.data.tokenizer='],
+            '/nonexistent/corpus.idx',
+        ),
     ],
 )
 def test_bad_input_is_one_error_line_exit_2_and_the_workdir_untouched(tmp_path, overrides, key):
@@ -99,6 +119,9 @@ def test_a_short_run_writes_metrics_events_and_a_loss_curve(tmp_path, token_data
 
     config = json.loads((workdir / 'config.json').read_text())
     assert config['train']['micro_steps'] == 2 and config['model']['padded_vocab'] == 512
+    assert config['derived']['train']['micro_steps'] == 2
+    assert 'micro_steps' not in config['inputs']['train']  # derived, never an input
+    assert config['inputs']['data']['sources'] == [[1.0, os.path.abspath(token_data)]]
 
     records = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
     train = [r for r in records if not r.get('eval')]

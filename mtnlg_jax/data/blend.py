@@ -49,23 +49,33 @@ class BlendedDataset:
             return self._source[:stop], self._position[:stop]
 
     def _extend(self, size):
-        weights, counts = self.weights.tolist(), self._counts
+        choose, counts = self._rule(), self._counts
+        sources, positions = [], []
+        for i in range(len(self._source), size):
+            best = choose(i, counts)
+            sources.append(best)
+            positions.append(counts[best])
+            counts[best] += 1
+        self._source = np.concatenate([self._source, np.asarray(sources, np.int16)])
+        self._position = np.concatenate([self._position, np.asarray(positions, np.int64)])
+
+    def _rule(self):
+        """choose(i, counts) -> the source of sample i: the chairman assignment above."""
+        weights = self.weights.tolist()
         delta = 1 / (2 * len(weights) - 2) if len(weights) > 1 else 0.0
         threshold = delta - 1e-9  # float slack: some source always has weight * n - count >= 1/D
         candidates = list(enumerate(weights))
-        sources, positions = [], []
-        for i in range(len(self._source), size):
+
+        def choose(i, counts):
             best, best_deadline = 0, float('inf')
             for d, weight in candidates:
                 if weight * (i + 1) - counts[d] >= threshold:
                     deadline = (counts[d] + 1 - delta) / weight
                     if deadline < best_deadline:
                         best, best_deadline = d, deadline
-            sources.append(best)
-            positions.append(counts[best])
-            counts[best] += 1
-        self._source = np.concatenate([self._source, np.asarray(sources, np.int16)])
-        self._position = np.concatenate([self._position, np.asarray(positions, np.int64)])
+            return best
+
+        return choose
 
     def read(self, indices):
         """Samples `indices` of the blend: int32 (k, seq_len + 1)."""

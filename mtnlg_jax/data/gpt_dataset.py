@@ -20,7 +20,8 @@ one generator; the few tokens after the last whole window of an epoch are not us
 Megatron, which sizes its index by the run's sample count, every epoch stands alone: sample i
 is a function of (data, split, seq_len, seed, i) only, so lengthening a run or resuming it
 never reorders the data it has already seen. The three arrays of an epoch are cached as .npy
-in `index-cache/` next to the data, keyed by a hash of what they depend on.
+in `index-cache/` next to the data, keyed by a hash of what they depend on. (data.order =
+megatron: megatron_order.py builds Megatron's own index instead, on these windows and cache.)
 """
 
 import functools
@@ -58,6 +59,15 @@ def split_ranges(split, count):
     return dict(zip(SPLIT_NAMES, zip(bounds[:-1], bounds[1:])))
 
 
+def split_tokens(indexed, split, data_split):
+    """All tokens of one split's documents (or of every document when split is None),
+    concatenated in document order: what perplexity and the n-gram baselines score."""
+    first, stop = split_ranges(data_split, len(indexed))[split] if split else (0, len(indexed))
+    if stop <= first:
+        raise DataError(f'its {split} split (data.split {data_split}) has no documents')
+    return np.concatenate([indexed[i] for i in range(first, stop)])
+
+
 class GPTDataset:
     """Samples of one split of an indexed dataset: `read(indices)` -> int32 (k, seq_len + 1)."""
 
@@ -67,16 +77,22 @@ class GPTDataset:
         self.num_documents = self.stop - self.first
         self.num_tokens = int(indexed.sizes[self.first : self.stop].sum(dtype=np.int64))
         self.samples_per_epoch = max(0, (self.num_tokens - 1) // seq_len)
-        if self.samples_per_epoch < 1:
-            raise DataError(
-                f'{indexed.prefix}: its {name} split ({self.num_documents} documents, '
-                f'{self.num_tokens} tokens) is shorter than one sample of seq_len + 1 = '
-                f'{seq_len + 1} tokens (see data.split)'
-            )
+        self._require_samples()
         self._cache_dir = os.path.join(os.path.dirname(indexed.prefix) or '.', 'index-cache')
         self._use_cache = cache
         self._lock = threading.Lock()
         self._epoch_index = functools.lru_cache(maxsize=4)(self._load_or_build)
+
+    def _require_samples(self):
+        if self.samples_per_epoch < 1:
+            self._too_short()
+
+    def _too_short(self):
+        raise DataError(
+            f'{self.indexed.prefix}: its {self.name} split ({self.num_documents} documents, '
+            f'{self.num_tokens} tokens) is shorter than one sample of seq_len + 1 = '
+            f'{self.seq_len + 1} tokens (see data.split)'
+        )
 
     def epoch_index(self, epoch):
         """(doc_idx, sample_idx, shuffle_idx) of one epoch."""
@@ -95,7 +111,7 @@ class GPTDataset:
         rng.shuffle(shuffle_idx)
         return doc_idx, sample_idx, shuffle_idx
 
-    def _cache_paths(self, epoch):
+    def _cache_paths(self, parts):
         idx_path = os.path.abspath(self.indexed.prefix + '.idx')
         stat = os.stat(idx_path)
         key = dict(
@@ -106,19 +122,24 @@ class GPTDataset:
             documents=[self.first, self.stop],
             seq_len=self.seq_len,
             seed=self.seed,
-            epoch=epoch,
+            **parts,
         )
         digest = hashlib.md5(json.dumps(key, sort_keys=True).encode()).hexdigest()
         stem = os.path.join(self._cache_dir, f'{os.path.basename(self.indexed.prefix)}-{digest}')
         return [f'{stem}-{part}_idx.npy' for part in ('doc', 'sample', 'shuffle')]
 
     def _load_or_build(self, epoch):
+        return self._cached(lambda: self._build(epoch), epoch=epoch)
+
+    def _cached(self, build, **parts):
+        """build() -> (doc_idx, sample_idx, shuffle_idx), kept as .npy under a key of `parts`
+        and what every index depends on (the data file, the documents, seq_len, seed)."""
         if not self._use_cache:
-            return self._build(epoch)
-        paths = self._cache_paths(epoch)
+            return build()
+        paths = self._cache_paths(parts)
         if all(os.path.exists(p) for p in paths):
             return tuple(np.load(p, mmap_mode='r') for p in paths)
-        arrays = self._build(epoch)
+        arrays = build()
         try:
             os.makedirs(self._cache_dir, exist_ok=True)
             for path, array in zip(paths, arrays):

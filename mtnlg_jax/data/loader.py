@@ -2,6 +2,7 @@
 
     data.sources: (weight, prefix) ...   each prefix.bin/.idx, split by data.split
         -> one GPTDataset per source and split -> BlendedDataset per split (train, valid)
+        (data.order = megatron: Megatron-LM's own index and blend instead, megatron_order.py)
 
     step with `consumed` samples behind it:
         B = rampup.global_batch_at(consumed),  M = B / (micro_batch x data) micro-steps
@@ -10,8 +11,8 @@
         this process reads only the rows on its addressable devices' shards
         -> jax.make_array_from_callback(..) hands each device its block
 
-So the batch of every step is a pure function of the seed and the samples consumed (DESIGN.md
-invariant 1): the mesh, the process count and the micro-step split only decide who reads which
+So the batch of every step is a pure function of the seed and the samples consumed (invariant 1
+of docs/design.md): the mesh, the process count and the micro-step split only decide who reads which
 rows. A checkpoint that stores the samples consumed resumes the exact sequence. A background
 thread reads and places the next batches while the current step runs.
 """
@@ -24,12 +25,13 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from mtnlg_jax.data import megatron_order
 from mtnlg_jax.data.blend import BlendedDataset
 from mtnlg_jax.data.gpt_dataset import GPTDataset, split_ranges
 from mtnlg_jax.data.indexed import DataError, IndexedDataset
 from mtnlg_jax.parallel import rules
-from mtnlg_jax.train import rampup
-from mtnlg_jax.train.step import BATCH_AXES, micro_step_row_ids, place_row_ids
+from mtnlg_jax.data import rampup
+from mtnlg_jax.data.batch import BATCH_AXES, micro_step_row_ids, place_row_ids
 
 # Token ids are checked against the vocabulary on this many leading tokens of each source: a
 # mismatched tokenizer shows at once, and opening a 300 B token corpus stays instant.
@@ -39,23 +41,41 @@ Batch = collections.namedtuple('Batch', 'samples_consumed global_batch micro_ste
 
 
 def open_datasets(config):
-    """{'train': blend, 'valid': blend} of config.data; DataError naming the file if unusable."""
+    """{'train': blend, 'valid': blend} of config.data (data.order = megatron: and 'test', if
+    data.split gives it a share); DataError naming the file if unusable."""
     weights = [weight for weight, _ in config.data.sources]
+    indexed_sources = [
+        (weight, open_source(config, prefix)) for weight, prefix in config.data.sources
+    ]
+    if config.data.order == 'megatron':
+        total = rampup.total_samples(config.train, config.model.seq_len)
+        return megatron_order.open_splits(
+            indexed_sources,
+            config.data.split,
+            config.model.seq_len,
+            config.train.seed,
+            megatron_order.split_sizes(config, total),
+        )
     splits = {'train': [], 'valid': []}
-    for _, prefix in config.data.sources:
-        indexed = IndexedDataset(prefix)
-        head = indexed.tokens[:VOCAB_CHECK_TOKENS]
-        if len(head) and int(head.max()) >= config.model.vocab_size:
-            raise DataError(
-                f'{prefix}.bin holds token id {int(head.max())}, but '
-                f'model.vocab_size={config.model.vocab_size}'
-            )
+    for _, indexed in indexed_sources:
         ranges = split_ranges(config.data.split, len(indexed))
         for name, datasets in splits.items():
             datasets.append(
                 GPTDataset(indexed, ranges[name], config.model.seq_len, config.train.seed, name)
             )
     return {name: BlendedDataset(datasets, weights) for name, datasets in splits.items()}
+
+
+def open_source(config, prefix):
+    """The indexed dataset `prefix`, its leading token ids checked against the vocabulary."""
+    indexed = IndexedDataset(prefix)
+    head = indexed.tokens[:VOCAB_CHECK_TOKENS]
+    if len(head) and int(head.max()) >= config.model.vocab_size:
+        raise DataError(
+            f'{prefix}.bin holds token id {int(head.max())}, but '
+            f'model.vocab_size={config.model.vocab_size}'
+        )
+    return indexed
 
 
 def rows_of(index, leading_shape):

@@ -1,4 +1,11 @@
-"""A lossless sentencepiece tokenizer for prose and code.
+"""Tokenizers: a lossless sentencepiece model (below) or GPT-2's BPE (gpt2_bpe.py), by path.
+
+`load(path)` opens what `data.tokenizer` names: a sentencepiece `.model` file, or GPT-2 BPE
+files (a directory holding vocab.json + merges.txt, or a path ending in vocab.json): Megatron's
+SentencePieceTokenizer and GPT2BPETokenizer. Both have the same interface (vocab_size, eod_id,
+identity, encode, encode_document, decode, export).
+
+The sentencepiece tokenizer, for prose and code.
 
 Why these trainer settings: the default corpus mixes the King James Bible
 with Python source, so the tokenizer must reproduce newlines, indentation,
@@ -44,17 +51,52 @@ class TokenizerError(ValueError):
     """Bad tokenizer arguments or a failed training run (message says which)."""
 
 
+KINDS = ("SentencePieceTokenizer", "GPT2BPETokenizer")  # Megatron's --tokenizer-type names
+
+
+def load(path: str):
+    """The tokenizer `path` names (see above); TokenizerError naming the file if unusable."""
+    from mtnlg_jax.data import gpt2_bpe
+
+    gpt2_files = gpt2_bpe.files_of(path)
+    if gpt2_files is not None:
+        return gpt2_bpe.GPT2BPETokenizer(*gpt2_files)
+    if not os.path.isfile(path):
+        raise TokenizerError(
+            f"{path}: no such tokenizer (a sentencepiece .model, or a directory or *vocab.json "
+            "of GPT-2 BPE files)"
+        )
+    return Tokenizer(path)
+
+
+def from_files(kind: str, files: Sequence[str]):
+    """The tokenizer of `kind` (KINDS) made of `files` (its .files): how worker processes
+    reopen one."""
+    if kind == "GPT2BPETokenizer":
+        from mtnlg_jax.data.gpt2_bpe import GPT2BPETokenizer
+
+        return GPT2BPETokenizer(*files)
+    return Tokenizer(*files)
+
+
 class Tokenizer:
-    """A trained sentencepiece model loaded from ``model_path``."""
+    """A trained sentencepiece model loaded from ``model_path`` (Megatron's
+    SentencePieceTokenizer)."""
+
+    kind = "SentencePieceTokenizer"
 
     def __init__(self, model_path: str):
         if not os.path.isfile(model_path):
-            raise FileNotFoundError(f"{model_path}: no such tokenizer model")
+            raise TokenizerError(f"{model_path}: no such tokenizer model")
         self.model_path = model_path
+        self.files = (model_path,)
         with open(model_path, "rb") as fh:
             blob = fh.read()
         self._identity = hashlib.sha256(blob).hexdigest()
-        self._sp = spm.SentencePieceProcessor(model_proto=blob)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_proto=blob)
+        except RuntimeError as exc:  # not a serialized sentencepiece model
+            raise TokenizerError(f"{model_path}: not a sentencepiece model ({exc})") from None
         if self._sp.eos_id() != EOD_ID:
             raise TokenizerError(f"{model_path}: eod id is {self._sp.eos_id()}, expected {EOD_ID}")
 
@@ -152,6 +194,14 @@ class Tokenizer:
 
     def id_to_piece(self, token_id: int) -> str:
         return self._sp.id_to_piece(int(token_id))
+
+    def export(self, directory: str, max_length: int) -> list[str]:
+        """Copy the model beside exported weights as tokenizer.model (Hugging Face's name for a
+        sentencepiece file; GPT-2's own loaders expect BPE files instead)."""
+        del max_length
+        with open(os.path.join(directory, "tokenizer.model"), "wb") as fh:
+            fh.write(self._sp.serialized_model_proto())
+        return ["tokenizer.model"]
 
 
 def _lines(documents: Iterable[str]) -> Iterator[str]:

@@ -11,8 +11,10 @@ absolute, so left padding would shift it) and no attention mask beyond causality
 Sharding: the compute parameters keep the rule table's layout (heads, MLP and vocabulary split
 over 'tensor'), the cache is split over heads, and the batch over 'data' (padded to a
 multiple of it). Sampling runs on device; only the chosen token ids come back each step, so
-the host can stream text as it is produced. `use_cache=False` recomputes the whole sequence
-at every step: the reference the cached path is tested and benchmarked against.
+the host can stream text as it is produced (and stop a row once its text holds a stop
+string: completion.py). The repetition penalty keeps a (batch, vocab) mask of the tokens
+each row has seen, split like the logits. `use_cache=False` recomputes the whole sequence at
+every step: the reference the cached path is tested and benchmarked against.
 """
 
 import dataclasses
@@ -21,6 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from mtnlg_jax.model import decode, gpt
@@ -29,11 +32,14 @@ from mtnlg_jax.parallel import rules
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """temperature 0: greedy. top_k 0 and top_p 1: no truncation of the distribution."""
+    """temperature 0: greedy. top_k 0 and top_p 1: no truncation of the distribution.
+    repetition_penalty (CTRL's, as Hugging Face's): the logit of every token already in the
+    sequence, prompt included, is divided by it when positive and multiplied when negative."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    repetition_penalty: float = 1.0
 
     def check(self):
         if self.temperature < 0:
@@ -42,10 +48,21 @@ class Sampling:
             raise ValueError(f'top_k must be >= 0, got {self.top_k}')
         if not 0 < self.top_p <= 1:
             raise ValueError(f'top_p must be in (0, 1], got {self.top_p}')
+        if not self.repetition_penalty > 0:
+            raise ValueError(f'repetition_penalty must be > 0, got {self.repetition_penalty}')
 
 
-def choose_tokens(logits, key, sampling):
-    """Next token ids (batch,) from fp32 logits (batch, vocab) under `sampling`."""
+def penalise_repetitions(logits, seen, penalty):
+    """Logits (batch, vocab) with those of the `seen` tokens (batch, vocab) made less likely."""
+    penalised = jnp.where(logits > 0, logits / penalty, logits * penalty)
+    return jnp.where(seen, penalised, logits)
+
+
+def choose_tokens(logits, key, sampling, seen=None):
+    """Next token ids (batch,) from fp32 logits (batch, vocab) under `sampling`; seen: the
+    tokens (batch, vocab) of each sequence so far, for the repetition penalty."""
+    if sampling.repetition_penalty != 1 and seen is not None:
+        logits = penalise_repetitions(logits, seen, sampling.repetition_penalty)
     if sampling.temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / sampling.temperature
@@ -66,10 +83,13 @@ def choose_tokens(logits, key, sampling):
 class Generator:
     """Generation from compute-dtype parameters laid out on `mesh` by the rule table."""
 
-    def __init__(self, graphdef, params, model_cfg, mesh):
+    def __init__(self, graphdef, params, model_cfg, mesh, shape_bucket=1):
+        """shape_bucket: prefill and cache lengths are multiples of it (1: exact)."""
         self.graphdef, self.params, self.cfg, self.mesh = graphdef, params, model_cfg, mesh
+        self.shape_bucket = shape_bucket
         self.dtype = jax.tree.leaves(params)[0].dtype
         self._batch_sharding = NamedSharding(mesh, rules.logical_to_spec(('batch',)))
+        self._seen_sharding = NamedSharding(mesh, rules.logical_to_spec(('batch', 'vocab')))
 
     @functools.partial(jax.jit, static_argnums=(0, 1, 2))
     def _empty_cache(self, rows, max_len):
@@ -81,22 +101,29 @@ class Generator:
         cache = decode.init_cache(self.cfg, tokens.shape[0], max_len, self.dtype)
         return decode.forward_cached(gpt.merge(self.graphdef, params), tokens, cache, 0)[1]
 
-    @functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(2,))
-    def _cached_step(self, params, cache, token, index, sampling, key):
+    @staticmethod
+    def _choose(logits, token, seen, index, sampling, key):
+        """The token at `index` from the logits after `token` (at index - 1), which joins
+        the tokens `seen` (batch, vocab) by each row."""
+        seen = seen.at[jnp.arange(seen.shape[0]), token].set(True)
+        return choose_tokens(logits, jax.random.fold_in(key, index), sampling, seen), seen
+
+    @functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=(2, 4))
+    def _cached_step(self, params, cache, token, seen, index, sampling, key):
         """`token` sits at position index - 1: the cache grows by it and its logits choose the
         token at `index`."""
         logits, cache = decode.forward_cached(
             gpt.merge(self.graphdef, params), token[:, None], cache, index - 1
         )
-        return choose_tokens(logits, jax.random.fold_in(key, index), sampling), cache
+        return *self._choose(logits, token, seen, index, sampling, key), cache
 
-    @functools.partial(jax.jit, static_argnums=(0, 4))
-    def _full_step(self, params, tokens, index, sampling, key):
+    @functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=(4,))
+    def _full_step(self, params, tokens, token, seen, index, sampling, key):
         """Recompute the whole buffer; the token at `index` from the logits at index - 1."""
         model = gpt.merge(self.graphdef, params)
         hidden = jax.lax.dynamic_slice_in_dim(model(tokens), index - 1, 1, axis=1)
         logits = model.logits(hidden)[:, 0]
-        return choose_tokens(logits, jax.random.fold_in(key, index), sampling)
+        return self._choose(logits, token, seen, index, sampling, key)
 
     def __call__(
         self,
@@ -107,18 +134,27 @@ class Generator:
         eod_id=None,
         use_cache=True,
         on_tokens=None,
+        should_stop=None,
     ):
         """The new tokens of each prompt (lists of ids), at most max_new_tokens each, ending
-        at (and including) eod_id. on_tokens(row, token) is called as each token is chosen."""
+        at (and including) eod_id. on_tokens(row, token) is called as each token is chosen;
+        a row also ends after a token for which should_stop(row, its new tokens) is true.
+        ValueError if a prompt and max_new_tokens do not fit in seq_len (no silent cut)."""
         sampling.check()
         lengths = np.array([len(p) for p in prompts])
         if len(prompts) == 0 or lengths.min() == 0:
             raise ValueError('every prompt needs at least one token')
-        if lengths.max() >= self.cfg.seq_len:
+        if max_new_tokens < 1:
+            raise ValueError(f'max_new_tokens must be at least 1, got {max_new_tokens}')
+        if lengths.max() + max_new_tokens > self.cfg.seq_len:
             raise ValueError(
-                f'a prompt of {lengths.max()} tokens leaves no room in seq_len={self.cfg.seq_len}'
+                f'a prompt of {lengths.max()} tokens and max_new_tokens={max_new_tokens} exceed '
+                f'the context window (seq_len={self.cfg.seq_len})'
             )
-        total = int(min(self.cfg.seq_len, lengths.max() + max_new_tokens))
+        # With shape_bucket > 1 a stream of batches (lm-evaluation-harness's) compiles a few
+        # shapes: the buffer and cache round up to it (rows still end at their own quota).
+        bucket = self.shape_bucket
+        total = min(-(-int(lengths.max() + max_new_tokens) // bucket) * bucket, self.cfg.seq_len)
         rows = -(-len(prompts) // self.mesh.shape['data']) * self.mesh.shape['data']
         buffer = np.zeros((rows, total), np.int32)
         for row, prompt in enumerate(prompts):
@@ -128,29 +164,43 @@ class Generator:
         finished = quota <= lengths
         outputs = [[] for _ in prompts]
         key = jax.random.key(seed)
-        start = int(lengths.min())
+        # Prefill all but the last token of the shortest prompt (rounded down to the bucket);
+        # the steps from there feed each row its own prompt tokens until it generates.
+        prefilled = (int(lengths.min()) - 1) // bucket * bucket
+        seen = np.zeros((rows, self.cfg.padded_vocab), bool)  # the tokens prefilled
+        seen[np.repeat(np.arange(rows), prefilled), buffer[:, :prefilled].reshape(-1)] = True
 
         with jax.set_mesh(self.mesh):
             put = functools.partial(jax.device_put, device=self._batch_sharding)
+            seen = jax.device_put(seen, self._seen_sharding)
             if use_cache:
-                # The logits after the first start - 1 tokens are not needed: prefill those,
-                # then feed token start - 1 through the same step as every later token.
-                cache = self._prefill_cache(buffer[:, : start - 1], total)
-            for index in range(start, total):
+                # No logits are needed before the shortest prompt's last token: prefill (some
+                # of) those positions, then feed the rest through the same step as every later
+                # token.
+                cache = self._prefill_cache(buffer[:, :prefilled], total)
+            for index in range(prefilled + 1, total):
+                token = put(buffer[:, index - 1])
                 if use_cache:
-                    chosen, cache = self._cached_step(
-                        self.params, cache, put(buffer[:, index - 1]), index, sampling, key
+                    chosen, seen, cache = self._cached_step(
+                        self.params, cache, token, seen, index, sampling, key
                     )
                 else:
-                    chosen = self._full_step(self.params, put(buffer), index, sampling, key)
+                    chosen, seen = self._full_step(
+                        self.params, put(buffer), token, seen, index, sampling, key
+                    )
+                if not chosen.is_fully_addressable:  # rows on other processes too
+                    chosen = multihost_utils.process_allgather(chosen, tiled=True)
                 chosen = np.asarray(chosen)
                 generating = (index >= lengths) & ~finished
                 buffer[generating, index] = chosen[generating]
+                stopped = np.zeros(rows, bool)
                 for row in np.flatnonzero(generating[: len(prompts)]):
                     outputs[row].append(int(chosen[row]))
                     if on_tokens is not None:
                         on_tokens(row, int(chosen[row]))
-                finished |= generating & ((chosen == eod_id) | (index + 1 >= quota))
+                    if should_stop is not None:
+                        stopped[row] = should_stop(row, outputs[row])
+                finished |= generating & ((chosen == eod_id) | (index + 1 >= quota) | stopped)
                 if finished.all():
                     break
         return outputs

@@ -56,7 +56,10 @@ class Scorer:
         self.seq_len = loaded.config.model.seq_len
         self.progress = progress
         self._sharding = NamedSharding(loaded.mesh, rules.logical_to_spec(('batch', 'seq')))
-        self._score = jax.jit(self._score_batch)
+        # Replicated scores (a few numbers a row): every process reads them, also when the
+        # mesh spans several processes.
+        replicated = NamedSharding(loaded.mesh, jax.sharding.PartitionSpec())
+        self._score = jax.jit(self._score_batch, out_shardings=replicated)
 
     def _score_batch(self, params, tokens, mask):
         model = gpt.merge(self.loaded.graphdef, params)

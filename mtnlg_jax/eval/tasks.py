@@ -14,8 +14,13 @@ lambada          strict last-word accuracy: the passage without its last word is
                  argmax under teacher forcing.
 multiple_choice  each choice scored by the log-likelihood of its tokens after the context;
                  accuracy of the most likely choice raw and normalised by the choice's length
-                 in UTF-8 bytes (lm-evaluation-harness's acc_norm). k-shot prompts prepend k
-                 solved examples drawn from the other items, reproducibly by seed.
+                 in UTF-8 bytes (lm-evaluation-harness's acc and acc_bytes). k-shot prompts
+                 prepend k solved examples drawn from the other items, reproducibly by seed.
+
+A context and its continuation are tokenized as lm-evaluation-harness does (encode_pair), so
+this module and the harness adapter (harness.py) score the same tokens: these tasks stay for
+launch/evaluate.py (the papers' protocols with no dataset library, tested against the model
+directly), and the harness runs on the same files through tasks/*.yaml with the same figures.
 """
 
 import json
@@ -116,12 +121,23 @@ def split_last_word(text):
     return text[:cut], text[cut:]
 
 
+def encode_pair(encode, context, continuation):
+    """(context ids, continuation ids) as lm-evaluation-harness tokenizes them: the context's
+    trailing spaces move to the continuation, the whole text is encoded at once and split
+    after the context's own tokens (a token spanning the boundary counts as continuation)."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    context_ids = encode(context)
+    return context_ids, encode(context + continuation)[len(context_ids) :]
+
+
 def lambada(score, encode, passages, seq_len):
     """Strict last-word accuracy over passages (strings); per-passage outcomes alongside."""
     rows = []
     for text in passages:
         context, last_word = split_last_word(text)
-        rows.append(continuation_row(encode(context), encode(last_word), seq_len))
+        rows.append(continuation_row(*encode_pair(encode, context, last_word), seq_len))
     _, correct, _ = score(rows, 'lambada')
     summary = dict(
         passages=len(passages), correct=int(correct.sum()), accuracy=float(correct.mean())
@@ -161,9 +177,9 @@ def multiple_choice(score, encode, items, seq_len, shots=0, seed=0):
     check_choice_items(items)
     rows, owners = [], []
     for index, item in enumerate(items):
-        context = encode(few_shot_prefix(items, index, shots, seed) + item['context'])
+        context = few_shot_prefix(items, index, shots, seed) + item['context']
         for choice in item['choices']:
-            rows.append(continuation_row(context, encode(choice), seq_len))
+            rows.append(continuation_row(*encode_pair(encode, context, choice), seq_len))
             owners.append(index)
     log_prob, _, _ = score(rows, f'multiple choice ({shots}-shot)')
     owners = np.asarray(owners)

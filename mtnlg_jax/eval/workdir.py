@@ -1,30 +1,34 @@
 """A trained model out of a workdir, on whatever mesh the evaluation or generation asks for.
 
-A workdir holds config.json (the resolved config of its run) and orbax checkpoints that
-restore onto any layout. Inference picks its own layout (data x tensor, stage 1: the blocks
-are not pipelined for inference) and keeps the checkpoint's padded vocabulary, which depends
-on the tensor size of the run that wrote it (a multiple of 128 x tensor always divides over
-any tensor size up to 128).
+A workdir (mtnlg_jax/rundir.py) holds config.json and orbax checkpoints that restore onto any
+layout. Inference picks its own layout (data x tensor, stage 1: the blocks are not pipelined
+for inference), resolves only the mesh and model sections of the run's inputs (its training
+batch, schedule and data settings play no part), keeps the checkpoint's padded vocabulary
+(it depends on the tensor size of the run that wrote it; a multiple of 128 x tensor divides
+over any tensor size up to 128), and reads the parameters alone: the optimizer moments, twice
+their bytes, stay on disk.
 """
 
 import dataclasses
-import json
 import math
 import os
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
 from mtnlg_jax import checkpoint as checkpoint_lib
 from mtnlg_jax import config as config_lib
-from mtnlg_jax.parallel.mesh import make_mesh
-from mtnlg_jax.train import state as state_lib
-from mtnlg_jax.train import step as step_lib
+from mtnlg_jax.model import gpt
+from mtnlg_jax.parallel import rules
+from mtnlg_jax.parallel.mesh import mesh_from_config
+from mtnlg_jax.rundir import RunDir, RunDirError
 
 
 class WorkdirError(ValueError):
-    """A workdir without a config or checkpoint, or a step it does not have."""
+    """A workdir without a config or checkpoint, a step it does not have, or a checkpoint
+    that does not fit its config."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,75 +41,105 @@ class LoadedModel:
 
 
 def inference_config(saved, data=None, tensor=None):
-    """The resolved config of a run (a dict, as in config.json), re-resolved for an inference
-    mesh of data x tensor devices (defaults: the run's own); ConfigError if it cannot work."""
-    config = ml_collections.ConfigDict(saved)
-    data = config.mesh.data if data is None else data
-    tensor = config.mesh.tensor if tensor is None else tensor
+    """The config of a run (config.json as a dict) resolved for an inference mesh of
+    data x tensor devices (defaults: the run's own); ConfigError if the model cannot be laid
+    out so."""
+    config = config_lib.inputs_of(saved.get('inputs') or saved)
+    data = saved['mesh']['data'] if data is None else data
+    tensor = saved['mesh']['tensor'] if tensor is None else tensor
     config.mesh.update(dict(data=data, stage=1, tensor=tensor))
-    config.pipeline.repeats = 1  # checkpoints hold the blocks in layer order: no schedule
-    # Training batch keys only need to be consistent with the new mesh; inference ignores them
-    # (and a batch-size ramp-up with them).
-    config.train.update(dict(global_batch=data, micro_batch=1))
-    config.train.rampup.start = 0
-    num_devices = data * tensor if data > 0 and tensor > 0 else jax.device_count()
-    padded_vocab = saved['model']['padded_vocab']
-    config = config_lib.resolve(config, num_devices)
+    # Checkpoints hold the blocks in layer order: no pipeline, whatever the run's schedule.
+    config.pipeline.update(dict(repeats=1, schedule='1f1b'))
+    config = config_lib.resolve_model(config, data * tensor)
+    padded_vocab = saved.get('derived', saved)['model'].get('padded_vocab')
     config.model.padded_vocab = padded_vocab or config.model.padded_vocab
     return config
 
 
-def open_tokenizer(path, model_cfg):
-    """The run's sentencepiece tokenizer, checked to match the model's vocabulary (ids the
-    model produces must decode, ids the tokenizer produces must embed)."""
-    from mtnlg_jax.data.tokenizer import Tokenizer
+def open_tokenizer(path, model_cfg, name='--tokenizer'):
+    """The run's tokenizer (sentencepiece or GPT-2 BPE, data/tokenizer.py's `load`), checked
+    to match the model's vocabulary (ids the model produces must decode, ids the tokenizer
+    produces must embed); `name` says where the path came from in the error (a flag, or the
+    config key training checks it under)."""
+    from mtnlg_jax.data import tokenizer as tokenizer_lib
 
-    if not os.path.isfile(path):
-        raise WorkdirError(f'tokenizer {path} not found (--tokenizer PATH)')
-    tokenizer = Tokenizer(path)
+    if not path:
+        raise WorkdirError(f'{name}: the run has no tokenizer (data.tokenizer is empty)')
+    if not os.path.exists(path):
+        raise WorkdirError(f'{name} {path}: no such file')
+    try:
+        tokenizer = tokenizer_lib.load(path)
+    except tokenizer_lib.TokenizerError as e:
+        raise WorkdirError(f'{name} {e}') from None
+    except Exception as e:  # not a sentencepiece model, or unreadable BPE files
+        raise WorkdirError(f'{name} {path}: not a usable tokenizer ({e})') from None
     if tokenizer.vocab_size != model_cfg.vocab_size:
         raise WorkdirError(
-            f'tokenizer {path} has {tokenizer.vocab_size} pieces, but the model\'s '
-            f'vocabulary is {model_cfg.vocab_size}'
+            f'{name} {path} ({tokenizer.kind}) has {tokenizer.vocab_size} pieces, but the '
+            f"model's vocabulary (model.vocab_size) is {model_cfg.vocab_size}"
         )
     return tokenizer
 
 
 def read_saved_config(workdir):
-    path = os.path.join(workdir, 'config.json')
-    if not os.path.isfile(path):
-        raise WorkdirError(f'{path} not found: --workdir must be a run of launch/train.py')
-    with open(path) as f:
-        return json.load(f)
+    try:
+        return RunDir(workdir).read_config()
+    except RunDirError as e:
+        raise WorkdirError(str(e)) from None
+
+
+def checkpoint_step(workdir, step=None):
+    """The step to read (default: the newest); WorkdirError if the workdir has none such."""
+    steps = RunDir(workdir).saved_steps()
+    if not steps or (step is not None and step not in steps):
+        raise WorkdirError(
+            f'--workdir {workdir}: no checkpoint of step {step if step is not None else "any"} '
+            f'in {RunDir(workdir).checkpoints}; it has {steps or "none"}'
+        )
+    return steps[-1] if step is None else step
+
+
+def abstract_params(config):
+    """(graphdef, ShapeDtypeStructs of the fp32 parameters, their logical axes)."""
+    abstract_model = nnx.eval_shape(lambda: gpt.create(config.model, config.train.seed))
+    return gpt.split(abstract_model)
 
 
 def load(workdir, step=None, data=None, tensor=None, dtype=None):
     """The model of `workdir` at `step` (default: its newest checkpoint) on a data x tensor
-    mesh of the first devices. dtype: compute dtype (default: the run's)."""
+    mesh of the first devices. dtype: compute dtype (default: the run's). WorkdirError or
+    ConfigError, before anything is compiled, if it cannot be read."""
     config = inference_config(read_saved_config(workdir), data, tensor)
     if dtype is not None:
         config.model.compute_dtype = dtype
-    if not os.path.isdir(os.path.join(workdir, 'checkpoints')):
-        raise WorkdirError(f'{workdir} has no checkpoints/')
-    checkpoints = checkpoint_lib.Checkpoints(workdir)
-    steps = checkpoints.all_steps()
-    if not steps or (step is not None and step not in steps):
-        raise WorkdirError(
-            f'{workdir}: no checkpoint of step {step}; it has {sorted(steps) or "none"}'
-        )
-    step = max(steps) if step is None else step
+    step = checkpoint_step(workdir, step)
     shape = (config.mesh.data, config.mesh.stage, config.mesh.tensor)
-    mesh = make_mesh(*shape, devices=jax.devices()[: math.prod(shape)])
-    setup = state_lib.make_setup(config, mesh)
-    with jax.set_mesh(mesh):
-        abstract = checkpoint_lib.abstract_with_shardings(
-            setup.abstract_state, setup.state_shardings
+    if jax.process_count() > 1 and math.prod(shape) != jax.device_count():
+        raise WorkdirError(  # every process must hold part of the mesh it runs
+            f'{jax.process_count()} processes: the mesh must use all {jax.device_count()} '
+            f'devices, but --data_parallel x --tensor = {config.mesh.data} x '
+            f'{config.mesh.tensor}'
         )
-        state, _ = checkpoints.restore(abstract, step)
+    mesh = mesh_from_config(config)
+    graphdef, params_shapes, logical_axes = abstract_params(config)
+    shardings = rules.compute_shardings(logical_axes, mesh)
+    target = checkpoint_lib.abstract_with_shardings(params_shapes, shardings)
+    checkpoints = checkpoint_lib.Checkpoints(workdir, read_only=True)
+    try:
+        with jax.set_mesh(mesh):
+            params = checkpoints.restore_params(target, step)
+    except checkpoint_lib.CheckpointError as e:
+        raise WorkdirError(f'{e} (the config in {RunDir(workdir).config_path})') from None
+    except Exception as e:  # truncated, corrupted or not an orbax checkpoint at all
+        raise WorkdirError(
+            f'--workdir {workdir}: checkpoint {RunDir(workdir).checkpoints}/{step} is '
+            f'unreadable ({checkpoint_lib.first_line(e)})'
+        ) from None
+    finally:
         checkpoints.close()
-        to_compute = jax.jit(
-            lambda p: step_lib.compute_copy(config, setup, p),
-            out_shardings=setup.compute_shardings,
-        )
-        params = to_compute(state['params'])
-    return LoadedModel(config=config, mesh=mesh, graphdef=setup.graphdef, params=params, step=step)
+    dtype = jnp.dtype(config.model.compute_dtype)
+    with jax.set_mesh(mesh):
+        params = jax.jit(
+            lambda p: jax.tree.map(lambda x: x.astype(dtype), p), out_shardings=shardings
+        )(params)
+    return LoadedModel(config=config, mesh=mesh, graphdef=graphdef, params=params, step=step)

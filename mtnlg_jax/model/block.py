@@ -2,7 +2,10 @@
 
 Tensor parallelism (Megatron) comes from the logical names alone: QKV and MLP-in are split by
 columns (`heads`, `mlp`), attention-out and MLP-out by rows, so each block needs one
-all-reduce after attention and one after the MLP, inserted by XLA.
+all-reduce after attention and one after the MLP, inserted by XLA. The residual stream (layer
+norms, dropout, residual adds) names its sequence axis `residual_seq`: under sequence
+parallelism the rule table splits it over tensor, and each all-reduce becomes a reduce-scatter
+plus an all-gather before the next column-parallel matmul (see parallel/rules.py).
 """
 
 import math
@@ -12,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from mtnlg_jax.model.layers import LayerNorm, dropout, param
+from mtnlg_jax.model.layers import LayerNorm, dropout, param, use
 from mtnlg_jax.parallel.rules import constrain
 
 # Names of the values `model.remat = 'selective'` keeps: every matmul output. The attention
@@ -41,10 +44,12 @@ class Attention(nnx.Module):
         )
         self.out_bias = param(rngs, (hidden,), ('embed',))
         self.dropout_rate = cfg.attention_dropout
+        self.dtype = cfg.compute_dtype
 
     def project_qkv(self, x):
         """(batch, seq, embed) -> (batch, seq, 3, heads, head_dim), split over heads."""
-        qkv = jnp.einsum('bse,ethd->bsthd', x, self.qkv_kernel[...]) + self.qkv_bias[...]
+        kernel, bias = use(self.qkv_kernel, self.dtype), use(self.qkv_bias, self.dtype)
+        qkv = jnp.einsum('bse,ethd->bsthd', x, kernel) + bias
         return checkpoint_name(constrain(qkv, ('batch', 'seq', 'qkv', 'heads', 'head_dim')), 'qkv')
 
     def attend(self, q, k, v, visible, row_keys=None, site=0):
@@ -60,9 +65,11 @@ class Attention(nnx.Module):
         return checkpoint_name(constrain(context, ('batch', 'seq', 'heads', 'head_dim')), 'context')
 
     def project_out(self, context):
-        """(batch, seq, heads, head_dim) -> (batch, seq, embed): row parallel, one all-reduce."""
-        out = jnp.einsum('bqhd,hde->bqe', context, self.out_kernel[...]) + self.out_bias[...]
-        return checkpoint_name(constrain(out, ('batch', 'seq', 'embed')), 'attn_out')
+        """(batch, seq, heads, head_dim) -> (batch, seq, embed): row parallel, one all-reduce
+        (sequence parallel: a reduce-scatter onto the residual stream's sequence shards)."""
+        kernel, bias = use(self.out_kernel, self.dtype), use(self.out_bias, self.dtype)
+        out = jnp.einsum('bqhd,hde->bqe', context, kernel) + bias
+        return checkpoint_name(constrain(out, ('batch', 'residual_seq', 'embed')), 'attn_out')
 
     def __call__(self, x, row_keys, site_base):
         qkv = self.project_qkv(x)
@@ -99,13 +106,18 @@ class MLP(nnx.Module):
         self.in_bias = param(rngs, (cfg.ffn_hidden,), ('mlp',))
         self.out_kernel = param(rngs, (cfg.ffn_hidden, cfg.hidden), ('mlp', 'embed'), out_std)
         self.out_bias = param(rngs, (cfg.hidden,), ('embed',))
+        self.dtype = cfg.compute_dtype
 
     def __call__(self, x):
-        h = jnp.einsum('bse,ef->bsf', x, self.in_kernel[...]) + self.in_bias[...]
+        h = jnp.einsum('bse,ef->bsf', x, use(self.in_kernel, self.dtype)) + use(
+            self.in_bias, self.dtype
+        )
         h = checkpoint_name(constrain(h, ('batch', 'seq', 'mlp')), 'mlp_in')
         h = jax.nn.gelu(h, approximate=True)
-        out = jnp.einsum('bsf,fe->bse', h, self.out_kernel[...]) + self.out_bias[...]
-        return checkpoint_name(constrain(out, ('batch', 'seq', 'embed')), 'mlp_out')
+        out = jnp.einsum('bsf,fe->bse', h, use(self.out_kernel, self.dtype)) + use(
+            self.out_bias, self.dtype
+        )
+        return checkpoint_name(constrain(out, ('batch', 'residual_seq', 'embed')), 'mlp_out')
 
 
 class Block(nnx.Module):
@@ -123,7 +135,7 @@ class Block(nnx.Module):
         x = x + dropout(h, self.hidden_dropout, row_keys, site + _ATTN_RESIDUAL)
         h = self.mlp(self.ln_mlp(x))
         x = x + dropout(h, self.hidden_dropout, row_keys, site + _MLP_RESIDUAL)
-        return constrain(x, ('batch', 'seq', 'embed'))
+        return constrain(x, ('batch', 'residual_seq', 'embed'))
 
     def cached(self, x, cache, index):
         """The block on new tokens at positions index, ... with a KV cache (no dropout: for

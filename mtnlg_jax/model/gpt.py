@@ -7,7 +7,9 @@
       -> final layer norm
       -> logits = hidden @ token_embedding.T   (tied output layer, still vocab-parallel)
 
-Parameters live in fp32; `cast_params` makes the compute-dtype copy the forward runs on.
+Parameters live in fp32; `cast_params` makes the compute-dtype copy the forward runs on (each
+module also casts a parameter to `model.compute_dtype` where it uses it, so fp32 parameters
+give the same forward).
 The cross-entropy works on the vocabulary shards (logsumexp and the label's logit are
 reductions over `vocab`), so no device ever holds the full (batch, seq, vocab) logits.
 """
@@ -17,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtnlg_jax.model.block import SELECTIVE_SAVED, SITES_PER_BLOCK, Block
-from mtnlg_jax.model.layers import LayerNorm, dropout, param
+from mtnlg_jax.model.layers import LayerNorm, dropout, param, use
 from mtnlg_jax.parallel.rules import constrain
 
 REMAT_POLICIES = {
@@ -46,6 +48,7 @@ class GPT(nnx.Module):
         self.vocab_size = cfg.vocab_size
         self.hidden_dropout = cfg.hidden_dropout
         self.remat = cfg.remat
+        self.dtype = cfg.compute_dtype
 
     def __call__(self, tokens, row_keys=None):
         """Final hidden states (batch, seq, embed). row_keys: one PRNG key per sequence, or
@@ -56,15 +59,18 @@ class GPT(nnx.Module):
 
     def embed(self, tokens, row_keys=None):
         """Token + position embeddings (..., seq, embed) of tokens (..., seq), with dropout."""
-        x = jnp.take(self.token_embed[...], tokens, axis=0)
-        x = x + self.position_embed[...][: tokens.shape[-1]]
-        x = constrain(x, ('batch', 'seq', 'embed'))
+        x = jnp.take(self.token_embed[...], tokens, axis=0).astype(self.dtype)
+        x = x + use(self.position_embed, self.dtype)[: tokens.shape[-1]]
+        x = constrain(x, ('batch', 'residual_seq', 'embed'))
         return dropout(x, self.hidden_dropout, row_keys, site=self.num_layers * SITES_PER_BLOCK)
 
     def logits(self, hidden):
         """(..., batch, seq, vocab) fp32 logits, sharded over `vocab`; padding rows at -inf."""
         logits = jnp.einsum(
-            '...e,ve->...v', hidden, self.token_embed[...], preferred_element_type=jnp.float32
+            '...e,ve->...v',
+            hidden,
+            use(self.token_embed, self.dtype),
+            preferred_element_type=jnp.float32,
         )
         logits = constrain(logits, ('batch', 'seq', 'vocab'))
         vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)

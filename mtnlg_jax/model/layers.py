@@ -18,6 +18,13 @@ def param(rngs, shape, logical_axes, std=None):
     return nnx.Param(value, logical_axes=tuple(logical_axes))
 
 
+def use(variable, dtype):
+    """A parameter's value in the compute dtype, cast where it is used: the forward sees the
+    same numbers whether the parameters arrive in fp32 or already cast, and when they arrive
+    in fp32 their gradient is summed in fp32 over every use (e.g. a pipeline's iterations)."""
+    return variable[...].astype(dtype)
+
+
 class LayerNorm(nnx.Module):
     """Layer norm over `embed`, computed in fp32 whatever the compute dtype."""
 

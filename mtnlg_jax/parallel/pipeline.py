@@ -1,29 +1,36 @@
-"""Circular pipeline over the mesh axis 'stage': the block stack split into p x v chunks.
+"""The pipeline over the mesh axis 'stage': loss and explicit gradients, schedule-driven.
 
-p = mesh stage size, v = pipeline.repeats, m = micro-batches per step, L layers. The stack is
-cut into p x v chunks of L / (p v) consecutive layers; chunk c runs on stage c mod p. One scan
-of v m + p - 1 iterations; at iteration t, stage s works on item k = t - s, which is
-micro-batch k mod m passing through its repeat r = k // m (chunk r p + s). p = 2, v = 2, m = 3:
+`loss_and_grads` is what the train step calls instead of `value_and_grad` when the mesh has
+stages. `pipeline.schedule`:
+  1f1b / interleaved  a static table (parallel/schedule.py) says, for every tick and stage,
+                      which forward and which backward to run; one `lax.scan` over the ticks
+                      inside `jax.shard_map` manual over 'stage' runs it. Memory is flat in m.
+  gpipe               autodiff of a forward scan (parallel/gpipe.py), kept for comparison.
 
-    iteration   0    1    2    3    4    5    6
-    stage 0    a0   b0   c0   a1   b1   c1    .        a0 = micro-batch a, repeat 0
-    stage 1     .   a0   b0   c0   a1   b1   c1
+One tick on one stage (every stage runs the same program; `lax.switch` on the table picks
+what each one computes, so an idle slot costs nothing):
 
-Activations move one stage forward each iteration with a ring `lax.ppermute`; what leaves the
-last stage before its last repeat re-enters stage 0 m iterations after it entered (so v > 1
-needs m >= p). Slots where t - s is outside [0, v m) are the bubble, a fraction
-(p - 1) / (v m + p - 1) of the stage-iterations: their inputs are replaced by zeros before
-any computation (`where`, never a multiplication), so nothing they hold reaches the results
-or the gradients.
+    arrivals -> stash[recv_act_slot], grads[recv_grad_slot]        (last tick's ppermute)
+    forward  y  = chunk(stash[fwd_slot])        chunk 0: chunk(embed(tokens))   last: nothing
+    backward vjp of chunk at stash[bwd_slot]    chunk 0: through the embedding
+                    cotangent grads[bwd_grad_slot]   last chunk: + final norm, head, loss, 1.0
+             fp32 accumulators += parameter gradients;   dx = gradient of the stage input
+    y -> stage s + 1, dx -> stage s - 1 (rings), split over 'tensor' along the sequence
 
-Stored form: in the train state, block parameters (and their Adam moments) are kept
-stage-major, so the rule 'layers' -> 'stage' gives each stage exactly its own chunks:
+The backward recomputes its chunk from the stashed stage input (`jax.vjp` of the block stack
+under `model.remat`), so a stage holds only stage inputs between ticks, never a micro-batch's
+layer activations. The embedding runs on the first stage, the final norm, head and loss on
+the last, one micro-batch a tick; only the loss is summed over 'stage', and the gradients of
+the parameters outside the block stack (each stage holds them all) are summed over 'stage':
+the tied embedding's two halves meet there, from the first stage and the last.
+
+Stored form: block parameters (and their Adam moments) are kept stage-major, so the rule
+'layers' -> 'stage' gives each stage exactly its own chunks:
 
     storage index  s (v L/(pv)) + r L/(pv) + j   holds layer  (r p + s) L/(pv) + j
 
 Checkpoints hold them in plain layer order (`to_layer_order` before saving,
-`to_schedule_order` after restoring), so any (stage, repeats) restores any other. With p = 1
-or v = 1 both orders are the same and nothing moves.
+`to_schedule_order` after restoring), so any (stage, repeats, schedule) restores any other.
 """
 
 import jax
@@ -33,18 +40,18 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from mtnlg_jax.model import gpt
+from mtnlg_jax.parallel import gpipe
+from mtnlg_jax.parallel import schedule as schedule_lib
 from mtnlg_jax.parallel.rules import constrain
 
-STAGE_AXIS = 'stage'
+STAGE_AXIS = gpipe.STAGE_AXIS
+SCHEDULES = ('gpipe', '1f1b', 'interleaved')
+HANDOFF_AXES = ('batch', 'handoff_seq', 'embed')  # split over 'tensor' along the sequence
+ACTIVATION_AXES = ('batch', 'residual_seq', 'embed')  # gathered, unless sequence parallel
 
-
-def num_iterations(stages, repeats, micro_batches):
-    return repeats * micro_batches + stages - 1
-
-
-def bubble_fraction(stages, repeats, micro_batches):
-    """Share of stage-iterations that hold no work: (p - 1) / (v m + p - 1)."""
-    return (stages - 1) / num_iterations(stages, repeats, micro_batches)
+# What a tick's slot runs: nothing, chunk 0 (embedding first), a middle chunk, the last chunk
+# (its forward is empty: its backward recomputes it with the head and the loss).
+_IDLE, _FIRST, _MIDDLE, _LAST = range(4)
 
 
 def schedule_order(num_layers, stages, repeats):
@@ -80,111 +87,251 @@ def to_layer_order(tree, num_layers, stages, repeats):
     return _reorder_blocks(tree, np.argsort(schedule_order(num_layers, stages, repeats)))
 
 
-def run_pipeline(graphdef, stacked, x, row_keys, *, stages, repeats, remat, bubble_fill=0.0):
-    """The block stack over micro-batches x (m, rows, seq, embed), pipelined over 'stage'.
+def num_ticks(stages, repeats, micro_batches, schedule='1f1b'):
+    """Scan length: table ticks (1f1b / interleaved), iterations v m + p - 1 (gpipe)."""
+    if schedule == 'gpipe':
+        return gpipe.num_iterations(stages, repeats, micro_batches)
+    return schedule_lib.build(stages, repeats, micro_batches).ticks
 
-    graphdef/stacked: one Block's graph and the stage-major stacked block parameters (split
-    over 'stage' on axis 0). row_keys: dropout keys (m, rows) or None. bubble_fill: what the
-    activation slots hold before real work reaches them (tests fill NaN to show it never
-    leaks).
-    """
-    micro_batches = x.shape[0]
-    num_layers = jax.tree.leaves(stacked)[0].shape[0]
-    per_chunk = num_layers // (stages * repeats)
-    stage_spec = jax.tree.map(lambda _: PartitionSpec(STAGE_AXIS), stacked)
-    key_spec = None if row_keys is None else PartitionSpec()
 
-    def apply_chunk(chunk, h, keys, first_layer):
-        return gpt.apply_block_stack(graphdef, chunk, h, keys, first_layer=first_layer)
+def bubble_fraction(stages, repeats, micro_batches, schedule='1f1b'):
+    """Predicted share of the step the stages wait: from the table's ticks for 1f1b /
+    interleaved (a backward costing 3 forwards, full recompute), (p - 1) / (v m + p - 1)
+    for gpipe."""
+    if stages == 1:
+        return 0.0
+    if schedule == 'gpipe':
+        return gpipe.bubble_fraction(stages, repeats, micro_batches)
+    return float(schedule_lib.build(stages, repeats, micro_batches).bubble_fraction())
 
-    if remat != 'none':
-        apply_chunk = jax.checkpoint(
-            apply_chunk, policy=gpt.REMAT_POLICIES[remat], prevent_cse=False
-        )
 
-    def per_stage(local, x, row_keys):
+def loss_and_grads(graphdef, params, tokens, row_keys, *, stages, repeats, schedule='1f1b'):
+    """(loss sum, token count, fp32 gradients shaped as params) of micro-batches tokens
+    (m, rows, seq + 1), the block stack pipelined over 'stage'.
+
+    graphdef, params: the GPT's graph and its compute-dtype parameters (blocks stage-major);
+    row_keys: one dropout key per sequence (m, rows), or None. Called by the train step inside
+    its region manual over 'data' (one replica's rows); at top level with both 'data' and
+    'tensor' larger than 1, XLA's SPMD partitioner aborts on the embedding's scatter-add."""
+    if schedule == 'gpipe':
+        # Differentiated in fp32 (the model casts each parameter to the compute dtype where
+        # it uses it), so the scans' transposes sum every iteration's gradient in fp32.
+        params = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+
+        def loss_sum(p):
+            return gpipe.pipelined_loss_sum(
+                gpt.merge(graphdef, p), tokens, row_keys, stages=stages, repeats=repeats
+            )
+
+        (loss, count), grads = jax.value_and_grad(loss_sum, has_aux=True)(params)
+        return loss, count, grads
+    table = schedule_lib.build(stages, repeats, tokens.shape[0])
+    return run_schedule(graphdef, params, tokens, row_keys, table, with_grads=True)
+
+
+def loss_sum(graphdef, params, tokens, *, stages, repeats, schedule='1f1b'):
+    """(loss sum, token count) of tokens (m, rows, seq + 1), pipelined, no gradients."""
+    if schedule == 'gpipe':
+        model = gpt.merge(graphdef, params)
+        return gpipe.pipelined_loss_sum(model, tokens, None, stages=stages, repeats=repeats)
+    table = schedule_lib.build(stages, repeats, tokens.shape[0])
+    loss, count, _ = run_schedule(graphdef, params, tokens, None, table, with_grads=False)
+    return loss, count
+
+
+def _slot_kinds(table):
+    """(fwd kinds, bwd kinds), each (ticks, stages) of _IDLE, _FIRST, _MIDDLE, _LAST."""
+    stage = np.arange(table.stages)[None, :]
+
+    def kinds(micro, repeat):
+        first = (stage == 0) & (repeat == 0)
+        last = (stage == table.stages - 1) & (repeat == table.repeats - 1)
+        kind = np.where(first, _FIRST, np.where(last, _LAST, _MIDDLE))
+        return np.where(micro == schedule_lib.IDLE, _IDLE, kind).astype(np.int32)
+
+    fwd = kinds(table.fwd_micro, table.fwd_repeat)
+    return np.where(fwd == _LAST, _IDLE, fwd), kinds(table.bwd_micro, table.bwd_repeat)
+
+
+def run_schedule(graphdef, params, tokens, row_keys, table, with_grads, bubble_fill=0.0):
+    """Run `table` (schedule.Schedule); returns (loss sum, token count, fp32 grads or None).
+    bubble_fill: what empty slots and idle outputs hold (tests fill NaN: it never leaks)."""
+    model = gpt.merge(graphdef, params)
+    block_graphdef, _ = nnx.split(model.blocks)
+    remat = model.remat
+    shared = {k: v for k, v in params.items() if k != 'blocks'}
+    p, v, m = table.stages, table.repeats, table.micro_batches
+    num_layers = jax.tree.leaves(params['blocks'])[0].shape[0]
+    per_chunk = num_layers // (p * v)
+    fwd_kind, bwd_kind = _slot_kinds(table)
+    columns = dict(
+        fwd_kind=fwd_kind,
+        bwd_kind=bwd_kind,
+        **{name: getattr(table, name) for name in schedule_lib.COLUMNS},
+    )
+    columns = {k: np.maximum(a, 0) for k, a in columns.items()}  # IDLE slots index 0, unused
+    arrivals = dict(act=table.recv_act_slot >= 0, grad=table.recv_grad_slot >= 0)
+    dtype = jnp.dtype(model.dtype)
+    rows, seq = tokens.shape[1], tokens.shape[2] - 1
+    hidden = params['position_embed'].shape[-1]
+    mesh = jax.sharding.get_abstract_mesh()
+    tensor = 1 if mesh.empty else dict(mesh.shape).get('tensor', 1)
+    handoff_axes = HANDOFF_AXES if seq % tensor == 0 else ACTIVATION_AXES
+
+    def per_stage(blocks, shared, tokens, row_keys):
         stage = jax.lax.axis_index(STAGE_AXIS)
-        # This stage's chunks, repeat-major: (v, L / (p v), ...).
-        chunks = jax.tree.map(lambda a: a.reshape(repeats, per_chunk, *a.shape[1:]), local)
-        fill = jnp.full(x.shape[1:], bubble_fill, x.dtype)
-        recirculating = jnp.full(x.shape, bubble_fill, x.dtype)  # stage 0: waiting for repeat
-        outputs = jnp.zeros_like(x)  # last stage: finished micro-batches
+        chunks = jax.tree.map(lambda a: a.reshape(v, per_chunk, *a.shape[1:]), blocks)
 
-        def iteration(carry, t):
-            received, recirculating, outputs = carry
-            item = t - stage
-            valid = (item >= 0) & (item < repeats * micro_batches)
-            item = jnp.clip(item, 0, repeats * micro_batches - 1)
-            repeat, micro = item // micro_batches, item % micro_batches
-            # Stage 0 receives from the last stage what it finished an iteration ago: keep it
-            # until its micro-batch comes round again for the next repeat.
-            returned = t - stages
-            keep = (stage == 0) & (returned >= 0) & (returned < (repeats - 1) * micro_batches)
-            slot = jnp.clip(returned, 0, None) % micro_batches
-            recirculating = jnp.where(keep, recirculating.at[slot].set(received), recirculating)
-            first_input = jnp.where(repeat == 0, x[micro], recirculating[micro])
-            h = jnp.where(stage == 0, first_input, received)
-            h = jnp.where(valid, h, jnp.zeros_like(h))  # the bubble computes on zeros
-            chunk = jax.tree.map(lambda a: a[repeat], chunks)
-            keys = None if row_keys is None else row_keys[micro]
-            first_layer = (repeat * stages + stage) * per_chunk
-            y = apply_chunk(chunk, h, keys, first_layer)
-            done = valid & (stage == stages - 1) & (repeat == repeats - 1)
-            outputs = jnp.where(done, outputs.at[micro].set(y), outputs)
-            ring = [(i, (i + 1) % stages) for i in range(stages)]
-            received = jax.lax.ppermute(y, STAGE_AXIS, ring)
-            return (received, recirculating, outputs), None
+        def keys_of(micro):
+            return None if row_keys is None else row_keys[micro]
 
-        steps = jnp.arange(num_iterations(stages, repeats, micro_batches))
-        (_, _, outputs), _ = jax.lax.scan(iteration, (fill, recirculating, outputs), steps)
-        # Only the last stage holds results; the sum hands them to every stage.
-        last = stage == stages - 1
-        return jax.lax.psum(jnp.where(last, outputs, jnp.zeros_like(outputs)), STAGE_AXIS)
+        def apply_chunk(chunk, h, micro, repeat):
+            h = constrain(h, ACTIVATION_AXES)  # gathered over 'tensor' on arrival
+            first_layer = (repeat * p + stage) * per_chunk
+            return gpt.apply_block_stack(
+                block_graphdef, chunk, h, keys_of(micro), remat, first_layer=first_layer
+            )
 
+        def embedded(shared, micro):
+            view = gpt.merge(graphdef, {**shared, 'blocks': blocks})
+            return view.embed(tokens[micro, :, :-1], keys_of(micro))
+
+        def token_loss(shared, h, micro):
+            view = gpt.merge(graphdef, {**shared, 'blocks': blocks})
+            logits = view.logits(view.final_norm(h))
+            return gpt.cross_entropy(logits, tokens[micro, :, 1:]).sum()
+
+        def chunk_at(repeat):
+            return jax.tree.map(lambda a: a[repeat], chunks)
+
+        fill = jnp.full((rows, seq, hidden), bubble_fill, dtype)
+
+        def stage_input(kind, shared, h, micro):
+            """Chunk 0's input is the embedding (recomputed, never stashed), others' the
+            stashed hand-off, gathered over 'tensor'."""
+            return jax.lax.cond(  # both branches laid out alike: XLA insists
+                kind == _FIRST,
+                lambda: constrain(embedded(shared, micro), ACTIVATION_AXES),
+                lambda: constrain(h, ACTIVATION_AXES),
+            )
+
+        def forward(kind, stash, micro, repeat, slot):
+            def run():
+                x = stage_input(kind, shared, stash[slot], micro)
+                return apply_chunk(chunk_at(repeat), x, micro, repeat)
+
+            return jax.lax.cond(kind == _IDLE, lambda: fill, run)
+
+        def add(acc, grads):
+            return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+
+        def add_chunk(acc, repeat, grads):  # dynamic slices, not scatters: XLA partitions them
+            def add_one(a, g):
+                total = jax.lax.dynamic_index_in_dim(a, repeat, keepdims=False) + g.astype(a.dtype)
+                return jax.lax.dynamic_update_index_in_dim(a, total, repeat, 0)
+
+            return jax.tree.map(add_one, acc, grads)
+
+        def backward(kind, sums, stash, grad_buf, micro, repeat, slot, grad_slot):
+            """One chunk's backward: recompute from the stash, head and loss on the last
+            chunk, chunk 0 through the embedding; one vjp of the chunk for every case."""
+            acc_blocks, acc_shared, loss = sums
+            h, g = stash[slot], grad_buf[grad_slot]
+
+            def loss_only():  # no gradients (evaluation): the last chunk's loss
+                x = apply_chunk(chunk_at(repeat), constrain(h, ACTIVATION_AXES), micro, repeat)
+                return (acc_blocks, acc_shared, loss + token_loss(shared, x, micro)), fill
+
+            def run():
+                def chunk_fn(c, sh, x):
+                    return apply_chunk(c, stage_input(kind, sh, x, micro), micro, repeat)
+
+                y, chunk_vjp = jax.vjp(chunk_fn, chunk_at(repeat), shared, h)
+
+                def head():  # the last chunk: final norm, head and loss of this micro-batch
+                    value, (d_shared, d_y) = jax.value_and_grad(token_loss, argnums=(0, 1))(
+                        shared, y, micro
+                    )
+                    return add(acc_shared, d_shared), loss + value, d_y.astype(y.dtype)
+
+                def no_head():
+                    return acc_shared, loss, constrain(g, ACTIVATION_AXES)
+
+                acc, total, d_y = jax.lax.cond(kind == _LAST, head, no_head)
+                d_chunk, d_shared, d_h = chunk_vjp(d_y)
+                acc = jax.lax.cond(  # the embedding's half of the tied gradient (chunk 0)
+                    kind == _FIRST, lambda: add(acc, d_shared), lambda: acc
+                )
+                return (add_chunk(acc_blocks, repeat, d_chunk), acc, total), d_h
+
+            if not with_grads:
+                return jax.lax.cond(kind == _LAST, loss_only, lambda: (sums, fill))
+            return jax.lax.cond(kind == _IDLE, lambda: (sums, fill), run)
+
+        def handoff(x, ring):
+            return jax.lax.ppermute(constrain(x, handoff_axes), STAGE_AXIS, ring)
+
+        def write(buffer, slot, arrived, value):
+            kept = jnp.where(arrived, value, jax.lax.dynamic_index_in_dim(buffer, slot, 0, False))
+            return jax.lax.dynamic_update_index_in_dim(buffer, kept, slot, 0)
+
+        def tick(carry, row):
+            act_in, grad_in, stash, grad_buf, sums = carry
+            row = {k: a[stage] for k, a in row.items()}
+            stash = write(stash, row['recv_act_slot'], row['act'], act_in)
+            grad_buf = write(grad_buf, row['recv_grad_slot'], row['grad'], grad_in)
+            y = forward(
+                row['fwd_kind'], stash, row['fwd_micro'], row['fwd_repeat'], row['fwd_slot']
+            )
+            sums, dx = backward(
+                row['bwd_kind'],
+                sums,
+                stash,
+                grad_buf,
+                row['bwd_micro'],
+                row['bwd_repeat'],
+                row['bwd_slot'],
+                row['bwd_grad_slot'],
+            )
+            act_in = handoff(y, [(i, (i + 1) % p) for i in range(p)])
+            grad_in = handoff(dx, [(i, (i - 1) % p) for i in range(p)])
+            return (act_in, grad_in, stash, grad_buf, sums), None
+
+        def buffer(slots):
+            return constrain(jnp.full((slots, rows, seq, hidden), bubble_fill, dtype), handoff_axes)
+
+        zeros32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
+        sums = (zeros32(chunks), zeros32(shared), jnp.zeros((), jnp.float32))
+        init = (
+            constrain(fill, handoff_axes),
+            constrain(fill, handoff_axes),
+            buffer(table.stash_slots),
+            buffer(table.grad_slots),
+            sums,
+        )
+        xs = {k: jnp.asarray(a) for k, a in columns.items()}
+        xs.update({k: jnp.asarray(a) for k, a in arrivals.items()})
+        (_, _, _, _, (acc_blocks, acc_shared, loss)), _ = jax.lax.scan(tick, init, xs)
+        loss = jax.lax.psum(loss, STAGE_AXIS)
+        if not with_grads:
+            return (loss,)
+        acc_shared = jax.lax.psum(acc_shared, STAGE_AXIS)
+        acc_blocks = jax.tree.map(lambda a: a.reshape(v * per_chunk, *a.shape[2:]), acc_blocks)
+        return (loss, acc_blocks, acc_shared)
+
+    stage_spec = jax.tree.map(lambda _: PartitionSpec(STAGE_AXIS), params['blocks'])
+    shared_spec = jax.tree.map(lambda _: PartitionSpec(), shared)
+    key_spec = None if row_keys is None else PartitionSpec()
     run = jax.shard_map(
         per_stage,
-        in_specs=(stage_spec, PartitionSpec(), key_spec),
-        out_specs=PartitionSpec(),
+        in_specs=(stage_spec, shared_spec, PartitionSpec(), key_spec),
+        out_specs=(PartitionSpec(), stage_spec, shared_spec) if with_grads else (PartitionSpec(),),
         axis_names={STAGE_AXIS},
         check_vma=False,
     )
-    return run(stacked, x, row_keys)
-
-
-def pipelined_loss_sum(model, tokens, row_keys, *, stages, repeats):
-    """Summed loss and token count of micro-batches tokens (m, rows, seq + 1), the block stack
-    pipelined. Embedding, final norm and head run outside the pipeline; when p divides m, each
-    stage takes m / p of the micro-batches, so none of that work is repeated on every stage
-    (otherwise, as for MT-NLG's m = 240 over p = 35, every stage does all of it)."""
-    micro_batches = tokens.shape[0]
-    split = stages if micro_batches % stages == 0 else 1
-    stage_axes = ('stages',) if split > 1 else ()
-
-    def by_stage(a):  # (m, ...) -> (m / split, split, ...), the split axis over 'stage'
-        return a.reshape(micro_batches // split, split, *a.shape[1:])
-
-    tokens = constrain(by_stage(tokens), stage_axes + ('batch', 'seq'))
-    keys = None if row_keys is None else by_stage(row_keys)
-    x = constrain(model.embed(tokens[..., :-1], keys), stage_axes + ('batch', 'seq', 'embed'))
-    graphdef, stacked = nnx.split(model.blocks)
-    x = run_pipeline(
-        graphdef,
-        stacked,
-        x.reshape(micro_batches, *x.shape[2:]),
-        row_keys,
-        stages=stages,
-        repeats=repeats,
-        remat=model.remat,
-    )
-    x = constrain(by_stage(x), stage_axes + ('batch', 'seq', 'embed'))
-
-    @jax.checkpoint  # keep `split` micro-batches' logits at a time, in the backward pass too
-    def add_loss(total, hidden_and_labels):
-        hidden, labels = hidden_and_labels  # (split, rows, seq, ...): one per stage
-        hidden = constrain(hidden, stage_axes + ('batch', 'seq', 'embed'))
-        logits = model.logits(model.final_norm(hidden))
-        return total + gpt.cross_entropy(logits, labels).sum(), None
-
-    labels = tokens[..., 1:]
-    total, _ = jax.lax.scan(add_loss, jnp.zeros((), jnp.float32), (x, labels))
-    return total, jnp.asarray(labels.size, jnp.float32)
+    results = run(params['blocks'], shared, tokens, row_keys)
+    count = jnp.asarray(m * rows * seq, jnp.float32)
+    if not with_grads:
+        return results[0], count, None
+    loss, block_grads, shared_grads = results
+    return loss, count, {**shared_grads, 'blocks': block_grads}

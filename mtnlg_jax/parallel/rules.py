@@ -18,11 +18,24 @@ never the model. The tensor-parallel rows are Megatron's:
                                                                       vocabulary shards
     activations    (batch, ...)                    batch  -> data
 
+Sequence parallelism (Korthikanti et al. 2022; `model.sequence_parallel`): the residual
+stream, where layer norms, dropout and residual adds run, names its sequence dimension
+`residual_seq`. Off, that name maps to nothing and every tensor rank repeats that work; on,
+it maps to 'tensor', so XLA turns each row-parallel all-reduce into a reduce-scatter onto
+sequence shards and gathers the sequence again before each column-parallel matmul:
+
+                  LN, dropout, residual          QKV .. attn-out / MLP-in .. MLP-out
+    off:  x (b, s, h) whole on every rank  ->  all-reduce after each row-parallel matmul
+    on:   x (b, s/t, h) on tensor rank i   ->  all-gather before QKV / MLP-in,
+                                               reduce-scatter after attn-out / MLP-out
+
 ZeRO-1: optimizer state (fp32 master weights and Adam moments) is additionally split over
 'data' along its first whole dimension that divides evenly, else along a split dimension that
 still divides (`zero_spec`).
 """
 
+import contextlib
+import contextvars
 import math
 
 import jax
@@ -37,36 +50,79 @@ LOGICAL_RULES = (
     ('head_dim', None),
     ('qkv', None),
     ('seq', None),
+    ('residual_seq', None),  # 'tensor' under sequence parallelism
     ('kv_seq', None),
     ('position', None),
     ('layers', 'stage'),  # block parameters: each pipeline stage holds its own chunks
     ('micro_steps', None),
     ('stages', 'stage'),  # micro-batches outside the pipeline: embedding and head, 1/p each
+    ('handoff_seq', 'tensor'),  # activations between pipeline stages, split as Megatron's
 )
-ZERO_AXIS = 'data'
+SEQUENCE_PARALLEL_RULES = (('residual_seq', 'tensor'),)
+DATA_AXIS = 'data'
+ZERO_AXIS = DATA_AXIS  # ZeRO-1 splits the optimizer state over the data-parallel replicas
 
 _RULES = dict(LOGICAL_RULES)
+_ACTIVE_RULES = contextvars.ContextVar('mtnlg_jax_logical_rules', default=_RULES)
+
+
+@contextlib.contextmanager
+def sequence_parallel(enabled):
+    """Within this context (while a step is traced), `residual_seq` maps to 'tensor' if
+    `enabled` (`model.sequence_parallel`); outside it, to nothing."""
+    rules = {**_RULES, **dict(SEQUENCE_PARALLEL_RULES)} if enabled else _RULES
+    token = _ACTIVE_RULES.set(rules)
+    try:
+        yield
+    finally:
+        _ACTIVE_RULES.reset(token)
 
 
 def logical_to_spec(logical_axes):
     """PartitionSpec of a tuple of logical names (None: a dimension kept whole)."""
+    rules = _ACTIVE_RULES.get()
     mesh_axes = []
     for name in logical_axes:
-        if name is not None and name not in _RULES:
+        if name is not None and name not in rules:
             raise KeyError(f'logical axis {name!r} has no rule in LOGICAL_RULES')
-        mesh_axes.append(None if name is None else _RULES[name])
+        mesh_axes.append(None if name is None else rules[name])
     return PartitionSpec(*mesh_axes)
 
 
 def constrain(x, logical_axes):
     """Pin an activation's layout by the logical names of its trailing dimensions (leading
-    ones are left to XLA); a no-op when no mesh is set."""
+    ones are left to XLA); a no-op when no mesh is set. Inside a `shard_map` region, mesh axes
+    that are manual there are dropped: the region already holds one shard of them (e.g. a data
+    replica's own rows, where 'batch' -> 'data' no longer applies)."""
     if jax.sharding.get_abstract_mesh().empty:
         return x
     leading = (PartitionSpec.UNCONSTRAINED,) * (x.ndim - len(logical_axes))
+    return constrain_spec(x, PartitionSpec(*leading, *logical_to_spec(logical_axes)))
+
+
+def constrain_spec(x, spec):
+    """with_sharding_constraint to a PartitionSpec of the mesh, less the axes that are manual
+    where it is called (the identity within a region manual over every axis)."""
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
     return jax.lax.with_sharding_constraint(
-        x, PartitionSpec(*leading, *logical_to_spec(logical_axes))
+        x, PartitionSpec(*(_without(axes, manual) for axes in spec))
     )
+
+
+def constrain_tree(tree, logical_tree):
+    """`constrain` every leaf of `tree` by the logical names at the same place of
+    `logical_tree` (e.g. gradient accumulators laid out as the parameters)."""
+    return jax.tree.map(
+        lambda axes, x: constrain(x, axes), logical_tree, tree, is_leaf=_is_axes
+    )
+
+
+def _without(axes, dropped):
+    """One PartitionSpec entry without the mesh axes in `dropped`."""
+    if axes is None or axes is PartitionSpec.UNCONSTRAINED:
+        return axes
+    kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a not in dropped)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
 def zero_spec(spec, shape, mesh_shape):

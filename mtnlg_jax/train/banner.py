@@ -4,18 +4,20 @@ import jax
 
 from mtnlg_jax import plan
 from mtnlg_jax.parallel import pipeline
-from mtnlg_jax.train import rampup
+from mtnlg_jax.data import rampup
 
 
 def pipeline_line(config):
     stages, repeats, micro = config.mesh.stage, config.pipeline.repeats, config.train.micro_steps
     if stages == 1:
         return 'none (mesh.stage = 1)'
-    iterations = pipeline.num_iterations(stages, repeats, micro)
+    schedule = config.pipeline.schedule
+    name = 'interleaved 1F1B' if schedule != 'gpipe' and repeats > 1 else schedule
+    ticks = pipeline.num_ticks(stages, repeats, micro, schedule)
     return (
-        f'circular, {stages} stages x {repeats} repeats, {micro} micro-batches: {iterations} '
-        f'iterations, bubble fraction (p-1)/(vm+p-1) = '
-        f'{pipeline.bubble_fraction(stages, repeats, micro):.3f}'
+        f'{name}, {stages} stages x {repeats} repeats, {micro} micro-batches: {ticks} '
+        f'ticks, predicted bubble fraction '
+        f'{pipeline.bubble_fraction(stages, repeats, micro, schedule):.3f}'
     )
 
 
@@ -66,9 +68,18 @@ def rampup_lines(config):
 
 
 def data_lines(config, train_data):
-    """The banner's data line: the blend and the split."""
+    """The banner's data lines: the blend and the split, and the sample order."""
     sources = ', '.join(
         f'{weight:g} {prefix} ({dataset.num_tokens:,} train tokens)'
         for (weight, prefix), dataset in zip(config.data.sources, train_data.datasets)
     )
-    return [f'data         split {config.data.split} of {sources}']
+    if config.data.order == 'megatron':
+        epochs = ', '.join(str(dataset.epochs) for dataset in train_data.datasets)
+        order = (
+            f"megatron: Megatron-LM's GPTDataset/BlendedDataset order for this run's "
+            f'{rampup.total_samples(config.train, config.model.seq_len):,} train samples '
+            f'(epochs per source: {epochs})'
+        )
+    else:
+        order = 'layout_independent: sample i depends on the data, seed and i alone'
+    return [f'data         split {config.data.split} of {sources}', f'order        {order}']

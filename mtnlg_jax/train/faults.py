@@ -3,7 +3,8 @@
 Preemption: SIGTERM (what schedulers send before they kill) or SIGINT (Ctrl-C) sets a flag;
 the loop finishes the step it is on, saves, and exits 0. A second SIGINT interrupts at once.
 Multi-process runs ask orbax instead (`Checkpoints.reached_preemption`), so that every
-process stops at the same step.
+process stops at the same step: there SIGTERM is left to JAX's preemption notifier (which
+jax.distributed installed), and SIGINT is passed on to it as SIGTERM.
 
 Loss spikes (optional, as PaLM did): a loss above train.spike_factor x the running mean of
 the last train.spike_window losses rolls the run back to its newest checkpoint and moves the
@@ -18,6 +19,7 @@ already runs, so watching never stalls the device:
 """
 
 import collections
+import os
 import signal
 
 import jax
@@ -37,9 +39,16 @@ class StopSignals:
         self._previous = {}
 
     def __enter__(self):
+        if jax.process_count() > 1:  # keep JAX's SIGTERM notifier; route SIGINT to it
+            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._to_sigterm)
+            return self
         for sig in self.SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
+
+    def _to_sigterm(self, signum, frame):
+        self.received = signum
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def _handle(self, signum, frame):
         if self.received == signal.SIGINT and signum == signal.SIGINT:

@@ -5,10 +5,14 @@ for each step:  global batch of the step (ramp-up: its size grows)  ->  train_st
                 ->  log / checkpoint / evaluate
                 (SIGTERM: save and stop; loss spike: roll back; see faults.py, resume.py)
 at the end:     evaluate, write the loss-curve PNG
+
+Several processes run this same loop on their own devices; each reads only its rows of each
+batch and writes its shards of each checkpoint. Process 0 alone prints (banner, progress bar,
+messages) and writes config.json, metrics.jsonl, tensorboard events and the PNG.
 """
 
-import json
 import os
+import signal
 import time
 
 import jax
@@ -17,18 +21,21 @@ import numpy as np
 from tqdm import tqdm
 
 from mtnlg_jax import checkpoint as checkpoint_lib
-from mtnlg_jax import plan
+from mtnlg_jax import distributed, plan
 from mtnlg_jax.data import loader as loader_lib
 from mtnlg_jax.parallel import pipeline
 from mtnlg_jax.parallel.mesh import mesh_from_config
-from mtnlg_jax.train import banner, faults, rampup, resume
+from mtnlg_jax.rundir import RunDir
+from mtnlg_jax.data import rampup
+from mtnlg_jax.train import banner, faults, resume
 from mtnlg_jax.train import metrics as metrics_lib
 from mtnlg_jax.train.state import make_setup, pipeline_order
 from mtnlg_jax.train.step import make_eval_step, make_train_step
 
 
 def open_data(config):
-    """Train and validation blends of data.sources; DataError naming the file if unusable."""
+    """Train and validation blends of data.sources; DataError naming the file if unusable
+    (launch/train.py checks data.tokenizer against model.vocab_size before this)."""
     datasets = loader_lib.open_datasets(config)
     return datasets['train'], datasets['valid']
 
@@ -45,6 +52,18 @@ def evaluate(config, eval_step, params, dataset, mesh):
     return loss_sum / count
 
 
+def done_kills_this_process(config, first_step, done):
+    """The process-loss drill (train.inject_kill_at_step): only in a run started from scratch,
+    so that the same command, run again, resumes past it."""
+    at = config.train.inject_kill_at_step
+    return (
+        at
+        and done == at
+        and first_step == 0
+        and (jax.process_index() == config.train.inject_kill_process)
+    )
+
+
 def train(config, workdir):
     """Train a resolved config in workdir, resuming from its newest checkpoint if it has one.
     Raises DataError or CheckpointError before anything is written, NonFiniteError after
@@ -57,14 +76,17 @@ def train(config, workdir):
     num_params = plan.count_params(setup.abstract_state['params'])
     flops_per_token = plan.model_flops_per_token(config.model, num_params)
     peak = plan.device_peak_tflops(jax.devices()[0], config.model.compute_dtype)
+    run_dir = RunDir(workdir)
     checkpoints = checkpoint_lib.Checkpoints(workdir, keep=config.checkpoint.keep)
     in_layer_order = pipeline_order(config, setup, to='layer')  # what checkpoints hold
+    primary = distributed.is_primary()
+    say = print if primary else lambda *_, **__: None
 
     with jax.set_mesh(mesh), faults.StopSignals() as stop_signals:
-        state, counters = resume.restore_or_init(config, setup, checkpoints)
-        os.makedirs(workdir, exist_ok=True)
-        with open(os.path.join(workdir, 'config.json'), 'w') as f:
-            json.dump(config.to_dict(), f, indent=2)
+        state, counters = resume.restore_or_init(config, setup, checkpoints, log=say)
+        os.makedirs(workdir, exist_ok=True)  # every process: checkpoints go under it
+        if primary:
+            run_dir.write_config(config.to_dict())
         first_step = int(state['step'])
         compiled_steps = {}
 
@@ -85,7 +107,7 @@ def train(config, workdir):
         eval_step = make_eval_step(config, setup)
         compile_seconds = time.perf_counter() - start
         for line in banner.lines(config, setup, compile_seconds, train_data):
-            print(line, flush=True)
+            say(line, flush=True)
         drills = {train_cfg.inject_spike_at_step: 'spike'}
         first_nan = train_cfg.inject_nan_at_step
         drills.update(
@@ -110,14 +132,16 @@ def train(config, workdir):
                 return checkpoints.reached_preemption(step)
             return stop_signals.requested
 
-        writer = metrics_lib.MetricsWriter(workdir, resume_step=first_step)
+        writer = metrics_lib.MetricsWriter(workdir, resume_step=first_step, enabled=primary)
         progress = tqdm(
             total=train_cfg.steps,
             initial=first_step,
             unit='step',
             mininterval=1.0,
             dynamic_ncols=True,
+            disable=not primary,
         )
+        write = progress.write if primary else say  # tqdm.write prints even when disabled
         batches = loader_lib.TrainBatches(config, train_data, mesh, counters['samples_consumed'])
         last_time, last_step, last_tokens = time.perf_counter(), first_step, counters['tokens_seen']
         window_losses = []  # device scalars: averaged at the log step, no sync per step
@@ -129,7 +153,7 @@ def train(config, workdir):
                 train_step_for(batch.micro_steps)
                 seconds = time.perf_counter() - start
                 last_time += seconds  # compile time is not step time
-                progress.write(
+                write(
                     f'compiled     train step for {batch.micro_steps} micro-steps (global batch '
                     f'{batch.global_batch}) in {seconds:.1f} s'
                 )
@@ -142,6 +166,9 @@ def train(config, workdir):
                 state, batch.tokens, batch.row_ids, jnp.float32(tokens_seen)
             )
             window_losses.append(step_metrics['loss'])
+            if done_kills_this_process(config, first_step, step + 1):
+                checkpoints.wait()  # the drill loses a process, not the checkpoint before it
+                os.kill(os.getpid(), signal.SIGKILL)
             progress.update(1)
             done = step + 1
             guard.push(done, step_metrics)
@@ -168,7 +195,10 @@ def train(config, workdir):
                     mfu=tflops / peak if peak else None,
                     skipped_steps=guard.total,
                     pipeline_bubble_fraction=pipeline.bubble_fraction(
-                        config.mesh.stage, config.pipeline.repeats, batch.micro_steps
+                        config.mesh.stage,
+                        config.pipeline.repeats,
+                        batch.micro_steps,
+                        config.pipeline.schedule,
                     ),
                 )
                 writer.write(record)
@@ -183,7 +213,7 @@ def train(config, workdir):
             if guard.error:
                 break
             if stopping:
-                progress.write(
+                write(
                     f'stopped      at step {done} on request: checkpoint saved; '
                     f'the same command resumes it'
                 )
@@ -201,7 +231,7 @@ def train(config, workdir):
                         perplexity=metrics_lib.perplexity(loss),
                     )
                 )
-                progress.write(
+                write(
                     f'step {done}: validation loss {loss:.4f}, '
                     f'perplexity {metrics_lib.perplexity(loss):.2f}'
                 )
@@ -212,10 +242,10 @@ def train(config, workdir):
                 spike_step, spike_loss, mean = guard.spike
                 guard.spike = None
                 if rolled is None:
-                    progress.write(f'loss spike at step {spike_step}: no checkpoint to go back to')
+                    write(f'loss spike at step {spike_step}: no checkpoint to go back to')
                     continue
                 step, state, counters = rolled
-                progress.write(
+                write(
                     f'loss spike at step {spike_step}: {spike_loss:.4f} > '
                     f'{train_cfg.spike_factor} x running mean {mean:.4f}; rolled back to step '
                     f'{step}, data moved on to sample {counters["samples_consumed"]}'
@@ -235,7 +265,9 @@ def train(config, workdir):
     if guard.error:
         raise faults.NonFiniteError(guard.error)
 
-    png = os.path.join(workdir, 'loss.png')
+    if not primary:
+        return state
+    png = run_dir.loss_png
     metrics_lib.plot_loss_curve(writer.path, png, title=os.path.basename(workdir.rstrip('/')))
-    print(f'wrote {writer.path}, {png} and tensorboard events in {workdir}/tensorboard')
+    print(f'wrote {writer.path}, {png} and tensorboard events in {run_dir.tensorboard}')
     return state

@@ -16,22 +16,31 @@ matplotlib.use('Agg')  # no display on training machines
 import matplotlib.pyplot as plt  # noqa: E402
 from tensorboardX import SummaryWriter  # noqa: E402
 
+from mtnlg_jax.rundir import RunDir  # noqa: E402
+
 
 class MetricsWriter:
     """Appends records to metrics.jsonl and mirrors their numbers to tensorboard."""
 
-    def __init__(self, workdir, resume_step=0):
-        """Records past `resume_step` are dropped: a resumed run computes them again."""
-        self.path = os.path.join(workdir, 'metrics.jsonl')
+    def __init__(self, workdir, resume_step=0, enabled=True):
+        """Records past `resume_step` are dropped: a resumed run computes them again.
+        enabled=False (every process but process 0 of a run): writes nothing."""
+        run_dir = RunDir(workdir)
+        self.path = run_dir.metrics
+        self.enabled = enabled
+        if not enabled:
+            return
         if os.path.exists(self.path):
             kept = [r for r in read_metrics(self.path) if r['step'] <= resume_step]
             with open(self.path + '.tmp', 'w') as f:
                 f.writelines(json.dumps(r) + '\n' for r in kept)
             os.replace(self.path + '.tmp', self.path)
         self._file = open(self.path, 'a')
-        self._tensorboard = SummaryWriter(os.path.join(workdir, 'tensorboard'))
+        self._tensorboard = SummaryWriter(run_dir.tensorboard)
 
     def write(self, record):
+        if not self.enabled:
+            return
         self._file.write(json.dumps(record) + '\n')
         self._file.flush()
         prefix = 'eval' if record.get('eval') else 'train'
@@ -44,6 +53,8 @@ class MetricsWriter:
                 self._tensorboard.add_scalar(f'{prefix}/{key}', value, record['step'])
 
     def close(self):
+        if not self.enabled:
+            return
         self._file.close()
         self._tensorboard.close()
 

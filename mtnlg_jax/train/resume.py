@@ -19,7 +19,7 @@ import jax
 import optax
 
 from mtnlg_jax import checkpoint as checkpoint_lib
-from mtnlg_jax.data.tokenizer import Tokenizer
+from mtnlg_jax.data import tokenizer as tokenizer_lib
 from mtnlg_jax.train.state import init_state, pipeline_order
 
 COUNTERS = ('samples_consumed', 'tokens_seen', 'skipped_steps')
@@ -33,7 +33,10 @@ def checkpoint_meta(config, counters):
     """What a checkpoint needs besides the arrays to resume exactly."""
     tokenizer = None
     if os.path.exists(config.data.tokenizer):
-        tokenizer = Tokenizer(config.data.tokenizer).identity
+        try:  # sentencepiece or GPT-2 BPE files; the checkpoint is saved either way
+            tokenizer = tokenizer_lib.load(config.data.tokenizer).identity
+        except tokenizer_lib.TokenizerError:
+            pass
     return dict(
         counters,
         rng_seed=config.train.seed,  # dropout keys: fold_in(key(seed + 1), step, row)

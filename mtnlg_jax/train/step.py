@@ -1,59 +1,48 @@
-"""One optimizer step: gradient accumulation over micro-steps, ZeRO-1 update.
+"""One optimizer step, communicating as Megatron's distributed optimizer does.
 
-    fp32 master (ZeRO: split over data x tensor)
-        |  cast to compute dtype, all-gather over 'data'  -> compute copy (split over tensor)
+    fp32 master + Adam moments: ZeRO-1 shards (rule table + split over 'data')
+        |  cast to the compute dtype on the shard
+        |  ALL-GATHER over 'data', compute dtype ............ once per step (compute_copy)
         v
-    scan over micro_steps:  loss, grads = value_and_grad(micro-batch)
-                            acc += fp32(grads)   acc is split over 'data': a reduce-scatter
-        |
+    compute copy: rule table (split over tensor / stage, whole over data)
+    +-- shard_map manual over 'data': one data replica, its own rows -----------------------+
+    |   scan over micro-steps (mesh.stage == 1):                                            |
+    |       loss, grads = value_and_grad(micro-batch)   over 'tensor' only, by the rule      |
+    |                                                   table: 2 all-reduces per layer       |
+    |                                                   forward (sequence parallel: 2        |
+    |                                                   reduce-scatters + 2 all-gathers),    |
+    |                                                   the same backward                    |
+    |       acc += fp32(grads)                          local: nothing over 'data'           |
+    |   or pipeline.loss_and_grads (mesh.stage > 1): its own shard_map over 'stage',        |
+    |       fp32 gradient sums of all micro-batches, nothing over 'data'                    |
+    |   REDUCE-SCATTER over 'data', fp32 ............. once per step, onto the ZeRO shards  |
+    |   all-reduce over 'data' of loss sum and token count (2 scalars)                      |
+    +---------------------------------------------------------------------------------------+
         v
-    clip by global norm, Adam moments, weight decay (all on the ZeRO shards)
-    master -= lr(tokens_seen) * update      (kept as it was if loss or grad norm is not finite)
+    grads / tokens; clip by global norm (a scalar all-reduce), Adam moments, weight decay:
+    all on the ZeRO shards; master -= lr(tokens_seen) * update
+    (kept as it was if the loss or the gradient norm is not finite)
 
-The global batch arrives as (micro_steps, global_batch / micro_steps, seq + 1) with the second
-axis split over 'data': each replica sees micro_batch sequences per micro-step.
+Gradients are summed in fp32 across micro-steps, pipeline iterations and replicas. The global
+batch arrives as (micro_steps, global_batch / micro_steps, seq + 1) with the second axis split
+over 'data': each replica sees micro_batch sequences per micro-step.
 """
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
 
+from mtnlg_jax.data.batch import (  # noqa: F401  (re-exported: the batch layout's old home)
+    BATCH_AXES,
+    micro_step_row_ids,
+    place_batch,
+    place_row_ids,
+    to_micro_steps,
+)
 from mtnlg_jax.model import gpt
-from mtnlg_jax.parallel import pipeline, rules
+from mtnlg_jax.parallel import pipeline, rules, zero
 from mtnlg_jax.train.optimizer import learning_rate_schedule
-
-BATCH_AXES = ('micro_steps', 'batch', 'seq')
-
-
-def micro_step_row_ids(global_batch, micro_steps):
-    """(micro_steps, global_batch / micro_steps): each sequence's index in the global batch
-    (its dropout key depends on it alone)."""
-    return np.arange(global_batch, dtype=np.int32).reshape(micro_steps, -1)
-
-
-def place_row_ids(row_ids, mesh):
-    """Row ids on the mesh, laid out as the tokens' first two axes."""
-    sharding = NamedSharding(mesh, rules.logical_to_spec(BATCH_AXES[:2]))
-    return jax.make_array_from_callback(row_ids.shape, sharding, lambda i: row_ids[i])
-
-
-def to_micro_steps(global_batch, micro_steps):
-    """(global_batch, seq + 1) -> (micro_steps, global_batch / micro_steps, seq + 1) and the
-    row ids of micro_step_row_ids."""
-    rows = global_batch.shape[0]
-    tokens = global_batch.reshape(micro_steps, rows // micro_steps, -1)
-    return tokens, micro_step_row_ids(rows, micro_steps)
-
-
-def place_batch(tokens, row_ids, mesh):
-    """Put a host batch held whole in memory on the mesh; each device receives only its own
-    rows (the training loop reads datasets per process instead: data/loader.py)."""
-    token_sharding = NamedSharding(mesh, rules.logical_to_spec(BATCH_AXES))
-    tokens = jax.make_array_from_callback(tokens.shape, token_sharding, lambda i: tokens[i])
-    return tokens, place_row_ids(row_ids, mesh)
-
 
 def _row_keys(config, step, row_ids):
     """One dropout key per sequence, from (seed, step, row in the global batch); None when the
@@ -66,26 +55,60 @@ def _row_keys(config, step, row_ids):
 
 
 def compute_copy(config, setup, params):
-    """The compute-dtype parameters, laid out by the rule table alone (gathered over 'data')."""
-    dtype = jnp.dtype(config.model.compute_dtype)
-    return jax.tree.map(
-        lambda p, sharding: jax.lax.with_sharding_constraint(p.astype(dtype), sharding),
-        params,
-        setup.compute_shardings,
-    )
+    """The compute-dtype parameters, laid out by the rule table: each replica casts its ZeRO
+    shard, then one all-gather over 'data' in the compute dtype."""
+    layouts = zero.layouts(setup.state_shardings['params'])
+    gathered = zero.gather_compute_copy(params, layouts, jnp.dtype(config.model.compute_dtype))
+    return jax.tree.map(jax.lax.with_sharding_constraint, gathered, setup.compute_shardings)
 
 
 def accumulate_gradients(config, setup, params, tokens, row_ids, step):
-    """Mean loss and fp32 gradients over all micro-steps of the global batch.
+    """Mean loss and fp32 gradients (on the ZeRO shards) over all micro-steps of the batch.
 
-    Without a pipeline: a scan over micro-steps, each a forward and backward pass whose
-    gradients are added to fp32 accumulators. With one (mesh.stage > 1): the micro-batches
-    flow through the circular schedule together and one backward pass covers them all.
+    Each data replica sums its own micro-batches' gradients in fp32 with no communication
+    over 'data'; one reduce-scatter at the end lands the sums on the ZeRO shards (see the
+    module's diagram).
     """
+    layouts = zero.layouts(setup.state_shardings['params'])
     compute_params = compute_copy(config, setup, params)
-    grad_shardings = setup.state_shardings['params']
+
+    def per_replica(compute_params, tokens, row_ids):
+        with rules.sequence_parallel(config.model.sequence_parallel):
+            loss_sum, token_count, grads = _replica_sums(
+                config, setup, compute_params, tokens, row_ids, step
+            )
+        totals = zero.psum(jnp.stack([loss_sum, token_count]))
+        grads = rules.constrain_tree(grads, setup.logical_axes)
+        return totals, jax.tree.map(lambda g: g[None], grads)  # stacked over replicas
+
+    batch_spec = rules.logical_to_spec(BATCH_AXES)
+    totals, replica_grads = jax.shard_map(
+        per_replica,
+        in_specs=(PartitionSpec(), batch_spec, PartitionSpec(*batch_spec[:2])),
+        out_specs=(PartitionSpec(), PartitionSpec(rules.DATA_AXIS)),
+        axis_names={rules.DATA_AXIS},
+        check_vma=False,  # gradients stay per replica: no implicit psum in the transpose
+    )(compute_params, tokens, row_ids)
+    loss_sum, token_count = totals[0], totals[1]
+    grads = jax.tree.map(
+        lambda g, sharding: jax.lax.with_sharding_constraint(g / token_count, sharding),
+        zero.reduce_scatter(replica_grads, layouts),
+        setup.state_shardings['params'],
+    )
+    return loss_sum / token_count, grads
+
+
+def _replica_sums(config, setup, compute_params, tokens, row_ids, step):
+    """(loss sum, token count, fp32 gradient sums) of one data replica's rows: tokens
+    (micro_steps, local rows, seq + 1). Runs inside the region manual over 'data'."""
     if config.mesh.stage > 1:
-        return _pipelined_gradients(config, setup, compute_params, tokens, row_ids, step)
+        row_keys = _row_keys(config, step, row_ids)
+        shape = dict(
+            stages=config.mesh.stage,
+            repeats=config.pipeline.repeats,
+            schedule=config.pipeline.schedule,
+        )
+        return pipeline.loss_and_grads(setup.graphdef, compute_params, tokens, row_keys, **shape)
 
     def micro_step(carry, micro_batch):
         grads_sum, loss_sum, token_count = carry
@@ -97,47 +120,15 @@ def accumulate_gradients(config, setup, params, tokens, row_ids, step):
             )
 
         (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(compute_params)
-        grads_sum = jax.tree.map(
-            lambda acc, g, sharding: jax.lax.with_sharding_constraint(
-                acc + g.astype(jnp.float32), sharding
-            ),
-            grads_sum,
-            grads,
-            grad_shardings,
-        )
+        grads_sum = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), grads_sum, grads)
+        grads_sum = rules.constrain_tree(grads_sum, setup.logical_axes)
         return (grads_sum, loss_sum + loss, token_count + count), None
 
-    zeros = jax.tree.map(
-        lambda p, sharding: jax.lax.with_sharding_constraint(
-            jnp.zeros(p.shape, jnp.float32), sharding
-        ),
-        params,
-        grad_shardings,
-    )
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), compute_params)
+    zeros = rules.constrain_tree(zeros, setup.logical_axes)
     init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
     (grads_sum, loss_sum, token_count), _ = jax.lax.scan(micro_step, init, (tokens, row_ids))
-    grads = jax.tree.map(lambda g: g / token_count, grads_sum)
-    return loss_sum / token_count, grads
-
-
-def _pipelined_gradients(config, setup, compute_params, tokens, row_ids, step):
-    def mean_loss(p):
-        total, count = pipeline.pipelined_loss_sum(
-            gpt.merge(setup.graphdef, p),
-            tokens,
-            _row_keys(config, step, row_ids),
-            stages=config.mesh.stage,
-            repeats=config.pipeline.repeats,
-        )
-        return total / count
-
-    loss, grads = jax.value_and_grad(mean_loss)(compute_params)
-    grads = jax.tree.map(
-        lambda g, sharding: jax.lax.with_sharding_constraint(g.astype(jnp.float32), sharding),
-        grads,
-        setup.state_shardings['params'],
-    )
-    return loss, grads
+    return loss_sum, token_count, grads_sum
 
 
 def make_train_step(config, setup, inject=None):
@@ -180,12 +171,22 @@ def make_eval_step(config, setup):
     the train step's (micro_steps, rows, seq + 1), pipelined when the mesh has stages."""
 
     def eval_step(params, tokens):
+        with rules.sequence_parallel(config.model.sequence_parallel):
+            return _eval_loss_sum(params, tokens)
+
+    def _eval_loss_sum(params, tokens):
         tokens = rules.constrain(tokens, BATCH_AXES)
-        model = gpt.merge(setup.graphdef, compute_copy(config, setup, params))
+        compute_params = compute_copy(config, setup, params)
         if config.mesh.stage > 1:
-            return pipeline.pipelined_loss_sum(
-                model, tokens, None, stages=config.mesh.stage, repeats=config.pipeline.repeats
+            return pipeline.loss_sum(
+                setup.graphdef,
+                compute_params,
+                tokens,
+                stages=config.mesh.stage,
+                repeats=config.pipeline.repeats,
+                schedule=config.pipeline.schedule,
             )
+        model = gpt.merge(setup.graphdef, compute_params)
 
         def add_micro_batch(total, micro_tokens):
             loss, count = gpt.loss_sum(model, micro_tokens)

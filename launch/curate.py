@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""Curate documents as MT-NLG did: deduplicate, filter by quality, decontaminate (jsonl out).
+
+Exact and fuzzy deduplication, quality filtering, decontamination against evaluation sets;
+jsonl (or any input preprocess.py reads) in, jsonl out.
+
+    python launch/curate.py --input raw/web.jsonl --output curated/web.jsonl [--workers 2] \\
+        [--stages exact fuzzy quality decontaminate] [--threshold 0.8] \\
+        [--quality-reference good.jsonl --classifier-threshold 0.5] [--eval lambada.jsonl ...]
+
+Stages run in that order, whatever order they are named in: exact (normalised text), fuzzy
+(MinHash + LSH, Jaccard >= --threshold, one document kept per cluster), quality (Gopher's
+heuristics; with --quality-reference also a classifier trained on that good text against a
+sample of the input), decontaminate (GPT-3's 13-gram rule against the --eval files; the
+default stages include it when --eval is given). Writes OUTPUT and OUTPUT's .report.json
+(documents and bytes in, out and removed per stage, why, and examples), each only once
+complete. Bad input prints one line `error: ...` and exits with status 2.
+"""
+
+import os
+import sys
+import time
+
+try:
+    import mtnlg_jax  # noqa: F401  (normally pip-installed in editable mode)
+except ImportError:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mtnlg_jax.cli import ArgumentParser
+from mtnlg_jax.data.curate import decontaminate, pipeline, quality
+from mtnlg_jax.data.curate.report import report_path, table
+from mtnlg_jax.data.preprocess import InputError, documents, input_files
+
+
+def parse_args(argv):
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('--input', nargs='+', required=True, help='jsonl / text files or folders')
+    p.add_argument('--output', required=True, help='the curated jsonl ({"text": ...} lines)')
+    p.add_argument('--stages', nargs='+', choices=pipeline.STAGES,
+                   help='default: exact fuzzy quality, and decontaminate when --eval is given')
+    p.add_argument('--workers', type=int, default=1)
+    p.add_argument('--json-key', default='text')
+    p.add_argument('--chunk-documents', type=int, default=256, help='documents per worker task')
+    p.add_argument('--examples', type=int, default=3, help='removed documents shown per stage')
+    g = p.add_argument_group('fuzzy deduplication')
+    g.add_argument('--threshold', type=float, default=0.8, help='Jaccard of duplicates, (0, 1]')
+    g.add_argument('--num-perm', type=int, default=128, help='MinHash permutations')
+    g.add_argument('--shingle-words', type=int, default=5, help='words per shingle')
+    g.add_argument('--seed', type=int, default=1, help='of the MinHash permutations')
+    g = p.add_argument_group('quality filtering')
+    g.add_argument('--no-heuristics', action='store_true', help="skip Gopher's rules")
+    g.add_argument('--min-words', type=int, default=quality.Rules.min_words)
+    g.add_argument('--quality-reference', nargs='+', help='good text: trains the classifier')
+    g.add_argument('--classifier-threshold', type=float, default=0.5, help='keep P(good) >= this')
+    g.add_argument('--classifier-samples', type=int, default=5000,
+                   help='documents of each class the classifier is trained on, at most')
+    g = p.add_argument_group('decontamination')
+    g.add_argument('--eval', nargs='+', help='evaluation sets (jsonl: every string field; text)')
+    g.add_argument('--ngram', type=int, default=13, help='words per contaminating n-gram')
+    args = p.parse_args(argv)
+    _check(args)
+    return args
+
+
+def _check(args):
+    for flag, paths in (('--input', args.input), ('--quality-reference', args.quality_reference),
+                        ('--eval', args.eval)):
+        for path in paths or ():
+            if not os.path.exists(path):
+                raise InputError(f'{flag} {path}: no such file or folder')
+            for name in input_files([path]):
+                try:
+                    open(name, 'rb').close()
+                except OSError as e:
+                    raise InputError(f'{flag} {name}: {e.strerror or e}') from None
+    for flag, value in (('--threshold', args.threshold),
+                        ('--classifier-threshold', args.classifier_threshold)):
+        if not 0 < value <= 1:
+            raise InputError(f'{flag} must be in (0, 1], got {value}')
+    for flag, value, low, high in (('--workers', args.workers, 1, 256),
+                                   ('--num-perm', args.num_perm, 8, 1024),
+                                   ('--shingle-words', args.shingle_words, 1, 64),
+                                   ('--ngram', args.ngram, 1, 64),
+                                   ('--chunk-documents', args.chunk_documents, 1, 1 << 20),
+                                   ('--classifier-samples', args.classifier_samples, 2, 1 << 24),
+                                   ('--min-words', args.min_words, 0, 1 << 30),
+                                   ('--examples', args.examples, 0, 1000)):
+        if not low <= value <= high:
+            raise InputError(f'{flag} must be in [{low}, {high}], got {value}')
+    if args.stages is None:
+        args.stages = ['exact', 'fuzzy', 'quality'] + (['decontaminate'] if args.eval else [])
+    if 'decontaminate' in args.stages and not args.eval:
+        raise InputError('--stages decontaminate needs --eval FILES (the evaluation sets)')
+    if args.quality_reference and 'quality' not in args.stages:
+        raise InputError("--quality-reference given but 'quality' is not in --stages")
+    output = os.path.abspath(args.output)
+    if os.path.isdir(output):
+        raise InputError(f'--output {args.output}: is a folder')
+    if any(os.path.abspath(name) == output for name in input_files(args.input)):
+        raise InputError(f'--output {args.output}: is one of the inputs')
+
+
+def options(args):
+    """The pipeline's options; trains the classifier and reads the evaluation sets first."""
+    chosen = pipeline.Options(
+        stages=tuple(s for s in pipeline.STAGES if s in args.stages),
+        threshold=args.threshold, num_perm=args.num_perm, shingle_words=args.shingle_words,
+        seed=args.seed, heuristics=not args.no_heuristics,
+        rules=quality.Rules(min_words=args.min_words),
+        classifier_threshold=args.classifier_threshold, workers=args.workers,
+        chunk_documents=args.chunk_documents, json_key=args.json_key, examples=args.examples,
+        rule=decontaminate.Rule(n=args.ngram),
+    )
+    if args.quality_reference:
+        start = time.perf_counter()
+        good = quality.sample_by_hash(
+            documents(args.quality_reference, args.json_key), args.classifier_samples
+        )
+        raw = quality.sample_by_hash(documents(args.input, args.json_key), args.classifier_samples)
+        if not good:
+            names = ' '.join(args.quality_reference)
+            raise InputError(f'--quality-reference {names}: no documents')
+        if not raw:
+            raise InputError(f'--input {" ".join(args.input)}: no documents')
+        chosen.classifier = quality.Classifier().fit(good, raw)
+        print(f'classifier   trained on {len(good):,} reference and {len(raw):,} raw documents '
+              f'({time.perf_counter() - start:.1f} s)')
+    if 'decontaminate' in chosen.stages:
+        chosen.contaminants = decontaminate.contaminants(
+            decontaminate.evaluation_texts(args.eval), args.ngram
+        )
+        if not len(chosen.contaminants):
+            raise InputError(f'--eval {" ".join(args.eval)}: no {args.ngram}-gram in it')
+        print(f'evaluation   {len(chosen.contaminants):,} distinct {args.ngram}-grams')
+    return chosen
+
+
+def main(argv=None):
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        if os.path.dirname(args.output):
+            os.makedirs(os.path.dirname(args.output), exist_ok=True)
+        report = pipeline.curate(args.input, args.output, options(args))
+    except (InputError, OSError) as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 2
+    print(table(report))
+    print(
+        f"wrote {args.output}: {report['documents_out']:,} of {report['documents_in']:,} "
+        f"documents in {report['seconds']:.1f} s with {report['workers']} worker(s); "
+        f'report: {report_path(args.output)}'
+    )
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

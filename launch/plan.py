@@ -1,0 +1,157 @@
+"""What a run costs before it runs: memory per device, FLOPs, communication and, on a named
+cluster, whether it fits and how fast it can go; with --compile, the real train step compiled
+on CPU devices and measured.
+
+    python launch/plan.py --config configs/mtnlg_530b.py --devices 2240 --cluster a100-80gb
+    python launch/plan.py --config configs/tiny.py --compile --json plan.json
+        [--config.KEY=VALUE ...] (the overrides launch/train.py takes)
+
+--devices N: the device count the config is resolved against (a mesh axis of -1 takes what the
+others leave); default: the product of the mesh axes, a -1 axis counted as 1 (one replica).
+Without --compile this is arithmetic: no devices needed. --compile lowers and compiles the
+train step launch/train.py runs, on N forced CPU devices (this tool sets XLA_FLAGS and
+JAX_PLATFORMS=cpu itself, before JAX starts), with abstract state: nothing is allocated. XLA:CPU
+allows 2,048 devices in one process: a larger layout is compiled as one replica (data 1, the
+global batch cut to keep the micro-batch count of a replica) and the output says so, unless
+it runs as several processes, each with its share of the devices (jax.distributed, as
+launch/train.py; process 0 prints):
+
+    python launch/spawn.py --processes 2 --devices_per_process 1120 -- \\
+        launch/plan.py --config configs/mtnlg_530b.py --devices 2240 --compile
+
+Bad input prints one line `error: ...` and exits 2 before anything is compiled or written.
+"""
+
+import json
+import os
+import sys
+
+from mtnlg_jax import cli, distributed
+from mtnlg_jax.cli import fail
+
+MAX_CPU_DEVICES = 2048  # XLA:CPU's limit per process
+
+
+def parse_args(argv):
+    parser = cli.ArgumentParser(description=__doc__)
+    parser.add_config()
+    parser.add_argument(
+        '--compile', action='store_true', help='compile the train step on CPU and measure it'
+    )
+    parser.add_argument('--devices', type=int, help='devices the layout is resolved against')
+    parser.add_argument('--cluster', help='named cluster: does it fit, how fast at best')
+    parser.add_argument('--json', help='also write the plan as one JSON object to this path')
+    distributed.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def device_count(mesh, devices=None):
+    """--devices, else the product of the mesh axes with a -1 axis counted as 1."""
+    if devices is not None:
+        if devices <= 0:
+            fail(f'--devices must be a positive integer, got {devices}')
+        return devices
+    count = 1
+    for axis in ('data', 'stage', 'tensor'):
+        size = mesh[axis]
+        count *= size if isinstance(size, int) and size > 0 else 1
+    return count
+
+
+def one_replica(config):
+    """The config's layout at data 1, each replica's micro-batch count kept."""
+    import ml_collections  # noqa: PLC0415
+
+    from mtnlg_jax import config as config_lib  # noqa: PLC0415
+
+    replica = ml_collections.ConfigDict(config.to_dict())
+    replica.train.global_batch = config.train.global_batch // config.mesh.data
+    replica.train.rampup.start = 0
+    replica.mesh.data = 1
+    return config_lib.resolve(replica, config.mesh.stage * config.mesh.tensor)
+
+
+def set_cpu_flags(devices):
+    """What the CPU compile needs, set before JAX is imported (only in this process)."""
+    os.environ['JAX_PLATFORMS'] = 'cpu'
+    os.environ['XLA_FLAGS'] = ' '.join(
+        [
+            os.environ.get('XLA_FLAGS', ''),
+            f'--xla_force_host_platform_device_count={devices}',
+            # XLA:CPU aborts on a bf16 all-reduce inside the pipeline without this.
+            '--xla_disable_hlo_passes=all-reduce-promotion',
+        ]
+    ).strip()
+
+
+def write_json(path, plan):
+    """Write atomically: an existing file is replaced only by a complete one."""
+    tmp = f'{path}.tmp'
+    with open(tmp, 'w') as f:
+        json.dump(plan, f, indent=2)
+    os.replace(tmp, path)
+
+
+def main(argv):
+    args = parse_args(argv)
+    from mtnlg_jax import config as config_lib  # noqa: PLC0415 (no JAX yet)
+    from mtnlg_jax.plan.clusters import CLUSTERS  # noqa: PLC0415
+
+    if args.cluster is not None and args.cluster not in CLUSTERS:
+        fail(f'--cluster {args.cluster!r} is not one of {", ".join(CLUSTERS)}')
+    if args.json is not None:
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder):
+            fail(f'--json {args.json}: no such directory {folder}')
+    devices = device_count(args.config.mesh, args.devices)
+    try:
+        config = config_lib.resolve(args.config, devices)
+    except config_lib.ConfigError as e:
+        fail(f'{e} (resolved against --devices {devices})')
+
+    compiled_config, notes = config, []
+    processes = distributed.requested_process_count(args)
+    if args.compile and devices > MAX_CPU_DEVICES * processes:
+        compiled_config = one_replica(config)
+        notes.append(
+            f'compiled one replica (data 1 x stage {config.mesh.stage} x tensor '
+            f'{config.mesh.tensor} = {config.mesh.stage * config.mesh.tensor} devices, global '
+            f'batch {compiled_config.train.global_batch}, {compiled_config.train.micro_steps} '
+            f'micro-batches as each of the {config.mesh.data} replicas has): XLA:CPU allows '
+            f'{MAX_CPU_DEVICES} devices per process, the layout needs {devices} (run as '
+            f'several processes with launch/spawn.py to compile it all); over data the '
+            f'plan\'s figures stand'
+        )
+    mesh = compiled_config.mesh
+    total = mesh.data * mesh.stage * mesh.tensor
+    if total % processes:
+        fail(f'--num_processes {processes} does not divide the {total} devices of the layout')
+    set_cpu_flags(total // processes)
+    distributed.initialize_for_config(config, args)  # before JAX starts
+
+    from mtnlg_jax.plan import report  # noqa: PLC0415 (imports JAX)
+
+    plan = report.make_plan(config, args.cluster)
+    if args.compile:
+        from mtnlg_jax.plan import compile as compile_lib  # noqa: PLC0415
+
+        print(
+            f'compiling the train step on {compiled_config.mesh.data} x '
+            f'{compiled_config.mesh.stage} x {compiled_config.mesh.tensor} CPU devices '
+            f'(minutes for the largest configs) ...',
+            file=sys.stderr,
+            flush=True,
+        )
+        compiled, _, info = compile_lib.compile_train_step(compiled_config)
+        notes += list(compile_lib.CPU_COMPILE_NOTES)
+        report.add_compiled(plan, compiled_config, compiled, info, notes)
+    if not distributed.is_primary():
+        return
+    print('\n'.join(report.lines(plan)))
+    if args.json is not None:
+        write_json(args.json, plan)
+        print(f'wrote {args.json}')
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:])

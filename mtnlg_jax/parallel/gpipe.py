@@ -1,0 +1,152 @@
+"""GPipe order, kept for comparison: autodiff of a forward scan over the circular pipeline.
+
+`pipeline.schedule = 'gpipe'`. p = mesh stage size, v = pipeline.repeats, m = micro-batches per
+step, L layers. The stack is cut into p x v chunks of L / (p v) consecutive layers; chunk c
+runs on stage c mod p. One scan of v m + p - 1 iterations; at iteration t, stage s works on
+item k = t - s, which is micro-batch k mod m passing through its repeat r = k // m (chunk
+r p + s). p = 2, v = 2, m = 3:
+
+    iteration   0    1    2    3    4    5    6
+    stage 0    a0   b0   c0   a1   b1   c1    .        a0 = micro-batch a, repeat 0
+    stage 1     .   a0   b0   c0   a1   b1   c1
+
+Activations move one stage forward each iteration with a ring `lax.ppermute`; what leaves the
+last stage before its last repeat re-enters stage 0 m iterations after it entered (so v > 1
+needs m >= p). Slots where t - s is outside [0, v m) are the bubble, a fraction
+(p - 1) / (v m + p - 1) of the stage-iterations: their inputs are replaced by zeros before
+any computation (`where`, never a multiplication), so nothing they hold reaches the results
+or the gradients.
+
+The backward is autodiff's: every micro-batch's activations (and each iteration's chunk
+weights) stay alive until it, so memory grows with m; the outputs of all m micro-batches are
+summed over `stage`. The 1F1B engine (parallel/pipeline.py) bounds both.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from mtnlg_jax.model import gpt
+from mtnlg_jax.parallel.rules import constrain
+
+STAGE_AXIS = 'stage'
+
+
+def num_iterations(stages, repeats, micro_batches):
+    return repeats * micro_batches + stages - 1
+
+
+def bubble_fraction(stages, repeats, micro_batches):
+    """Share of stage-iterations that hold no work: (p - 1) / (v m + p - 1)."""
+    return (stages - 1) / num_iterations(stages, repeats, micro_batches)
+
+
+def run_pipeline(graphdef, stacked, x, row_keys, *, stages, repeats, remat, bubble_fill=0.0):
+    """The block stack over micro-batches x (m, rows, seq, embed), pipelined over 'stage'.
+
+    graphdef/stacked: one Block's graph and the stage-major stacked block parameters (split
+    over 'stage' on axis 0). row_keys: dropout keys (m, rows) or None. bubble_fill: what the
+    activation slots hold before real work reaches them (tests fill NaN to show it never
+    leaks).
+    """
+    micro_batches = x.shape[0]
+    num_layers = jax.tree.leaves(stacked)[0].shape[0]
+    per_chunk = num_layers // (stages * repeats)
+    stage_spec = jax.tree.map(lambda _: PartitionSpec(STAGE_AXIS), stacked)
+    key_spec = None if row_keys is None else PartitionSpec()
+
+    def apply_chunk(chunk, h, keys, first_layer):
+        return gpt.apply_block_stack(graphdef, chunk, h, keys, first_layer=first_layer)
+
+    if remat != 'none':
+        apply_chunk = jax.checkpoint(
+            apply_chunk, policy=gpt.REMAT_POLICIES[remat], prevent_cse=False
+        )
+
+    def per_stage(local, x, row_keys):
+        stage = jax.lax.axis_index(STAGE_AXIS)
+        # This stage's chunks, repeat-major: (v, L / (p v), ...).
+        chunks = jax.tree.map(lambda a: a.reshape(repeats, per_chunk, *a.shape[1:]), local)
+        fill = jnp.full(x.shape[1:], bubble_fill, x.dtype)
+        recirculating = jnp.full(x.shape, bubble_fill, x.dtype)  # stage 0: waiting for repeat
+        outputs = jnp.zeros_like(x)  # last stage: finished micro-batches
+
+        def iteration(carry, t):
+            received, recirculating, outputs = carry
+            item = t - stage
+            valid = (item >= 0) & (item < repeats * micro_batches)
+            item = jnp.clip(item, 0, repeats * micro_batches - 1)
+            repeat, micro = item // micro_batches, item % micro_batches
+            # Stage 0 receives from the last stage what it finished an iteration ago: keep it
+            # until its micro-batch comes round again for the next repeat.
+            returned = t - stages
+            keep = (stage == 0) & (returned >= 0) & (returned < (repeats - 1) * micro_batches)
+            slot = jnp.clip(returned, 0, None) % micro_batches
+            recirculating = jnp.where(keep, recirculating.at[slot].set(received), recirculating)
+            first_input = jnp.where(repeat == 0, x[micro], recirculating[micro])
+            h = jnp.where(stage == 0, first_input, received)
+            h = jnp.where(valid, h, jnp.zeros_like(h))  # the bubble computes on zeros
+            chunk = jax.tree.map(lambda a: a[repeat], chunks)
+            keys = None if row_keys is None else row_keys[micro]
+            first_layer = (repeat * stages + stage) * per_chunk
+            y = apply_chunk(chunk, h, keys, first_layer)
+            done = valid & (stage == stages - 1) & (repeat == repeats - 1)
+            outputs = jnp.where(done, outputs.at[micro].set(y), outputs)
+            ring = [(i, (i + 1) % stages) for i in range(stages)]
+            received = jax.lax.ppermute(y, STAGE_AXIS, ring)
+            return (received, recirculating, outputs), None
+
+        steps = jnp.arange(num_iterations(stages, repeats, micro_batches))
+        (_, _, outputs), _ = jax.lax.scan(iteration, (fill, recirculating, outputs), steps)
+        # Only the last stage holds results; the sum hands them to every stage.
+        last = stage == stages - 1
+        return jax.lax.psum(jnp.where(last, outputs, jnp.zeros_like(outputs)), STAGE_AXIS)
+
+    run = jax.shard_map(
+        per_stage,
+        in_specs=(stage_spec, PartitionSpec(), key_spec),
+        out_specs=PartitionSpec(),
+        axis_names={STAGE_AXIS},
+        check_vma=False,
+    )
+    return run(stacked, x, row_keys)
+
+
+def pipelined_loss_sum(model, tokens, row_keys, *, stages, repeats):
+    """Summed loss and token count of micro-batches tokens (m, rows, seq + 1), the block stack
+    pipelined. Embedding, final norm and head run outside the pipeline; when p divides m, each
+    stage takes m / p of the micro-batches, so none of that work is repeated on every stage
+    (otherwise, as for MT-NLG's m = 240 over p = 35, every stage does all of it)."""
+    micro_batches = tokens.shape[0]
+    split = stages if micro_batches % stages == 0 else 1
+    stage_axes = ('stages',) if split > 1 else ()
+
+    def by_stage(a):  # (m, ...) -> (m / split, split, ...), the split axis over 'stage'
+        return a.reshape(micro_batches // split, split, *a.shape[1:])
+
+    tokens = constrain(by_stage(tokens), stage_axes + ('batch', 'seq'))
+    keys = None if row_keys is None else by_stage(row_keys)
+    x = constrain(model.embed(tokens[..., :-1], keys), stage_axes + ('batch', 'seq', 'embed'))
+    graphdef, stacked = nnx.split(model.blocks)
+    x = run_pipeline(
+        graphdef,
+        stacked,
+        x.reshape(micro_batches, *x.shape[2:]),
+        row_keys,
+        stages=stages,
+        repeats=repeats,
+        remat=model.remat,
+    )
+    x = constrain(by_stage(x), stage_axes + ('batch', 'seq', 'embed'))
+
+    @jax.checkpoint  # keep `split` micro-batches' logits at a time, in the backward pass too
+    def add_loss(total, hidden_and_labels):
+        hidden, labels = hidden_and_labels  # (split, rows, seq, ...): one per stage
+        hidden = constrain(hidden, stage_axes + ('batch', 'seq', 'embed'))
+        logits = model.logits(model.final_norm(hidden))
+        return total + gpt.cross_entropy(logits, labels).sum(), None
+
+    labels = tokens[..., 1:]
+    total, _ = jax.lax.scan(add_loss, jnp.zeros((), jnp.float32), (x, labels))
+    return total, jnp.asarray(labels.size, jnp.float32)

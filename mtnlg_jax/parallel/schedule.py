@@ -1,0 +1,220 @@
+"""The static pipeline schedule: for every tick and stage, which forward and which backward.
+
+p stages, v chunks per stage (pipeline.repeats), m micro-batches. The block stack is cut into
+p v chunks; chunk c runs on stage c mod p. A tick has one forward slot and one backward slot
+on every stage (each may be idle); at its end activations move one stage forward and
+gradients one stage back (`ppermute`, the last stage's output going round to stage 0 for the
+next chunk when v > 1). The table is built here in numpy by simulating the ticks greedily:
+each slot takes the ready operation of smallest priority, Megatron's order:
+
+    forward  (i // p, repeat, i mod p)            groups of p micro-batches, chunk by chunk
+    backward (i // p, v - 1 - repeat, i mod p)    the same groups, chunks in reverse
+
+With v = 1 this is 1F1B (PipeDream-flush), with v > 1 Megatron's interleaved 1F1B. p = 3,
+v = 1, m = 4 (F3 = forward of micro-batch 3; ticks hold F then B):
+
+    tick       0    1    2      3      4      5      6    7
+    stage 0   F0   F1   F2     F3     B0     B1     B2   B3
+    stage 1        F0   F1   F2 B0  F3 B1    B2     B3
+    stage 2             F0 B0  F1 B1  F2 B2  F3 B3
+
+Ramp-up ticks hold only forwards, ramp-down ticks only backwards: a tick costs its slowest
+stage, so the step takes (m + p - 1) (F + B) when v = 1, the 1F1B bubble (p - 1) / (m + p - 1)
+(`bubble_fraction` computes it from the table for any v). The last chunk's forward is empty
+(its backward recomputes it with the head and the loss), so F and B of a micro-batch share
+the last stage's tick. A backward recomputes its chunk from the stage input stashed on
+arrival: stage s holds at most 2 (p - s) - 1 stage inputs with v = 1, whatever m (Megatron's
+asynchronous 1F1B holds p - s; in lockstep ticks an input waits a whole tick per hop both
+ways). `max_in_flight` caps it (stage s then holds at most that many) at the cost of idle
+ticks. Stage inputs of chunk 0 are never stashed: the backward recomputes the embedding.
+
+Slots: an arriving activation is written into a free stash slot (`recv_act_slot`) and stays
+until its backward; an arriving gradient into a free gradient slot until its backward.
+"""
+
+import dataclasses
+import functools
+import heapq
+
+import numpy as np
+
+IDLE = -1
+# The per-(tick, stage) arrays of a Schedule, in the engine's order.
+COLUMNS = (
+    'fwd_micro',
+    'fwd_repeat',
+    'fwd_slot',
+    'bwd_micro',
+    'bwd_repeat',
+    'bwd_slot',
+    'bwd_grad_slot',
+    'recv_act_slot',
+    'recv_grad_slot',
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Arrays (ticks, stages) of int32, IDLE (-1) where a slot holds nothing.
+
+    fwd_micro, fwd_repeat: the forward of micro-batch fwd_micro through the stage's chunk
+        fwd_repeat (global chunk fwd_repeat p + stage); fwd_slot: stash slot of its input
+        (IDLE for chunk 0: the embedding).
+    bwd_micro, bwd_repeat, bwd_slot: the same for the backward; bwd_grad_slot: gradient slot
+        of its output's gradient (IDLE for the last chunk: the loss).
+    recv_act_slot / recv_grad_slot: where the activation / gradient that arrives at the start
+        of the tick goes (IDLE: nothing arrives, or nothing needs it).
+    """
+
+    stages: int
+    repeats: int
+    micro_batches: int
+    fwd_micro: np.ndarray
+    fwd_repeat: np.ndarray
+    fwd_slot: np.ndarray
+    bwd_micro: np.ndarray
+    bwd_repeat: np.ndarray
+    bwd_slot: np.ndarray
+    bwd_grad_slot: np.ndarray
+    recv_act_slot: np.ndarray
+    recv_grad_slot: np.ndarray
+    stash_slots: int
+    grad_slots: int
+
+    @property
+    def ticks(self):
+        return self.fwd_micro.shape[0]
+
+    def in_flight(self):
+        """(ticks, stages): micro-batches forwarded through the stage and not yet
+        back-propagated, counted between the tick's forward and its backward (its peak)."""
+        held = np.zeros((self.ticks, self.stages), np.int64)
+        for s in range(self.stages):
+            count = 0
+            for t in range(self.ticks):
+                count += int(self.fwd_micro[t, s] != IDLE)
+                held[t, s] = count
+                count -= int(self.bwd_micro[t, s] != IDLE)
+        return held
+
+    def tick_costs(self, forward=1.0, backward=3.0):
+        """Each tick's cost, its slowest stage's work (a backward recomputes its chunk: with
+        full recompute about 3 forwards), the last chunk's forward being empty."""
+        last = self.fwd_repeat == self.repeats - 1
+        last &= np.arange(self.stages)[None, :] == self.stages - 1
+        work = forward * ((self.fwd_micro != IDLE) & ~last) + backward * (self.bwd_micro != IDLE)
+        return work.max(axis=1), work.sum(axis=0)
+
+    def bubble_fraction(self, forward=1.0, backward=3.0):
+        """Share of the step the busiest stage spends waiting: 1 - its work / the step time
+        (the last stage's lighter work, its last chunk's forward folded into the backward,
+        is imbalance, not bubble)."""
+        time, work = self.tick_costs(forward, backward)
+        return 1.0 - work.max() / time.sum()
+
+
+def _priority(micro, repeat, stages, repeats, backward):
+    chunk_order = repeats - 1 - repeat if backward else repeat
+    return (micro // stages, chunk_order, micro % stages)
+
+
+@functools.lru_cache(maxsize=64)  # the train loop asks for the same few tables every step
+def build(stages, repeats, micro_batches, max_in_flight=None):
+    """The greedy 1F1B (repeats 1) or interleaved 1F1B (repeats > 1) table; see the module
+    docstring. max_in_flight: at most this many stage inputs held per stage (None: as many as
+    the greedy order needs); with repeats > 1 it may deadlock, so it is refused."""
+    p, v, m = stages, repeats, micro_batches
+    if min(p, v, m) < 1:
+        raise ValueError(f'stages, repeats, micro_batches must be >= 1, got {p}, {v}, {m}')
+    if max_in_flight is not None and (v > 1 or max_in_flight < 1):
+        raise ValueError('max_in_flight needs repeats 1 and a value >= 1')
+    last = p * v - 1
+    act_ready = {(i, 0): 0 for i in range(m)}  # (micro, chunk) -> first tick its input is here
+    grad_ready = {}
+    # Per stage, heaps of (priority, key) of the operations whose input (gradient) is here.
+    forwards = [[] for _ in range(p)]
+    backwards = [[] for _ in range(p)]
+    for i in range(m):
+        heapq.heappush(forwards[0], (_priority(i, 0, p, v, False), (i, 0)))
+    arriving = []  # (heaps, priority, key) that become ready next tick
+    rows, held, done, t = [], [0] * p, 0, 0
+    while done < m * p * v:
+        if t > 4 * (m * p * v + p * v):
+            raise RuntimeError('schedule simulation made no progress')  # a bug, not bad input
+        for heap, priority, key in arriving:
+            heapq.heappush(heap, (priority, key))
+        arriving = []
+        row = []
+        for s in range(p):
+            fwd = bwd = None
+            if forwards[s] and (max_in_flight is None or held[s] < max_in_flight):
+                fwd = heapq.heappop(forwards[s])[1]
+                held[s] += 1
+                if fwd[1] == last:  # the loss: its backward may follow in this tick
+                    grad_ready[fwd] = t
+                    priority = _priority(fwd[0], fwd[1] // p, p, v, True)
+                    heapq.heappush(backwards[s], (priority, fwd))
+                else:
+                    nxt = (fwd[0], fwd[1] + 1)
+                    act_ready[nxt] = t + 1
+                    priority = _priority(nxt[0], nxt[1] // p, p, v, False)
+                    arriving.append((forwards[nxt[1] % p], priority, nxt))
+            if backwards[s]:
+                bwd = heapq.heappop(backwards[s])[1]
+                held[s] -= 1
+                done += 1
+                if bwd[1] > 0:
+                    prev = (bwd[0], bwd[1] - 1)
+                    grad_ready[prev] = t + 1
+                    priority = _priority(prev[0], prev[1] // p, p, v, True)
+                    arriving.append((backwards[prev[1] % p], priority, prev))
+            row.append((fwd, bwd))
+        rows.append(row)
+        t += 1
+    return _with_slots(p, v, m, rows, act_ready, grad_ready)
+
+
+def _with_slots(p, v, m, rows, act_ready, grad_ready):
+    """Fill the table's arrays and give every stashed input and pending gradient a slot: the
+    lowest one free from its arrival to its backward."""
+    ticks = len(rows)
+    shape = (ticks, p)
+    arrays = {name: np.full(shape, IDLE, np.int32) for name in COLUMNS}
+    bwd_at = {bwd: t for t, row in enumerate(rows) for _, bwd in row if bwd is not None}
+    last = p * v - 1
+
+    def assign(ready, skip, recv):
+        """Slots for every key of `ready` (arrival tick) but `skip`'s; returns slot counts."""
+        slot_of, free_at = {}, [[] for _ in range(p)]  # free_at[s][k]: first tick slot k free
+        for key in sorted(ready, key=lambda k: ready[k]):
+            if skip(key):
+                continue
+            s, arrive = key[1] % p, ready[key]
+            k = next((k for k, free in enumerate(free_at[s]) if free <= arrive), None)
+            if k is None:
+                k = len(free_at[s])
+                free_at[s].append(0)
+            free_at[s][k] = bwd_at[key] + 1
+            slot_of[key] = k
+            arrays[recv][arrive, s] = k
+        return slot_of, max((len(f) for f in free_at), default=0)
+
+    stash, stash_slots = assign(act_ready, lambda k: k[1] == 0, 'recv_act_slot')
+    grads, grad_slots = assign(grad_ready, lambda k: k[1] == last, 'recv_grad_slot')
+    for t, row in enumerate(rows):
+        for s, (fwd, bwd) in enumerate(row):
+            if fwd is not None:
+                arrays['fwd_micro'][t, s], arrays['fwd_repeat'][t, s] = fwd[0], fwd[1] // p
+                arrays['fwd_slot'][t, s] = stash.get(fwd, IDLE)
+            if bwd is not None:
+                arrays['bwd_micro'][t, s], arrays['bwd_repeat'][t, s] = bwd[0], bwd[1] // p
+                arrays['bwd_slot'][t, s] = stash.get(bwd, IDLE)
+                arrays['bwd_grad_slot'][t, s] = grads.get(bwd, IDLE)
+    return Schedule(
+        stages=p,
+        repeats=v,
+        micro_batches=m,
+        stash_slots=max(stash_slots, 1),
+        grad_slots=max(grad_slots, 1),
+        **arrays,
+    )

@@ -1,0 +1,136 @@
+"""ZeRO-1's two collectives over 'data', written out rather than left to the partitioner.
+
+    fp32 master shard --cast--> compute-dtype shard --all-gather over data--> compute copy
+    fp32 gradient sums of each replica --reduce-scatter over data--> fp32 gradient shard
+
+Each runs once per step in a `shard_map` manual over every mesh axis (XLA replicates the
+automatic axes of a collective's operand in a partly manual region, which would gather every
+tensor shard first), so the compiled step shows exactly one all-gather in the compute dtype
+and one fp32 reduce-scatter per parameter, as Megatron's distributed optimizer does.
+
+Where a leaf's ZeRO shard is (rules.zero_spec): one dimension of size S split over 'data',
+alone or after the axes that already split it, e.g. ('tensor', 'data') over T x D devices:
+
+    S viewed as (n, D, r), n = T (1 when 'data' splits a whole dimension), r = S / (n D)
+    tensor rank i, data rank j holds  [i, j, :]   = elements (i D + j) r ... (i D + j + 1) r
+
+so in the view 'data' splits an axis of its own, the collectives act on it, and the reshapes
+to and from the view move nothing. Leaves too small to split (zero_spec leaves them whole) are
+summed with an all-reduce instead.
+"""
+
+import dataclasses
+
+import jax
+from jax.sharding import PartitionSpec
+
+from mtnlg_jax.parallel.rules import ZERO_AXIS, constrain_spec
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """One leaf's ZeRO spec and where its 'data' split is: dimension `dim` (None: none),
+    viewed as (groups, data, rest) with `before` the mesh axes that split `groups`."""
+
+    spec: tuple
+    dim: int | None
+    before: tuple = ()
+    groups: int = 1
+    data: int = 1
+
+    def view(self, x, offset=0):
+        """x (with `offset` leading axes before the leaf's own) with dimension `dim` reshaped
+        to (groups, data, rest)."""
+        if self.dim is None:
+            return x
+        d = self.dim + offset
+        return x.reshape(*x.shape[:d], self.groups, self.data, -1, *x.shape[d + 1 :])
+
+    def unview(self, x):
+        if self.dim is None:
+            return x
+        d = self.dim
+        return x.reshape(*x.shape[:d], -1, *x.shape[d + 3 :])
+
+    def view_spec(self, with_data=True):
+        """PartitionSpec of the view over the whole mesh (with_data False: gathered)."""
+        if self.dim is None:
+            return PartitionSpec(*self.spec)
+        groups = (self.before[0] if len(self.before) == 1 else self.before) or None
+        data = ZERO_AXIS if with_data else None
+        d = self.dim
+        return PartitionSpec(*self.spec[:d], groups, data, None, *self.spec[d + 1 :])
+
+
+def layouts(zero_shardings):
+    """ShardLayouts of a tree of NamedShardings made by rules.zero_shardings."""
+
+    def layout(sharding):
+        sizes = dict(sharding.mesh.shape)
+        spec = tuple(sharding.spec)
+        for dim, axes in enumerate(spec):
+            axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+            if ZERO_AXIS in axes:
+                before = axes[: axes.index(ZERO_AXIS)]
+                groups = 1
+                for axis in before:
+                    groups *= sizes[axis]
+                return ShardLayout(spec, dim, before, groups, sizes[ZERO_AXIS])
+        return ShardLayout(spec, None)
+
+    return jax.tree.map(layout, zero_shardings)
+
+
+def psum(x):
+    """Inside a region manual over 'data': the sum over replicas (XLA rejects a
+    cross-device sum over a mesh axis of size 1, so that case returns x)."""
+    return x if jax.lax.axis_size(ZERO_AXIS) == 1 else jax.lax.psum(x, ZERO_AXIS)
+
+
+def _specs(layout_tree, **kwargs):
+    return jax.tree.map(lambda lay: lay.view_spec(**kwargs), layout_tree)
+
+
+def gather_compute_copy(params, layout_tree, dtype):
+    """The compute-dtype copy of ZeRO-sharded parameters: each replica casts its own shard,
+    then one all-gather over 'data' in the compute dtype."""
+
+    def gather(x, lay):
+        if lay.dim is None or lay.data == 1:
+            return x
+        return jax.lax.all_gather(x, ZERO_AXIS, axis=lay.dim + 1, tiled=True)
+
+    views = jax.tree.map(lambda p, lay: lay.view(p.astype(dtype)), params, layout_tree)
+    views = jax.tree.map(lambda x, lay: constrain_spec(x, lay.view_spec()), views, layout_tree)
+    gathered = jax.shard_map(
+        lambda views: jax.tree.map(gather, views, layout_tree),
+        in_specs=(_specs(layout_tree),),
+        out_specs=_specs(layout_tree, with_data=False),
+        check_vma=False,
+    )(views)
+    return jax.tree.map(lambda x, lay: lay.unview(x), gathered, layout_tree)
+
+
+def reduce_scatter(per_replica, layout_tree):
+    """The fp32 sums over replicas on the ZeRO shards. per_replica: each leaf's gradient sums
+    of every replica, stacked on a leading axis split over 'data' (D, *leaf shape)."""
+
+    def scatter(x, lay):
+        x = x[0]  # this replica's own sums
+        if lay.dim is None:
+            return psum(x)
+        if lay.data == 1:
+            return x
+        return jax.lax.psum_scatter(x, ZERO_AXIS, scatter_dimension=lay.dim + 1, tiled=True)
+
+    views = jax.tree.map(lambda x, lay: lay.view(x, offset=1), per_replica, layout_tree)
+    in_specs = jax.tree.map(
+        lambda lay: PartitionSpec(ZERO_AXIS, *lay.view_spec(with_data=False)), layout_tree
+    )
+    shards = jax.shard_map(
+        lambda views: jax.tree.map(scatter, views, layout_tree),
+        in_specs=(in_specs,),
+        out_specs=_specs(layout_tree),
+        check_vma=False,
+    )(views)
+    return jax.tree.map(lambda x, lay: lay.unview(x), shards, layout_tree)

@@ -1,0 +1,254 @@
+"""Arithmetic of a run: parameters, FLOPs, device peaks, and, from a resolved config alone
+(shapes and mesh sizes, no devices), bytes per device of state and activations.
+
+FLOPs:
+  model FLOPs per token (PaLM, arXiv 2204.02311, for MFU; recompute not counted):
+      6 N + 12 L H Q T
+  Megatron's hardware FLOPs per step (arXiv 2104.04473) with full recompute:
+      96 B s l h^2 (1 + s / (6 h) + V / (16 l h))      (72 instead of 96 without recompute)
+"""
+
+import math
+
+import jax
+import numpy as np
+from flax import nnx
+
+from mtnlg_jax.model import gpt
+from mtnlg_jax.parallel import gpipe, rules
+from mtnlg_jax.parallel import schedule as schedule_lib
+
+# Dense peak TFLOP/s by device kind (substring of jax.Device.device_kind) and compute dtype.
+# Unknown devices (and every CPU) have no peak: MFU is then reported as null.
+DEVICE_PEAK_TFLOPS = {
+    'H200': {'bfloat16': 989.0, 'float16': 989.0, 'float32': 67.0},
+    'H100': {'bfloat16': 989.0, 'float16': 989.0, 'float32': 67.0},
+    'A100': {'bfloat16': 312.0, 'float16': 312.0, 'float32': 19.5},
+    'V100': {'float16': 125.0, 'float32': 15.7},
+    'TPU v4': {'bfloat16': 275.0},
+    'TPU v5p': {'bfloat16': 459.0},
+    'TPU v5 lite': {'bfloat16': 197.0},
+}
+
+
+def device_peak_tflops(device, compute_dtype):
+    """Peak dense TFLOP/s of one device for the compute dtype, or None if unknown."""
+    for kind, peaks in DEVICE_PEAK_TFLOPS.items():
+        if kind.lower() in device.device_kind.lower():
+            return peaks.get(compute_dtype)
+    return None
+
+
+def count_params(params):
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
+
+
+def model_flops_per_token(model_cfg, num_params):
+    """PaLM's 6 N + 12 L H Q T: matmuls forward and backward plus attention scores."""
+    head_dim = model_cfg.hidden // model_cfg.heads
+    attention = 12 * model_cfg.num_layers * model_cfg.heads * head_dim * model_cfg.seq_len
+    return 6 * num_params + attention
+
+
+def megatron_flops_per_step(model_cfg, global_batch, recompute=True):
+    """Megatron-LM 2021's per-iteration FLOPs (eq. 3), with or without full recompute."""
+    b, s, h = global_batch, model_cfg.seq_len, model_cfg.hidden
+    layers, v = model_cfg.num_layers, model_cfg.padded_vocab
+    factor = 96 if recompute else 72
+    return factor * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
+
+
+def _shard_bytes(abstract_tree, shardings, dtype=None):
+    total = 0
+    for leaf, sharding in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(shardings)):
+        itemsize = np.dtype(dtype or leaf.dtype).itemsize
+        total += math.prod(sharding.shard_shape(leaf.shape)) * itemsize
+    return total
+
+
+def bytes_per_device(config, setup):
+    """Bytes one device holds of each part of the training state (the largest shard).
+
+    parameters:  the compute-dtype copy the forward runs on (rule table: split over tensor)
+    gradients:   fp32 accumulators, as the compute copy: each replica sums its own until the
+                 step's one reduce-scatter over data (train/step.py)
+    optimizer:   fp32 master weights + Adam's two moments (split over tensor and data)
+    """
+    params = setup.abstract_state['params']
+    zero = setup.state_shardings['params']
+    return dict(
+        parameters=_shard_bytes(params, setup.compute_shardings, config.model.compute_dtype),
+        gradients=_shard_bytes(params, setup.compute_shardings, 'float32'),
+        optimizer=3 * _shard_bytes(params, zero, 'float32'),
+    )
+
+
+def format_bytes(n):
+    for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
+        if n < 1024 or unit == 'TiB':
+            return f'{n:.1f} {unit}' if unit != 'B' else f'{n} B'
+        n /= 1024
+
+
+# ---------------------------------------------------------------------------------------------
+# The planner: everything below needs a resolved config only (mesh sizes, no devices).
+
+GIGA = 1e9
+
+
+def itemsize(dtype):
+    return np.dtype(dtype).itemsize
+
+
+def param_count(model_cfg):
+    """Parameters of the GPT (padded vocabulary included), from its shapes:
+    V h + s h + 2 h + L (4 h^2 + 2 h f + 9 h + f)."""
+    h, f, layers = model_cfg.hidden, model_cfg.ffn_hidden, model_cfg.num_layers
+    per_layer = 4 * h * h + 2 * h * f + 9 * h + f
+    return model_cfg.padded_vocab * h + model_cfg.seq_len * h + 2 * h + layers * per_layer
+
+
+def mesh_sizes(config):
+    return dict(data=config.mesh.data, stage=config.mesh.stage, tensor=config.mesh.tensor)
+
+
+def abstract_params(model_cfg):
+    """(ShapeDtypeStructs, logical axes) of the parameter tree, nothing allocated."""
+    _, params, axes = gpt.split(nnx.eval_shape(lambda: gpt.create(model_cfg, 0)))
+    return params, axes
+
+
+def _local_numel(shape, spec, sizes):
+    """Elements of the largest shard of `shape` split by PartitionSpec `spec` over `sizes`."""
+    total = 1
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    for size, axes in zip(shape, entries):
+        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        total *= -(-size // math.prod(sizes[a] for a in axes))
+    return total
+
+
+def local_param_counts(config):
+    """(compute-copy elements per device, ZeRO-shard elements per device): the rule table's
+    split (tensor, stage) and, for the fp32 state, ZeRO-1's over data (parallel/rules.py)."""
+    params, axes = abstract_params(config.model)
+    sizes = mesh_sizes(config)
+    compute = zero = 0
+    for leaf, names in zip(jax.tree.leaves(params), jax.tree.leaves(axes, is_leaf=_is_axes)):
+        spec = rules.logical_to_spec(names)
+        compute += _local_numel(leaf.shape, spec, sizes)
+        zero += _local_numel(leaf.shape, rules.zero_spec(spec, leaf.shape, sizes), sizes)
+    return compute, zero
+
+
+def _is_axes(x):
+    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+
+
+def state_bytes(config):
+    """Bytes per device of the training state, as train/step.py holds it:
+
+    params     compute-dtype copy the forward runs on (split over tensor, stage)
+    grads      a micro-step's compute-dtype gradients + the replica's fp32 accumulators, whole
+               (summed locally until the step's reduce-scatter, as Megatron's fp32 gradient
+               buffer)
+    optimizer  fp32 master weights + Adam's two moments on the ZeRO-1 shard
+
+    At data 1 and bf16 that is the paper's 2 + 2 + 4 + 4 + 4 + 4 = 20 bytes per parameter; at
+    data d, 8 + 12 / d."""
+    compute, zero = local_param_counts(config)
+    e = itemsize(config.model.compute_dtype)
+    return dict(params=compute * e, grads=compute * (e + 4), optimizer=zero * 12)
+
+
+def layer_activation_bytes(model_cfg, rows, tensor, remat):
+    """Bytes one layer keeps for its backward pass, per micro-batch of `rows` sequences.
+
+    remat none: s b h (6 e + 12 e / t) + a s^2 b (4 + e) / t: the block's inputs, layer-norm
+    outputs, residual branch outputs (6 x (s, b, h), replicated over tensor), QKV, context and
+    the MLP's two (s, b, 4h) tensors (split over tensor), fp32 scores and compute-dtype
+    probabilities (split over heads): Korthikanti et al.'s count (arXiv 2205.05198) for this
+    block, without dropout masks. selective: drops the attention-core term. full: the layer
+    input only, s b h e. Sequence parallelism splits the replicated (s, b, h) ones over t."""
+    s, h, a = model_cfg.seq_len, model_cfg.hidden, model_cfg.heads
+    e = itemsize(model_cfg.compute_dtype)
+    f = model_cfg.ffn_hidden
+    residual = tensor if model_cfg.get('sequence_parallel', False) else 1
+    if remat == 'full':
+        return s * rows * h * e / residual
+    kept = s * rows * (6 * h * e / residual + (4 * h + 2 * f) * e / tensor)
+    if remat == 'none':
+        kept += a * s * s * rows * (4 + e) / tensor
+    return kept
+
+
+def boundary_activation_bytes(model_cfg, sequences):
+    """Layer-boundary activations of `sequences` sequences with full recompute (the paper's
+    batch x layers x seq x hidden x 2 bytes)."""
+    e = itemsize(model_cfg.compute_dtype)
+    return sequences * model_cfg.num_layers * model_cfg.seq_len * model_cfg.hidden * e
+
+
+def activation_bytes(config):
+    """Bytes per device of activations at the peak of a step, as the configured schedule and
+    recompute keep them (b = train.micro_batch rows per micro-step and replica):
+
+    no pipeline: micro-steps run one after another, so one micro-batch's activations: every
+        layer's kept values, one layer recomputed (remat full / selective), the logits
+    pipeline, 1f1b / interleaved (parallel/pipeline.py): the stage inputs the schedule
+        table stashes (its stash slots) and the output gradients it holds (its gradient
+        slots), each split over tensor along the sequence, the two hand-offs in flight, one
+        chunk recomputed by a backward's vjp, one micro-batch of logits on the last stage
+    pipeline, gpipe (parallel/gpipe.py, differentiated as one program): each stage keeps
+        what every one of its v m + p - 1 iterations saved (the chunk input under full
+        recompute), one chunk recomputed, the (m, b, s, h) embedded inputs, recirculating and
+        output buffers, and `split` micro-batches of logits."""
+    model, train = config.model, config.train
+    stages, tensor, repeats = config.mesh.stage, config.mesh.tensor, config.pipeline.repeats
+    rows, micro = train.micro_batch, train.micro_steps
+    e = itemsize(model.compute_dtype)
+    boundary = model.seq_len * rows * model.hidden * e
+    logits = 2 * 4 * rows * model.seq_len * model.padded_vocab // tensor  # fp32, + gradient
+    full_layer = layer_activation_bytes(model, rows, tensor, 'none')
+    if stages == 1:
+        kept = model.num_layers * layer_activation_bytes(model, rows, tensor, model.remat)
+        recomputed = full_layer if model.remat != 'none' else 0
+        return dict(layers=kept, recomputed=recomputed, pipeline_buffers=0, logits=logits)
+    chunk_layers = model.num_layers // (stages * repeats)
+    if config.pipeline.get('schedule', 'gpipe') != 'gpipe':
+        table = schedule_lib.build(stages, repeats, micro)
+        handoff = boundary // tensor if model.seq_len % tensor == 0 else boundary
+        return dict(
+            layers=(table.stash_slots + table.grad_slots + 2) * handoff,
+            recomputed=chunk_layers * layer_activation_bytes(model, rows, tensor, model.remat)
+            + (full_layer if model.remat != 'none' else 0),
+            pipeline_buffers=0,
+            logits=logits,
+        )
+    iterations = gpipe.num_iterations(stages, repeats, micro)
+    if model.remat == 'none':
+        per_iteration = chunk_layers * full_layer
+        recomputed = 0
+    else:
+        per_iteration = boundary
+        recomputed = chunk_layers * full_layer
+    split = stages if micro % stages == 0 else 1
+    return dict(
+        layers=iterations * per_iteration,
+        recomputed=recomputed,
+        pipeline_buffers=3 * micro * boundary,
+        logits=split * logits,
+    )
+
+
+def model_flops_per_step(config):
+    """PaLM's model FLOPs (6 N + 12 L H Q T per token) of one global batch."""
+    tokens = config.train.global_batch * config.model.seq_len
+    return model_flops_per_token(config.model, param_count(config.model)) * tokens
+
+
+def hardware_flops_per_step(config):
+    """Megatron's FLOPs of one global batch: 96 B s l h^2 (...) with full recompute, 72
+    without (selective recompute counts as none: it repeats only the attention core)."""
+    recompute = config.model.remat == 'full'
+    return megatron_flops_per_step(config.model, config.train.global_batch, recompute)

@@ -1,0 +1,98 @@
+"""Communication bytes one device sends per step, by collective kind and mesh axis, from the
+formulas of the literature (ring algorithms: an all-reduce of S bytes over n devices sends
+2 (n-1)/n S, a reduce-scatter or all-gather (n-1)/n S, a point-to-point hand-off S).
+
+    tensor  (t)  Megatron: per layer and micro-batch of b sequences, 2 all-reduces of the
+                 (b, s, h) activation forward and 2 backward; full recompute repeats the
+                 forward's (Megatron: 6 per layer), less the last one of a recomputed single
+                 layer, whose result only the discarded output needs (XLA removes it). The
+                 vocabulary-parallel embedding and tied head add one each per micro-batch
+                 (lookup forward, input gradient backward). With sequence parallelism each
+                 all-reduce of a layer becomes a reduce-scatter + an all-gather: the same bytes.
+    stage   (p)  one (b, s, h) hand-off per pipeline iteration forward and one backward; the
+                 circular schedule runs v m + p - 1 iterations on every stage, bubble included
+    data    (d)  ZeRO-1 / distributed optimizer: one reduce-scatter of the fp32 gradients onto
+                 the ZeRO shards and one all-gather of the compute-dtype parameters per step,
+                 independent of the micro-batch count
+
+Scalars (loss, gradient norm, the cross-entropy's (b, s) reductions over the vocabulary) are
+left out: kilobytes against gigabytes.
+"""
+
+from mtnlg_jax.plan.arithmetic import itemsize, local_param_counts
+
+
+def _ring(kind, size, group):
+    if group <= 1:
+        return 0.0
+    share = (group - 1) / group
+    return (2 * share if kind == 'all-reduce' else share) * size
+
+
+def tensor_allreduces_per_micro_batch(config):
+    """All-reduces over 'tensor' one device runs per pass of one micro-batch through its
+    layers (its L / p of them), forward + recompute + backward."""
+    model = config.model
+    stages, repeats = config.mesh.stage, config.pipeline.repeats
+    layers = model.num_layers // stages
+    count = 4 * layers
+    if model.remat == 'full':
+        # The recompute's last all-reduce of a checkpointed segment is dead code when the
+        # segment is one layer (XLA removes it; measured): without a pipeline every layer is
+        # one, with one a chunk of several layers recomputes as a scan and keeps it.
+        chunk_layers = layers // repeats
+        segments = layers if stages == 1 or chunk_layers == 1 else 0
+        count += 2 * layers - segments
+    return count
+
+
+def layer_passes(config):
+    """(passes of a micro-batch through a device's layers, passes through embedding and head)
+    per step: m without a pipeline; v m + p - 1 iterations of one chunk (1 / v of the layers)
+    with one, and m / p micro-batches of embedding and head when p divides m (else all m:
+    pipelined_loss_sum)."""
+    stages, repeats, micro = config.mesh.stage, config.pipeline.repeats, config.train.micro_steps
+    if stages == 1:
+        return micro, micro
+    iterations = repeats * micro + stages - 1
+    return iterations / repeats, micro // stages if micro % stages == 0 else micro
+
+
+def comm_bytes_per_device(config):
+    """{kind: {axis: bytes one device sends per step}} (kinds and axes with traffic only)."""
+    model, mesh = config.model, config.mesh
+    e = itemsize(model.compute_dtype)
+    activation = config.train.micro_batch * model.seq_len * model.hidden * e
+    layer_passes_, edge_passes = layer_passes(config)
+    out = {}
+    if mesh.tensor > 1:
+        layer_runs = layer_passes_ * tensor_allreduces_per_micro_batch(config)
+        runs = layer_runs + 2 * edge_passes
+        if model.get('sequence_parallel', False):
+            runs = 2 * edge_passes
+            for kind in ('reduce-scatter', 'all-gather'):
+                out.setdefault(kind, {})['tensor'] = layer_runs * _ring(
+                    kind, activation, mesh.tensor
+                )
+        out.setdefault('all-reduce', {})['tensor'] = runs * _ring(
+            'all-reduce', activation, mesh.tensor
+        )
+    if mesh.stage > 1:
+        iterations = config.pipeline.repeats * config.train.micro_steps + mesh.stage - 1
+        out.setdefault('collective-permute', {})['stage'] = 2 * iterations * activation
+    if mesh.data > 1:
+        compute, _ = local_param_counts(config)
+        out.setdefault('reduce-scatter', {})['data'] = _ring(
+            'reduce-scatter', 4 * compute, mesh.data
+        )
+        out.setdefault('all-gather', {})['data'] = _ring('all-gather', e * compute, mesh.data)
+    return out
+
+
+def by_axis(comm):
+    """{axis: bytes} summed over kinds, from comm_bytes_per_device's or the inventory's form."""
+    out = {}
+    for per_axis in comm.values():
+        for axis, value in per_axis.items():
+            out[axis] = out.get(axis, 0.0) + value
+    return out

@@ -1,0 +1,226 @@
+"""The plan of a resolved config as one JSON-ready dict, the compiled step's figures next to it,
+and the readable table launch/plan.py prints.
+
+    plan = make_plan(config, cluster='a100-80gb')     arithmetic only, no devices
+    add_compiled(plan, compiled, info)                 + memory_analysis, collectives, FLOPs
+    print('\\n'.join(lines(plan)))
+"""
+
+from mtnlg_jax.plan import arithmetic, clusters, comm, hlo
+
+# Keys other tools read (README, bench/scale.py, the pipeline and communication tests).
+PER_DEVICE_KEYS = ('params', 'grads', 'optimizer', 'update', 'activations', 'total')
+
+
+def make_plan(config, cluster=None):
+    """Everything the arithmetic says about a resolved config; cluster: a CLUSTERS name."""
+    state = arithmetic.state_bytes(config)
+    activations = arithmetic.activation_bytes(config)
+    # update: the optimizer step's new master weights and moments, held beside the old ones
+    # until the non-finite check picks one (train/step.py's `where`).
+    per_device = dict(state, update=state['optimizer'], activations=sum(activations.values()))
+    per_device['total'] = sum(per_device.values())
+    communication = comm.comm_bytes_per_device(config)
+    hardware = arithmetic.hardware_flops_per_step(config)
+    plan = dict(
+        config=config_summary(config),
+        params=arithmetic.param_count(config.model),
+        per_device_bytes=per_device,
+        activation_bytes=activations,
+        model_flops_per_step=arithmetic.model_flops_per_step(config),
+        hardware_flops_per_step=hardware,
+        comm_bytes_per_device=communication,
+    )
+    if cluster is not None:
+        plan['cluster'] = clusters.estimate(
+            clusters.CLUSTERS[cluster], config, per_device['total'], hardware, communication
+        )
+    return plan
+
+
+def cpu_equivalent(config):
+    """The config as XLA:CPU compiles it: a bf16 (or fp16) step runs its dots, collectives and
+    buffers in fp32 there (measured: the bf16 step of a layout needs the fp32 step's memory
+    and moves its bytes), so its compiled figures compare with the fp32 plan."""
+    if config.model.compute_dtype == 'float32':
+        return config
+    config = config.copy_and_resolve_references()
+    config.model.compute_dtype = 'float32'
+    return config
+
+
+def config_summary(config):
+    """The parts of a resolved config that the figures depend on."""
+    mesh = config.mesh
+    return dict(
+        mesh=dict(data=mesh.data, stage=mesh.stage, tensor=mesh.tensor),
+        repeats=config.pipeline.repeats,
+        global_batch=config.train.global_batch,
+        micro_batch=config.train.micro_batch,
+        micro_steps=config.train.micro_steps,
+        compute_dtype=config.model.compute_dtype,
+        remat=config.model.remat,
+    )
+
+
+def add_compiled(plan, config, compiled, info, notes=()):
+    """plan['compiled']: memory_analysis, collectives, FLOPs and times of a compiled step
+    (from plan.compile), and the plan of what XLA:CPU compiled (`cpu_equivalent`) to compare
+    them with when the device is a CPU."""
+    from mtnlg_jax.plan import compile as compile_lib  # noqa: PLC0415 (imports train/)
+
+    memory = compile_lib.memory(compiled)
+    text = compiled.as_text()
+    inventory = hlo.collective_inventory(text, info['mesh'])
+    devices = info['mesh'].devices.size
+    flops = hlo.dot_flops(text)
+    plan['compiled'] = dict(
+        memory,
+        flops=flops,
+        flops_vs_model=flops * devices / arithmetic.model_flops_per_step(config),
+        cost_analysis_flops=compile_lib.flops(compiled),
+        compile_s=info['compile_s'],
+        devices=int(devices),
+        collectives=[
+            dict(
+                kind=op['kind'],
+                axes=list(op['axes']),
+                bytes=op['bytes'],
+                count=op['count'],
+                in_loop=op['in_loop'],
+                wire_bytes=op['wire_bytes'],
+                name=op['name'],
+            )
+            for op in inventory
+        ],
+        comm_bytes_per_device=compiled_comm(inventory),
+        largest_buffers=[
+            dict(bytes=size, shape=shape, op=op)
+            for size, shape, op, _ in hlo.largest_buffers(text, top=5)
+        ],
+        notes=list(notes),
+        config=config_summary(config),
+        per_iteration_arrays=per_iteration_arrays(text, config),
+    )
+    if info['mesh'].devices.flat[0].platform == 'cpu':
+        reference = make_plan(cpu_equivalent(config))
+        plan['compiled']['planned_as_compiled'] = dict(
+            compute_dtype='float32',
+            per_device_bytes=reference['per_device_bytes'],
+            comm_bytes_per_device=reference['comm_bytes_per_device'],
+        )
+    return plan
+
+
+def per_iteration_arrays(hlo_text, config, top=3):
+    """The largest distinct arrays whose leading dimension is the pipeline's iteration count
+    (v m + p - 1): what the differentiated pipeline scan stacks once per iteration, as
+    [{'shape', 'bytes'}], largest first ([] without a pipeline). Distinct shapes need not be
+    alive together: this names the big ones, it does not add them up."""
+    if config.mesh.stage == 1:
+        return []
+    iterations = config.pipeline.repeats * config.train.micro_steps + config.mesh.stage - 1
+    found = []
+    for dtype, dims in hlo.array_shapes(hlo_text):
+        if len(dims) > 1 and dims[0] == iterations:
+            shape = f'{dtype}[{",".join(map(str, dims))}]'
+            found.append(dict(shape=shape, bytes=hlo.shape_bytes(shape)))
+    return sorted(found, key=lambda a: -a['bytes'])[:top]
+
+
+def compiled_comm(inventory):
+    """{kind: {axes key: bytes one device sends per step}} of an inventory, the plan's form."""
+    out = {}
+    for (kind, axes), total in sorted(hlo.totals(inventory).items()):
+        out.setdefault(kind, {})[hlo.axes_key(axes)] = total['wire_bytes']
+    return out
+
+
+def _gib(n):
+    return arithmetic.format_bytes(n) if n is not None else 'n/a'
+
+
+def lines(plan):
+    """The readable table of a plan (and its compiled figures, if any)."""
+    c = plan['config']
+    mesh = c['mesh']
+    per_device = plan['per_device_bytes']
+    out = [
+        f'model        {plan["params"] / 1e9:.3f} B parameters, {c["compute_dtype"]} compute, '
+        f'remat {c["remat"]}',
+        f'mesh         data {mesh["data"]} x stage {mesh["stage"]} x tensor {mesh["tensor"]}, '
+        f'pipeline repeats {c["repeats"]}; global batch {c["global_batch"]} = micro_batch '
+        f'{c["micro_batch"]} x data {mesh["data"]} x {c["micro_steps"]} micro-steps',
+        'per device   ' + ', '.join(f'{k} {_gib(per_device[k])}' for k in PER_DEVICE_KEYS),
+        '  activations ' + ', '.join(
+            f'{k} {_gib(v)}' for k, v in plan['activation_bytes'].items()
+        ),
+        f'FLOPs        model {plan["model_flops_per_step"]:.4g} per step (6N + 12LHQT per '
+        f'token); Megatron hardware {plan["hardware_flops_per_step"]:.4g}',
+    ]
+    compiled = plan.get('compiled')
+    reference = (compiled or {}).get('planned_as_compiled') or plan
+    columns = [('planned', plan['comm_bytes_per_device'])]
+    if compiled:
+        if reference is not plan:
+            columns.append(('planned as compiled', reference['comm_bytes_per_device']))
+        columns.append(('compiled', compiled['comm_bytes_per_device']))
+    out.append(
+        'comm         bytes one device sends per step: '
+        + ' | '.join(name for name, _ in columns)
+    )
+    if compiled:
+        cc = compiled['config']
+        dtype = reference.get('compute_dtype', cc['compute_dtype'])
+        out.append(
+            f'             (compiled: data {cc["mesh"]["data"]} x stage {cc["mesh"]["stage"]} x '
+            f'tensor {cc["mesh"]["tensor"]}, global batch {cc["global_batch"]}; planned as '
+            f'compiled: that layout, computed in {dtype} as XLA:CPU runs it)'
+        )
+    pairs = sorted({(k, a) for _, comm_ in columns for k, per in comm_.items() for a in per})
+    for kind, axis in pairs:
+        cells = [_gib(comm_.get(kind, {}).get(axis)) for _, comm_ in columns]
+        out.append(f'  {kind:<19}{axis:<14}' + ' | '.join(f'{c:>11}' for c in cells))
+    if 'cluster' in plan:
+        est = plan['cluster']
+        out += [
+            f'cluster      {est["description"]}: {est["devices"]} GPUs on {est["nodes"]} nodes',
+            f'  fits       {"yes" if est["fits"] else "NO"}: {_gib(per_device["total"])} '
+            f'planned per device of {est["hbm_bytes"] / 1e9:.0f} GB',
+            f'  time       >= {est["iteration_s_lower_bound"]:.3f} s per step = compute '
+            f'{est["compute_s"]:.3f} + tensor {est["tensor_comm_s"]:.3f} + pipeline '
+            f'{est["pipeline_comm_s"]:.3f} + bubble {est["bubble_s"]:.3f} (data '
+            f'{est["data_comm_s"]:.3f} s taken as overlapped); <= '
+            f'{est["tflops_per_gpu_upper_bound"]:.1f} TFLOP/s per GPU',
+        ]
+    if compiled:
+        planned_total = reference['per_device_bytes']['total']
+        stacked = compiled.get('per_iteration_arrays', [])
+        out += [
+            f'compiled     on {compiled["devices"]} CPU devices in {compiled["compile_s"]:.1f} s'
+            f' (memory per device from memory_analysis):',
+            f'  arguments {_gib(compiled["argument_bytes"])}, outputs '
+            f'{_gib(compiled["output_bytes"])} (aliased {_gib(compiled["alias_bytes"])}), '
+            f'temporaries {_gib(compiled["temp_bytes"])}: peak {_gib(compiled["peak_bytes"])} '
+            f'against {_gib(planned_total)} planned as compiled '
+            f'({compiled["peak_bytes"] / planned_total:.2f} x)',
+            f'  difference compiled - planned = {_gib(compiled["peak_bytes"] - planned_total)}'
+            + (
+                '; largest arrays stacked per pipeline iteration (leading dimension v m + p - 1; '
+                'the plan keeps only the stage inputs per iteration): '
+                + ', '.join(f'{a["shape"]} {_gib(a["bytes"])}' for a in stacked)
+                if stacked
+                else ''
+            ),
+            '  largest    ' + ', '.join(
+                f'{b["shape"]} {b["op"]} {_gib(b["bytes"])}' for b in compiled['largest_buffers']
+            ),
+        ]
+        raw = compiled['cost_analysis_flops']
+        out.append(
+            f'  FLOPs      {compiled["flops"]:.4g} per device per step in matmuls (loops x trip '
+            f'counts): {compiled["flops_vs_model"]:.2f} x model FLOPs / devices '
+            f'(cost_analysis: {"n/a" if raw is None else format(raw, ".4g")}, loop bodies once)'
+        )
+        out += [f'  note       {note}' for note in compiled['notes']]
+    return out

@@ -1,0 +1,108 @@
+"""The run directory (a workdir): what a run keeps, where, written and read only here.
+
+    WORKDIR/config.json              the run's config: "inputs" (as given, paths absolute),
+                                     "derived" (what resolve() computed from them) and the
+                                     resolved sections, which evaluation reads
+    WORKDIR/checkpoints/<step>/      orbax checkpoints (mtnlg_jax/checkpoint.py writes them)
+    WORKDIR/metrics.jsonl            one record per logged step (train/metrics.py)
+    WORKDIR/tensorboard/, loss.png   the same numbers for people
+    WORKDIR/eval/<name>.json         evaluation results (launch/evaluate.py), one per task,
+                                     data, shots and step
+    WORKDIR/logs/                    per-process logs of multi-process runs
+
+This module imports neither JAX nor orbax, so a launch script checks a workdir before anything
+is compiled. Every path in config.json is absolute: a workdir is evaluated or continued from
+any directory.
+"""
+
+import json
+import os
+
+CONFIG = 'config.json'
+CHECKPOINTS = 'checkpoints'
+METRICS = 'metrics.jsonl'
+TENSORBOARD = 'tensorboard'
+LOSS_PNG = 'loss.png'
+EVAL = 'eval'
+LOGS = 'logs'
+
+
+class RunDirError(ValueError):
+    """A workdir that cannot be used; the one-line message names it and why."""
+
+
+class RunDir:
+    """Paths of one workdir, and its config.json."""
+
+    def __init__(self, path):
+        self.path = str(path)
+        self.config_path = self.join(CONFIG)
+        self.checkpoints = self.join(CHECKPOINTS)
+        self.metrics = self.join(METRICS)
+        self.tensorboard = self.join(TENSORBOARD)
+        self.loss_png = self.join(LOSS_PNG)
+
+    def join(self, *names):
+        return os.path.join(self.path, *names)
+
+    def eval_output(self, name):
+        return self.join(EVAL, f'{name}.json')
+
+    def log(self, process_index):
+        return self.join(LOGS, f'process_{process_index}.log')
+
+    def check_writable(self, flag='--workdir'):
+        """RunDirError unless the workdir is (or can become) a directory."""
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise RunDirError(f'{flag} {self.path}: exists and is not a directory')
+        parent = os.path.dirname(os.path.abspath(self.path))
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            raise RunDirError(f'{flag} {self.path}: cannot be created under {parent}')
+        for name in (CONFIG, METRICS, CHECKPOINTS):
+            path = self.join(name)
+            if os.path.exists(path) and not os.access(path, os.W_OK):
+                raise RunDirError(f'{flag} {self.path}: {path} is not writable')
+
+    def saved_steps(self):
+        """Steps of the complete checkpoints (orbax names each `<step>`; saves in flight or set
+        aside carry a suffix)."""
+        if not os.path.isdir(self.checkpoints):
+            return []
+        return sorted(int(name) for name in os.listdir(self.checkpoints) if name.isdigit())
+
+    def has_config(self):
+        return os.path.isfile(self.config_path)
+
+    def read_config(self):
+        """config.json as a dict; RunDirError if missing or not JSON."""
+        if not self.has_config():
+            raise RunDirError(
+                f'{self.config_path} not found: --workdir must be a run of launch/train.py '
+                f'(or an import of launch/convert.py)'
+            )
+        try:
+            with open(self.config_path) as f:
+                saved = json.load(f)
+        except (OSError, ValueError) as e:
+            raise RunDirError(f'{self.config_path}: not readable JSON ({e})') from None
+        if not isinstance(saved, dict) or 'model' not in saved:
+            raise RunDirError(f'{self.config_path}: not the config of a run')
+        return saved
+
+    def read_inputs(self):
+        """The config as its run was given it (derived values left to be recomputed)."""
+        saved = self.read_config()
+        inputs = saved.get('inputs')
+        if inputs is None:  # written before inputs were kept apart: drop what is derived
+            inputs = {k: v for k, v in saved.items() if k != 'derived'}
+        return inputs
+
+    def write_config(self, config_dict):
+        """config.json (atomically: a killed write leaves the old one)."""
+        os.makedirs(self.path, exist_ok=True)
+        tmp = self.config_path + '.tmp'
+        with open(tmp, 'w') as f:
+            json.dump(config_dict, f, indent=2)
+        os.replace(tmp, self.config_path)

@@ -1,0 +1,132 @@
+"""Megatron's communication, read from the compiled step (plan/hlo.py's inventory): gradients
+stay local over 'data' until the step ends, then one fp32 reduce-scatter and one compute-dtype
+all-gather over 'data'; sequence parallelism turns each tensor all-reduce of a layer into a
+reduce-scatter plus an all-gather. And bf16 gradients are summed in fp32, pipelined or not."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import support
+from mtnlg_jax import config as config_lib
+from mtnlg_jax import plan
+from mtnlg_jax.data import loader as loader_lib
+from mtnlg_jax.plan import compile as compile_lib
+from mtnlg_jax.plan import hlo
+from mtnlg_jax.train.step import make_train_step
+
+LAYOUTS = {  # sequence parallel on; vocabulary 1500 pads to 1536 on tensor 4 and 2 alike
+    'plain': dict(data=2, tensor=4, vocab_size=1500),
+    'pipelined': dict(data=2, stage=2, tensor=2, repeats=2, num_layers=4, vocab_size=1500),
+}
+
+
+@pytest.fixture(scope='module', params=list(LAYOUTS))
+def train_step(request):
+    config = support.small_config(remat='none', sequence_parallel=True, **LAYOUTS[request.param])
+    compiled, _, info = compile_lib.compile_train_step(config)
+    return config, hlo.collective_inventory(compiled.as_text(), info['mesh']), info
+
+
+def test_data_parallel_traffic_is_one_reduce_scatter_and_one_all_gather(train_step):
+    """Nothing over 'data' inside any loop (micro-steps, layers, pipeline iterations); per
+    step, bytes sent over 'data' = one fp32 reduce-scatter of the gradients + one all-gather of
+    the compute copy (fp32 here), each (d - 1) / d of the parameters a device computes with."""
+    config, inventory, info = train_step
+    over_data = [e for e in inventory if 'data' in e['axes']]
+    assert not [e for e in over_data if e['in_loop']], 'a collective over data inside a loop'
+    # Beyond data alone, only scalars (loss and token count summed over data and stage).
+    assert all(e['axes'] == ('data',) or e['bytes'] <= 64 for e in over_data)
+    data = config.mesh.data
+    params = plan.bytes_per_device(config, info['setup'])['parameters']  # fp32 compute copy
+    one_pass = (data - 1) / data * params
+
+    def sent(kind):
+        return sum(e['wire_bytes'] * e['count'] for e in over_data if e['kind'] == kind)
+
+    assert sent('reduce-scatter') == pytest.approx(one_pass, rel=0.01)
+    assert sent('all-gather') == pytest.approx(one_pass, rel=0.01)
+    total = sum(e['wire_bytes'] * e['count'] for e in over_data)
+    assert total <= 1.05 * 2 * one_pass
+
+
+def _activation_bytes(config):
+    return config.train.micro_batch * config.model.seq_len * config.model.hidden * 4  # fp32
+
+
+def test_sequence_parallel_layer_gathers_and_scatters_over_tensor():
+    """Per layer forward (the eval step's layer loop): 2 all-gathers of the activation from
+    its sequence shards (before QKV and MLP-in) and 2 row-parallel sums of which each device
+    keeps only its sequence shard: a reduce-scatter on GPUs; XLA:CPU has no pass fusing the
+    all-reduce with the slice after it, so there the kept result is checked to be 1/t."""
+    config = support.small_config(data=2, tensor=4, remat='none', sequence_parallel=True)
+    compiled, _, info = compile_lib.compile_eval_step(config)
+    text = compiled.as_text()
+    inventory = hlo.collective_inventory(text, info['mesh'])
+    layer_runs = config.train.micro_steps * config.model.num_layers
+    in_layers = [e for e in inventory if e['count'] == layer_runs and e['axes'] == ('tensor',)]
+    activation = _activation_bytes(config)
+    gathers = [e for e in in_layers if e['kind'] == 'all-gather']
+    sums = [e for e in in_layers if e['kind'] in ('all-reduce', 'reduce-scatter')]
+    assert len(gathers) == 2 and len(sums) == 2 and len(in_layers) == 4
+    assert all(e['bytes'] == activation for e in in_layers)
+    computations, _ = hlo.parse_module(text)
+    shard = activation // config.mesh.tensor
+    for e in sums:
+        if e['kind'] == 'all-reduce':  # every use of the sum keeps one sequence shard
+            users = [
+                i
+                for i in computations[e['computation']]
+                if re.search(rf'%{re.escape(e["name"])}\b', i.rest)
+            ]
+            assert users and all(hlo.shape_bytes(i.type_text) == shard for i in users)
+
+
+def test_compute_copy_is_gathered_in_the_compute_dtype():
+    """The program (before XLA:CPU widens bf16 collectives to fp32 for its runtime) gathers
+    bf16 parameters over 'data' and reduce-scatters fp32 gradients."""
+    config = support.small_config(data=4, tensor=2, compute_dtype='bfloat16')
+    mesh, setup = compile_lib.layout(config)
+    batch = loader_lib.abstract_train_batch(config, mesh, config.train.micro_steps)
+    state = compile_lib.abstract_state(setup)
+    with jax.set_mesh(mesh):
+        text = make_train_step(config, setup).lower(state, *batch, jnp.float32(1)).as_text()
+    gathered, scattered = (_result_dtypes(text, f'"stablehlo.{op}"') for op in OPS)
+    assert gathered and set(gathered) == {'bf16'}
+    assert scattered and set(scattered) == {'f32'}
+
+
+OPS = ('all_gather', 'reduce_scatter')
+
+
+def _result_dtypes(text, op):
+    """Element types of the results of each `op` in StableHLO text (a reduce_scatter's type
+    follows its reduction region, lines later)."""
+    pieces = text.split(op)[1:]
+    return [re.search(r'-> tensor<[^>]*x(\w+)>', piece).group(1) for piece in pieces]
+
+
+def _bf16_config(stage, compute_dtype):
+    """4 layers, 32 micro-batches of one sequence, on `stage` pipeline stages."""
+    config = support.small_config(stage=stage, num_layers=4, compute_dtype=compute_dtype)
+    config.train.update(dict(global_batch=32, micro_batch=1))
+    return config_lib.resolve(config, stage)
+
+
+def test_bf16_pipelined_gradients_are_summed_in_fp32():
+    """m = 32: a bf16 step's gradient error against fp32 is no worse pipelined than not."""
+    batch = support.random_batches(2).reshape(32, -1)
+    _, _, reference = support.gradients(_bf16_config(1, 'float32'), batch)
+
+    def error(stage):
+        _, _, grads = support.gradients(_bf16_config(stage, 'bfloat16'), batch)
+        pairs = zip(jax.tree.leaves(grads), jax.tree.leaves(reference))
+        squared_error = sum(((np.asarray(g) - r) ** 2).sum() for g, r in pairs)
+        return np.sqrt(squared_error / sum((r**2).sum() for r in jax.tree.leaves(reference)))
+
+    unpipelined, pipelined = error(1), error(2)
+    assert 0 < unpipelined < 0.05
+    assert pipelined <= 1.1 * unpipelined, (pipelined, unpipelined)

@@ -1,0 +1,95 @@
+"""launch/plan.py as a user runs it: a bf16 pipelined step compiles on CPU through it (XLA:CPU
+aborts on it without the flags the tool sets), its JSON carries the keys other tools read, and
+bad input is one line, exit status 2, nothing written."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import support
+
+# configs/tiny.py's layout (data 2 x stage 2 x tensor 2, 2 repeats) on a model that compiles
+# in seconds, in bf16, in the GPipe order (its v m + p - 1 = 9 iterations are counted below;
+# tests/test_pipeline*.py cover the 1F1B engine).
+SMALL_BF16 = [
+    '--config.model.compute_dtype=bfloat16',
+    '--config.model.num_layers=4',
+    '--config.model.hidden=64',
+    '--config.model.seq_len=32',
+    '--config.model.vocab_size=300',
+    '--config.train.global_batch=16',
+    '--config.train.micro_batch=2',
+    '--config.train.rampup.start=0',
+    '--config.pipeline.schedule=gpipe',
+]
+
+
+def run_plan(*args):
+    command = [sys.executable, str(support.ROOT / 'launch/plan.py'), *args]
+    return subprocess.run(
+        ['timeout', '-k', '10', '280', *command],
+        capture_output=True,
+        text=True,
+        cwd=support.ROOT,
+        env=support.TRAIN_ENV,
+    )
+
+
+def test_a_bf16_pipelined_step_compiles_through_the_tool(tmp_path):
+    out = tmp_path / 'plan.json'
+    result = run_plan(
+        '--config', 'configs/tiny.py', *SMALL_BF16, '--compile', '--cluster', 'h100-80gb',
+        '--json', str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    plan = json.loads(out.read_text())
+    assert {'params', 'per_device_bytes', 'model_flops_per_step', 'hardware_flops_per_step',
+            'comm_bytes_per_device', 'compiled', 'cluster'} <= set(plan)  # fmt: skip
+    assert {'params', 'grads', 'optimizer', 'activations', 'total'} <= set(
+        plan['per_device_bytes']
+    )
+    compiled = plan['compiled']
+    assert {'argument_bytes', 'output_bytes', 'alias_bytes', 'temp_bytes', 'peak_bytes',
+            'flops', 'compile_s', 'collectives'} <= set(compiled)  # fmt: skip
+    assert compiled['peak_bytes'] > 0 and compiled['compile_s'] > 0
+    # 2 repeats x 4 micro-batches + 2 - 1 = 9 pipeline iterations, each way one hand-off.
+    permutes = [
+        c for c in compiled['collectives']
+        if c['kind'] == 'collective-permute' and c['axes'] == ['stage'] and c['in_loop']
+    ]  # fmt: skip
+    assert [c['count'] for c in permutes] == [9, 9]
+    assert all({'kind', 'axes', 'bytes', 'count', 'in_loop'} <= set(c) for c in permutes)
+    assert 'all-reduce-promotion' in result.stdout  # says what differs from a GPU compile
+    assert 'planned' in result.stdout and 'compiled' in result.stdout
+
+
+@pytest.mark.parametrize(
+    'args, message',
+    [
+        (['--cluster', 'tpu-v9'], "--cluster 'tpu-v9' is not one of a100-80gb, h100-80gb"),
+        (['--config.mesh.tensor=3'], 'model.heads: 8 heads are not divisible by mesh.tensor=3'),
+        (['--devices', '7'], 'mesh: data x stage x tensor = 2 x 2 x 2 = 8, but there are 7'),
+        (['--devices', '0'], '--devices must be a positive integer, got 0'),
+        (['--config.model.hidden=abc'], 'config.model.hidden'),
+        (['--json', '/nonexistent/dir/plan.json'], '--json /nonexistent/dir/plan.json'),
+    ],
+)
+def test_bad_input_is_one_line_and_status_2(args, message, tmp_path):
+    existing = tmp_path / 'plan.json'
+    existing.write_text('keep me')
+    json_args = [] if '--json' in args else ['--json', str(existing)]
+    result = run_plan('--config', 'configs/tiny.py', '--compile', *json_args, *args)
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ''
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith('error: ') and message in lines[0], lines
+    assert existing.read_text() == 'keep me'
+
+
+def test_missing_config_is_an_error():
+    result = run_plan('--compile')
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith('error: ') and '--config' in lines[0], lines

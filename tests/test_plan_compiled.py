@@ -1,0 +1,335 @@
+"""The compiled step read through the planner's own tools.
+
+1. The collective inventory: every replica-group form, async pairs, loop trip counts (on a
+   hand-written module), and the structure of compiled train and eval steps read through it:
+   Megatron's tensor-parallel all-reduces per layer, pipeline hand-offs over 'stage', and no
+   buffer with the full padded vocabulary on any device.
+2. The planner against the same compiles: memory per device and collective bytes per step
+   within 10 %, for a tensor-parallel, a bf16 data-parallel and a pipelined (interleaved
+   1F1B) layout."""
+
+import functools
+import math
+
+import jax
+import pytest
+
+import support
+from mtnlg_jax.parallel import pipeline
+from mtnlg_jax.plan import compile as compile_lib
+from mtnlg_jax.plan import hlo, report
+
+MESH = dict(data=2, stage=2, tensor=2)  # device id = 4 data + 2 stage + tensor
+TOLERANCE = 0.10
+
+# Small layouts compiled once per module and shared by every test below. Hidden 256 keeps the
+# state, which the plan counts exactly, the larger part of memory; vocab 1500 pads to 1536, a
+# size no other dimension has.
+PLAN_LAYOUTS = {
+    'tensor': dict(data=2, tensor=4),
+    'pipelined': dict(data=2, stage=2, tensor=2, repeats=2, num_layers=4, micro_steps=4),
+    'data_bf16': dict(data=8, compute_dtype='bfloat16'),
+}
+
+
+def plan_config(name):
+    return support.small_config(**PLAN_LAYOUTS[name], remat='none', hidden=256, vocab_size=1500)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_step(name, step='train'):
+    """(config, compiled, info) of a PLAN_LAYOUTS layout's train or eval step, compiled ahead
+    of time by mtnlg_jax.plan.compile (what launch/plan.py --compile measures)."""
+    config = plan_config(name)
+    make = compile_lib.compile_train_step if step == 'train' else compile_lib.compile_eval_step
+    compiled, _, info = make(config)
+    return config, compiled, info
+
+
+MODULE = """HloModule hand_written, num_partitions=8
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y)
+}
+
+%scatter (p: f32[8,16]) -> f32[4,16] {
+  %p = f32[8,16]{1,0} parameter(0)
+  ROOT %rs = f32[4,16]{1,0} reduce-scatter(%p), channel_id=3, replica_groups=[4,2]<=[8], dimensions={0}, use_global_device_ids=true, to_apply=%add
+}
+
+%inner_body (t: (s32[], f32[4,8], f32[8,16])) -> (s32[], f32[4,8], f32[8,16]) {
+  %t = (s32[], f32[4,8]{1,0}, /*index=2*/f32[8,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %v = f32[4,8]{1,0} get-tuple-element(%t), index=1
+  %w = f32[8,16]{1,0} get-tuple-element(%t), index=2
+  %ar = f32[4,8]{1,0} all-reduce(%v), channel_id=1, replica_groups=[4,2]<=[2,2,2]T(1,0,2), use_global_device_ids=true, to_apply=%add
+  %ags = (f32[2,8]{1,0}, f32[4,8]{1,0}) all-gather-start(%ar), channel_id=2, replica_groups={{0,4},{1,5},{2,6},{3,7}}, dimensions={0}, use_global_device_ids=true
+  %agd = f32[4,8]{1,0} all-gather-done(%ags)
+  %rss = ((f32[8,16]{1,0}), f32[4,16]{1,0}) async-start(%w), calls=%scatter
+  %rsd = f32[4,16]{1,0} async-done(%rss), calls=%scatter
+  ROOT %out = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) tuple(%i, %agd, %w)
+}
+
+%inner_cond (t: (s32[], f32[4,8], f32[8,16])) -> pred[] {
+  %t = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %five = s32[] constant(5)
+  ROOT %lt = pred[] compare(%i, %five), direction=LT
+}
+
+%exchange (v: f32[4,8]) -> f32[4,8] {
+  %v = f32[4,8]{1,0} parameter(0)
+  ROOT %a2a = f32[4,8]{1,0} all-to-all(%v), channel_id=6, replica_groups=mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'a'}, dimensions={0}
+}
+
+%outer_body (t: (s32[], f32[4,8], f32[8,16])) -> (s32[], f32[4,8], f32[8,16]) {
+  %t = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) parameter(0)
+  %inner = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) while(%t), condition=%inner_cond, body=%inner_body
+  %v = f32[4,8]{1,0} get-tuple-element(%inner), index=1
+  %perm = f32[4,8]{1,0} collective-permute(%v), channel_id=4, source_target_pairs={{0,2},{2,0},{1,3},{3,1},{4,6},{6,4},{5,7},{7,5}}
+  %called = f32[4,8]{1,0} call(%perm), to_apply=%exchange
+  ROOT %out = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) tuple(%i, %called, %w)
+}
+
+%outer_cond (t: (s32[], f32[4,8], f32[8,16])) -> pred[] {
+  %t = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %big = s32[] constant(1000)
+  ROOT %lt = pred[] compare(%i, %big), direction=LT
+}
+
+ENTRY %main (p0: (s32[], f32[4,8], f32[8,16]), p1: bf16[6,8]) -> f32[4,8] {
+  %p0 = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) parameter(0)
+  %p1 = bf16[6,8]{1,0} parameter(1)
+  %loop = (s32[], f32[4,8]{1,0}, f32[8,16]{1,0}) while(%p0), condition=%outer_cond, body=%outer_body, backend_config={"known_trip_count":{"n":"3"}}
+  %sub = bf16[6,8]{1,0} all-reduce(%p1), channel_id=5, replica_groups=mesh['x'=8] {'x':(2)2}, use_global_device_ids=true, to_apply=%add
+  %every = (f32[], s32[2]{0}) all-reduce(%p1, %p1), channel_id=7, replica_groups={}, to_apply=%add
+  %r = f32[4,8]{1,0} get-tuple-element(%loop), index=1
+  %cps = (f32[4,8]{1,0}, f32[4,8]{1,0}, u32[], u32[]) collective-permute-start(%r), channel_id=8, source_target_pairs={{0,1},{1,0}}
+  %cpd = f32[4,8]{1,0} collective-permute-done(%cps)
+  %ars = f32[4,8]{1,0} all-reduce-start(%cpd), channel_id=9, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  ROOT %ard = f32[4,8]{1,0} all-reduce-done(%ars)
+}
+"""
+
+
+def _by_name(inventory):
+    return {entry['name']: entry for entry in inventory}
+
+
+def test_inventory_of_a_hand_written_module():
+    ops = _by_name(hlo.collective_inventory(MODULE, MESH))
+    assert set(ops) == {'ar', 'ags', 'rs', 'perm', 'a2a', 'sub', 'every', 'cps', 'ars'}
+    expected = {  # name: (kind, axes, bytes, count, in_loop, wire bytes per run)
+        'ar': ('all-reduce', ('tensor',), 128, 15, True, 128.0),
+        'ags': ('all-gather', ('data',), 128, 15, True, 64.0),
+        'rs': ('reduce-scatter', ('tensor',), 512, 15, True, 256.0),
+        'perm': ('collective-permute', ('stage',), 128, 3, True, 128.0),
+        'a2a': ('all-to-all', ('tensor',), 128, 3, True, 64.0),
+        'sub': ('all-reduce', ('stage',), 96, 1, False, 96.0),
+        'every': ('all-reduce', ('data', 'stage', 'tensor'), 12, 1, False, 2 * 7 / 8 * 12),
+        'cps': ('collective-permute', ('tensor',), 128, 1, False, 128.0),
+        'ars': ('all-reduce', ('data', 'stage', 'tensor'), 128, 1, False, 2 * 7 / 8 * 128),
+    }  # -done halves are not counted again
+    for name, (kind, axes, size, count, in_loop, wire) in expected.items():
+        op = ops[name]
+        got = (op['kind'], op['axes'], op['bytes'], op['count'], op['in_loop'], op['wire_bytes'])
+        assert got == (kind, axes, size, count, in_loop, wire), name
+    assert ops['every']['group_size'] == 8 and ops['ar']['group_size'] == 2
+
+    totals = hlo.totals(hlo.collective_inventory(MODULE, MESH))
+    assert totals['all-reduce', ('tensor',)] == dict(
+        ops=1, count=15, bytes=15 * 128, wire_bytes=15 * 128.0
+    )
+    by_axis = hlo.wire_bytes_by_axis(hlo.collective_inventory(MODULE, MESH))
+    assert by_axis['stage'] == 3 * 128 + 96
+
+
+def test_replica_groups_map_to_mesh_axes_of_a_jax_mesh():
+    """The same text under a mesh with other axis sizes: ids are positions in its device array."""
+    ops = _by_name(hlo.collective_inventory(MODULE, dict(data=1, stage=4, tensor=2)))
+    assert ops['ags']['axes'] == ('stage',)  # {0,4}: stage 0 and 2 of data 0
+    assert ops['perm']['axes'] == ('stage',)
+    assert ops['sub']['axes'] == ('stage',)
+
+
+@pytest.fixture(scope='module')
+def tensor_step():
+    """Train step, data 2 x tensor 4, no recompute, 2 micro-steps of 4 sequences, 2 layers."""
+    config, compiled, info = compiled_step('tensor')
+    return config, compiled.as_text(), info
+
+
+@pytest.fixture(scope='module')
+def pipelined_step():
+    """Train step, data 2 x stage 2 x tensor 2, circular pipeline of 2 repeats, 4 layers,
+    4 micro-batches."""
+    config, compiled, info = compiled_step('pipelined')
+    return config, compiled.as_text(), info
+
+
+def _activation_bytes(config):
+    rows = config.train.micro_batch
+    return rows * config.model.seq_len * config.model.hidden * 4  # fp32 compute
+
+
+def test_megatron_tensor_collectives_per_layer(tensor_step):
+    """Per layer and micro-batch: 2 all-reduces of the (rows, seq, hidden) activation forward
+    (attention out, MLP out) and 2 backward (their column-parallel inputs), nothing else over
+    'tensor' inside the layer loop; the vocabulary-parallel embedding and head add one each
+    per micro-batch (forward lookup, backward input gradient)."""
+    config, text, info = tensor_step
+    inventory = hlo.collective_inventory(text, info['mesh'])
+    layer_runs = config.train.micro_steps * config.model.num_layers
+    in_layers = [e for e in inventory if 'tensor' in e['axes'] and e['count'] == layer_runs]
+    assert len(in_layers) == 4
+    assert all(
+        e['kind'] == 'all-reduce' and e['axes'] == ('tensor',) and e['bytes'] == (
+            _activation_bytes(config)
+        )
+        for e in in_layers
+    )
+    per_micro = [
+        e for e in inventory
+        if e['axes'] == ('tensor',) and e['count'] == config.train.micro_steps
+        and e['bytes'] >= _activation_bytes(config)
+    ]  # fmt: skip
+    assert len(per_micro) == 2  # embedding forward, tied head backward (may carry scalars)
+
+
+def test_pipeline_moves_activations_over_stage_only(pipelined_step):
+    """Inside the pipeline's tick loop (the interleaved 1F1B table's ticks): one hand-off of
+    the activation forward and one of its gradient backward per tick over 'stage', each split
+    over 'tensor' along the sequence (Megatron's scatter/gather); nothing else over 'stage'
+    in the loop."""
+    config, text, info = pipelined_step
+    inventory = hlo.collective_inventory(text, info['mesh'])
+    ticks = pipeline.num_ticks(
+        config.mesh.stage, config.pipeline.repeats, config.train.micro_steps
+    )
+    handoff = _activation_bytes(config) // config.mesh.tensor
+    permutes = [e for e in inventory if e['kind'] == 'collective-permute' and e['in_loop']]
+    assert [(e['axes'], e['count'], e['bytes']) for e in permutes] == [
+        (('stage',), ticks, handoff)
+    ] * 2  # forward and backward
+    over_stage = [e for e in inventory if 'stage' in e['axes'] and e not in permutes]
+    assert not [e for e in over_stage if e['in_loop']]
+    # Sums over 'stage': the loss and the gradients of the parameters outside the block stack
+    # (fp32, as split over 'tensor'), nothing of the size of the micro-batches' activations.
+    setup = info['setup']
+    shared = {k: v for k, v in setup.abstract_state['params'].items() if k != 'blocks'}
+    shardings = {k: v for k, v in setup.compute_shardings.items() if k != 'blocks'}
+    shared_bytes = sum(
+        math.prod(sharding.shard_shape(leaf.shape)) * 4
+        for leaf, sharding in zip(jax.tree.leaves(shared), jax.tree.leaves(shardings))
+    )
+    sums = sum(e['bytes'] for e in over_stage if e['kind'] == 'all-reduce')
+    assert sums <= shared_bytes + 1024
+
+
+def _full_vocab_buffers(config, text):
+    vocab = config.model.padded_vocab
+    shards = vocab // config.mesh.tensor
+    shapes = hlo.array_shapes(text)
+    full = [s for s in shapes if vocab in s[1]]
+    split = [s for s in shapes if shards in s[1] and config.model.seq_len in s[1]]
+    return full, split
+
+
+@pytest.mark.parametrize('layout', ['tensor', 'pipelined'])
+def test_no_buffer_holds_the_full_padded_vocabulary(layout):
+    """Neither the train step nor the eval step, pipelined or not, has any array with the full
+    padded vocabulary (1536: no other dimension of these models is a multiple of it) on a
+    device; the vocabulary-split logits (rows, seq, 1536 / tensor) are there."""
+    config, train, _ = compiled_step(layout)
+    _, evaluate, _ = compiled_step(layout, 'eval')
+    assert config.model.padded_vocab == 1536 and math.gcd(1536, config.model.hidden) < 1536
+    for text in (train.as_text(), evaluate.as_text()):
+        full, split = _full_vocab_buffers(config, text)
+        assert not full, f'full-vocabulary buffers: {full}'
+        assert split, 'expected vocabulary-split logits'
+
+
+def _planned_and_compiled(name):
+    config, compiled, info = compiled_step(name)
+    plan = report.add_compiled(report.make_plan(config), config, compiled, info)
+    return config, plan['compiled']['planned_as_compiled'], plan['compiled'], compiled, info
+
+
+def _close(got, planned):
+    return abs(got - planned) <= TOLERANCE * planned
+
+
+@pytest.mark.parametrize(
+    'name', ['tensor', 'data_bf16', 'pipelined']
+)
+def test_planned_memory_per_device(name):
+    """Planned bytes per device (state, optimizer-step temporaries, activations) against
+    memory_analysis()'s arguments + unaliased outputs + temporaries. A bf16 step is compared
+    with the plan of its fp32 twin: XLA:CPU computes it in fp32 (report.cpu_equivalent)."""
+    _, planned, compiled, _, _ = _planned_and_compiled(name)
+    total = planned['per_device_bytes']['total']
+    assert _close(compiled['peak_bytes'], total), (compiled['peak_bytes'], total)
+
+
+def test_a_bf16_step_compiled_on_cpu_has_the_memory_of_its_fp32_twin():
+    """What report.cpu_equivalent rests on, measured: the bf16 plan is smaller than the fp32
+    plan, and the compiled bf16 step sits at the fp32 plan, not the bf16 one."""
+    config, planned, compiled, _, _ = _planned_and_compiled('data_bf16')
+    bf16_total = report.make_plan(config)['per_device_bytes']['total']
+    assert bf16_total < 0.8 * planned['per_device_bytes']['total']
+    assert compiled['peak_bytes'] > 1.2 * bf16_total
+
+
+# The planner's tensor traffic follows GPipe's forward and autodiff backward; the 1F1B engine
+# also sums over tensor inside each backward's recompute and gathers each hand-off on arrival
+# (measured: 7.09 MB compiled vs 2.62 MB planned on this layout).
+ENGINE_TENSOR_TRAFFIC_GAP = pytest.mark.xfail(
+    strict=True, reason="the plan does not count the 1F1B engine's recompute and gathers yet"
+)
+
+
+@pytest.mark.parametrize(
+    'name', ['tensor', pytest.param('pipelined', marks=ENGINE_TENSOR_TRAFFIC_GAP)]
+)
+def test_planned_tensor_and_pipeline_bytes(name):
+    """Megatron's all-reduces over 'tensor' (layers, embedding, head) and the pipeline's
+    hand-offs over 'stage': planned bytes per device per step within 10 % of the inventory."""
+    config, planned, compiled, _, _ = _planned_and_compiled(name)
+    pairs = [('all-reduce', 'tensor')]
+    if config.mesh.stage > 1:
+        pairs.append(('collective-permute', 'stage'))
+    for kind, axis in pairs:
+        want = planned['comm_bytes_per_device'][kind][axis]
+        got = compiled['comm_bytes_per_device'][kind][axis]
+        assert _close(got, want), (kind, axis, got, want)
+
+
+@pytest.mark.parametrize('name', ['tensor', 'data_bf16', 'pipelined'])
+def test_planned_data_parallel_bytes(name):
+    """ZeRO-1: one reduce-scatter of the fp32 gradients and one all-gather of the parameters
+    over 'data' per step; everything the step sends over 'data' within 10 % of that."""
+    _, planned, compiled, _, _ = _planned_and_compiled(name)
+    want = sum(per_axis.get('data', 0.0) for per_axis in planned['comm_bytes_per_device'].values())
+    got = sum(per_axis.get('data', 0.0) for per_axis in compiled['comm_bytes_per_device'].values())
+    assert _close(got, want), (got, want)
+
+
+def test_parameter_all_gather_over_data_is_planned(name='data_bf16'):
+    """The part of the data-parallel plan today's code already meets: one all-gather of the
+    compute copy per step (in fp32 on XLA:CPU), all but kilobytes of it outside any loop."""
+    _, planned, compiled, _, _ = _planned_and_compiled(name)
+    want = planned['comm_bytes_per_device']['all-gather']['data']
+    assert _close(compiled['comm_bytes_per_device']['all-gather']['data'], want)
+    gathers = [c for c in compiled['collectives'] if c['kind'] == 'all-gather']
+    once = sum(c['wire_bytes'] for c in gathers if not c['in_loop'] and c['count'] == 1)
+    assert once >= 0.95 * want
+
+
+def test_compiled_matmul_flops_match_model_flops():
+    """Matmul FLOPs of the compiled step, loop trip counts multiplied in, against 6 N + 12 L H
+    Q T per token over the devices (no recompute): within 10 %."""
+    _, _, compiled, _, _ = _planned_and_compiled('tensor')
+    assert abs(compiled['flops_vs_model'] - 1.0) <= TOLERANCE

@@ -1,0 +1,118 @@
+"""The static pipeline table (parallel/schedule.py), on its own: no JAX."""
+
+import numpy as np
+import pytest
+
+from mtnlg_jax.parallel import schedule
+
+IDLE = schedule.IDLE
+# (p, v, m): 1F1B, interleaved, m < p, m not a multiple of p, MT-NLG's ramp start and full.
+SHAPES = [(2, 1, 2), (3, 1, 4), (4, 1, 2), (4, 1, 7), (2, 2, 4), (4, 2, 8), (4, 2, 3), (3, 3, 5)]
+SHAPES += [(35, 1, 4), (35, 1, 240)]
+
+
+def _operations(table, kind):
+    """{(micro, chunk): tick} of every forward ('fwd') or backward ('bwd'); fails on repeats."""
+    micro, repeat = getattr(table, f'{kind}_micro'), getattr(table, f'{kind}_repeat')
+    done = {}
+    for t, s in zip(*np.nonzero(micro != IDLE)):
+        key = (int(micro[t, s]), int(repeat[t, s]) * table.stages + int(s))
+        assert key not in done, f'{kind} of {key} twice'
+        done[key] = int(t)
+    return done
+
+
+@pytest.mark.parametrize('p,v,m', SHAPES)
+def test_every_forward_and_backward_once_in_dependency_order(p, v, m):
+    table = schedule.build(p, v, m)
+    fwd, bwd = _operations(table, 'fwd'), _operations(table, 'bwd')
+    everything = {(i, c) for i in range(m) for c in range(p * v)}
+    assert set(fwd) == everything and set(bwd) == everything
+    last = p * v - 1
+    for i, c in everything:
+        if c > 0:  # the input arrives by the hand-off at the end of the previous tick
+            assert fwd[(i, c)] >= fwd[(i, c - 1)] + 1
+        if c < last:
+            assert bwd[(i, c)] >= bwd[(i, c + 1)] + 1
+        assert bwd[(i, c)] >= fwd[(i, c)]  # the last chunk's may share the tick (F first)
+
+
+@pytest.mark.parametrize('p,v,m', SHAPES)
+def test_slots_hold_each_input_and_gradient_from_arrival_to_backward(p, v, m):
+    """Replay the table as the engine does: arrivals are written into slots, forwards and
+    backwards read them; every read must find the value of its own (micro-batch, chunk)."""
+    table = schedule.build(p, v, m)
+    stash = np.full((p, table.stash_slots), None, object)
+    grads = np.full((p, table.grad_slots), None, object)
+    act_in, grad_in = [None] * p, [None] * p
+    last = p * v - 1
+    for t in range(table.ticks):
+        sent_act, sent_grad = [None] * p, [None] * p
+        for s in range(p):
+            if table.recv_act_slot[t, s] != IDLE:
+                stash[s, table.recv_act_slot[t, s]] = act_in[s]
+            if table.recv_grad_slot[t, s] != IDLE:
+                grads[s, table.recv_grad_slot[t, s]] = grad_in[s]
+            if table.fwd_micro[t, s] != IDLE:
+                key = (table.fwd_micro[t, s], table.fwd_repeat[t, s] * p + s)
+                if key[1] > 0:
+                    assert stash[s, table.fwd_slot[t, s]] == key
+                if key[1] < last:
+                    sent_act[(s + 1) % p] = (key[0], key[1] + 1)
+            if table.bwd_micro[t, s] != IDLE:
+                key = (table.bwd_micro[t, s], table.bwd_repeat[t, s] * p + s)
+                if key[1] > 0:
+                    assert stash[s, table.bwd_slot[t, s]] == key
+                if key[1] < last:
+                    assert grads[s, table.bwd_grad_slot[t, s]] == key
+                if key[1] > 0:
+                    sent_grad[(s - 1) % p] = (key[0], key[1] - 1)
+        act_in, grad_in = sent_act, sent_grad
+
+
+@pytest.mark.parametrize('p,m', [(2, 2), (3, 4), (4, 2), (4, 7), (35, 4), (35, 240)])
+def test_1f1b_holds_at_most_2_p_minus_s_minus_1_inputs_in_m_plus_2p_minus_2_ticks(p, m):
+    table = schedule.build(p, 1, m)
+    assert table.ticks == m + 2 * p - 2
+    held = table.in_flight().max(axis=0)
+    bound = 2 * (p - np.arange(p)) - 1
+    assert (held <= np.minimum(bound, m)).all()
+    assert table.stash_slots <= 2 * p - 3 and table.grad_slots == 1  # stage 0 stashes nothing
+
+
+@pytest.mark.parametrize('p,m', [(3, 4), (4, 9), (35, 240)])
+def test_capped_1f1b_holds_at_most_p_minus_s_inputs(p, m):
+    """Megatron's asynchronous bound, bought with idle ticks."""
+    capped = schedule.build(p, 1, m, max_in_flight=p)
+    assert capped.in_flight().max() <= p
+    assert capped.ticks > schedule.build(p, 1, m).ticks
+
+
+@pytest.mark.parametrize('p,v,m', [(2, 2, 4), (4, 2, 8), (4, 2, 16), (4, 4, 32), (3, 3, 5)])
+def test_interleaved_holds_at_most_megatrons_warmup_plus_one(p, v, m):
+    """Megatron's interleaved 1F1B starts (p - s - 1) 2 + (v - 1) p forwards before its first
+    backward: at most that + 1 inputs per stage, whatever m."""
+    held = schedule.build(p, v, m).in_flight().max(axis=0)
+    stage = np.arange(p)
+    assert (held <= np.minimum((p - stage - 1) * 2 + (v - 1) * p + 1, v * m)).all()
+
+
+@pytest.mark.parametrize('p,v,m', [(4, 1, 8), (4, 1, 32), (4, 2, 8), (4, 2, 32), (8, 4, 64)])
+def test_bubble_near_megatrons(p, v, m):
+    """Lockstep ticks keep the 1F1B / interleaved bubble (p - 1) / (v m + p - 1), give or
+    take the last stage's lighter work (its last chunk's forward is folded into the
+    backward)."""
+    table = schedule.build(p, v, m)
+    predicted = (p - 1) / (v * m + p - 1)
+    assert abs(table.bubble_fraction() - predicted) < 0.05
+    # No slower than Megatron's 1F1B, (m + p - 1) (F + B), with F = 1, B = 3.
+    if v == 1:
+        time, _ = table.tick_costs(forward=1, backward=3)
+        assert time.sum() <= (m + p - 1) * 4
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match='must be >= 1'):
+        schedule.build(2, 1, 0)
+    with pytest.raises(ValueError, match='max_in_flight'):
+        schedule.build(2, 2, 4, max_in_flight=2)
