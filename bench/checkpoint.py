@@ -82,8 +82,8 @@ def timed_restore(workdir, config, setup):
     with jax.set_mesh(setup.mesh):
         checkpoints = checkpoint_lib.Checkpoints(workdir)
         start = time.perf_counter()
-        state, _ = resume.restore_or_init(config, setup, checkpoints, log=lambda _: None)
-        jax.block_until_ready(state)
+        position = resume.restore_or_init(config, setup, checkpoints, log=lambda _: None)
+        jax.block_until_ready(position.state)
         seconds = time.perf_counter() - start
         checkpoints.close()
     return seconds

@@ -42,9 +42,9 @@ def restore_into(workdir, config):
     lines = []
     with jax.set_mesh(mesh):
         checkpoints = checkpoint_lib.Checkpoints(workdir)
-        state, counters = resume.restore_or_init(config, setup, checkpoints, log=lines.append)
+        position = resume.restore_or_init(config, setup, checkpoints, log=lines.append)
         checkpoints.close()
-    return jax.device_get(state), counters, lines
+    return jax.device_get(position.state), position.counters, lines
 
 
 def step_directory(workdir, step):

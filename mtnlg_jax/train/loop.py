@@ -1,10 +1,15 @@
-"""The training loop: one flat function, read top to bottom.
+"""The training loop: a short loop around one run position (step, state, counters).
 
-validate data  ->  restore or initialise the state  ->  compile (ahead of time, timed)
-for each step:  global batch of the step (ramp-up: its size grows)  ->  train_step
-                ->  log / checkpoint / evaluate
-                (SIGTERM: save and stop; loss spike: roll back; see faults.py, resume.py)
-at the end:     evaluate, write the loss-curve PNG
+    position = restore or initialise          (resume.py; any layout, any process count)
+    compile the first step (ahead of time, timed), print the banner
+    while position.step < train.steps:
+        batch   = next global batch             (ramp-up: its size grows; a new size compiles)
+        position = position after train_step    (CompiledSteps caches one per micro-step count)
+        log      every train.log_every          (step_record: a pure function of the step)
+        save     every checkpoint.every, at the end, on SIGTERM
+        evaluate every train.eval_every, at the end
+        loss spike?  position = roll_back       (resume.py; the data moves on past the spike)
+    evaluate, write the loss-curve PNG
 
 Several processes run this same loop on their own devices; each reads only its rows of each
 batch and writes its shards of each checkpoint. Process 0 alone prints (banner, progress bar,
@@ -23,10 +28,10 @@ from tqdm import tqdm
 from mtnlg_jax import checkpoint as checkpoint_lib
 from mtnlg_jax import distributed, plan
 from mtnlg_jax.data import loader as loader_lib
+from mtnlg_jax.data import rampup
 from mtnlg_jax.parallel import pipeline
 from mtnlg_jax.parallel.mesh import mesh_from_config
 from mtnlg_jax.rundir import RunDir
-from mtnlg_jax.data import rampup
 from mtnlg_jax.train import banner, faults, resume
 from mtnlg_jax.train import metrics as metrics_lib
 from mtnlg_jax.train.state import make_setup, pipeline_order
@@ -52,7 +57,148 @@ def evaluate(config, eval_step, params, dataset, mesh):
     return loss_sum / count
 
 
-def done_kills_this_process(config, first_step, done):
+class CompiledSteps:
+    """The train step compiled ahead of time once per (micro-step count, drill): the ramp-up
+    changes the count, a fault drill (see make_train_step) swaps in a variant for one step."""
+
+    def __init__(self, config, setup, mesh, state):
+        self.config, self.setup, self.mesh, self.state = config, setup, mesh, state
+        self._compiled = {}
+
+    def __contains__(self, micro_steps):
+        return (micro_steps, None) in self._compiled
+
+    def __call__(self, micro_steps, drill=None):
+        key = (micro_steps, drill)
+        if key not in self._compiled:
+            batch = loader_lib.abstract_train_batch(self.config, self.mesh, micro_steps)
+            step = make_train_step(self.config, self.setup, inject=drill)
+            self._compiled[key] = step.lower(self.state, *batch, jnp.float32(0)).compile()
+        return self._compiled[key]
+
+
+class Interval:
+    """Wall time and tokens since the last logged step, less compile and evaluation time."""
+
+    def __init__(self, step, tokens):
+        self.reset(step, tokens)
+
+    def reset(self, step, tokens):
+        self.start, self.step, self.tokens = time.perf_counter(), step, tokens
+
+    def exclude(self, seconds):
+        self.start += seconds
+
+    def close(self, step, tokens):
+        """(seconds per step, tokens per second) up to `step`, and start the next interval."""
+        seconds = time.perf_counter() - self.start
+        rates = seconds / (step - self.step), (tokens - self.tokens) / seconds
+        self.reset(step, tokens)
+        return rates
+
+
+def step_record(config, position, batch, losses, step_metrics, throughput):
+    """The metrics.jsonl record of a logged step (see metrics.py for the keys); `losses`: the
+    losses since the last record; throughput: (Interval.close's rates, model FLOPs per token,
+    the device's peak TFLOP/s or None)."""
+    (step_time, tokens_per_s), flops_per_token, peak = throughput
+    tflops = flops_per_token * tokens_per_s / jax.device_count() / 1e12
+    return dict(
+        step=position.step,
+        loss=float(np.mean(losses)),  # mean over the log interval
+        lr=float(step_metrics['lr']),
+        grad_norm=float(step_metrics['grad_norm']),
+        global_batch=batch.global_batch,
+        tokens_seen=position.counters['tokens_seen'],
+        step_time_s=step_time,
+        tokens_per_s=tokens_per_s,
+        tflops_per_device=tflops,
+        mfu=tflops / peak if peak else None,
+        skipped_steps=position.counters['skipped_steps'],
+        pipeline_bubble_fraction=pipeline.bubble_fraction(
+            config.mesh.stage, config.pipeline.repeats, batch.micro_steps, config.pipeline.schedule
+        ),
+    )
+
+
+class Reporter:
+    """What a run shows and writes as it goes: the progress bar and messages, metrics.jsonl
+    and tensorboard (process 0 only), and the throughput of each logged interval."""
+
+    def __init__(self, config, workdir, position, flops_per_token, peak):
+        self.config, self.flops_per_token, self.peak = config, flops_per_token, peak
+        primary = distributed.is_primary()
+        self.writer = metrics_lib.MetricsWriter(workdir, resume_step=position.step, enabled=primary)
+        self.progress = tqdm(
+            total=config.train.steps,
+            initial=position.step,
+            unit='step',
+            mininterval=1.0,
+            dynamic_ncols=True,
+            disable=not primary,
+        )
+        self.say = self.progress.write if primary else lambda *_, **__: None
+        self.interval = Interval(position.step, position.counters['tokens_seen'])
+        self.losses = []  # device scalars: averaged at the log step, no sync per step
+
+    def compiled(self, batch, seconds):
+        self.interval.exclude(seconds)  # compile time is not step time
+        self.say(
+            f'compiled     train step for {batch.micro_steps} micro-steps (global batch '
+            f'{batch.global_batch}) in {seconds:.1f} s'
+        )
+
+    def stepped(self, step_metrics):
+        self.losses.append(step_metrics['loss'])
+        self.progress.update(1)
+
+    def log(self, position, batch, step_metrics):
+        step_metrics, losses = jax.device_get((step_metrics, self.losses))
+        self.losses = []
+        rates = self.interval.close(position.step, position.counters['tokens_seen'])
+        throughput = rates, self.flops_per_token, self.peak
+        record = step_record(self.config, position, batch, losses, step_metrics, throughput)
+        self.writer.write(record)
+        self.progress.set_postfix(
+            loss=f'{record["loss"]:.3f}',
+            tok_s=f'{record["tokens_per_s"]:,.0f}',
+            mfu='n/a' if self.peak is None else f'{record["mfu"]:.1%}',
+        )
+
+    def evaluated(self, position, loss, seconds):
+        perplexity = metrics_lib.perplexity(loss)
+        self.writer.write(
+            dict(
+                step=position.step,
+                eval=True,
+                loss=loss,
+                tokens_seen=position.counters['tokens_seen'],
+                perplexity=perplexity,
+            )
+        )
+        self.say(f'step {position.step}: validation loss {loss:.4f}, perplexity {perplexity:.2f}')
+        self.interval.exclude(seconds)  # evaluation is not step time
+
+    def moved_to(self, position):
+        """After a rollback: the bar and the interval start again at `position`."""
+        self.progress.n, self.losses = position.step, []
+        self.interval.reset(position.step, position.counters['tokens_seen'])
+
+    def close(self):
+        self.progress.close()
+        self.writer.close()
+        return self.writer.path
+
+
+def drills_of(train_cfg):
+    """{step: drill} of the fault drills a config asks for (tests and rehearsals)."""
+    drills = {train_cfg.inject_spike_at_step: 'spike'}
+    first_nan = train_cfg.inject_nan_at_step
+    drills.update(dict.fromkeys(range(first_nan, first_nan + train_cfg.inject_nan_steps), 'nan'))
+    return drills
+
+
+def kills_this_process(config, first_step, done):
     """The process-loss drill (train.inject_kill_at_step): only in a run started from scratch,
     so that the same command, run again, resumes past it."""
     at = config.train.inject_kill_at_step
@@ -64,6 +210,10 @@ def done_kills_this_process(config, first_step, done):
     )
 
 
+def due(every, step, last_step):
+    return bool(every and step % every == 0) or step == last_step
+
+
 def train(config, workdir):
     """Train a resolved config in workdir, resuming from its newest checkpoint if it has one.
     Raises DataError or CheckpointError before anything is written, NonFiniteError after
@@ -72,7 +222,6 @@ def train(config, workdir):
     mesh = mesh_from_config(config)
     setup = make_setup(config, mesh)
     train_cfg, seq_len = config.train, config.model.seq_len
-    replica_batch = train_cfg.micro_batch * config.mesh.data
     num_params = plan.count_params(setup.abstract_state['params'])
     flops_per_token = plan.model_flops_per_token(config.model, num_params)
     peak = plan.device_peak_tflops(jax.devices()[0], config.model.compute_dtype)
@@ -80,194 +229,109 @@ def train(config, workdir):
     checkpoints = checkpoint_lib.Checkpoints(workdir, keep=config.checkpoint.keep)
     in_layer_order = pipeline_order(config, setup, to='layer')  # what checkpoints hold
     primary = distributed.is_primary()
-    say = print if primary else lambda *_, **__: None
 
     with jax.set_mesh(mesh), faults.StopSignals() as stop_signals:
-        state, counters = resume.restore_or_init(config, setup, checkpoints, log=say)
+        position = resume.restore_or_init(
+            config, setup, checkpoints, log=print if primary else lambda _: None
+        )
         os.makedirs(workdir, exist_ok=True)  # every process: checkpoints go under it
         if primary:
             run_dir.write_config(config.to_dict())
-        first_step = int(state['step'])
-        compiled_steps = {}
-
-        def train_step_for(micro_steps, drill=None):
-            """The train step for `micro_steps` (the ramp-up changes it), compiled ahead of
-            time once per count; drill: a fault-drill variant (see make_train_step)."""
-            if (micro_steps, drill) not in compiled_steps:
-                batch = loader_lib.abstract_train_batch(config, mesh, micro_steps)
-                lowered = make_train_step(config, setup, inject=drill).lower(
-                    state, *batch, jnp.float32(0)
-                )
-                compiled_steps[micro_steps, drill] = lowered.compile()
-            return compiled_steps[micro_steps, drill]
-
+        first_step = position.step
+        compiled = CompiledSteps(config, setup, mesh, position.state)
         start = time.perf_counter()
-        first_batch = rampup.global_batch_at(train_cfg, seq_len, counters['samples_consumed'])
-        train_step_for(first_batch // replica_batch)
+        samples = position.counters['samples_consumed']
+        first_batch = rampup.global_batch_at(train_cfg, seq_len, samples)
+        compiled(first_batch // (train_cfg.micro_batch * config.mesh.data))
         eval_step = make_eval_step(config, setup)
-        compile_seconds = time.perf_counter() - start
-        for line in banner.lines(config, setup, compile_seconds, train_data):
-            say(line, flush=True)
-        drills = {train_cfg.inject_spike_at_step: 'spike'}
-        first_nan = train_cfg.inject_nan_at_step
-        drills.update(
-            dict.fromkeys(range(first_nan, first_nan + train_cfg.inject_nan_steps), 'nan')
-        )
+        if primary:
+            for line in banner.lines(config, setup, time.perf_counter() - start, train_data):
+                print(line, flush=True)
+        drills = drills_of(train_cfg)
         guard = faults.StepGuard(
             train_cfg.max_consecutive_skips,
             train_cfg.spike_factor,
             train_cfg.spike_window,
-            counters['skipped_steps'],
+            position.counters['skipped_steps'],
         )
-
-        def save(step):
-            guard.flush()
-            if guard.error or guard.spike:  # keep the last good checkpoint
-                return
-            counters['skipped_steps'] = guard.total
-            checkpoints.save(step, in_layer_order(state), resume.checkpoint_meta(config, counters))
-
-        def preempted(step):
-            if jax.process_count() > 1:
-                return checkpoints.reached_preemption(step)
-            return stop_signals.requested
-
-        writer = metrics_lib.MetricsWriter(workdir, resume_step=first_step, enabled=primary)
-        progress = tqdm(
-            total=train_cfg.steps,
-            initial=first_step,
-            unit='step',
-            mininterval=1.0,
-            dynamic_ncols=True,
-            disable=not primary,
-        )
-        write = progress.write if primary else say  # tqdm.write prints even when disabled
-        batches = loader_lib.TrainBatches(config, train_data, mesh, counters['samples_consumed'])
-        last_time, last_step, last_tokens = time.perf_counter(), first_step, counters['tokens_seen']
-        window_losses = []  # device scalars: averaged at the log step, no sync per step
-        step = first_step
-        while step < train_cfg.steps:
+        report = Reporter(config, workdir, position, flops_per_token, peak)
+        batches = loader_lib.TrainBatches(config, train_data, mesh, samples)
+        while position.step < train_cfg.steps:
             batch = next(batches)
-            if (batch.micro_steps, None) not in compiled_steps:
+            if batch.micro_steps not in compiled:
                 start = time.perf_counter()
-                train_step_for(batch.micro_steps)
-                seconds = time.perf_counter() - start
-                last_time += seconds  # compile time is not step time
-                write(
-                    f'compiled     train step for {batch.micro_steps} micro-steps (global batch '
-                    f'{batch.global_batch}) in {seconds:.1f} s'
-                )
-            drill = drills.pop(step + 1, None)  # once: a rolled-back step is not drilled again
-            train_step = train_step_for(batch.micro_steps, drill)
-            counters['samples_consumed'] += batch.global_batch
-            counters['tokens_seen'] += batch.global_batch * seq_len
-            tokens_seen = counters['tokens_seen']
+                compiled(batch.micro_steps)
+                report.compiled(batch, time.perf_counter() - start)
+            # A drill runs once: a rolled-back step is not drilled again.
+            train_step = compiled(batch.micro_steps, drills.pop(position.step + 1, None))
+            tokens_after = position.counters['tokens_seen'] + batch.global_batch * seq_len
             state, step_metrics = train_step(
-                state, batch.tokens, batch.row_ids, jnp.float32(tokens_seen)
+                position.state, batch.tokens, batch.row_ids, jnp.float32(tokens_after)
             )
-            window_losses.append(step_metrics['loss'])
-            if done_kills_this_process(config, first_step, step + 1):
+            position = position.after(state, batch.global_batch, seq_len)
+            done = position.step
+            if kills_this_process(config, first_step, done):
                 checkpoints.wait()  # the drill loses a process, not the checkpoint before it
                 os.kill(os.getpid(), signal.SIGKILL)
-            progress.update(1)
-            done = step + 1
+            report.stepped(step_metrics)
             guard.push(done, step_metrics)
-            stopping = preempted(done)
-            if done % train_cfg.log_every == 0 or done == train_cfg.steps or stopping:
+            stopping = (
+                checkpoints.reached_preemption(done)
+                if jax.process_count() > 1
+                else stop_signals.requested
+            )
+            if due(train_cfg.log_every, done, train_cfg.steps) or stopping:
                 guard.flush()
-                step_metrics, losses = jax.device_get((step_metrics, window_losses))
-                window_losses = []
-                now = time.perf_counter()
-                step_time = (now - last_time) / (done - last_step)
-                tokens_per_s = (tokens_seen - last_tokens) / (now - last_time)
-                last_time, last_step, last_tokens = now, done, tokens_seen
-                tflops = flops_per_token * tokens_per_s / jax.device_count() / 1e12
-                record = dict(
-                    step=done,
-                    loss=float(np.mean(losses)),  # mean over the log interval
-                    lr=float(step_metrics['lr']),
-                    grad_norm=float(step_metrics['grad_norm']),
-                    global_batch=batch.global_batch,
-                    tokens_seen=tokens_seen,
-                    step_time_s=step_time,
-                    tokens_per_s=tokens_per_s,
-                    tflops_per_device=tflops,
-                    mfu=tflops / peak if peak else None,
-                    skipped_steps=guard.total,
-                    pipeline_bubble_fraction=pipeline.bubble_fraction(
-                        config.mesh.stage,
-                        config.pipeline.repeats,
-                        batch.micro_steps,
-                        config.pipeline.schedule,
-                    ),
-                )
-                writer.write(record)
-                progress.set_postfix(
-                    loss=f'{record["loss"]:.3f}',
-                    tok_s=f'{tokens_per_s:,.0f}',
-                    mfu='n/a' if peak is None else f'{record["mfu"]:.1%}',
-                )
-            every = config.checkpoint.every
-            if (every and done % every == 0) or done == train_cfg.steps or stopping:
-                save(done)
+                position = position.counted(guard.total)
+                report.log(position, batch, step_metrics)
+            if due(config.checkpoint.every, done, train_cfg.steps) or stopping:
+                guard.flush()
+                if not (guard.error or guard.spike):  # keep the last good checkpoint
+                    position = position.counted(guard.total)
+                    meta = resume.checkpoint_meta(config, position.counters)
+                    checkpoints.save(done, in_layer_order(position.state), meta)
             if guard.error:
                 break
             if stopping:
-                write(
+                report.say(
                     f'stopped      at step {done} on request: checkpoint saved; '
                     f'the same command resumes it'
                 )
                 break
-            if (
-                train_cfg.eval_every and done % train_cfg.eval_every == 0
-            ) or done == train_cfg.steps:
-                loss = evaluate(config, eval_step, state['params'], valid_data, mesh)
-                writer.write(
-                    dict(
-                        step=done,
-                        eval=True,
-                        loss=loss,
-                        tokens_seen=tokens_seen,
-                        perplexity=metrics_lib.perplexity(loss),
-                    )
-                )
-                write(
-                    f'step {done}: validation loss {loss:.4f}, '
-                    f'perplexity {metrics_lib.perplexity(loss):.2f}'
-                )
-                last_time = time.perf_counter()  # evaluation time is not step time
-            step = done
+            if due(train_cfg.eval_every, done, train_cfg.steps):
+                start = time.perf_counter()
+                loss = evaluate(config, eval_step, position.state['params'], valid_data, mesh)
+                report.evaluated(position, loss, time.perf_counter() - start)
             if guard.spike:
-                rolled = resume.roll_back(config, setup, checkpoints, counters)
                 spike_step, spike_loss, mean = guard.spike
                 guard.spike = None
+                rolled = resume.roll_back(config, setup, checkpoints, position)
                 if rolled is None:
-                    write(f'loss spike at step {spike_step}: no checkpoint to go back to')
+                    report.say(f'loss spike at step {spike_step}: no checkpoint to go back to')
                     continue
-                step, state, counters = rolled
-                write(
+                position = rolled
+                report.say(
                     f'loss spike at step {spike_step}: {spike_loss:.4f} > '
                     f'{train_cfg.spike_factor} x running mean {mean:.4f}; rolled back to step '
-                    f'{step}, data moved on to sample {counters["samples_consumed"]}'
+                    f'{position.step}, data moved on to sample '
+                    f'{position.counters["samples_consumed"]}'
                 )
                 batches.close()  # the data position moved: read from there
                 batches = loader_lib.TrainBatches(
-                    config, train_data, mesh, counters['samples_consumed']
+                    config, train_data, mesh, position.counters['samples_consumed']
                 )
-                progress.n, window_losses, last_step = step, [], step
-                last_tokens = counters['tokens_seen']
+                report.moved_to(position)
         guard.flush()
         batches.close()
-        progress.close()
-        writer.close()
+        metrics_path = report.close()
         checkpoints.wait()  # saves in flight complete, also after non-finite steps
         checkpoints.close()
     if guard.error:
         raise faults.NonFiniteError(guard.error)
 
     if not primary:
-        return state
+        return position.state
     png = run_dir.loss_png
-    metrics_lib.plot_loss_curve(writer.path, png, title=os.path.basename(workdir.rstrip('/')))
-    print(f'wrote {writer.path}, {png} and tensorboard events in {run_dir.tensorboard}')
-    return state
+    metrics_lib.plot_loss_curve(metrics_path, png, title=os.path.basename(workdir.rstrip('/')))
+    print(f'wrote {metrics_path}, {png} and tensorboard events in {run_dir.tensorboard}')
+    return position.state

@@ -2,8 +2,9 @@
 
 metrics.jsonl holds one JSON object per logged step (`step`, `loss` (the mean over the steps
 since the last record, as Megatron logs it), `lr`, `grad_norm`,
-`global_batch`, `tokens_seen`, `step_time_s`, `tokens_per_s`, `tflops_per_device`, `mfu`)
-and one per evaluation (`"eval": true`, `step`, `loss`, `perplexity`).
+`global_batch`, `tokens_seen`, `step_time_s`, `tokens_per_s`, `tflops_per_device`, `mfu`,
+`skipped_steps`, `pipeline_bubble_fraction`; train/loop.py's step_record builds it) and one
+per evaluation (`"eval": true`, `step`, `loss`, `perplexity`).
 """
 
 import json

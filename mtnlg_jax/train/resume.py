@@ -13,6 +13,7 @@ non-finite. The RNG state is the step itself: dropout keys are fold_in(key(train
 step, row), so a checkpoint stores only the seed (in its config and as `rng_seed`).
 """
 
+import dataclasses
 import os
 
 import jax
@@ -23,6 +24,30 @@ from mtnlg_jax.data import tokenizer as tokenizer_lib
 from mtnlg_jax.train.state import init_state, pipeline_order
 
 COUNTERS = ('samples_consumed', 'tokens_seen', 'skipped_steps')
+
+
+@dataclasses.dataclass(frozen=True)
+class Position:
+    """Where a run stands: `step` steps done, the train state after them, and the counters
+    (a dict of COUNTERS). Restore, initialisation and rollback each return one; the loop
+    replaces it after every step."""
+
+    step: int
+    state: dict
+    counters: dict
+
+    def after(self, state, global_batch, seq_len):
+        """The position one step of `global_batch` sequences later, ending in `state`."""
+        counters = dict(
+            self.counters,
+            samples_consumed=self.counters['samples_consumed'] + global_batch,
+            tokens_seen=self.counters['tokens_seen'] + global_batch * seq_len,
+        )
+        return Position(self.step + 1, state, counters)
+
+    def counted(self, skipped_steps):
+        """The same position with the skipped-step count StepGuard keeps during the run."""
+        return dataclasses.replace(self, counters=dict(self.counters, skipped_steps=skipped_steps))
 
 
 def fresh_counters():
@@ -79,18 +104,18 @@ def _counters_of(meta):
 
 
 def restore_or_init(config, setup, checkpoints, log=print):
-    """(state, counters) to start from; CheckpointError if a checkpoint does not fit."""
+    """The Position to start from; CheckpointError if a checkpoint does not fit."""
     found = _restore_newest(config, checkpoints, setup)
     if found is not None:
         step, state, meta = found
         incomplete = checkpoints.incomplete()
         note = f'; ignored incomplete save(s): {", ".join(incomplete)}' if incomplete else ''
         log(f'resumed      from step {step} of {checkpoints.directory} (newest complete{note})')
-        return state, _counters_of(meta)
+        return Position(int(state['step']), state, _counters_of(meta))
     state, counters = init_state(config, setup), fresh_counters()
     if config.checkpoint.init_from:
         state, counters = _init_from(config, setup, state, counters, log)
-    return state, counters
+    return Position(int(state['step']), state, counters)
 
 
 def _init_from(config, setup, state, counters, log):
@@ -120,8 +145,8 @@ def _init_from(config, setup, state, counters, log):
     return state, counters
 
 
-def roll_back(config, setup, checkpoints, counters):
-    """After a loss spike: (step, state, counters) of the newest checkpoint, with the data
+def roll_back(config, setup, checkpoints, position):
+    """After a loss spike at `position`: the Position of the newest checkpoint, with the data
     moved past every batch consumed so far (the spike's among them) and
     train.spike_skip_batches more; None if there is no checkpoint to go back to."""
     checkpoints.wait()
@@ -130,9 +155,9 @@ def roll_back(config, setup, checkpoints, counters):
         return None
     step, state, meta = found
     skip = config.train.spike_skip_batches * config.train.global_batch
-    rolled = dict(
+    counters = dict(
         _counters_of(meta),
-        samples_consumed=counters['samples_consumed'] + skip,
-        skipped_steps=counters['skipped_steps'],
+        samples_consumed=position.counters['samples_consumed'] + skip,
+        skipped_steps=position.counters['skipped_steps'],
     )
-    return step, state, rolled
+    return Position(step, state, counters)
