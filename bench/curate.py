@@ -136,8 +136,8 @@ def synthetic(path, megabytes, verses):
 def run_pipeline(name, inputs, folder, workers, reference, evaluation):
     output = os.path.join(folder, f'{name}.curated.jsonl')
     command = [sys.executable, os.path.join(ROOT, 'launch/curate.py'), '--input', *inputs,
-               '--output', output, '--workers', str(workers), '--quality-reference', reference,
-               '--classifier-threshold', '0.05', '--eval', evaluation]
+               '--output', output, '--workers', str(workers), '--quality_reference', reference,
+               '--classifier_threshold', '0.05', '--eval', evaluation]
     start = time.perf_counter()
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                    env={**os.environ, 'PYTHONPATH': ROOT})

@@ -6,11 +6,11 @@ jsonl (or any input preprocess.py reads) in, jsonl out.
 
     python launch/curate.py --input raw/web.jsonl --output curated/web.jsonl [--workers 2] \\
         [--stages exact fuzzy quality decontaminate] [--threshold 0.8] \\
-        [--quality-reference good.jsonl --classifier-threshold 0.5] [--eval lambada.jsonl ...]
+        [--quality_reference good.jsonl --classifier_threshold 0.5] [--eval lambada.jsonl ...]
 
 Stages run in that order, whatever order they are named in: exact (normalised text), fuzzy
 (MinHash + LSH, Jaccard >= --threshold, one document kept per cluster), quality (Gopher's
-heuristics; with --quality-reference also a classifier trained on that good text against a
+heuristics; with --quality_reference also a classifier trained on that good text against a
 sample of the input), decontaminate (GPT-3's 13-gram rule against the --eval files; the
 default stages include it when --eval is given). Writes OUTPUT and OUTPUT's .report.json
 (documents and bytes in, out and removed per stage, why, and examples), each only once
@@ -39,20 +39,20 @@ def parse_args(argv):
     p.add_argument('--stages', nargs='+', choices=pipeline.STAGES,
                    help='default: exact fuzzy quality, and decontaminate when --eval is given')
     p.add_argument('--workers', type=int, default=1)
-    p.add_argument('--json-key', default='text')
-    p.add_argument('--chunk-documents', type=int, default=256, help='documents per worker task')
+    p.add_argument('--json_key', default='text')
+    p.add_argument('--chunk_documents', type=int, default=256, help='documents per worker task')
     p.add_argument('--examples', type=int, default=3, help='removed documents shown per stage')
     g = p.add_argument_group('fuzzy deduplication')
     g.add_argument('--threshold', type=float, default=0.8, help='Jaccard of duplicates, (0, 1]')
-    g.add_argument('--num-perm', type=int, default=128, help='MinHash permutations')
-    g.add_argument('--shingle-words', type=int, default=5, help='words per shingle')
+    g.add_argument('--num_perm', type=int, default=128, help='MinHash permutations')
+    g.add_argument('--shingle_words', type=int, default=5, help='words per shingle')
     g.add_argument('--seed', type=int, default=1, help='of the MinHash permutations')
     g = p.add_argument_group('quality filtering')
-    g.add_argument('--no-heuristics', action='store_true', help="skip Gopher's rules")
-    g.add_argument('--min-words', type=int, default=quality.Rules.min_words)
-    g.add_argument('--quality-reference', nargs='+', help='good text: trains the classifier')
-    g.add_argument('--classifier-threshold', type=float, default=0.5, help='keep P(good) >= this')
-    g.add_argument('--classifier-samples', type=int, default=5000,
+    g.add_argument('--no_heuristics', action='store_true', help="skip Gopher's rules")
+    g.add_argument('--min_words', type=int, default=quality.Rules.min_words)
+    g.add_argument('--quality_reference', nargs='+', help='good text: trains the classifier')
+    g.add_argument('--classifier_threshold', type=float, default=0.5, help='keep P(good) >= this')
+    g.add_argument('--classifier_samples', type=int, default=5000,
                    help='documents of each class the classifier is trained on, at most')
     g = p.add_argument_group('decontamination')
     g.add_argument('--eval', nargs='+', help='evaluation sets (jsonl: every string field; text)')
@@ -63,7 +63,7 @@ def parse_args(argv):
 
 
 def _check(args):
-    for flag, paths in (('--input', args.input), ('--quality-reference', args.quality_reference),
+    for flag, paths in (('--input', args.input), ('--quality_reference', args.quality_reference),
                         ('--eval', args.eval)):
         for path in paths or ():
             if not os.path.exists(path):
@@ -74,16 +74,16 @@ def _check(args):
                 except OSError as e:
                     raise InputError(f'{flag} {name}: {e.strerror or e}') from None
     for flag, value in (('--threshold', args.threshold),
-                        ('--classifier-threshold', args.classifier_threshold)):
+                        ('--classifier_threshold', args.classifier_threshold)):
         if not 0 < value <= 1:
             raise InputError(f'{flag} must be in (0, 1], got {value}')
     for flag, value, low, high in (('--workers', args.workers, 1, 256),
-                                   ('--num-perm', args.num_perm, 8, 1024),
-                                   ('--shingle-words', args.shingle_words, 1, 64),
+                                   ('--num_perm', args.num_perm, 8, 1024),
+                                   ('--shingle_words', args.shingle_words, 1, 64),
                                    ('--ngram', args.ngram, 1, 64),
-                                   ('--chunk-documents', args.chunk_documents, 1, 1 << 20),
-                                   ('--classifier-samples', args.classifier_samples, 2, 1 << 24),
-                                   ('--min-words', args.min_words, 0, 1 << 30),
+                                   ('--chunk_documents', args.chunk_documents, 1, 1 << 20),
+                                   ('--classifier_samples', args.classifier_samples, 2, 1 << 24),
+                                   ('--min_words', args.min_words, 0, 1 << 30),
                                    ('--examples', args.examples, 0, 1000)):
         if not low <= value <= high:
             raise InputError(f'{flag} must be in [{low}, {high}], got {value}')
@@ -92,7 +92,7 @@ def _check(args):
     if 'decontaminate' in args.stages and not args.eval:
         raise InputError('--stages decontaminate needs --eval FILES (the evaluation sets)')
     if args.quality_reference and 'quality' not in args.stages:
-        raise InputError("--quality-reference given but 'quality' is not in --stages")
+        raise InputError("--quality_reference given but 'quality' is not in --stages")
     output = os.path.abspath(args.output)
     if os.path.isdir(output):
         raise InputError(f'--output {args.output}: is a folder')
@@ -119,7 +119,7 @@ def options(args):
         raw = quality.sample_by_hash(documents(args.input, args.json_key), args.classifier_samples)
         if not good:
             names = ' '.join(args.quality_reference)
-            raise InputError(f'--quality-reference {names}: no documents')
+            raise InputError(f'--quality_reference {names}: no documents')
         if not raw:
             raise InputError(f'--input {" ".join(args.input)}: no documents')
         chosen.classifier = quality.Classifier().fit(good, raw)

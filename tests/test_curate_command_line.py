@@ -47,7 +47,7 @@ def corpus(tmp_path_factory):
 def test_all_stages_and_their_report(tmp_path, corpus, capsys):
     raw, good, eval_set, generated = corpus
     output = tmp_path / 'out' / 'curated.jsonl'
-    flags = ('--quality-reference', good, '--eval', eval_set, '--min-words', 10)
+    flags = ('--quality_reference', good, '--eval', eval_set, '--min_words', 10)
     assert curate('--input', raw, '--output', output, *flags) == 0
     printed = capsys.readouterr().out
     assert 'decontaminate' in printed and 'report:' in printed
@@ -81,7 +81,7 @@ def one_document(folder):
     (lambda d: (d / 'latin1.txt').write_bytes(b'caf\xe9') and d / 'latin1.txt', (), 'not UTF-8'),
     (one_document, ('--threshold', '0'), '--threshold must be in (0, 1]'),
     (one_document, ('--threshold', '1.5'), '--threshold must be in (0, 1]'),
-    (one_document, ('--classifier-threshold', '-1'), '--classifier-threshold must be in (0, 1]'),
+    (one_document, ('--classifier_threshold', '-1'), '--classifier_threshold must be in (0, 1]'),
     (one_document, ('--stages', 'decontaminate'), 'needs --eval'),
 ])
 def test_bad_input_is_one_line_and_keeps_the_old_output(tmp_path, capsys, make, flags, message):
