@@ -2,7 +2,7 @@
 
     python bench/pipeline.py [--config configs/tiny.py] [--steps 3] [--tables time,bubble,memory]
 
-Three tables, all from one run on the same 8 devices, for each `pipeline.schedule`:
+Three tables (and a fourth on request), all from one run on the same 8 devices, for each `pipeline.schedule`:
 
 1. Step time of data 2 x stage 2 x tensor 2 (v = 1 and 2) against data 8 and data 4 x
    tensor 2, same global batch, as ratios to data 8. On a CPU the 8 devices are simulated
@@ -18,6 +18,11 @@ Three tables, all from one run on the same 8 devices, for each `pipeline.schedul
 3. Peak temporary memory per device (XLA's memory analysis of the compiled train step) as m
    grows, at fixed micro-batch size: GPipe order keeps every micro-batch's stage inputs
    (v m + p - 1), 1F1B-family schedules at most the table's in-flight count, whatever m.
+
+    python bench/pipeline.py --tables inflight
+
+   (arithmetic only) 1f1b's table against the same bounded by pipeline.max_in_flight = p:
+   stage inputs held, ticks and predicted bubble.
 
     python bench/pipeline.py --scale [--micro_batches 240]
 
@@ -111,8 +116,15 @@ def bubble_table(path, steps):
                 measured = (stages - 1) * slope / repeats / seconds
                 predicted = pipeline.bubble_fraction(stages, repeats, m, schedule)
                 rows.append(
-                    (schedule, stages, repeats, m, f'{seconds:.3f}', f'{measured:.3f}',
-                     f'{predicted:.3f}')
+                    (
+                        schedule,
+                        stages,
+                        repeats,
+                        m,
+                        f'{seconds:.3f}',
+                        f'{measured:.3f}',
+                        f'{predicted:.3f}',
+                    )
                 )
     header = ('schedule', 'p', 'v', 'm', 'step s', 'measured bubble', 'predicted')
     print_table('Bubble fraction, 1 sequence per micro-batch, stage only', header, rows)
@@ -138,6 +150,34 @@ def memory_table(path):
     )
 
 
+def in_flight_table():
+    """1f1b's lockstep table against the same bounded to p stage inputs (pipeline.max_in_flight
+    = p): stash slots of the busiest stage, ticks and predicted bubble (arithmetic only)."""
+    rows = []
+    for stages, micro in ((4, 16), (4, 64), (8, 64), (35, 240)):
+        greedy = pipeline.build_table(stages, 1, micro)
+        bounded = pipeline.build_table(stages, 1, micro, max_in_flight=stages)
+        rows.append(
+            (
+                stages,
+                micro,
+                greedy.in_flight().max(),
+                bounded.in_flight().max(),
+                greedy.ticks,
+                bounded.ticks,
+                f'{greedy.bubble_fraction():.3f}',
+                f'{bounded.bubble_fraction():.3f}',
+            )
+        )
+    header = (
+        'p', 'm', 'in flight (no bound)', 'in flight (bound p)', 'ticks (no bound)',
+        'ticks (bound p)', 'bubble (no bound)', 'bubble (bound p)',
+    )  # fmt: skip
+    print_table(
+        '1f1b: stage inputs held by stage 0, without and with max_in_flight = p', header, rows
+    )
+
+
 def scale_table(micro_batches):
     from mtnlg_jax import config as config_lib
     from mtnlg_jax import plan
@@ -155,8 +195,10 @@ def scale_table(micro_batches):
     zero_share = held['optimizer'] * 7 // 8  # data 8: master + moments split 8 ways
     gib = lambda n: f'{n / 2**30:.1f}'  # noqa: E731
     rows = [
-        ('arguments (state: bf16 copy not included; fp32 master + moments, data 1)',
-         gib(memory['argument_bytes'])),
+        (
+            'arguments (state: bf16 copy not included; fp32 master + moments, data 1)',
+            gib(memory['argument_bytes']),
+        ),
         ('outputs - aliased (donated state)', gib(memory['output_bytes'] - memory['alias_bytes'])),
         ('temporaries', gib(memory['temp_bytes'])),
         ('peak, one replica (data 1)', gib(memory['peak_bytes'])),
@@ -193,6 +235,8 @@ def main():
         bubble_table(args.config, args.steps)
     if 'memory' in tables:
         memory_table(args.config)
+    if 'inflight' in tables:
+        in_flight_table()
 
 
 if __name__ == '__main__':

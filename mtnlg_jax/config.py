@@ -49,7 +49,10 @@ def defaults():
     config.mesh = ml_collections.ConfigDict(dict(data=-1, stage=1, tensor=1))
     # schedule: 1f1b (memory flat in the micro-batch count; with repeats > 1 Megatron's
     # interleaved 1F1B), interleaved (the same, asking for repeats > 1), gpipe (for comparison).
-    config.pipeline = ml_collections.ConfigDict(dict(repeats=1, schedule='1f1b'))
+    # max_in_flight: 1f1b only, at most this many stage inputs held per stage (0: as many as
+    # lockstep ticks need, 2 (p - s) - 1 on stage s; p is Megatron's bound, at the cost of
+    # idle ticks: parallel/schedule.py).
+    config.pipeline = ml_collections.ConfigDict(dict(repeats=1, schedule='1f1b', max_in_flight=0))
     config.model = ml_collections.ConfigDict(
         dict(
             num_layers=12,
@@ -488,6 +491,18 @@ def _check_pipeline(config, replica_batch):
         schedule != 'interleaved' or repeats > 1,
         'pipeline.schedule',
         'interleaved needs pipeline.repeats > 1 (chunks per stage); with 1 use 1f1b',
+    )
+    in_flight = config.pipeline.max_in_flight
+    _require(
+        in_flight >= 0,
+        'pipeline.max_in_flight',
+        f'must be >= 0 (0: no bound), got {in_flight}',
+    )
+    _require(
+        not in_flight or (schedule == '1f1b' and repeats == 1),
+        'pipeline.max_in_flight',
+        f'bounds the 1f1b table with pipeline.repeats 1 only (got schedule {schedule!r}, '
+        f'repeats {repeats})',
     )
     if schedule != 'gpipe':
         return

@@ -84,6 +84,20 @@ def test_ten_step_losses_match_one_device(one_device, layout):
     np.testing.assert_allclose(losses, one_device['losses'], atol=1e-4)
 
 
+def test_1f1b_bounded_to_p_stage_inputs_matches_one_device(one_device):
+    """pipeline.max_in_flight = p: Megatron's bound of p stage inputs per stage, reached with
+    idle ticks; the same loss and gradients."""
+    layout = (1, 4, 2, 1, 8, '1f1b', {})
+    config = _config(layout)
+    config.pipeline.max_in_flight = 4
+    bounded, greedy = pipeline.build_table(4, 1, 8, 4), pipeline.build_table(4, 1, 8)
+    assert bounded.in_flight().max() == 4 < greedy.in_flight().max()
+    assert bounded.stash_slots < greedy.stash_slots and bounded.ticks > greedy.ticks
+    _, loss, grads = support.gradients(config, support.random_batches(1)[0], step=5)
+    np.testing.assert_allclose(loss, one_device['loss'], rtol=1e-6)
+    support.assert_gradients_close(grads, one_device['grads'])
+
+
 def test_bf16_gradient_error_no_worse_than_unpipelined(one_device):
     """Against the fp32 gradients: the pipeline sums in fp32 accumulators, so its bf16 error
     is that of the unpipelined step's (within 10 %)."""

@@ -49,6 +49,11 @@ from support import ROOT, SMALL_MODEL, run_train
             ['--config.pipeline.schedule=interleaved', '--config.pipeline.repeats=1'],
             'pipeline.schedule',
         ),
+        (['--config.pipeline.max_in_flight=-1'], 'pipeline.max_in_flight'),
+        (  # the in-flight bound is for the 1f1b table only
+            ['--config.pipeline.repeats=2', '--config.pipeline.max_in_flight=2'],
+            'pipeline.max_in_flight',
+        ),
         (['--config.model.num_layers=3', '--config.pipeline.repeats=2'], 'model.num_layers'),
         (['--config.model.remat=sometimes'], 'model.remat'),
         (['--config.model.compute_dtype=int8'], 'model.compute_dtype'),

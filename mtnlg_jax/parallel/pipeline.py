@@ -87,14 +87,29 @@ def to_layer_order(tree, num_layers, stages, repeats):
     return _reorder_blocks(tree, np.argsort(schedule_order(num_layers, stages, repeats)))
 
 
-def num_ticks(stages, repeats, micro_batches, schedule='1f1b'):
+def options(config):
+    """The keywords of a config's pipeline: stages, repeats, schedule, max_in_flight."""
+    return dict(
+        stages=config.mesh.stage,
+        repeats=config.pipeline.repeats,
+        schedule=config.pipeline.schedule,
+        max_in_flight=config.pipeline.get('max_in_flight', 0),
+    )
+
+
+def build_table(stages, repeats, micro_batches, max_in_flight=0):
+    """The 1f1b / interleaved table (schedule.build; max_in_flight 0: no bound)."""
+    return schedule_lib.build(stages, repeats, micro_batches, max_in_flight or None)
+
+
+def num_ticks(stages, repeats, micro_batches, schedule='1f1b', max_in_flight=0):
     """Scan length: table ticks (1f1b / interleaved), iterations v m + p - 1 (gpipe)."""
     if schedule == 'gpipe':
         return gpipe.num_iterations(stages, repeats, micro_batches)
-    return schedule_lib.build(stages, repeats, micro_batches).ticks
+    return build_table(stages, repeats, micro_batches, max_in_flight).ticks
 
 
-def bubble_fraction(stages, repeats, micro_batches, schedule='1f1b'):
+def bubble_fraction(stages, repeats, micro_batches, schedule='1f1b', max_in_flight=0):
     """Predicted share of the step the stages wait: from the table's ticks for 1f1b /
     interleaved (a backward costing 3 forwards, full recompute), (p - 1) / (v m + p - 1)
     for gpipe."""
@@ -102,10 +117,12 @@ def bubble_fraction(stages, repeats, micro_batches, schedule='1f1b'):
         return 0.0
     if schedule == 'gpipe':
         return gpipe.bubble_fraction(stages, repeats, micro_batches)
-    return float(schedule_lib.build(stages, repeats, micro_batches).bubble_fraction())
+    return float(build_table(stages, repeats, micro_batches, max_in_flight).bubble_fraction())
 
 
-def loss_and_grads(graphdef, params, tokens, row_keys, *, stages, repeats, schedule='1f1b'):
+def loss_and_grads(
+    graphdef, params, tokens, row_keys, *, stages, repeats, schedule='1f1b', max_in_flight=0
+):
     """(loss sum, token count, fp32 gradients shaped as params) of micro-batches tokens
     (m, rows, seq + 1), the block stack pipelined over 'stage'.
 
@@ -125,17 +142,17 @@ def loss_and_grads(graphdef, params, tokens, row_keys, *, stages, repeats, sched
 
         (loss, count), grads = jax.value_and_grad(loss_sum, has_aux=True)(params)
         return loss, count, grads
-    table = schedule_lib.build(stages, repeats, tokens.shape[0])
-    return run_schedule(graphdef, params, tokens, row_keys, table, with_grads=True)
+    ticks = build_table(stages, repeats, tokens.shape[0], max_in_flight)
+    return run_schedule(graphdef, params, tokens, row_keys, ticks, with_grads=True)
 
 
-def loss_sum(graphdef, params, tokens, *, stages, repeats, schedule='1f1b'):
+def loss_sum(graphdef, params, tokens, *, stages, repeats, schedule='1f1b', max_in_flight=0):
     """(loss sum, token count) of tokens (m, rows, seq + 1), pipelined, no gradients."""
     if schedule == 'gpipe':
         model = gpt.merge(graphdef, params)
         return gpipe.pipelined_loss_sum(model, tokens, None, stages=stages, repeats=repeats)
-    table = schedule_lib.build(stages, repeats, tokens.shape[0])
-    loss, count, _ = run_schedule(graphdef, params, tokens, None, table, with_grads=False)
+    ticks = build_table(stages, repeats, tokens.shape[0], max_in_flight)
+    loss, count, _ = run_schedule(graphdef, params, tokens, None, ticks, with_grads=False)
     return loss, count
 
 

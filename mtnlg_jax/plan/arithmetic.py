@@ -216,7 +216,8 @@ def activation_bytes(config):
         return dict(layers=kept, recomputed=recomputed, pipeline_buffers=0, logits=logits)
     chunk_layers = model.num_layers // (stages * repeats)
     if config.pipeline.get('schedule', 'gpipe') != 'gpipe':
-        table = schedule_lib.build(stages, repeats, micro)
+        in_flight = config.pipeline.get('max_in_flight', 0) or None
+        table = schedule_lib.build(stages, repeats, micro, in_flight)
         handoff = boundary // tensor if model.seq_len % tensor == 0 else boundary
         return dict(
             layers=(table.stash_slots + table.grad_slots + 2) * handoff,

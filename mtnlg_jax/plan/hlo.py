@@ -230,7 +230,6 @@ def _mesh_form_groups(axes_text, device_ids_text, grouped_text):
         ids = np.arange(math.prod(sizes))
     ids = ids.reshape(sizes)
     # Split every mesh axis that a sub-axis refers to into (major, size, minor) dimensions.
-    dims = [[(s, None)] for s in sizes]  # per axis: [(size, tag)], tag = grouped sub-axis key
     grouped = []
     for ref in _split_top(grouped_text):
         match = re.match(r"'?([^':]+)'?(?::\((\d+)\)(\d+))?$", ref.strip())

@@ -8,16 +8,17 @@ from mtnlg_jax.data import rampup
 
 
 def pipeline_line(config):
-    stages, repeats, micro = config.mesh.stage, config.pipeline.repeats, config.train.micro_steps
+    options, micro = pipeline.options(config), config.train.micro_steps
+    stages, repeats, schedule = options['stages'], options['repeats'], options['schedule']
     if stages == 1:
         return 'none (mesh.stage = 1)'
-    schedule = config.pipeline.schedule
     name = 'interleaved 1F1B' if schedule != 'gpipe' and repeats > 1 else schedule
-    ticks = pipeline.num_ticks(stages, repeats, micro, schedule)
+    if options['max_in_flight']:
+        name += f' (at most {options["max_in_flight"]} stage inputs in flight)'
     return (
-        f'{name}, {stages} stages x {repeats} repeats, {micro} micro-batches: {ticks} '
-        f'ticks, predicted bubble fraction '
-        f'{pipeline.bubble_fraction(stages, repeats, micro, schedule):.3f}'
+        f'{name}, {stages} stages x {repeats} repeats, {micro} micro-batches: '
+        f'{pipeline.num_ticks(micro_batches=micro, **options)} ticks, predicted bubble fraction '
+        f'{pipeline.bubble_fraction(micro_batches=micro, **options):.3f}'
     )
 
 

@@ -116,7 +116,7 @@ def step_record(config, position, batch, losses, step_metrics, throughput):
         mfu=tflops / peak if peak else None,
         skipped_steps=position.counters['skipped_steps'],
         pipeline_bubble_fraction=pipeline.bubble_fraction(
-            config.mesh.stage, config.pipeline.repeats, batch.micro_steps, config.pipeline.schedule
+            micro_batches=batch.micro_steps, **pipeline.options(config)
         ),
     )
 

@@ -44,6 +44,7 @@ from mtnlg_jax.model import gpt
 from mtnlg_jax.parallel import pipeline, rules, zero
 from mtnlg_jax.train.optimizer import learning_rate_schedule
 
+
 def _row_keys(config, step, row_ids):
     """One dropout key per sequence, from (seed, step, row in the global batch); None when the
     model has no dropout."""
@@ -103,12 +104,9 @@ def _replica_sums(config, setup, compute_params, tokens, row_ids, step):
     (micro_steps, local rows, seq + 1). Runs inside the region manual over 'data'."""
     if config.mesh.stage > 1:
         row_keys = _row_keys(config, step, row_ids)
-        shape = dict(
-            stages=config.mesh.stage,
-            repeats=config.pipeline.repeats,
-            schedule=config.pipeline.schedule,
+        return pipeline.loss_and_grads(
+            setup.graphdef, compute_params, tokens, row_keys, **pipeline.options(config)
         )
-        return pipeline.loss_and_grads(setup.graphdef, compute_params, tokens, row_keys, **shape)
 
     def micro_step(carry, micro_batch):
         grads_sum, loss_sum, token_count = carry
@@ -179,12 +177,7 @@ def make_eval_step(config, setup):
         compute_params = compute_copy(config, setup, params)
         if config.mesh.stage > 1:
             return pipeline.loss_sum(
-                setup.graphdef,
-                compute_params,
-                tokens,
-                stages=config.mesh.stage,
-                repeats=config.pipeline.repeats,
-                schedule=config.pipeline.schedule,
+                setup.graphdef, compute_params, tokens, **pipeline.options(config)
             )
         model = gpt.merge(setup.graphdef, compute_params)
 
