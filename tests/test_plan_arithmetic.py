@@ -104,13 +104,14 @@ def test_communication_formulas_by_hand():
     assert set(planned) == {'all-reduce', 'reduce-scatter', 'all-gather'}
 
 
-def test_pipeline_hand_offs_and_recompute_by_hand():
-    """stage 2 x repeats 2 x 4 micro-batches: 2 x 4 + 2 - 1 = 9 iterations, one (b, s, h)
-    hand-off each way per iteration; full recompute per chunk of 1 layer: 2 forward +
+def test_gpipe_hand_offs_and_recompute_by_hand():
+    """GPipe order, stage 2 x repeats 2 x 4 micro-batches: 2 x 4 + 2 - 1 = 9 iterations, one
+    (b, s, h) hand-off each way per iteration; full recompute per chunk of 1 layer: 2 forward +
     (2 - 1) recomputed + 2 backward all-reduces per iteration."""
     config = support.small_config(
-        data=1, stage=2, tensor=2, repeats=2, num_layers=4, micro_steps=4, remat='full'
-    )
+        data=1, stage=2, tensor=2, repeats=2, num_layers=4, micro_steps=4, remat='full',
+        schedule='gpipe',
+    )  # fmt: skip
     activation = 4 * support.SEQ_LEN * 64 * 4  # b = 16 / 4 micro-steps
     planned = comm.comm_bytes_per_device(config)
     assert planned['collective-permute']['stage'] == 2 * 9 * activation
@@ -120,6 +121,21 @@ def test_pipeline_hand_offs_and_recompute_by_hand():
     assert planned['all-reduce']['tensor'] == pytest.approx(
         (9 * 5 + edge) * 2 * 1 / 2 * activation
     )
+
+
+def test_1f1b_engine_hand_offs_and_recompute_by_hand():
+    """The interleaved 1F1B table of stage 2 x repeats 2 x 4 micro-batches has 12 ticks, two
+    hand-offs a tick split over tensor 2; per device (mean over stages) 8 - 4 / 2 = 6 chunk
+    forwards of 2 all-reduces, 8 backwards of 2 recomputed (less the dead one) + 2 recomputed
+    inside remat + 2 backward, the embedding's 2 x 4 / 2 and the head's 4 / 2."""
+    config = support.small_config(
+        data=1, stage=2, tensor=2, repeats=2, num_layers=4, micro_steps=4, remat='full'
+    )
+    activation = 4 * support.SEQ_LEN * 64 * 4
+    planned = comm.comm_bytes_per_device(config)
+    assert planned['collective-permute']['stage'] == 2 * 12 * activation / 2
+    runs = 6 * 2 + 8 * (6 - 1) + 2 * 4 / 2 + 4 / 2
+    assert planned['all-reduce']['tensor'] == pytest.approx(runs * activation)  # ring over 2
 
 
 def test_every_cluster_has_the_figures_the_estimate_needs():

@@ -1,7 +1,7 @@
 """The compiled step read through the planner's own tools.
 
-1. The collective inventory: every replica-group form, async pairs, loop trip counts (on a
-   hand-written module), and the structure of compiled train and eval steps read through it:
+1. The collective inventory: every replica-group form, async pairs, loop trip counts, weighted
+   conditional branches (on hand-written modules), and the structure of compiled train and eval steps read through it:
    Megatron's tensor-parallel all-reduces per layer, pipeline hand-offs over 'stage', and no
    buffer with the full padded vocabulary on any device.
 2. The planner against the same compiles: memory per device and collective bytes per step
@@ -147,6 +147,44 @@ def test_inventory_of_a_hand_written_module():
     assert by_axis['stage'] == 3 * 128 + 96
 
 
+CONDITIONAL = """HloModule branches, num_partitions=8
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y)
+}
+
+%run (v: f32[4,8]) -> f32[4,8] {
+  %v = f32[4,8]{1,0} parameter(0)
+  ROOT %ar = f32[4,8]{1,0} all-reduce(%v), channel_id=1, replica_groups=[4,2]<=[8], to_apply=%add
+}
+
+%idle (v: f32[4,8]) -> f32[4,8] {
+  ROOT %v = f32[4,8]{1,0} parameter(0)
+}
+
+ENTRY %main (i: s32[], p: f32[4,8]) -> f32[4,8] {
+  %i = s32[] parameter(0)
+  %p = f32[4,8]{1,0} parameter(1)
+  ROOT %c = f32[4,8]{1,0} conditional(%i, %p, %p), branch_computations={%run, %idle}, metadata={op_name="jit(step)/while/body/pipeline_forward/cond"}
+}
+"""
+
+
+def test_conditional_branches_weighted_by_their_scope():
+    """Without weights a branch counts as taken; with the engine's fractions for the scope
+    path in the conditional's op_name, as often as the table takes it."""
+    (taken,) = hlo.collective_inventory(CONDITIONAL, MESH)
+    assert taken['name'] == 'ar' and taken['count'] == 1
+    weights = {(pipeline.FORWARD,): [0.25, 0.75], (pipeline.FORWARD, pipeline.FIRST): [1, 0]}
+    (weighted,) = hlo.collective_inventory(CONDITIONAL, MESH, weights)
+    assert weighted['count'] == 0.25
+    scopes = {pipeline.BACKWARD, pipeline.FIRST}
+    path = 'a/pipeline_backward/cond/branch_0_fun/transpose(jvp(pipeline_first))/cond'
+    assert hlo.scope_path(path, scopes) == (pipeline.BACKWARD, pipeline.FIRST)
+
+
 def test_replica_groups_map_to_mesh_axes_of_a_jax_mesh():
     """The same text under a mesh with other axis sizes: ids are positions in its device array."""
     ops = _by_name(hlo.collective_inventory(MODULE, dict(data=1, stage=4, tensor=2)))
@@ -186,9 +224,9 @@ def test_megatron_tensor_collectives_per_layer(tensor_step):
     in_layers = [e for e in inventory if 'tensor' in e['axes'] and e['count'] == layer_runs]
     assert len(in_layers) == 4
     assert all(
-        e['kind'] == 'all-reduce' and e['axes'] == ('tensor',) and e['bytes'] == (
-            _activation_bytes(config)
-        )
+        e['kind'] == 'all-reduce'
+        and e['axes'] == ('tensor',)
+        and e['bytes'] == (_activation_bytes(config))
         for e in in_layers
     )
     per_micro = [
@@ -206,9 +244,7 @@ def test_pipeline_moves_activations_over_stage_only(pipelined_step):
     in the loop."""
     config, text, info = pipelined_step
     inventory = hlo.collective_inventory(text, info['mesh'])
-    ticks = pipeline.num_ticks(
-        config.mesh.stage, config.pipeline.repeats, config.train.micro_steps
-    )
+    ticks = pipeline.num_ticks(config.mesh.stage, config.pipeline.repeats, config.train.micro_steps)
     handoff = _activation_bytes(config) // config.mesh.tensor
     permutes = [e for e in inventory if e['kind'] == 'collective-permute' and e['in_loop']]
     assert [(e['axes'], e['count'], e['bytes']) for e in permutes] == [
@@ -262,9 +298,7 @@ def _close(got, planned):
     return abs(got - planned) <= TOLERANCE * planned
 
 
-@pytest.mark.parametrize(
-    'name', ['tensor', 'data_bf16', 'pipelined']
-)
+@pytest.mark.parametrize('name', ['tensor', 'data_bf16', 'pipelined'])
 def test_planned_memory_per_device(name):
     """Planned bytes per device (state, optimizer-step temporaries, activations) against
     memory_analysis()'s arguments + unaliased outputs + temporaries. A bf16 step is compared
@@ -283,24 +317,16 @@ def test_a_bf16_step_compiled_on_cpu_has_the_memory_of_its_fp32_twin():
     assert compiled['peak_bytes'] > 1.2 * bf16_total
 
 
-# The planner's tensor traffic follows GPipe's forward and autodiff backward; the 1F1B engine
-# also sums over tensor inside each backward's recompute and gathers each hand-off on arrival
-# (measured: 7.09 MB compiled vs 2.62 MB planned on this layout).
-ENGINE_TENSOR_TRAFFIC_GAP = pytest.mark.xfail(
-    strict=True, reason="the plan does not count the 1F1B engine's recompute and gathers yet"
-)
-
-
-@pytest.mark.parametrize(
-    'name', ['tensor', pytest.param('pipelined', marks=ENGINE_TENSOR_TRAFFIC_GAP)]
-)
+@pytest.mark.parametrize('name', ['tensor', 'pipelined'])
 def test_planned_tensor_and_pipeline_bytes(name):
-    """Megatron's all-reduces over 'tensor' (layers, embedding, head) and the pipeline's
-    hand-offs over 'stage': planned bytes per device per step within 10 % of the inventory."""
+    """Megatron's all-reduces over 'tensor' (layers, embedding, head; in the 1F1B engine also
+    each backward's recompute), the pipeline's hand-offs over 'stage' and the sum of the
+    shared parameters' gradients over 'stage': planned bytes per device per step within 10 %
+    of the inventory, whose conditionals are weighted by the engine's table."""
     config, planned, compiled, _, _ = _planned_and_compiled(name)
     pairs = [('all-reduce', 'tensor')]
     if config.mesh.stage > 1:
-        pairs.append(('collective-permute', 'stage'))
+        pairs += [('collective-permute', 'stage'), ('all-reduce', 'stage')]
     for kind, axis in pairs:
         want = planned['comm_bytes_per_device'][kind][axis]
         got = compiled['comm_bytes_per_device'][kind][axis]

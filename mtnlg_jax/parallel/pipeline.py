@@ -53,6 +53,13 @@ ACTIVATION_AXES = ('batch', 'residual_seq', 'embed')  # gathered, unless sequenc
 # (its forward is empty: its backward recomputes it with the head and the loss).
 _IDLE, _FIRST, _MIDDLE, _LAST = range(4)
 
+# Named scopes around the engine's conditionals. XLA keeps them in each conditional's op_name,
+# so the plan's HLO inventory weighs a branch by how often the table takes it
+# (`branch_fractions`) instead of counting every branch as taken.
+FORWARD, BACKWARD, EVAL, FIRST, LAST = (
+    'pipeline_forward', 'pipeline_backward', 'pipeline_eval', 'pipeline_first', 'pipeline_last'
+)  # fmt: skip
+
 
 def schedule_order(num_layers, stages, repeats):
     """Layer held at each storage index of the stage-major order."""
@@ -156,6 +163,30 @@ def loss_sum(graphdef, params, tokens, *, stages, repeats, schedule='1f1b', max_
     return loss, count
 
 
+def branch_fractions(table):
+    """{scope path: [fraction of its runs each branch takes]} of the engine's conditionals, the
+    mean over stages, for the HLO inventory (plan/hlo.py). `lax.cond(pred, a, b)` lowers to
+    branches [b, a]: branch 1 is the predicate's. Paths are the scopes enclosing a
+    conditional, outermost first; a branch's fraction is of the runs of its enclosing code."""
+    fwd, bwd = _slot_kinds(table)
+    slots = fwd.size
+
+    def share(kinds, kind, of=None):
+        base = (kinds != _IDLE).sum() if of is None else of
+        return float((kinds == kind).sum() / base) if base else 0.0
+
+    fwd_idle, bwd_idle = share(fwd, _IDLE, slots), share(bwd, _IDLE, slots)
+    first_f, first_b, last_b = share(fwd, _FIRST), share(bwd, _FIRST), share(bwd, _LAST)
+    return {
+        (FORWARD,): [1.0 - fwd_idle, fwd_idle],  # cond(idle, fill, run)
+        (FORWARD, FIRST): [1.0 - first_f, first_f],  # cond(first, embed, hand-off)
+        (BACKWARD,): [1.0 - bwd_idle, bwd_idle],
+        (BACKWARD, FIRST): [1.0 - first_b, first_b],
+        (BACKWARD, LAST): [1.0 - last_b, last_b],  # cond(last, head, gradient in)
+        (EVAL, LAST): [1.0 - share(bwd, _LAST, slots), share(bwd, _LAST, slots)],
+    }
+
+
 def _slot_kinds(table):
     """(fwd kinds, bwd kinds), each (ticks, stages) of _IDLE, _FIRST, _MIDDLE, _LAST."""
     stage = np.arange(table.stages)[None, :]
@@ -226,18 +257,20 @@ def run_schedule(graphdef, params, tokens, row_keys, table, with_grads, bubble_f
         def stage_input(kind, shared, h, micro):
             """Chunk 0's input is the embedding (recomputed, never stashed), others' the
             stashed hand-off, gathered over 'tensor'."""
-            return jax.lax.cond(  # both branches laid out alike: XLA insists
-                kind == _FIRST,
-                lambda: constrain(embedded(shared, micro), ACTIVATION_AXES),
-                lambda: constrain(h, ACTIVATION_AXES),
-            )
+            with jax.named_scope(FIRST):
+                return jax.lax.cond(  # both branches laid out alike: XLA insists
+                    kind == _FIRST,
+                    lambda: constrain(embedded(shared, micro), ACTIVATION_AXES),
+                    lambda: constrain(h, ACTIVATION_AXES),
+                )
 
         def forward(kind, stash, micro, repeat, slot):
             def run():
                 x = stage_input(kind, shared, stash[slot], micro)
                 return apply_chunk(chunk_at(repeat), x, micro, repeat)
 
-            return jax.lax.cond(kind == _IDLE, lambda: fill, run)
+            with jax.named_scope(FORWARD):
+                return jax.lax.cond(kind == _IDLE, lambda: fill, run)
 
         def add(acc, grads):
             return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
@@ -274,16 +307,18 @@ def run_schedule(graphdef, params, tokens, row_keys, table, with_grads, bubble_f
                 def no_head():
                     return acc_shared, loss, constrain(g, ACTIVATION_AXES)
 
-                acc, total, d_y = jax.lax.cond(kind == _LAST, head, no_head)
+                with jax.named_scope(LAST):
+                    acc, total, d_y = jax.lax.cond(kind == _LAST, head, no_head)
                 d_chunk, d_shared, d_h = chunk_vjp(d_y)
-                acc = jax.lax.cond(  # the embedding's half of the tied gradient (chunk 0)
-                    kind == _FIRST, lambda: add(acc, d_shared), lambda: acc
-                )
+                with jax.named_scope(FIRST):  # the embedding's half of the tied gradient
+                    acc = jax.lax.cond(kind == _FIRST, lambda: add(acc, d_shared), lambda: acc)
                 return (add_chunk(acc_blocks, repeat, d_chunk), acc, total), d_h
 
             if not with_grads:
-                return jax.lax.cond(kind == _LAST, loss_only, lambda: (sums, fill))
-            return jax.lax.cond(kind == _IDLE, lambda: (sums, fill), run)
+                with jax.named_scope(EVAL), jax.named_scope(LAST):
+                    return jax.lax.cond(kind == _LAST, loss_only, lambda: (sums, fill))
+            with jax.named_scope(BACKWARD):
+                return jax.lax.cond(kind == _IDLE, lambda: (sums, fill), run)
 
         def handoff(x, ring):
             return jax.lax.ppermute(constrain(x, handoff_axes), STAGE_AXIS, ring)

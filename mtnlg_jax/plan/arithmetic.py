@@ -141,6 +141,19 @@ def local_param_counts(config):
     return compute, zero
 
 
+def local_shared_params(config):
+    """Compute-copy elements per device of the parameters outside the block stack (embeddings,
+    final norm): the ones every pipeline stage holds, whose gradients are summed over stage."""
+    params, axes = abstract_params(config.model)
+    sizes = mesh_sizes(config)
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    return sum(
+        _local_numel(leaf.shape, rules.logical_to_spec(names), sizes)
+        for (path, leaf), names in zip(leaves, jax.tree.leaves(axes, is_leaf=_is_axes))
+        if getattr(path[0], 'key', None) != 'blocks'
+    )
+
+
 def _is_axes(x):
     return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
 

@@ -11,6 +11,17 @@ formulas of the literature (ring algorithms: an all-reduce of S bytes over n dev
                  all-reduce of a layer becomes a reduce-scatter + an all-gather: the same bytes.
     stage   (p)  one (b, s, h) hand-off per pipeline iteration forward and one backward; the
                  circular schedule runs v m + p - 1 iterations on every stage, bubble included
+    1F1B engine  (pipeline.schedule 1f1b / interleaved; parallel/pipeline.py) per device, the
+                 mean over stages: a chunk's forward runs v m - m / p times (the last chunk's is
+                 empty), its backward v m times and recomputes the chunk first (Megatron's
+                 full recompute: 2 + 2 all-reduces per layer, 6 with remat = full, less the dead
+                 one of a single-layer segment); the embedding's all-reduce runs 2 m / p times
+                 (forward and recompute on the first stage), the head's input gradient m / p;
+                 two hand-offs per tick of the table, split over tensor along the sequence
+                 (when it divides), each gathered where it is used: one all-gather per forward
+                 and two per backward that does not start or end the pipe
+                 and the gradients of the parameters outside the block stack (which every
+                 stage holds) are summed over stage once per step, in fp32
     data    (d)  ZeRO-1 / distributed optimizer: one reduce-scatter of the fp32 gradients onto
                  the ZeRO shards and one all-gather of the compute-dtype parameters per step,
                  independent of the micro-batch count
@@ -19,7 +30,8 @@ Scalars (loss, gradient norm, the cross-entropy's (b, s) reductions over the voc
 left out: kilobytes against gigabytes.
 """
 
-from mtnlg_jax.plan.arithmetic import itemsize, local_param_counts
+from mtnlg_jax.parallel import schedule as schedule_lib
+from mtnlg_jax.plan.arithmetic import itemsize, local_param_counts, local_shared_params
 
 
 def _ring(kind, size, group):
@@ -46,6 +58,26 @@ def tensor_allreduces_per_micro_batch(config):
     return count
 
 
+def _engine_tensor_runs(config):
+    """(layer all-reduces, embedding + head all-reduces, hand-off gathers) one device runs per
+    step in the 1F1B engine, the mean over stages (see the module docstring)."""
+    model = config.model
+    stages, repeats, micro = config.mesh.stage, config.pipeline.repeats, config.train.micro_steps
+    chunk_layers = model.num_layers // (stages * repeats)
+    forwards, backwards = repeats * micro - micro / stages, repeats * micro
+    per_backward = 4 * chunk_layers
+    if model.remat == 'full':
+        per_backward = 6 * chunk_layers - (1 if chunk_layers == 1 else 0)
+    layer_runs = forwards * 2 * chunk_layers + backwards * per_backward
+    edge_runs = 2 * micro / stages + micro / stages
+    gathers = (forwards - micro / stages) + 2 * (backwards - micro / stages)
+    return layer_runs, edge_runs, gathers
+
+
+def _engine(config):
+    return config.mesh.stage > 1 and config.pipeline.get('schedule', 'gpipe') != 'gpipe'
+
+
 def layer_passes(config):
     """(passes of a micro-batch through a device's layers, passes through embedding and head)
     per step: m without a pipeline; v m + p - 1 iterations of one chunk (1 / v of the layers)
@@ -65,11 +97,21 @@ def comm_bytes_per_device(config):
     activation = config.train.micro_batch * model.seq_len * model.hidden * e
     layer_passes_, edge_passes = layer_passes(config)
     out = {}
+    handoff = activation
+    if _engine(config) and model.seq_len % mesh.tensor == 0:
+        handoff = activation / mesh.tensor  # split along the sequence (pipeline.HANDOFF_AXES)
     if mesh.tensor > 1:
         layer_runs = layer_passes_ * tensor_allreduces_per_micro_batch(config)
         runs = layer_runs + 2 * edge_passes
+        if _engine(config):
+            layer_runs, runs, gathers = _engine_tensor_runs(config)
+            runs += layer_runs
+            if handoff < activation and not model.get('sequence_parallel', False):
+                out.setdefault('all-gather', {})['tensor'] = gathers * _ring(
+                    'all-gather', activation, mesh.tensor
+                )
         if model.get('sequence_parallel', False):
-            runs = 2 * edge_passes
+            runs -= layer_runs
             for kind in ('reduce-scatter', 'all-gather'):
                 out.setdefault(kind, {})['tensor'] = layer_runs * _ring(
                     kind, activation, mesh.tensor
@@ -79,7 +121,17 @@ def comm_bytes_per_device(config):
         )
     if mesh.stage > 1:
         iterations = config.pipeline.repeats * config.train.micro_steps + mesh.stage - 1
-        out.setdefault('collective-permute', {})['stage'] = 2 * iterations * activation
+        if _engine(config):
+            iterations = schedule_lib.build(
+                mesh.stage,
+                config.pipeline.repeats,
+                config.train.micro_steps,
+                config.pipeline.get('max_in_flight', 0) or None,
+            ).ticks
+        out.setdefault('collective-permute', {})['stage'] = 2 * iterations * handoff
+        if _engine(config):  # the fp32 gradients of what every stage holds, summed once
+            shared = 4 * local_shared_params(config)
+            out.setdefault('all-reduce', {})['stage'] = _ring('all-reduce', shared, mesh.stage)
     if mesh.data > 1:
         compute, _ = local_param_counts(config)
         out.setdefault('reduce-scatter', {})['data'] = _ring(

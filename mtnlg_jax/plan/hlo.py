@@ -24,7 +24,11 @@ flattened device array, so id -> np.unravel_index(id, mesh shape) gives its coor
 Async pairs (all-gather-start / -done, async-start wrapping a reduce-scatter, ...) count once, at
 the start. `count` multiplies the trip counts of every enclosing while loop (`known_trip_count`
 backend config, else the constant its condition compares the induction variable with); a
-computation reached from several call sites sums them. Conditional branches count as if taken.
+computation reached from several call sites sums them. Conditional branches count as if taken,
+unless `branch_weights` says how often each is: {scope path: [fraction per branch]}, the path
+being the named scopes of the weights' keys found in the conditional's op_name, outermost
+first (the pipeline engine's `branch_fractions`: which slots of its table run a chunk, the
+embedding, the head).
 """
 
 import collections
@@ -51,6 +55,7 @@ _CALLEES = re.compile(
     r'\b(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)'
 )
 _BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _IOTA_GROUPS = re.compile(r'replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?')
 
@@ -65,7 +70,7 @@ def _matching(text, start, open_char='(', close_char=')'):
             depth -= 1
             if depth == 0:
                 return i + 1
-    raise ValueError(f'unbalanced {open_char!r} in HLO: {text[start:start + 80]!r}')
+    raise ValueError(f'unbalanced {open_char!r} in HLO: {text[start : start + 80]!r}')
 
 
 def _split_top(text):
@@ -102,11 +107,43 @@ class Instruction:
         self.name, self.type_text, self.opcode, self.rest = name, type_text, opcode, rest
 
     def callees(self):
-        """(attribute, computation) pairs this instruction runs."""
+        """(attribute, computation) pairs this instruction runs; a conditional's branches as
+        ('branch', name) in branch-index order (true/false computations: index 1 / 0)."""
         found = [(attr, name) for attr, name in _CALLEES.findall(self.rest)]
         for branches in _BRANCHES.findall(self.rest):
             found += [('branch', b.strip().lstrip('%')) for b in branches.split(',') if b.strip()]
         return found
+
+    def branch_index(self, attr, callee):
+        if attr == 'true_computation':
+            return 1
+        if attr == 'false_computation':
+            return 0
+        branches = [name for a, name in self.callees() if a == 'branch']
+        return branches.index(callee) if attr == 'branch' else None
+
+    def op_name(self):
+        match = _OP_NAME.search(self.rest)
+        return match.group(1) if match else ''
+
+
+def scope_path(op_name, scopes):
+    """The names of `scopes` in an op_name, in order, each once in a row: a conditional's
+    enclosing named scopes ('jvp(pipeline_first)' counts as pipeline_first)."""
+    if not scopes:
+        return ()
+    found = re.findall('|'.join(sorted(map(re.escape, scopes), key=len, reverse=True)), op_name)
+    return tuple(name for i, name in enumerate(found) if i == 0 or found[i - 1] != name)
+
+
+def _branch_factor(instruction, attr, callee, branch_weights, scopes):
+    """How often a conditional's branch runs per run of the conditional: its weight, or 1
+    (counted as taken) when the weights do not name this conditional."""
+    index = instruction.branch_index(attr, callee)
+    if index is None or not branch_weights:
+        return 1
+    weights = branch_weights.get(scope_path(instruction.op_name(), scopes))
+    return weights[index] if weights and index < len(weights) else 1
 
 
 def _parse_instruction(line):
@@ -164,13 +201,15 @@ def _trip_count(while_instruction, computations):
     return max(constants) if constants else None
 
 
-def execution_counts(computations, entry):
+def execution_counts(computations, entry, branch_weights=None):
     """{computation: (runs per execution of the module, inside a while loop?)}.
 
     A while body runs trip-count times per run of the instruction; a loop of unknown trip
-    count counts once (the inventory marks it with trip_count_known False)."""
+    count counts once (the inventory marks it with trip_count_known False); a conditional's
+    branch once per run, or its weight in `branch_weights` (see the module docstring)."""
     callers = collections.defaultdict(list)  # callee -> [(caller, factor, loops)]
     unknown_trips = set()
+    scopes = {name for path in (branch_weights or {}) for name in path}
     for caller, instructions in computations.items():
         for instruction in instructions:
             if instruction.opcode in ('async-done', 'async-update'):
@@ -183,6 +222,8 @@ def execution_counts(computations, entry):
                         unknown_trips.add(callee)
                         trips = 1
                     factor, loop = trips + (attr == 'condition'), True
+                elif instruction.opcode == 'conditional':
+                    factor = _branch_factor(instruction, attr, callee, branch_weights, scopes)
                 callers[callee].append((caller, factor, loop))
 
     memo = {entry: (1, False)}
@@ -352,7 +393,7 @@ def wire_bytes(kind, full_bytes, group_size, self_fraction=0.0):
     return (2 * share if kind == 'all-reduce' else share) * full_bytes
 
 
-def collective_inventory(hlo_text, mesh):
+def collective_inventory(hlo_text, mesh, branch_weights=None):
     """Every collective of an optimized HLO module (`compiled.as_text()`), one dict each:
 
         kind         'all-reduce' | 'all-gather' | 'reduce-scatter' | 'collective-permute'
@@ -368,12 +409,13 @@ def collective_inventory(hlo_text, mesh):
         name, computation, trip_count_known
 
     mesh: a jax Mesh (or {axis name: size}) whose flattened device array the executable runs
-    on, e.g. the train step's `setup.mesh`.
+    on, e.g. the train step's `setup.mesh`. branch_weights: see the module docstring (count
+    is then a mean over the devices that run different branches, and may be fractional).
     """
     axis_names, sizes = _mesh_shape(mesh)
     num_devices = math.prod(sizes)
     computations, entry = parse_module(hlo_text)
-    counts, unknown_trips = execution_counts(computations, entry)
+    counts, unknown_trips = execution_counts(computations, entry, branch_weights)
     inventory = []
     for computation, instructions in computations.items():
         runs, in_loop = counts[computation]
@@ -398,15 +440,14 @@ def collective_inventory(hlo_text, mesh):
                     kind=kind,
                     axes=axes,
                     bytes=int(full),
-                    count=int(runs),
+                    count=int(runs) if float(runs).is_integer() else float(runs),
                     in_loop=bool(in_loop),
                     wire_bytes=float(wire_bytes(kind, full, group_size, self_fraction)),
                     group_size=int(group_size),
                     name=instruction.name,
                     computation=computation,
-                    trip_count_known=computation not in unknown_trips and not _under_unknown(
-                        computation, unknown_trips, computations
-                    ),
+                    trip_count_known=computation not in unknown_trips
+                    and not _under_unknown(computation, unknown_trips, computations),
                 )
             )
     return inventory
@@ -491,12 +532,13 @@ def _dims(type_text):
     return [int(re.sub(r'\D', '', d)) for d in match.group(2).split(',') if d.strip()]
 
 
-def dot_flops(hlo_text):
+def dot_flops(hlo_text, branch_weights=None):
     """Matmul FLOPs one device runs per step: 2 x result elements x contracted elements for
-    every dot, times the runs of its computation (inside fusions and loop bodies alike).
-    XLA's cost_analysis() counts a while body once, whatever its trip count."""
+    every dot, times the runs of its computation (inside fusions and loop bodies alike;
+    conditional branches weighted as in `collective_inventory`). XLA's cost_analysis() counts
+    a while body once, whatever its trip count."""
     computations, entry = parse_module(hlo_text)
-    counts, _ = execution_counts(computations, entry)
+    counts, _ = execution_counts(computations, entry, branch_weights)
     total = 0
     for name, instructions in computations.items():
         runs = counts[name][0]

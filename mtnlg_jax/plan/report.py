@@ -6,6 +6,7 @@ and the readable table launch/plan.py prints.
     print('\\n'.join(lines(plan)))
 """
 
+from mtnlg_jax.parallel import pipeline
 from mtnlg_jax.plan import arithmetic, clusters, comm, hlo
 
 # Keys other tools read (README, bench/scale.py, the pipeline and communication tests).
@@ -71,9 +72,10 @@ def add_compiled(plan, config, compiled, info, notes=()):
 
     memory = compile_lib.memory(compiled)
     text = compiled.as_text()
-    inventory = hlo.collective_inventory(text, info['mesh'])
+    weights = branch_weights(config)
+    inventory = hlo.collective_inventory(text, info['mesh'], weights)
     devices = info['mesh'].devices.size
-    flops = hlo.dot_flops(text)
+    flops = hlo.dot_flops(text, weights)
     plan['compiled'] = dict(
         memory,
         flops=flops,
@@ -110,6 +112,19 @@ def add_compiled(plan, config, compiled, info, notes=()):
             comm_bytes_per_device=reference['comm_bytes_per_device'],
         )
     return plan
+
+
+def branch_weights(config, micro_steps=None):
+    """How often the 1F1B engine's conditionals take each branch, from its table (mean over
+    stages), for the HLO inventory; None without one (no pipeline, or GPipe's scan)."""
+    options = pipeline.options(config)
+    if options['stages'] == 1 or options['schedule'] == 'gpipe':
+        return None
+    micro = micro_steps or config.train.micro_steps
+    table = pipeline.build_table(
+        options['stages'], options['repeats'], micro, options['max_in_flight']
+    )
+    return pipeline.branch_fractions(table)
 
 
 def per_iteration_arrays(hlo_text, config, top=3):
@@ -152,9 +167,7 @@ def lines(plan):
         f'pipeline repeats {c["repeats"]}; global batch {c["global_batch"]} = micro_batch '
         f'{c["micro_batch"]} x data {mesh["data"]} x {c["micro_steps"]} micro-steps',
         'per device   ' + ', '.join(f'{k} {_gib(per_device[k])}' for k in PER_DEVICE_KEYS),
-        '  activations ' + ', '.join(
-            f'{k} {_gib(v)}' for k, v in plan['activation_bytes'].items()
-        ),
+        '  activations ' + ', '.join(f'{k} {_gib(v)}' for k, v in plan['activation_bytes'].items()),
         f'FLOPs        model {plan["model_flops_per_step"]:.4g} per step (6N + 12LHQT per '
         f'token); Megatron hardware {plan["hardware_flops_per_step"]:.4g}',
     ]
@@ -166,8 +179,7 @@ def lines(plan):
             columns.append(('planned as compiled', reference['comm_bytes_per_device']))
         columns.append(('compiled', compiled['comm_bytes_per_device']))
     out.append(
-        'comm         bytes one device sends per step: '
-        + ' | '.join(name for name, _ in columns)
+        'comm         bytes one device sends per step: ' + ' | '.join(name for name, _ in columns)
     )
     if compiled:
         cc = compiled['config']
@@ -212,7 +224,8 @@ def lines(plan):
                 if stacked
                 else ''
             ),
-            '  largest    ' + ', '.join(
+            '  largest    '
+            + ', '.join(
                 f'{b["shape"]} {b["op"]} {_gib(b["bytes"])}' for b in compiled['largest_buffers']
             ),
         ]
