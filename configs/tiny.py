@@ -2,7 +2,8 @@
 
 The default of `make train`. Mesh data 2 x stage 2 x tensor 2 with an interleaved 1F1B
 pipeline of 2 repeats: each stage holds 2 of the 4 layers, chunks of one layer. Data: the default corpus's
-two sources (launch/export_corpus.py, then launch/preprocess.py), blended half and half; the
+two sources (launch/export_corpus.py, then launch/preprocess.py), blended 0.8 King James
+Bible and 0.2 Python (the closing evaluation and sample are the Bible's); the
 batch ramps up from 8 to 16 sequences over the first 40,960 tokens, as MT-NLG's did from 32
 (8 sequences are 2 micro-batches).
 
@@ -44,15 +45,17 @@ def get_config():
     train.rampup.update(dict(start=8, increment=8, tokens=40_960))
 
     opt = config.optimizer
-    opt.lr = 1e-3
-    opt.min_lr = 1e-4
+    # 4e-3: measured on make train's run, KJV validation loss 5.21 after 200 steps against
+    # 5.29 with 1e-3 (README, "The default run").
+    opt.lr = 4e-3
+    opt.min_lr = 4e-4
     opt.weight_decay = 0.1
     # 200 steps = (40 x 8 + 160 x 16) sequences x 128 = 368,640 tokens: warm up over about 5 %,
     # decay over the whole run (what decay_tokens=0 would count; fixed so shorter runs keep it).
     opt.warmup_tokens = 20_000
     opt.decay_tokens = 368_640
 
-    config.data.sources = ((0.5, 'data/default/kjv'), (0.5, 'data/default/python_stdlib'))
+    config.data.sources = ((0.8, 'data/default/kjv'), (0.2, 'data/default/python_stdlib'))
     config.data.split = '969,30,1'
     config.data.tokenizer = 'data/default/tokenizer.model'
     return config
