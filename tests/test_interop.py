@@ -56,6 +56,7 @@ def bpe_run(tmp_path_factory):
         *SMALL_MODEL,
         '--config.model.init_std=0.3',  # peaked logits: greedy choices by clear margins
         '--config.optimizer.lr=1e-4',
+        '--config.optimizer.min_lr=1e-5',
         '--config.train.steps=4',
         '--config.train.eval_batches=1',
         f'--config.data.tokenizer={root / "bpe"}',
