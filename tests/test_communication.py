@@ -15,7 +15,7 @@ from mtnlg_jax import config as config_lib
 from mtnlg_jax import plan
 from mtnlg_jax.data import loader as loader_lib
 from mtnlg_jax.plan import compile as compile_lib
-from mtnlg_jax.plan import hlo
+from mtnlg_jax.plan import hlo, hlo_module
 from mtnlg_jax.train.step import make_train_step
 
 LAYOUTS = {  # sequence parallel on; vocabulary 1500 pads to 1536 on tensor 4 and 2 alike
@@ -73,7 +73,7 @@ def test_sequence_parallel_layer_gathers_and_scatters_over_tensor():
     sums = [e for e in in_layers if e['kind'] in ('all-reduce', 'reduce-scatter')]
     assert len(gathers) == 2 and len(sums) == 2 and len(in_layers) == 4
     assert all(e['bytes'] == activation for e in in_layers)
-    computations, _ = hlo.parse_module(text)
+    computations, _ = hlo_module.parse_module(text)
     shard = activation // config.mesh.tensor
     for e in sums:
         if e['kind'] == 'all-reduce':  # every use of the sum keeps one sequence shard
@@ -82,7 +82,7 @@ def test_sequence_parallel_layer_gathers_and_scatters_over_tensor():
                 for i in computations[e['computation']]
                 if re.search(rf'%{re.escape(e["name"])}\b', i.rest)
             ]
-            assert users and all(hlo.shape_bytes(i.type_text) == shard for i in users)
+            assert users and all(hlo_module.shape_bytes(i.type_text) == shard for i in users)
 
 
 def test_compute_copy_is_gathered_in_the_compute_dtype():

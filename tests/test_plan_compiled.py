@@ -17,7 +17,7 @@ import pytest
 import support
 from mtnlg_jax.parallel import pipeline
 from mtnlg_jax.plan import compile as compile_lib
-from mtnlg_jax.plan import hlo, report
+from mtnlg_jax.plan import hlo, hlo_module, report
 
 MESH = dict(data=2, stage=2, tensor=2)  # device id = 4 data + 2 stage + tensor
 TOLERANCE = 0.10
@@ -182,7 +182,7 @@ def test_conditional_branches_weighted_by_their_scope():
     assert weighted['count'] == 0.25
     scopes = {pipeline.BACKWARD, pipeline.FIRST}
     path = 'a/pipeline_backward/cond/branch_0_fun/transpose(jvp(pipeline_first))/cond'
-    assert hlo.scope_path(path, scopes) == (pipeline.BACKWARD, pipeline.FIRST)
+    assert hlo_module.scope_path(path, scopes) == (pipeline.BACKWARD, pipeline.FIRST)
 
 
 def test_replica_groups_map_to_mesh_axes_of_a_jax_mesh():
@@ -268,7 +268,7 @@ def test_pipeline_moves_activations_over_stage_only(pipelined_step):
 def _full_vocab_buffers(config, text):
     vocab = config.model.padded_vocab
     shards = vocab // config.mesh.tensor
-    shapes = hlo.array_shapes(text)
+    shapes = hlo_module.array_shapes(text)
     full = [s for s in shapes if vocab in s[1]]
     split = [s for s in shapes if shards in s[1] and config.model.seq_len in s[1]]
     return full, split

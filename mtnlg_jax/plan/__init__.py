@@ -2,6 +2,8 @@
 
     arithmetic.py  parameters, FLOPs, bytes per device, communication formulas (no devices)
     clusters.py    per-GPU figures of named clusters (peak FLOP/s, HBM, links)
+    comm.py        bytes per step by collective and mesh axis (formulas)
+    hlo_module.py  an optimized HLO module's text read: computations, runs per step, FLOPs
     hlo.py         the collective inventory of an optimized HLO module (text in, dicts out)
     compile.py     the train and eval steps launch/train.py runs, compiled ahead of time on
                    abstract state (imports train/: only launch scripts, tests and benchmarks

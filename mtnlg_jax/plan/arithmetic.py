@@ -174,6 +174,20 @@ def state_bytes(config):
     return dict(params=compute * e, grads=compute * (e + 4), optimizer=zero * 12)
 
 
+def engine_table(config, micro_steps=None):
+    """The 1F1B engine's schedule table of a config (parallel/schedule.py); None without a
+    pipeline or with GPipe's scan (a run saved before pipeline.schedule existed is GPipe)."""
+    pipeline = config.pipeline
+    if config.mesh.stage == 1 or pipeline.get('schedule', 'gpipe') == 'gpipe':
+        return None
+    return schedule_lib.build(
+        config.mesh.stage,
+        pipeline.repeats,
+        micro_steps or config.train.micro_steps,
+        pipeline.get('max_in_flight', 0) or None,
+    )
+
+
 def layer_activation_bytes(model_cfg, rows, tensor, remat):
     """Bytes one layer keeps for its backward pass, per micro-batch of `rows` sequences.
 
@@ -228,9 +242,8 @@ def activation_bytes(config):
         recomputed = full_layer if model.remat != 'none' else 0
         return dict(layers=kept, recomputed=recomputed, pipeline_buffers=0, logits=logits)
     chunk_layers = model.num_layers // (stages * repeats)
-    if config.pipeline.get('schedule', 'gpipe') != 'gpipe':
-        in_flight = config.pipeline.get('max_in_flight', 0) or None
-        table = schedule_lib.build(stages, repeats, micro, in_flight)
+    table = engine_table(config)
+    if table is not None:
         handoff = boundary // tensor if model.seq_len % tensor == 0 else boundary
         return dict(
             layers=(table.stash_slots + table.grad_slots + 2) * handoff,

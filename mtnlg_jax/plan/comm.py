@@ -30,8 +30,12 @@ Scalars (loss, gradient norm, the cross-entropy's (b, s) reductions over the voc
 left out: kilobytes against gigabytes.
 """
 
-from mtnlg_jax.parallel import schedule as schedule_lib
-from mtnlg_jax.plan.arithmetic import itemsize, local_param_counts, local_shared_params
+from mtnlg_jax.plan.arithmetic import (
+    engine_table,
+    itemsize,
+    local_param_counts,
+    local_shared_params,
+)
 
 
 def _ring(kind, size, group):
@@ -74,8 +78,13 @@ def _engine_tensor_runs(config):
     return layer_runs, edge_runs, gathers
 
 
-def _engine(config):
-    return config.mesh.stage > 1 and config.pipeline.get('schedule', 'gpipe') != 'gpipe'
+def _tensor_runs(config, table):
+    """(layer all-reduces, embedding + head all-reduces, hand-off gathers) per device per step:
+    the 1F1B engine's when `table`, else a plain or GPipe step's (no hand-off gathers)."""
+    if table is not None:
+        return _engine_tensor_runs(config)
+    layer_passes_, edge_passes = layer_passes(config)
+    return layer_passes_ * tensor_allreduces_per_micro_batch(config), 2 * edge_passes, 0
 
 
 def layer_passes(config):
@@ -95,49 +104,37 @@ def comm_bytes_per_device(config):
     model, mesh = config.model, config.mesh
     e = itemsize(model.compute_dtype)
     activation = config.train.micro_batch * model.seq_len * model.hidden * e
-    layer_passes_, edge_passes = layer_passes(config)
-    out = {}
+    table = engine_table(config)
     handoff = activation
-    if _engine(config) and model.seq_len % mesh.tensor == 0:
+    if table is not None and model.seq_len % mesh.tensor == 0:
         handoff = activation / mesh.tensor  # split along the sequence (pipeline.HANDOFF_AXES)
+    sequence_parallel = model.get('sequence_parallel', False)
+    out = {}
+
+    def add(kind, axis, size):
+        out.setdefault(kind, {})[axis] = size
+
     if mesh.tensor > 1:
-        layer_runs = layer_passes_ * tensor_allreduces_per_micro_batch(config)
-        runs = layer_runs + 2 * edge_passes
-        if _engine(config):
-            layer_runs, runs, gathers = _engine_tensor_runs(config)
-            runs += layer_runs
-            if handoff < activation and not model.get('sequence_parallel', False):
-                out.setdefault('all-gather', {})['tensor'] = gathers * _ring(
-                    'all-gather', activation, mesh.tensor
-                )
-        if model.get('sequence_parallel', False):
-            runs -= layer_runs
+        layer_runs, edge_runs, gathers = _tensor_runs(config, table)
+        if sequence_parallel:  # each layer all-reduce: a reduce-scatter + an all-gather
             for kind in ('reduce-scatter', 'all-gather'):
-                out.setdefault(kind, {})['tensor'] = layer_runs * _ring(
-                    kind, activation, mesh.tensor
-                )
-        out.setdefault('all-reduce', {})['tensor'] = runs * _ring(
-            'all-reduce', activation, mesh.tensor
-        )
+                add(kind, 'tensor', layer_runs * _ring(kind, activation, mesh.tensor))
+        elif handoff < activation:
+            add('all-gather', 'tensor', gathers * _ring('all-gather', activation, mesh.tensor))
+        runs = edge_runs + (0 if sequence_parallel else layer_runs)
+        add('all-reduce', 'tensor', runs * _ring('all-reduce', activation, mesh.tensor))
     if mesh.stage > 1:
         iterations = config.pipeline.repeats * config.train.micro_steps + mesh.stage - 1
-        if _engine(config):
-            iterations = schedule_lib.build(
-                mesh.stage,
-                config.pipeline.repeats,
-                config.train.micro_steps,
-                config.pipeline.get('max_in_flight', 0) or None,
-            ).ticks
-        out.setdefault('collective-permute', {})['stage'] = 2 * iterations * handoff
-        if _engine(config):  # the fp32 gradients of what every stage holds, summed once
+        if table is not None:
+            iterations = table.ticks
+            # the fp32 gradients of what every stage holds, summed once
             shared = 4 * local_shared_params(config)
-            out.setdefault('all-reduce', {})['stage'] = _ring('all-reduce', shared, mesh.stage)
+            add('all-reduce', 'stage', _ring('all-reduce', shared, mesh.stage))
+        add('collective-permute', 'stage', 2 * iterations * handoff)
     if mesh.data > 1:
         compute, _ = local_param_counts(config)
-        out.setdefault('reduce-scatter', {})['data'] = _ring(
-            'reduce-scatter', 4 * compute, mesh.data
-        )
-        out.setdefault('all-gather', {})['data'] = _ring('all-gather', e * compute, mesh.data)
+        add('reduce-scatter', 'data', _ring('reduce-scatter', 4 * compute, mesh.data))
+        add('all-gather', 'data', _ring('all-gather', e * compute, mesh.data))
     return out
 
 

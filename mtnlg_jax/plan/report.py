@@ -7,7 +7,7 @@ and the readable table launch/plan.py prints.
 """
 
 from mtnlg_jax.parallel import pipeline
-from mtnlg_jax.plan import arithmetic, clusters, comm, hlo
+from mtnlg_jax.plan import arithmetic, clusters, comm, hlo, hlo_module
 
 # Keys other tools read (README, bench/scale.py, the pipeline and communication tests).
 PER_DEVICE_KEYS = ('params', 'grads', 'optimizer', 'update', 'activations', 'total')
@@ -75,7 +75,7 @@ def add_compiled(plan, config, compiled, info, notes=()):
     weights = branch_weights(config)
     inventory = hlo.collective_inventory(text, info['mesh'], weights)
     devices = info['mesh'].devices.size
-    flops = hlo.dot_flops(text, weights)
+    flops = hlo_module.dot_flops(text, weights)
     plan['compiled'] = dict(
         memory,
         flops=flops,
@@ -98,7 +98,7 @@ def add_compiled(plan, config, compiled, info, notes=()):
         comm_bytes_per_device=compiled_comm(inventory),
         largest_buffers=[
             dict(bytes=size, shape=shape, op=op)
-            for size, shape, op, _ in hlo.largest_buffers(text, top=5)
+            for size, shape, op, _ in hlo_module.largest_buffers(text, top=5)
         ],
         notes=list(notes),
         config=config_summary(config),
@@ -117,14 +117,8 @@ def add_compiled(plan, config, compiled, info, notes=()):
 def branch_weights(config, micro_steps=None):
     """How often the 1F1B engine's conditionals take each branch, from its table (mean over
     stages), for the HLO inventory; None without one (no pipeline, or GPipe's scan)."""
-    options = pipeline.options(config)
-    if options['stages'] == 1 or options['schedule'] == 'gpipe':
-        return None
-    micro = micro_steps or config.train.micro_steps
-    table = pipeline.build_table(
-        options['stages'], options['repeats'], micro, options['max_in_flight']
-    )
-    return pipeline.branch_fractions(table)
+    table = arithmetic.engine_table(config, micro_steps)
+    return None if table is None else pipeline.branch_fractions(table)
 
 
 def per_iteration_arrays(hlo_text, config, top=3):
@@ -136,10 +130,10 @@ def per_iteration_arrays(hlo_text, config, top=3):
         return []
     iterations = config.pipeline.repeats * config.train.micro_steps + config.mesh.stage - 1
     found = []
-    for dtype, dims in hlo.array_shapes(hlo_text):
+    for dtype, dims in hlo_module.array_shapes(hlo_text):
         if len(dims) > 1 and dims[0] == iterations:
             shape = f'{dtype}[{",".join(map(str, dims))}]'
-            found.append(dict(shape=shape, bytes=hlo.shape_bytes(shape)))
+            found.append(dict(shape=shape, bytes=hlo_module.shape_bytes(shape)))
     return sorted(found, key=lambda a: -a['bytes'])[:top]
 
 
