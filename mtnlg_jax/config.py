@@ -70,6 +70,9 @@ def defaults():
             # Megatron's sequence parallelism: layer norms, dropout and residual adds on
             # sequence shards split over mesh.tensor (parallel/rules.py).
             sequence_parallel=False,
+            # The output layer and loss run over this many pieces of the sequence, each
+            # piece's logits made and dropped in turn with the gradients (model/loss.py).
+            loss_chunks=4,
         )
     )
     config.train = ml_collections.ConfigDict(

@@ -113,6 +113,15 @@ def check_model(config):
         'model.sequence_parallel',
         f'needs model.seq_len={model.seq_len} divisible by mesh.tensor={tensor}',
     )
+    if 'loss_chunks' not in model:  # a run saved before the key existed
+        model.loss_chunks = 4
+    _require(
+        isinstance(model.loss_chunks, int)
+        and model.loss_chunks >= 1
+        and model.seq_len % model.loss_chunks == 0,
+        'model.loss_chunks',
+        f'must divide model.seq_len={model.seq_len}, got {model.loss_chunks!r}',
+    )
     for key in ('attention_dropout', 'hidden_dropout'):
         _require(0.0 <= model[key] < 1.0, f'model.{key}', f'must be in [0, 1), got {model[key]}')
     _require(model.init_std > 0, 'model.init_std', f'must be positive, got {model.init_std}')

@@ -61,6 +61,7 @@ from support import ROOT, SMALL_MODEL, run_train
             ['--config.model.sequence_parallel=True', '--config.model.seq_len=127'],
             'model.sequence_parallel',
         ),
+        (['--config.model.loss_chunks=3'], 'model.loss_chunks'),  # 128 positions in 3 pieces
         (['--config.train.steps=0'], 'train.steps'),
         (['--config.model.no_such_key=1'], 'no_such_key'),
         (['--config.train.steps=many'], 'train.steps'),

@@ -20,6 +20,7 @@ from flax import nnx
 
 from mtnlg_jax.model.block import SELECTIVE_SAVED, SITES_PER_BLOCK, Block
 from mtnlg_jax.model.layers import LayerNorm, dropout, param, use
+from mtnlg_jax.model.loss import head_loss_sum
 from mtnlg_jax.parallel.rules import constrain
 
 REMAT_POLICIES = {
@@ -48,6 +49,7 @@ class GPT(nnx.Module):
         self.vocab_size = cfg.vocab_size
         self.hidden_dropout = cfg.hidden_dropout
         self.remat = cfg.remat
+        self.loss_chunks = cfg.loss_chunks
         self.dtype = cfg.compute_dtype
 
     def __call__(self, tokens, row_keys=None):
@@ -76,6 +78,13 @@ class GPT(nnx.Module):
         vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
         return jnp.where(vocab_ids < self.vocab_size, logits, -jnp.inf)
 
+    def token_loss_sum(self, hidden, labels):
+        """Summed cross-entropy of `labels` (batch, seq) under the logits of final hidden
+        states (batch, seq, embed): the output layer and the loss fused (model/loss.py), in
+        `loss_chunks` pieces of the sequence."""
+        embed = use(self.token_embed, self.dtype)
+        return head_loss_sum(hidden, embed, labels, self.vocab_size, self.loss_chunks)
+
 
 def apply_block_stack(graphdef, stacked, x, row_keys, remat='none', first_layer=0):
     """Run blocks whose parameters are stacked on a leading axis over x, with lax.scan.
@@ -95,7 +104,8 @@ def apply_block_stack(graphdef, stacked, x, row_keys, remat='none', first_layer=
 
 def cross_entropy(logits, labels):
     """Per-token loss from vocab-sharded fp32 logits: only reductions over `vocab`, no gather
-    of the logits, so each device keeps its own vocabulary slice."""
+    of the logits, so each device keeps its own vocabulary slice. (Training's summed loss
+    goes through GPT.token_loss_sum, which never keeps the logits.)"""
     vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     label_logit = jnp.sum(jnp.where(vocab_ids == labels[..., None], logits, 0.0), axis=-1)
     return jax.nn.logsumexp(logits, axis=-1) - label_logit
@@ -109,8 +119,8 @@ def cast_params(params, dtype):
 def loss_sum(model, batch, row_keys=None):
     """Summed next-token loss and token count of `batch` (batch, seq + 1)."""
     inputs, labels = batch[:, :-1], batch[:, 1:]
-    per_token = cross_entropy(model.logits(model(inputs, row_keys)), labels)
-    return per_token.sum(), jnp.asarray(per_token.size, jnp.float32)
+    total = model.token_loss_sum(model(inputs, row_keys), labels)
+    return total, jnp.asarray(labels.size, jnp.float32)
 
 
 def create(cfg, seed):

@@ -246,8 +246,7 @@ def run_schedule(graphdef, params, tokens, row_keys, table, with_grads, bubble_f
 
         def token_loss(shared, h, micro):
             view = gpt.merge(graphdef, {**shared, 'blocks': blocks})
-            logits = view.logits(view.final_norm(h))
-            return gpt.cross_entropy(logits, tokens[micro, :, 1:]).sum()
+            return view.token_loss_sum(view.final_norm(h), tokens[micro, :, 1:])
 
         def chunk_at(repeat):
             return jax.tree.map(lambda a: a[repeat], chunks)

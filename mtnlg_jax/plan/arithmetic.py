@@ -216,26 +216,37 @@ def boundary_activation_bytes(model_cfg, sequences):
     return sequences * model_cfg.num_layers * model_cfg.seq_len * model_cfg.hidden * e
 
 
+def loss_bytes(model, rows, tensor):
+    """Bytes per device of the output layer and loss (model/loss.py): one piece of the
+    sequence's fp32 logits and their gradient in the compute dtype, and the fp32 sum of the
+    embedding's gradient (vocab split over tensor)."""
+    vocab = model.padded_vocab // tensor
+    piece = rows * (model.seq_len // model.loss_chunks) * vocab
+    return piece * (4 + itemsize(model.compute_dtype)) + vocab * model.hidden * 4
+
+
 def activation_bytes(config):
     """Bytes per device of activations at the peak of a step, as the configured schedule and
     recompute keep them (b = train.micro_batch rows per micro-step and replica):
 
     no pipeline: micro-steps run one after another, so one micro-batch's activations: every
-        layer's kept values, one layer recomputed (remat full / selective), the logits
+        layer's kept values, one layer recomputed (remat full / selective), the output
+        layer's and loss's (loss_bytes)
     pipeline, 1f1b / interleaved (parallel/pipeline.py): the stage inputs the schedule
         table stashes (its stash slots) and the output gradients it holds (its gradient
         slots), each split over tensor along the sequence, the two hand-offs in flight, one
-        chunk recomputed by a backward's vjp, one micro-batch of logits on the last stage
+        chunk recomputed by a backward's vjp, the loss's on the last stage
     pipeline, gpipe (parallel/gpipe.py, differentiated as one program): each stage keeps
         what every one of its v m + p - 1 iterations saved (the chunk input under full
         recompute), one chunk recomputed, the (m, b, s, h) embedded inputs, recirculating and
-        output buffers, and `split` micro-batches of logits."""
+        output buffers, and `split` micro-batches of logits and their gradient (gpipe
+        differentiates GPT.logits and cross_entropy, not the fused loss)."""
     model, train = config.model, config.train
     stages, tensor, repeats = config.mesh.stage, config.mesh.tensor, config.pipeline.repeats
     rows, micro = train.micro_batch, train.micro_steps
     e = itemsize(model.compute_dtype)
     boundary = model.seq_len * rows * model.hidden * e
-    logits = 2 * 4 * rows * model.seq_len * model.padded_vocab // tensor  # fp32, + gradient
+    logits = loss_bytes(model, rows, tensor)
     full_layer = layer_activation_bytes(model, rows, tensor, 'none')
     if stages == 1:
         kept = model.num_layers * layer_activation_bytes(model, rows, tensor, model.remat)
@@ -264,7 +275,7 @@ def activation_bytes(config):
         layers=iterations * per_iteration,
         recomputed=recomputed,
         pipeline_buffers=3 * micro * boundary,
-        logits=split * logits,
+        logits=split * 2 * 4 * rows * model.seq_len * model.padded_vocab // tensor,
     )
 
 

@@ -1,0 +1,122 @@
+"""The output layer and the cross-entropy as one function whose gradients come from its forward.
+
+    hidden (batch, seq, embed) --+-- chunk 1 of seq --> logits (batch, seq/c, vocab) fp32
+    token_embed (vocab, embed) --+                        logsumexp, label logit -> loss
+                                 |                        softmax - one-hot = dlogits
+                                 |                        d hidden_1 = dlogits @ E
+                                 |                        d E     += dlogits^T @ hidden_1
+                                 +-- chunk 2 ... c          (the same)
+
+Autodiff of `logits -> cross_entropy` keeps the (tokens, vocab) fp32 logits for the backward
+and then writes their gradient, another (tokens, vocab) array, a second time transposed for
+the embedding's gradient (XLA:CPU's dot wants that layout): three passes over the largest
+arrays of the step. Here each chunk's logits live only while their chunk is worked on, the
+backward keeps d hidden (tokens, embed) and d E (vocab, embed) instead of the logits, and the
+backward itself is two multiplications by the incoming scalar. What it does to the CPU step
+(4 layers, hidden 256, vocabulary 8192, 2,048 tokens, one device): 0.54 s -> 0.45 s. The same idea as Megatron's
+fused vocabulary-parallel cross-entropy and Liger's fused linear cross-entropy.
+
+The vocabulary may be sharded (`vocab` over tensor): logsumexp and the label's logit are
+reductions over `vocab`, d hidden sums over it (one all-reduce, as Megatron's), d E stays on
+each device's own rows; no device holds the whole vocabulary's logits.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from mtnlg_jax.parallel.rules import constrain
+
+
+def _pieces(x, chunks):
+    """(batch, seq, ...) -> (chunks, batch, seq / chunks, ...): the pieces a scan walks."""
+    batch, seq = x.shape[:2]
+    x = x.reshape(batch, chunks, seq // chunks, *x.shape[2:])
+    return jnp.moveaxis(x, 1, 0)
+
+
+def _whole(x):
+    """The inverse of _pieces."""
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape(x.shape[0], -1, *x.shape[3:])
+
+
+def _logits(hidden, embed, vocab_size):
+    """fp32 logits (batch, seq, padded vocab), padding columns at -inf."""
+    logits = jnp.einsum('bse,ve->bsv', hidden, embed, preferred_element_type=jnp.float32)
+    logits = constrain(logits, ('batch', 'seq', 'vocab'))
+    if vocab_size < embed.shape[0]:
+        vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
+        logits = jnp.where(vocab_ids < vocab_size, logits, -jnp.inf)
+    return logits
+
+
+def _chunk_loss(hidden, embed, labels, vocab_size):
+    """(logits, log-sum-exp, summed loss) of one piece. The label's logit is a masked sum
+    over `vocab` (with `vocab` split: each device's own slice, then one all-reduce of a
+    number per token, as Megatron's)."""
+    logits = _logits(hidden, embed, vocab_size)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
+    label_logit = jnp.sum(jnp.where(vocab_ids == labels[..., None], logits, 0.0), axis=-1)
+    return logits, lse, jnp.sum(lse - label_logit)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def head_loss_sum(hidden, embed, labels, vocab_size, chunks):
+    """Summed next-token cross-entropy of logits = hidden @ embed.T (fp32), over `chunks`
+    pieces of the sequence (a divisor of its length) one after another. hidden (batch, seq,
+    embed); embed (padded vocab, embed), rows past vocab_size are padding; labels (batch,
+    seq) int."""
+    hidden = constrain(hidden, ('batch', 'seq', 'embed'))
+
+    def add_piece(total, piece):
+        return total + _chunk_loss(*piece[:1], embed, piece[1], vocab_size)[2], None
+
+    total, _ = jax.lax.scan(
+        add_piece, jnp.zeros((), jnp.float32), (_pieces(hidden, chunks), _pieces(labels, chunks))
+    )
+    return total
+
+
+def _forward_and_gradients(hidden, embed, labels, vocab_size, chunks):
+    """The loss and its gradients: d logits = softmax - one-hot, made in the one pass that
+    exponentiates the logits; d hidden = d logits @ E (summed over `vocab`: an all-reduce
+    when it is split); d E is summed, in the scan's carry, as its transpose (embed, vocab) =
+    hidden^T @ d logits, whose operands XLA:CPU's dot takes as they lie (d logits^T @ hidden
+    made it write the whole (vocab, tokens) d logits once more, transposed)."""
+    hidden = constrain(hidden, ('batch', 'seq', 'embed'))
+
+    def add_piece(carry, piece):
+        total, d_embed_t = carry
+        piece_hidden, piece_labels = piece
+        piece_hidden = constrain(piece_hidden, ('batch', 'seq', 'embed'))
+        logits, lse, loss = _chunk_loss(piece_hidden, embed, piece_labels, vocab_size)
+        probs = jnp.exp(logits - lse[..., None])
+        vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
+        d_logits = jnp.where(vocab_ids == piece_labels[..., None], probs - 1.0, probs)
+        d_logits = constrain(d_logits.astype(hidden.dtype), ('batch', 'seq', 'vocab'))
+        d_hidden = jnp.einsum('bsv,ve->bse', d_logits, embed)
+        d_embed_t += jnp.einsum(
+            'bse,bsv->ev', piece_hidden, d_logits, preferred_element_type=jnp.float32
+        )
+        return (total + loss, d_embed_t), constrain(d_hidden, ('batch', 'seq', 'embed'))
+
+    init = (jnp.zeros((), jnp.float32), jnp.zeros(embed.shape[::-1], jnp.float32))
+    (total, d_embed_t), d_hidden = jax.lax.scan(
+        add_piece, init, (_pieces(hidden, chunks), _pieces(labels, chunks))
+    )
+    d_hidden = constrain(_whole(d_hidden), ('batch', 'seq', 'embed'))
+    return total, (d_hidden, d_embed_t.astype(embed.dtype))
+
+
+def _backward(vocab_size, chunks, saved, g):
+    """The saved gradients times the loss's cotangent; d E turned back to (vocab, embed) in
+    the same pass."""
+    d_hidden, d_embed_t = saved
+    d_embed = constrain((g * d_embed_t).T.astype(d_embed_t.dtype), ('vocab', 'embed'))
+    return (g * d_hidden).astype(d_hidden.dtype), d_embed, None
+
+
+head_loss_sum.defvjp(_forward_and_gradients, _backward)
