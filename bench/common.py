@@ -81,11 +81,25 @@ class CompiledStep:
         return statistics.median(times)
 
 
+def cpu_model():
+    """The host CPU's model name (/proc/cpuinfo), so figures from different machines are not
+    compared by mistake."""
+    try:
+        with open('/proc/cpuinfo') as f:
+            for line in f:
+                if line.startswith('model name'):
+                    return line.split(':', 1)[1].strip()
+    except OSError:
+        pass
+    return 'unknown CPU'
+
+
 def print_table(title, header, rows):
     """A markdown table with the command that made it and the machine it ran on."""
     print(f'\n{title}')
     print(f'command: python {" ".join(sys.argv)}')
-    print(f'machine: {jax.devices()[0].device_kind}, {os.cpu_count()} cores, jax {jax.__version__}')
+    print(f'machine: {jax.devices()[0].device_kind} ({cpu_model()}), {os.cpu_count()} cores, '
+          f'jax {jax.__version__}')
     print('| ' + ' | '.join(header) + ' |')
     print('|' + '|'.join('---' for _ in header) + '|')
     for row in rows:

@@ -64,7 +64,7 @@ def test_tiny_config_resolves_on_eight_devices():
     config = config_lib.resolve(config_lib.load('configs/tiny.py'), 8)
     assert (config.mesh.data, config.mesh.stage, config.mesh.tensor) == (2, 2, 2)
     assert config.pipeline.repeats == 2
-    assert config.train.micro_steps == 4
+    assert config.train.micro_steps == 2
     assert config.model.compute_dtype == 'float32'
     count, _ = _param_count('configs/tiny.py')
     assert 1e6 < count < 10e6
@@ -101,6 +101,6 @@ def test_resolve_never_changes_the_users_config_and_keeps_derived_values_apart()
     resolved = config_lib.resolve(config, 8)
     assert config.to_dict() == given
     assert 'micro_steps' not in config.train and 'padded_vocab' not in config.model  # not inputs
-    assert resolved.derived.train.micro_steps == resolved.train.micro_steps == 4
+    assert resolved.derived.train.micro_steps == resolved.train.micro_steps == 2
     assert resolved.derived.model.padded_vocab == resolved.model.padded_vocab == 8192
     assert 'derived' not in resolved.inputs and resolved.inputs.model.ffn_hidden == 0
