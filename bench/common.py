@@ -68,17 +68,21 @@ class CompiledStep:
         """Peak temporary memory of one device (XLA's memory analysis of the step)."""
         return self.compiled.memory_analysis().temp_size_in_bytes
 
-    def step_seconds(self, steps):
-        """Median wall time of `steps` steps after one warm-up step."""
+    def step_times(self, steps, warmup=1):
+        """Wall times of `steps` steps, after `warmup` untimed ones."""
         times = []
         with jax.set_mesh(self.mesh):
-            for i in range(steps + 1):
+            for i in range(warmup + steps):
                 start = time.perf_counter()
                 self.state, metrics = self.compiled(self.state, *self.batch, jnp.float32(1))
                 jax.block_until_ready(metrics)
-                if i:
+                if i >= warmup:
                     times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        return times
+
+    def step_seconds(self, steps):
+        """Median wall time of `steps` steps after one warm-up step."""
+        return statistics.median(self.step_times(steps))
 
 
 def cpu_model():

@@ -20,9 +20,6 @@ import time
 
 from common import CompiledStep, layout_config, own_layout_config, print_table
 
-import jax
-import jax.numpy as jnp
-
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.cli import ArgumentParser, fail
 
@@ -32,16 +29,7 @@ class OurStep:
         self.step = CompiledStep(config)
 
     def run(self, steps):
-        times = []
-        with jax.set_mesh(self.step.mesh):
-            for _ in range(steps):
-                start = time.perf_counter()
-                self.step.state, metrics = self.step.compiled(
-                    self.step.state, *self.step.batch, jnp.float32(1)
-                )
-                jax.block_until_ready(metrics)
-                times.append(time.perf_counter() - start)
-        return times
+        return self.step.step_times(steps, warmup=0)
 
 
 class TorchPeer:
