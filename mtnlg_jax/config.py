@@ -9,6 +9,7 @@ what follows from the inputs:
   mesh.{data,stage,tensor}  -1 filled with the devices the other axes leave
   model.ffn_hidden          0 -> 4 x hidden
   model.padded_vocab        vocab_size rounded up to a multiple of 128 x tensor (Megatron's rule)
+  model.loss_chunks         0 -> the largest of 4, 3, 2, 1 that divides seq_len
   train.micro_steps         global_batch / (micro_batch x data), accumulated inside one step
                             (during a ramp-up, train.rampup, each smaller batch has fewer)
   optimizer.decay_tokens    0 -> all the tokens of the run, ramp-up included
@@ -71,8 +72,9 @@ def defaults():
             # sequence shards split over mesh.tensor (parallel/rules.py).
             sequence_parallel=False,
             # The output layer and loss run over this many pieces of the sequence, each
-            # piece's logits made and dropped in turn with the gradients (model/loss.py).
-            loss_chunks=4,
+            # piece's logits made and dropped in turn with the gradients (model/loss.py);
+            # 0: the largest of 4, 3, 2, 1 that divides seq_len.
+            loss_chunks=0,
         )
     )
     config.train = ml_collections.ConfigDict(
@@ -192,6 +194,7 @@ DERIVED_KEYS = (
     'mesh.tensor',
     'model.ffn_hidden',
     'model.padded_vocab',
+    'model.loss_chunks',
     'train.micro_steps',
     'optimizer.decay_tokens',
 )

@@ -50,7 +50,7 @@ def _get(config, key):
 
 
 def check_model(config):
-    """model.*, against the (filled) mesh; fills ffn_hidden and padded_vocab."""
+    """model.*, against the (filled) mesh; fills ffn_hidden, padded_vocab and loss_chunks."""
     model, mesh = config.model, config.mesh
     _positive(
         config,
@@ -114,14 +114,17 @@ def check_model(config):
         f'needs model.seq_len={model.seq_len} divisible by mesh.tensor={tensor}',
     )
     if 'loss_chunks' not in model:  # a run saved before the key existed
-        model.loss_chunks = 4
+        model.loss_chunks = 0
     _require(
         isinstance(model.loss_chunks, int)
-        and model.loss_chunks >= 1
-        and model.seq_len % model.loss_chunks == 0,
+        and model.loss_chunks >= 0
+        and (model.loss_chunks == 0 or model.seq_len % model.loss_chunks == 0),
         'model.loss_chunks',
-        f'must divide model.seq_len={model.seq_len}, got {model.loss_chunks!r}',
+        f'must be 0 (up to 4 pieces) or divide model.seq_len={model.seq_len}, '
+        f'got {model.loss_chunks!r}',
     )
+    if model.loss_chunks == 0:
+        model.loss_chunks = next(n for n in (4, 3, 2, 1) if model.seq_len % n == 0)
     for key in ('attention_dropout', 'hidden_dropout'):
         _require(0.0 <= model[key] < 1.0, f'model.{key}', f'must be in [0, 1), got {model[key]}')
     _require(model.init_std > 0, 'model.init_std', f'must be positive, got {model.init_std}')

@@ -104,3 +104,15 @@ def test_resolve_never_changes_the_users_config_and_keeps_derived_values_apart()
     assert resolved.derived.train.micro_steps == resolved.train.micro_steps == 2
     assert resolved.derived.model.padded_vocab == resolved.model.padded_vocab == 8192
     assert 'derived' not in resolved.inputs and resolved.inputs.model.ffn_hidden == 0
+
+
+@pytest.mark.parametrize('seq_len,pieces', [(1024, 4), (1023, 3), (1022, 2), (1021, 1)])
+def test_loss_chunks_zero_takes_the_largest_of_4_3_2_1_dividing_the_sequence(seq_len, pieces):
+    """The default never fails a sequence length (an imported model's n_positions, say); a
+    given count must divide it (tests/test_train_command_line.py)."""
+    config = config_lib.defaults()
+    config.mesh.data = 1
+    config.model.seq_len = seq_len
+    resolved = config_lib.resolve(config, 1)
+    assert resolved.model.loss_chunks == resolved.derived.model.loss_chunks == pieces
+    assert resolved.inputs.model.loss_chunks == 0
