@@ -74,7 +74,8 @@ def head_loss_sum(hidden, embed, labels, vocab_size, chunks):
     hidden = constrain(hidden, ('batch', 'seq', 'embed'))
 
     def add_piece(total, piece):
-        return total + _chunk_loss(*piece[:1], embed, piece[1], vocab_size)[2], None
+        piece_hidden, piece_labels = piece
+        return total + _chunk_loss(piece_hidden, embed, piece_labels, vocab_size)[2], None
 
     total, _ = jax.lax.scan(
         add_piece, jnp.zeros((), jnp.float32), (_pieces(hidden, chunks), _pieces(labels, chunks))
@@ -103,9 +104,11 @@ def _forward_and_gradients(hidden, embed, labels, vocab_size, chunks):
         d_embed_t += jnp.einsum(
             'bse,bsv->ev', piece_hidden, d_logits, preferred_element_type=jnp.float32
         )
+        d_embed_t = constrain(d_embed_t, ('embed', 'vocab'))
         return (total + loss, d_embed_t), constrain(d_hidden, ('batch', 'seq', 'embed'))
 
-    init = (jnp.zeros((), jnp.float32), jnp.zeros(embed.shape[::-1], jnp.float32))
+    d_embed_t = constrain(jnp.zeros(embed.shape[::-1], jnp.float32), ('embed', 'vocab'))
+    init = (jnp.zeros((), jnp.float32), d_embed_t)
     (total, d_embed_t), d_hidden = jax.lax.scan(
         add_piece, init, (_pieces(hidden, chunks), _pieces(labels, chunks))
     )
