@@ -20,7 +20,8 @@ from flax import nnx
 
 from mtnlg_jax.model.block import SELECTIVE_SAVED, SITES_PER_BLOCK, Block
 from mtnlg_jax.model.layers import LayerNorm, dropout, param, use
-from mtnlg_jax.model.loss import head_loss_sum
+from mtnlg_jax.model import loss
+from mtnlg_jax.model.loss import cross_entropy  # noqa: F401 (callers' name: gpt.cross_entropy)
 from mtnlg_jax.parallel.rules import constrain
 
 REMAT_POLICIES = {
@@ -68,22 +69,14 @@ class GPT(nnx.Module):
 
     def logits(self, hidden):
         """(..., batch, seq, vocab) fp32 logits, sharded over `vocab`; padding rows at -inf."""
-        logits = jnp.einsum(
-            '...e,ve->...v',
-            hidden,
-            use(self.token_embed, self.dtype),
-            preferred_element_type=jnp.float32,
-        )
-        logits = constrain(logits, ('batch', 'seq', 'vocab'))
-        vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-        return jnp.where(vocab_ids < self.vocab_size, logits, -jnp.inf)
+        return loss.logits(hidden, use(self.token_embed, self.dtype), self.vocab_size)
 
     def token_loss_sum(self, hidden, labels):
         """Summed cross-entropy of `labels` (batch, seq) under the logits of final hidden
         states (batch, seq, embed): the output layer and the loss fused (model/loss.py), in
         `loss_chunks` pieces of the sequence."""
         embed = use(self.token_embed, self.dtype)
-        return head_loss_sum(hidden, embed, labels, self.vocab_size, self.loss_chunks)
+        return loss.head_loss_sum(hidden, embed, labels, self.vocab_size, self.loss_chunks)
 
 
 def apply_block_stack(graphdef, stacked, x, row_keys, remat='none', first_layer=0):
@@ -100,15 +93,6 @@ def apply_block_stack(graphdef, stacked, x, row_keys, remat='none', first_layer=
     layers = first_layer + jnp.arange(num_layers)
     x, _ = jax.lax.scan(one_block, x, (layers, stacked))
     return x
-
-
-def cross_entropy(logits, labels):
-    """Per-token loss from vocab-sharded fp32 logits: only reductions over `vocab`, no gather
-    of the logits, so each device keeps its own vocabulary slice. (Training's summed loss
-    goes through GPT.token_loss_sum, which never keeps the logits.)"""
-    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    label_logit = jnp.sum(jnp.where(vocab_ids == labels[..., None], logits, 0.0), axis=-1)
-    return jax.nn.logsumexp(logits, axis=-1) - label_logit
 
 
 def cast_params(params, dtype):

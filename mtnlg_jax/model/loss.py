@@ -44,25 +44,42 @@ def _whole(x):
     return x.reshape(x.shape[0], -1, *x.shape[3:])
 
 
-def _logits(hidden, embed, vocab_size):
-    """fp32 logits (batch, seq, padded vocab), padding columns at -inf."""
-    logits = jnp.einsum('bse,ve->bsv', hidden, embed, preferred_element_type=jnp.float32)
-    logits = constrain(logits, ('batch', 'seq', 'vocab'))
+def logits(hidden, embed, vocab_size):
+    """fp32 logits (..., batch, seq, padded vocab) of hidden (..., batch, seq, embed), sharded
+    over `vocab`; padding columns (past vocab_size) at -inf."""
+    out = jnp.einsum('...e,ve->...v', hidden, embed, preferred_element_type=jnp.float32)
+    out = constrain(out, ('batch', 'seq', 'vocab'))
     if vocab_size < embed.shape[0]:
-        vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
-        logits = jnp.where(vocab_ids < vocab_size, logits, -jnp.inf)
-    return logits
+        out = jnp.where(_vocab_ids(out) < vocab_size, out, -jnp.inf)
+    return out
+
+
+def _vocab_ids(logits):
+    return jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+
+
+def _is_label(logits, labels):
+    return _vocab_ids(logits) == labels[..., None]
+
+
+def _label_logit(logits, labels):
+    """The label's logit as a masked sum over `vocab`: with `vocab` split, each device sums
+    its own slice and one all-reduce of a number per token completes it (as Megatron's)."""
+    return jnp.sum(jnp.where(_is_label(logits, labels), logits, 0.0), axis=-1)
+
+
+def cross_entropy(logits, labels):
+    """Per-token loss from vocab-sharded fp32 logits: only reductions over `vocab`, no gather
+    of the logits, so each device keeps its own vocabulary slice. (Training's summed loss
+    goes through head_loss_sum, which never keeps the logits.)"""
+    return jax.nn.logsumexp(logits, axis=-1) - _label_logit(logits, labels)
 
 
 def _chunk_loss(hidden, embed, labels, vocab_size):
-    """(logits, log-sum-exp, summed loss) of one piece. The label's logit is a masked sum
-    over `vocab` (with `vocab` split: each device's own slice, then one all-reduce of a
-    number per token, as Megatron's)."""
-    logits = _logits(hidden, embed, vocab_size)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
-    label_logit = jnp.sum(jnp.where(vocab_ids == labels[..., None], logits, 0.0), axis=-1)
-    return logits, lse, jnp.sum(lse - label_logit)
+    """(logits, log-sum-exp, summed loss) of one piece."""
+    piece_logits = logits(hidden, embed, vocab_size)
+    lse = jax.nn.logsumexp(piece_logits, axis=-1)
+    return piece_logits, lse, jnp.sum(lse - _label_logit(piece_logits, labels))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -95,10 +112,9 @@ def _forward_and_gradients(hidden, embed, labels, vocab_size, chunks):
         total, d_embed_t = carry
         piece_hidden, piece_labels = piece
         piece_hidden = constrain(piece_hidden, ('batch', 'seq', 'embed'))
-        logits, lse, loss = _chunk_loss(piece_hidden, embed, piece_labels, vocab_size)
-        probs = jnp.exp(logits - lse[..., None])
-        vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
-        d_logits = jnp.where(vocab_ids == piece_labels[..., None], probs - 1.0, probs)
+        piece_logits, lse, loss = _chunk_loss(piece_hidden, embed, piece_labels, vocab_size)
+        probs = jnp.exp(piece_logits - lse[..., None])
+        d_logits = jnp.where(_is_label(piece_logits, piece_labels), probs - 1.0, probs)
         d_logits = constrain(d_logits.astype(hidden.dtype), ('batch', 'seq', 'vocab'))
         d_hidden = jnp.einsum('bsv,ve->bse', d_logits, embed)
         d_embed_t += jnp.einsum(
