@@ -9,7 +9,7 @@ WORKDIR ?= runs/tiny
 DATA := data/default
 SOURCES := kjv python_stdlib
 
-.PHONY: setup data train train-multiprocess test bench clean
+.PHONY: setup gpu-compile data train train-multiprocess test bench clean
 
 setup: $(VENV)/.installed
 
@@ -18,6 +18,16 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
 	$(PY) -m pip install --quiet --no-deps -e .
+	touch $@
+
+# The XLA:GPU compiler, to compile GPU steps on a machine without a GPU (launch/plan.py
+# --target a100-80gb | h100-80gb): requirements-gpu-compile.txt, about 2.3 GB, in a folder of its
+# own (mtnlg_jax/gpu_compile.py says why). With it, make test also runs
+# tests/test_gpu_compile.py (skipped without it).
+gpu-compile: .gpu-compile/.installed
+
+.gpu-compile/.installed: $(VENV)/.installed requirements-gpu-compile.txt
+	$(PY) -m pip install --quiet --no-deps --upgrade --target .gpu-compile -r requirements-gpu-compile.txt
 	touch $@
 
 # The default corpus: each source exported to jsonl and curated (launch/curate.py: exact and
@@ -74,4 +84,4 @@ bench: setup
 	$(PY) bench/scale.py --results runs/scale
 
 clean:
-	rm -rf $(VENV) $(DATA) runs
+	rm -rf $(VENV) $(DATA) runs .gpu-compile

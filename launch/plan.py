@@ -4,7 +4,16 @@ on CPU devices and measured.
 
     python launch/plan.py --config configs/mtnlg_530b.py --devices 2240 --cluster a100-80gb
     python launch/plan.py --config configs/tiny.py --compile --json plan.json
+    python launch/plan.py --config configs/mtnlg_530b.py --devices 2240 --target a100-80gb \\
+        --compile --json plan.json
         [--config.KEY=VALUE ...] (the overrides launch/train.py takes)
+
+--target a100-80gb | h100-80gb compiles the step with XLA:GPU for that GPU on compile-only
+devices, the whole layout in one process and on a machine without a GPU (after `make
+gpu-compile`: mtnlg_jax/gpu_compile.py), with the recommended XLA:GPU flags
+(mtnlg_jax/xla_flags.py; your own XLA_FLAGS win). It adds what only a GPU compile shows: the
+fused attention kernels, and the overlap of each collective with compute, replayed on the
+target's figures. It times nothing: no GPU runs, and XLA skips autotuning without one.
 
 --devices N: the device count the config is resolved against (a mesh axis of -1 takes what the
 others leave); default: the product of the mesh axes, a -1 axis counted as 1 (one replica).
@@ -26,7 +35,7 @@ import json
 import os
 import sys
 
-from mtnlg_jax import cli, distributed
+from mtnlg_jax import cli, distributed, gpu_compile
 from mtnlg_jax.cli import fail
 
 MAX_CPU_DEVICES = 2048  # XLA:CPU's limit per process
@@ -40,6 +49,9 @@ def parse_args(argv):
     )
     parser.add_argument('--devices', type=int, help='devices the layout is resolved against')
     parser.add_argument('--cluster', help='named cluster: does it fit, how fast at best')
+    parser.add_argument(
+        '--target', help='compile for this GPU with XLA:GPU, no GPU needed (a cluster name)'
+    )
     parser.add_argument('--json', help='also write the plan as one JSON object to this path')
     distributed.add_arguments(parser)
     return parser.parse_args(argv)
@@ -94,6 +106,11 @@ def write_json(path, plan):
 
 def main(argv):
     args = parse_args(argv)
+    # The planner runs on the CPU, whatever compiles it targets (with the gpu-compile extra
+    # installed, JAX would otherwise look for a CUDA driver first).
+    os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+    if args.target is not None:
+        check_target(args)
     from mtnlg_jax import config as config_lib  # noqa: PLC0415 (no JAX yet)
     from mtnlg_jax.plan.clusters import CLUSTERS  # noqa: PLC0415
 
@@ -109,6 +126,8 @@ def main(argv):
     except config_lib.ConfigError as e:
         fail(f'{e} (resolved against --devices {devices})')
 
+    if args.target is not None:
+        return plan_for_gpu(args, config)
     compiled_config, notes = config, []
     processes = distributed.requested_process_count(args)
     if args.compile and devices > MAX_CPU_DEVICES * processes:
@@ -145,12 +164,64 @@ def main(argv):
         compiled, _, info = compile_lib.compile_train_step(compiled_config)
         notes += list(compile_lib.CPU_COMPILE_NOTES)
         report.add_compiled(plan, compiled_config, compiled, info, notes)
-    if not distributed.is_primary():
-        return
+    if distributed.is_primary():
+        show(plan, args.json)
+
+
+def show(plan, json_path):
+    from mtnlg_jax.plan import report  # noqa: PLC0415 (imports JAX)
+
     print('\n'.join(report.lines(plan)))
-    if args.json is not None:
-        write_json(args.json, plan)
-        print(f'wrote {args.json}')
+    if json_path is not None:
+        write_json(json_path, plan)
+        print(f'wrote {json_path}')
+
+
+def check_target(args):
+    """--target: a known GPU, the compiler installed, one process; --cluster defaults to it."""
+    if args.target not in gpu_compile.TARGETS:
+        fail(f'--target {args.target!r} is not one of {", ".join(gpu_compile.TARGETS)}')
+    missing = gpu_compile.missing()
+    if missing:
+        fail(f'--target {args.target}: {missing}')
+    if distributed.requested_process_count(args) > 1:
+        fail('--target compiles the whole layout in one process: leave out --num_processes')
+    args.compile = True
+    args.cluster = args.cluster or args.target
+    args.xla_flags = gpu_compile.prepare_environment()  # before JAX starts
+    gpu_compile.start_jax()
+
+
+def plan_for_gpu(args, config):
+    """The plan, and the train step compiled by XLA:GPU for args.target's compile-only GPUs."""
+    from mtnlg_jax.plan import gpu_target  # noqa: PLC0415 (imports JAX)
+    from mtnlg_jax.plan.clusters import CLUSTERS  # noqa: PLC0415
+
+    per_node = CLUSTERS[args.target].gpus_per_node
+    mesh = config.mesh
+    total = mesh.data * mesh.stage * mesh.tensor
+    if per_node % mesh.tensor or (total > per_node and total % per_node):
+        fail(
+            f'mesh.tensor {mesh.tensor} with {total} devices: {args.target} nodes hold '
+            f'{per_node} GPUs; tensor groups must stay inside a node and the devices fill nodes'
+        )
+    from mtnlg_jax.plan import compile as compile_lib  # noqa: PLC0415 (imports JAX)
+    from mtnlg_jax.plan import report  # noqa: PLC0415
+
+    plan = report.make_plan(config, args.cluster)
+    print(
+        f'compiling the train step with XLA:GPU for {total} x {args.target} (data '
+        f'{mesh.data} x stage {mesh.stage} x tensor {mesh.tensor}; about a minute for the '
+        f'largest configs) ...',
+        file=sys.stderr,
+        flush=True,
+    )
+    with gpu_compile.without_driver_noise():
+        devices = gpu_target.devices(args.target, total, per_node)
+        compiled, _, info = compile_lib.compile_train_step(config, devices=devices)
+    notes = compile_lib.gpu_compile_notes(args.target, args.xla_flags)
+    report.add_compiled(plan, config, compiled, info, notes, target=args.target)
+    show(plan, args.json)
 
 
 if __name__ == '__main__':

@@ -19,7 +19,7 @@ SLURM (launch/slurm/train.sbatch), Open MPI, or with --coordinator, --num_proces
 
 import sys
 
-from mtnlg_jax import cli, distributed
+from mtnlg_jax import cli, distributed, xla_flags
 from mtnlg_jax.cli import fail
 from mtnlg_jax.rundir import RunDir, RunDirError
 
@@ -73,6 +73,7 @@ def main(argv):
         max(1, cli.mesh_device_count(args.config.mesh) // distributed.requested_process_count(args))
     )
     # Before any JAX call; a bad command line has cost no JAX start-up.
+    xla_flags.apply()  # the recommended XLA:GPU flags; XLA_FLAGS of the user's own win
     distributed.initialize_for_config(args.config, args)
     import jax
 

@@ -10,6 +10,12 @@ os.environ['XLA_FLAGS'] = (
     + ' --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true'
 ).strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# For the XLA:GPU compiles of test_gpu_compile.py, after `make gpu-compile`: the compiler on
+# this process's path (not on its subprocesses'), no driver to check CUDA against, and the
+# XLA:GPU flags launch/plan.py --target compiles with (XLA:CPU ignores them).
+from mtnlg_jax import gpu_compile  # noqa: E402 (no JAX)
+
+gpu_compile.prepare_environment()
 
 
 import numpy as np  # noqa: E402

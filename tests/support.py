@@ -51,6 +51,20 @@ def small_config(
     return config_lib.resolve(config, data * stage * tensor)
 
 
+# Small layouts the planner is checked against, compiled by XLA:CPU (test_plan_compiled.py)
+# and XLA:GPU (test_gpu_compile.py). Hidden 256 keeps the state, which the plan counts
+# exactly, the larger part of memory; vocab 1500 pads to 1536, a size no other dimension has.
+PLAN_LAYOUTS = {
+    'tensor': dict(data=2, tensor=4),
+    'pipelined': dict(data=2, stage=2, tensor=2, repeats=2, num_layers=4, micro_steps=4),
+    'data_bf16': dict(data=8, compute_dtype='bfloat16'),
+}
+
+
+def plan_config(name):
+    return small_config(**PLAN_LAYOUTS[name], remat='none', hidden=256, vocab_size=1500)
+
+
 def layout(config):
     """Mesh (on the first devices) and train setup of a resolved config."""
     shape = (config.mesh.data, config.mesh.stage, config.mesh.tensor)

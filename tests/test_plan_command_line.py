@@ -74,6 +74,11 @@ def test_a_bf16_pipelined_step_compiles_through_the_tool(tmp_path):
         (['--devices', '0'], '--devices must be a positive integer, got 0'),
         (['--config.model.hidden=abc'], 'config.model.hidden'),
         (['--json', '/nonexistent/dir/plan.json'], '--json /nonexistent/dir/plan.json'),
+        (['--target', 'h200'], "--target 'h200' is not one of a100-80gb, h100-80gb"),
+        (['--target', 'a100-80gb', '--num_processes', '2'], 'leave out --num_processes'),
+        (['--target', 'a100-80gb', '--config.mesh.tensor=16', '--config.mesh.data=1',
+          '--config.mesh.stage=1', '--config.model.heads=16', '--devices', '16'],
+         'mesh.tensor 16 with 16 devices: a100-80gb nodes hold 8 GPUs'),
     ],
 )
 def test_bad_input_is_one_line_and_status_2(args, message, tmp_path):
@@ -86,6 +91,23 @@ def test_bad_input_is_one_line_and_status_2(args, message, tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith('error: ') and message in lines[0], lines
     assert existing.read_text() == 'keep me'
+
+
+def test_target_without_the_gpu_compiler_says_what_to_install(tmp_path):
+    """Where neither .gpu-compile/ nor the environment has the XLA:GPU compiler."""
+    from mtnlg_jax import gpu_compile  # noqa: PLC0415
+
+    if gpu_compile._importable('jax_plugins.xla_cuda12') and not gpu_compile.COMPILER_DIR.is_dir():
+        pytest.skip('the compiler is installed in this environment itself')
+    command = [sys.executable, str(support.ROOT / 'launch/plan.py'), '--config',
+               'configs/tiny.py', '--target', 'a100-80gb']  # fmt: skip
+    env = dict(support.TRAIN_ENV, MTNLG_GPU_COMPILE_DIR=str(tmp_path / 'none'))
+    result = subprocess.run(command, capture_output=True, text=True, cwd=support.ROOT, env=env)
+    assert result.returncode == 2 and result.stdout == ''
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith('error: --target a100-80gb: the XLA:GPU '
+                                                   'compiler is not installed'), lines
+    assert 'make gpu-compile' in lines[0]
 
 
 def test_missing_config_is_an_error():

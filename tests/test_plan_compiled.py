@@ -22,25 +22,11 @@ from mtnlg_jax.plan import hlo, hlo_module, report
 MESH = dict(data=2, stage=2, tensor=2)  # device id = 4 data + 2 stage + tensor
 TOLERANCE = 0.10
 
-# Small layouts compiled once per module and shared by every test below. Hidden 256 keeps the
-# state, which the plan counts exactly, the larger part of memory; vocab 1500 pads to 1536, a
-# size no other dimension has.
-PLAN_LAYOUTS = {
-    'tensor': dict(data=2, tensor=4),
-    'pipelined': dict(data=2, stage=2, tensor=2, repeats=2, num_layers=4, micro_steps=4),
-    'data_bf16': dict(data=8, compute_dtype='bfloat16'),
-}
-
-
-def plan_config(name):
-    return support.small_config(**PLAN_LAYOUTS[name], remat='none', hidden=256, vocab_size=1500)
-
-
 @functools.lru_cache(maxsize=None)
 def compiled_step(name, step='train'):
     """(config, compiled, info) of a PLAN_LAYOUTS layout's train or eval step, compiled ahead
     of time by mtnlg_jax.plan.compile (what launch/plan.py --compile measures)."""
-    config = plan_config(name)
+    config = support.plan_config(name)
     make = compile_lib.compile_train_step if step == 'train' else compile_lib.compile_eval_step
     compiled, _, info = make(config)
     return config, compiled, info

@@ -36,6 +36,21 @@ CPU_COMPILE_NOTES = (
 )
 
 
+def gpu_compile_notes(target, flags):
+    """What a GPU-target compile (plan/gpu_target.py) can and cannot know."""
+    return (
+        f'compiled by XLA:GPU for {target} on compile-only devices (no GPU): fusion, '
+        f'scheduling and buffer assignment are the GPU backend\'s, but nothing ran, so no time '
+        f'was measured, and autotuning was skipped (XLA\'s default GEMM and fusion choices)',
+        'overlap: the compiled schedule replayed on the target\'s figures (plan/overlap.py): '
+        'compute at peak FLOP/s and HBM bandwidth, ring collectives at the link bandwidths, '
+        'no latency; exposed = time the compute stream waits at a collective\'s done',
+        'XLA:GPU flags: '
+        + (' '.join(f'--{flag}={value}' for flag, value in flags) or 'none of ours')
+        + ' (mtnlg_jax/xla_flags.py; XLA_FLAGS of your own win)',
+    )
+
+
 def abstract_state(setup):
     """The train state as ShapeDtypeStructs carrying their shardings: nothing allocated."""
     return jax.tree.map(

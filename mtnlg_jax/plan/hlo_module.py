@@ -116,7 +116,7 @@ def scope_path(op_name, scopes):
     return tuple(name for i, name in enumerate(found) if i == 0 or found[i - 1] != name)
 
 
-def _branch_factor(instruction, attr, callee, branch_weights, scopes):
+def branch_factor(instruction, attr, callee, branch_weights, scopes):
     """How often a conditional's branch runs per run of the conditional: its weight, or 1
     (counted as taken) when the weights do not name this conditional."""
     index = instruction.branch_index(attr, callee)
@@ -167,7 +167,7 @@ def parse_module(hlo_text):
     return computations, entry
 
 
-def _trip_count(while_instruction, computations):
+def trip_count(while_instruction, computations):
     """Iterations of a while loop: XLA's known_trip_count, else the constant its condition
     compares with (a `lax.scan`'s `i < n`); None if neither is there."""
     known = _TRIP.search(while_instruction.rest)
@@ -197,13 +197,13 @@ def execution_counts(computations, entry, branch_weights=None):
             for attr, callee in instruction.callees():
                 factor, loop = 1, False
                 if instruction.opcode == 'while' and attr in ('body', 'condition'):
-                    trips = _trip_count(instruction, computations)
+                    trips = trip_count(instruction, computations)
                     if trips is None:
                         unknown_trips.add(callee)
                         trips = 1
                     factor, loop = trips + (attr == 'condition'), True
                 elif instruction.opcode == 'conditional':
-                    factor = _branch_factor(instruction, attr, callee, branch_weights, scopes)
+                    factor = branch_factor(instruction, attr, callee, branch_weights, scopes)
                 callers[callee].append((caller, factor, loop))
 
     memo = {entry: (1, False)}
@@ -260,25 +260,66 @@ def _dims(type_text):
     return [int(re.sub(r'\D', '', d)) for d in match.group(2).split(',') if d.strip()]
 
 
+# cuDNN's fused attention: the forward runs 2 matmuls over the (batch, heads, q, k) scores,
+# the backward 5 (flash attention recomputes the scores, then dV, dP, dQ, dK).
+FUSED_ATTENTION_MATMULS = {'__cudnn$fmhaSoftmax': 2, '__cudnn$fmhaSoftmaxBackward': 5}
+_CUSTOM_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_SCORES_SHAPE = re.compile(r'"intermediate_tensor_shape":\s*\{[^{}]*?"dimensions":\s*\[([^\]]*)\]')
+
+
+def custom_call_target(instruction):
+    match = _CUSTOM_TARGET.search(instruction.rest)
+    return match.group(1) if match else None
+
+
+def custom_call_counts(hlo_text):
+    """{custom call target: instructions calling it} of a module (e.g. the cuDNN kernels)."""
+    return dict(collections.Counter(_CUSTOM_TARGET.findall(hlo_text)))
+
+
+def fused_attention_flops(instruction):
+    """FLOPs of one cuDNN fused-attention custom call, counted dense (2 x scores x head_dim
+    per matmul, as the model's 12 L H Q T counts attention; a causal kernel skips most of the
+    masked tiles, so the hardware does less); 0 for any other instruction."""
+    matmuls = FUSED_ATTENTION_MATMULS.get(custom_call_target(instruction) or '')
+    scores = _SCORES_SHAPE.search(instruction.rest)
+    if not matmuls or not scores:
+        return 0
+    head_dim = _dims(split_top(instruction.type_text.strip()[1:-1])[0])[-1]
+    return 2 * matmuls * math.prod(ints(scores.group(1))) * head_dim
+
+
+def instruction_flops(instruction, types):
+    """Matmul FLOPs of one run of one instruction (not of what it calls): a dot's 2 x result
+    elements x contracted elements, or a fused attention call's; types: {name: type text}
+    of its computation (for the dot's operand)."""
+    if instruction.opcode == 'custom-call':
+        return fused_attention_flops(instruction)
+    if instruction.opcode != 'dot':
+        return 0
+    lhs = re.match(r'\(\s*%?([\w.\-]+)', instruction.rest).group(1)
+    contracting = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', instruction.rest)
+    lhs_dims = _dims(types[lhs])
+    contracted = math.prod(lhs_dims[i] for i in ints(contracting.group(1)))
+    return 2 * math.prod(_dims(instruction.type_text)) * contracted
+
+
+def computation_flops(instructions):
+    """Matmul FLOPs of one run of a computation's own instructions (callees not included)."""
+    types = {instruction.name: instruction.type_text for instruction in instructions}
+    return sum(instruction_flops(instruction, types) for instruction in instructions)
+
+
 def dot_flops(hlo_text, branch_weights=None):
-    """Matmul FLOPs one device runs per step: 2 x result elements x contracted elements for
-    every dot, times the runs of its computation (inside fusions and loop bodies alike;
-    conditional branches weighted as in `collective_inventory`). XLA's cost_analysis() counts
-    a while body once, whatever its trip count."""
+    """Matmul FLOPs one device runs per step: every dot (2 x result elements x contracted
+    elements) and fused attention call (`fused_attention_flops`), times the runs of its
+    computation (inside fusions and loop bodies alike; conditional branches weighted as in
+    `collective_inventory`). XLA's cost_analysis() counts a while body once, whatever its trip
+    count, and gives nothing for a GPU compile."""
     computations, entry = parse_module(hlo_text)
     counts, _ = execution_counts(computations, entry, branch_weights)
-    total = 0
-    for name, instructions in computations.items():
-        runs = counts[name][0]
-        if not runs:
-            continue
-        types = {instruction.name: instruction.type_text for instruction in instructions}
-        for instruction in instructions:
-            if instruction.opcode != 'dot':
-                continue
-            lhs = re.match(r'\(\s*%?([\w.\-]+)', instruction.rest).group(1)
-            contracting = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', instruction.rest)
-            lhs_dims = _dims(types[lhs])
-            contracted = math.prod(lhs_dims[i] for i in ints(contracting.group(1)))
-            total += 2 * math.prod(_dims(instruction.type_text)) * contracted * runs
-    return total
+    return sum(
+        computation_flops(instructions) * counts[name][0]
+        for name, instructions in computations.items()
+        if counts[name][0]
+    )

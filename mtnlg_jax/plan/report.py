@@ -7,7 +7,7 @@ and the readable table launch/plan.py prints.
 """
 
 from mtnlg_jax.parallel import pipeline
-from mtnlg_jax.plan import arithmetic, clusters, comm, hlo, hlo_module
+from mtnlg_jax.plan import arithmetic, clusters, comm, hlo, hlo_module, overlap
 
 # Keys other tools read (README, bench/scale.py, the pipeline and communication tests).
 PER_DEVICE_KEYS = ('params', 'grads', 'optimizer', 'update', 'activations', 'total')
@@ -64,10 +64,11 @@ def config_summary(config):
     )
 
 
-def add_compiled(plan, config, compiled, info, notes=()):
+def add_compiled(plan, config, compiled, info, notes=(), target=None):
     """plan['compiled']: memory_analysis, collectives, FLOPs and times of a compiled step
     (from plan.compile), and the plan of what XLA:CPU compiled (`cpu_equivalent`) to compare
-    them with when the device is a CPU."""
+    them with when the device is a CPU. target: the GPU target name of a GPU compile
+    (plan/gpu_target.py): adds the fused attention kernels and the overlap replay."""
     from mtnlg_jax.plan import compile as compile_lib  # noqa: PLC0415 (imports train/)
 
     memory = compile_lib.memory(compiled)
@@ -103,8 +104,12 @@ def add_compiled(plan, config, compiled, info, notes=()):
         notes=list(notes),
         config=config_summary(config),
         per_iteration_arrays=per_iteration_arrays(text, config),
+        platform='cpu' if target is None else 'cuda',
+        target=target,
     )
-    if info['mesh'].devices.flat[0].platform == 'cpu':
+    if target is not None:
+        add_gpu_figures(plan['compiled'], config, text, info['mesh'], target, weights)
+    else:
         reference = make_plan(cpu_equivalent(config))
         plan['compiled']['planned_as_compiled'] = dict(
             compute_dtype='float32',
@@ -112,6 +117,32 @@ def add_compiled(plan, config, compiled, info, notes=()):
             comm_bytes_per_device=reference['comm_bytes_per_device'],
         )
     return plan
+
+
+def add_gpu_figures(compiled, config, text, mesh, target, weights):
+    """What only a GPU compile shows: the attention kernels, and the overlap replay of its
+    schedule on the target's figures (plan/overlap.py)."""
+    cluster = clusters.CLUSTERS[target]
+    kernels = hlo_module.custom_call_counts(text)
+    fused = {k: n for k, n in kernels.items() if k in hlo_module.FUSED_ATTENTION_MATMULS}
+    compiled['attention'] = dict(fused=bool(fused), kernels=fused)
+    replay = overlap.collective_overlap(
+        text, mesh, overlap.Target.of_cluster(cluster, config.model.compute_dtype), weights
+    )
+    compiled['overlap'] = dict(
+        table=replay['table'],
+        step_s=replay['step_s'],
+        compute_s=replay['compute_s'],
+        exposed_s=replay['exposed_s'],
+        exposed_vs_compute=replay['exposed_s'] / replay['compute_s'],
+        links=dict(
+            nvlink_bytes_per_s=cluster.nvlink_bandwidth,
+            network_bytes_per_s=cluster.internode_bandwidth,
+            gpus_per_node=cluster.gpus_per_node,
+            peak_flops=cluster.peak_tflops[config.model.compute_dtype] * 1e12,
+            hbm_bytes_per_s=cluster.hbm_bandwidth,
+        ),
+    )
 
 
 def branch_weights(config, micro_steps=None):
@@ -146,7 +177,9 @@ def compiled_comm(inventory):
 
 
 def _gib(n):
-    return arithmetic.format_bytes(n) if n is not None else 'n/a'
+    if n is None:
+        return 'n/a'
+    return ('-' if n < 0 else '') + arithmetic.format_bytes(abs(n))
 
 
 def lines(plan):
@@ -175,7 +208,7 @@ def lines(plan):
     out.append(
         'comm         bytes one device sends per step: ' + ' | '.join(name for name, _ in columns)
     )
-    if compiled:
+    if compiled and reference is not plan:
         cc = compiled['config']
         dtype = reference.get('compute_dtype', cc['compute_dtype'])
         out.append(
@@ -202,8 +235,13 @@ def lines(plan):
     if compiled:
         planned_total = reference['per_device_bytes']['total']
         stacked = compiled.get('per_iteration_arrays', [])
+        where = (
+            'CPU devices'
+            if compiled.get('target') is None
+            else f'compile-only {compiled["target"]} GPUs (XLA:GPU)'
+        )
         out += [
-            f'compiled     on {compiled["devices"]} CPU devices in {compiled["compile_s"]:.1f} s'
+            f'compiled     on {compiled["devices"]} {where} in {compiled["compile_s"]:.1f} s'
             f' (memory per device from memory_analysis):',
             f'  arguments {_gib(compiled["argument_bytes"])}, outputs '
             f'{_gib(compiled["output_bytes"])} (aliased {_gib(compiled["alias_bytes"])}), '
@@ -229,5 +267,35 @@ def lines(plan):
             f'counts): {compiled["flops_vs_model"]:.2f} x model FLOPs / devices '
             f'(cost_analysis: {"n/a" if raw is None else format(raw, ".4g")}, loop bodies once)'
         )
+        out += gpu_lines(compiled)
         out += [f'  note       {note}' for note in compiled['notes']]
+    return out
+
+
+def gpu_lines(compiled):
+    """The attention kernels and the overlap table of a GPU compile ([] for a CPU one)."""
+    if compiled.get('target') is None:
+        return []
+    attention = compiled['attention']
+    kernels = ', '.join(f'{k} x {n}' for k, n in sorted(attention['kernels'].items()))
+    over = compiled['overlap']
+    links = over['links']
+    out = [
+        '  attention  '
+        + (f'fused (cuDNN): {kernels}' if attention['fused'] else 'NOT fused: einsums around '
+           'a materialised (seq x seq) score matrix'),
+        f'  overlap    replayed step {over["step_s"]:.3f} s = compute at peak '
+        f'{over["compute_s"]:.3f} + exposed communication {over["exposed_s"]:.3f} '
+        f'({100 * over["exposed_vs_compute"]:.1f} % of compute); links per GPU: NVLink '
+        f'{links["nvlink_bytes_per_s"] / 1e9:.0f} GB/s inside a node of '
+        f'{links["gpus_per_node"]}, network {links["network_bytes_per_s"] / 1e9:.0f} GB/s',
+        f'  {"kind":<19}{"axes":<19}{"link":<9}{"GB/step":>10}{"overlapped":>12}'
+        f'{"exposed s":>11}',
+    ]
+    for row in over['table']:
+        out.append(
+            f'  {row["kind"]:<19}{row["axes"]:<19}{row["link"]:<9}'
+            f'{row["wire_bytes"] / 1e9:>10.3g}{100 * row["overlapped"]:>11.0f}%'
+            f'{row["exposed_s"]:>11.3g}'
+        )
     return out

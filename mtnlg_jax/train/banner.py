@@ -2,7 +2,7 @@
 
 import jax
 
-from mtnlg_jax import plan
+from mtnlg_jax import plan, xla_flags
 from mtnlg_jax.parallel import pipeline
 from mtnlg_jax.data import rampup
 
@@ -50,6 +50,8 @@ def lines(config, setup, compile_seconds, train_data):
         f'per device',
         f'pipeline     {pipeline_line(config)}',
         f'compile      {compile_seconds:.1f} s',
+        f'XLA:GPU      {xla_flags.describe()}'
+        + (' (no effect on this CPU)' if device.platform == 'cpu' else ''),
         *data_lines(config, train_data),
     ]
 

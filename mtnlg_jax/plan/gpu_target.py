@@ -1,0 +1,44 @@
+"""Compile-only NVIDIA GPUs: XLA:GPU as the measuring instrument, on a machine without a GPU.
+
+    target name ('a100-80gb')  ->  targets/a100_sxm_80.txtpb (a GpuTargetConfigProto: SM count,
+                                   shared memory, HBM bandwidth, L2, clock, compute capability)
+                               ->  jax.experimental.topologies.get_topology_desc(platform='cuda',
+                                   topology='1 x NODES x GPUS_PER_NODE', target_config=...)
+                               ->  compile-only devices (process index = node), as many as the
+                                   layout needs: 2,240 for MT-NLG, in one process
+
+mtnlg_jax/gpu_compile.py makes the compiler ready before JAX starts (prepare_environment).
+Nothing is allocated or run, so a GPU compile times nothing, and XLA skips autotuning (it takes
+its default GEMM and fusion configurations rather than the fastest measured ones).
+"""
+
+import os
+
+from mtnlg_jax.gpu_compile import TARGETS
+
+TARGET_FILES = {'a100-80gb': 'a100_sxm_80.txtpb', 'h100-80gb': 'h100_sxm.txtpb'}
+assert set(TARGET_FILES) == set(TARGETS)
+
+
+def target_config(target):
+    """The GpuTargetConfigProto text of a target name (KeyError if unknown)."""
+    path = os.path.join(os.path.dirname(__file__), 'targets', TARGET_FILES[target])
+    with open(path) as f:
+        return f.read()
+
+
+def devices(target, count, gpus_per_node=8):
+    """`count` compile-only devices of `target`, on count / gpus_per_node nodes (one node of
+    `count` when fewer); each node's devices share a process index."""
+    from jax.experimental import topologies  # noqa: PLC0415
+
+    per_node = min(count, gpus_per_node)
+    if count % per_node:
+        raise ValueError(f'{count} devices do not fill nodes of {gpus_per_node} GPUs')
+    topology = topologies.get_topology_desc(
+        platform='cuda',
+        topology_name=target,
+        topology=f'1x{count // per_node}x{per_node}',
+        target_config=target_config(target),
+    )
+    return list(topology.devices)

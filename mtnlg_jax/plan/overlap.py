@@ -1,0 +1,248 @@
+"""How much of each collective's time XLA:GPU's schedule hides behind compute: a replay of the
+compiled module on a target's figures.
+
+A GPU compile is scheduled: each computation's instructions are printed in the order they run,
+and an asynchronous collective is a pair, `X-start` where its bytes begin to move and `X-done`
+where the compute that needs them waits. The replay walks that order:
+
+    compute stream   a1 --- f1 ------ f2 ------- [wait] d1 - f3 --
+    NVLink stream        s1 ===========================+
+                         (all-gather over 'tensor': start s1 ... done d1)
+
+- every other instruction runs on one compute stream, one after another, at its roofline time
+  max(matmul FLOPs / peak, bytes read and written / HBM bandwidth): at peak, so that what the
+  replay calls exposed is a lower bound on what a real run waits;
+- a collective sends on its link's stream from its start, queued behind the earlier ones on
+  that link: NVLink when every group stays inside a node, the network otherwise (the target's
+  per-GPU bandwidths, plan/clusters.py), taking wire bytes / bandwidth (ring algorithms,
+  hlo.wire_bytes; no latency term);
+- at a collective's done, the compute stream waits until its bytes have arrived: that wait is
+  the collective's exposed time. A synchronous collective is exposed whole.
+- a while loop, a conditional or a call runs as one block of compute whose time is its
+  callee's replay (x trip count; a conditional's branches weighted as the inventory weighs
+  them); the collectives inside are replayed with their own computation, and everything is
+  multiplied by the runs per step (hlo_module.execution_counts).
+
+It times nothing that ran: it says what the schedule lets overlap on the target's figures.
+"""
+
+import collections
+import re
+
+from mtnlg_jax.plan import hlo, hlo_module
+
+_FREE = frozenset(
+    ('parameter', 'get-tuple-element', 'tuple', 'bitcast', 'constant', 'after-all',
+     'partition-id', 'replica-id', 'opt-barrier', 'add-dependency')
+)  # fmt: skip
+_CALLS = frozenset(('while', 'conditional', 'call', 'async-start'))
+_OPERANDS = re.compile(r'%([\w.\-]+)')
+
+
+class Target:
+    """The figures a replay needs (from a plan/clusters.Cluster and a compute dtype)."""
+
+    def __init__(self, peak_flops, hbm_bandwidth, nvlink_bandwidth, network_bandwidth,
+                 gpus_per_node):  # fmt: skip
+        self.peak_flops, self.hbm_bandwidth = peak_flops, hbm_bandwidth
+        self.nvlink_bandwidth, self.network_bandwidth = nvlink_bandwidth, network_bandwidth
+        self.gpus_per_node = gpus_per_node
+
+    @classmethod
+    def of_cluster(cls, cluster, compute_dtype):
+        return cls(
+            cluster.peak_tflops[compute_dtype] * 1e12,
+            cluster.hbm_bandwidth,
+            cluster.nvlink_bandwidth,
+            cluster.internode_bandwidth,
+            cluster.gpus_per_node,
+        )
+
+
+def _operand_names(instruction):
+    """Names of the operands: the %names inside the opcode's parentheses."""
+    end = hlo_module.matching_bracket(instruction.rest, 0)
+    return _OPERANDS.findall(instruction.rest[:end])
+
+
+def _done_opcode(opcode):
+    return opcode[: -len('-start')] + '-done'
+
+
+class _Replay:
+    def __init__(self, computations, entry, inventory, target, branch_weights):
+        self.computations, self.entry, self.target = computations, entry, target
+        self.counts, _ = hlo_module.execution_counts(computations, entry, branch_weights)
+        self.branch_weights = branch_weights
+        self.scopes = {name for path in (branch_weights or {}) for name in path}
+        self.collectives = {(op['computation'], op['name']): op for op in inventory}
+        self.num_devices = None
+        self.durations = {}  # computation -> seconds of one run
+        self.exposed = collections.defaultdict(float)  # (computation, name) -> s per run
+
+    def link(self, op, instruction):
+        """'nvlink' if every replica group (or permute pair) stays inside a node."""
+        groups = hlo.replica_groups(instruction, self.num_devices)
+        per_node = self.target.gpus_per_node
+        inside = all(len({device // per_node for device in group}) <= 1 for group in groups)
+        return 'nvlink' if inside else 'network'
+
+    def wire_seconds(self, op, link):
+        bandwidth = (
+            self.target.nvlink_bandwidth if link == 'nvlink' else self.target.network_bandwidth
+        )
+        return op['wire_bytes'] / bandwidth
+
+    def instruction_seconds(self, instruction, types):
+        """Roofline time of one non-collective instruction, callees included."""
+        if instruction.opcode in _FREE:
+            return 0.0
+        callees = instruction.callees()
+        if instruction.opcode in _CALLS:
+            return self.called_seconds(instruction, callees)
+        flops = hlo_module.instruction_flops(instruction, types)
+        for attr, callee in callees:  # a fusion's dots live in its fused computation
+            if attr == 'calls':
+                flops += self.fused_flops(callee)
+        moved = hlo_module.shape_bytes(instruction.type_text) + sum(
+            hlo_module.shape_bytes(types[name])
+            for name in _operand_names(instruction)
+            if name in types
+        )
+        return max(flops / self.target.peak_flops, moved / self.target.hbm_bandwidth)
+
+    def fused_flops(self, name):
+        flops = hlo_module.computation_flops(self.computations.get(name, []))
+        for instruction in self.computations.get(name, []):
+            flops += sum(self.fused_flops(c) for a, c in instruction.callees() if a == 'calls')
+        return flops
+
+    def called_seconds(self, instruction, callees):
+        if instruction.opcode == 'while':
+            body = dict(callees)['body']
+            trips = hlo_module.trip_count(instruction, self.computations) or 1
+            return trips * self.duration(body)
+        total = 0.0
+        for attr, callee in callees:
+            factor = hlo_module.branch_factor(
+                instruction, attr, callee, self.branch_weights, self.scopes
+            )
+            total += factor * self.duration(callee)
+        return total
+
+    def duration(self, name):
+        """Seconds of one run of a computation, replayed (memoised)."""
+        if name not in self.durations:
+            self.durations[name] = 0.0  # recursion guard; HLO has none
+            self.durations[name] = self.replay(name)
+        return self.durations[name]
+
+    def replay(self, name):
+        instructions = self.computations.get(name, [])
+        types = {instruction.name: instruction.type_text for instruction in instructions}
+        now = 0.0
+        link_free = collections.defaultdict(float)  # link -> when its stream is idle
+        arrives = {}  # start name -> (op key, when its bytes have arrived)
+        for instruction in instructions:
+            op = self.collective(name, instruction)
+            if op is not None:
+                link = self.link(op, instruction)
+                begin = max(now, link_free[link])
+                end = begin + self.wire_seconds(op, link)
+                link_free[link] = end
+                if instruction.opcode.endswith('-start') or instruction.opcode == 'async-start':
+                    arrives[instruction.name] = ((op['computation'], op['name']), end)
+                else:  # synchronous: the compute stream waits for it
+                    self.exposed[name, instruction.name] += end - now
+                    now = end
+                continue
+            if instruction.opcode.endswith('-done'):
+                started = [n for n in _operand_names(instruction) if n in arrives]
+                for start in started:
+                    key, end = arrives.pop(start)
+                    if end > now:
+                        self.exposed[key] += end - now
+                        now = end
+                continue
+            now += self.instruction_seconds(instruction, types)
+        return now
+
+    def collective(self, computation, instruction):
+        """The inventory's entry for a collective instruction (an async-start: the collective
+        of the computation it wraps), or None."""
+        op = self.collectives.get((computation, instruction.name))
+        if op is None and instruction.opcode == 'async-start':
+            for attr, callee in instruction.callees():
+                for inner in self.computations.get(callee, []) if attr == 'calls' else ():
+                    op = op or self.collectives.get((callee, inner.name))
+        return op
+
+    def run(self, num_devices):
+        """Replay every computation that runs as control flow (the entry, loop bodies,
+        branches, calls); fused computations count inside their fusion's roofline."""
+        self.num_devices = num_devices
+        self.duration(self.entry)
+
+
+def collective_overlap(hlo_text, mesh, target, branch_weights=None):
+    """The replay of a compiled step on `target` (a Target):
+
+        {'collectives': [{kind, axes, link, wire_bytes, count, wire_s, exposed_s, name}]
+                        (per step: x runs per step),
+         'table': [{kind, axes, link, wire_bytes, wire_s, exposed_s, overlapped}] by kind,
+                  axes and link, 'overlapped' = 1 - exposed / wire time,
+         'step_s': the replayed step (compute at peak + exposed), 'exposed_s', 'compute_s'}
+
+    mesh: the compiled step's mesh (positions in its device array are the HLO's device ids;
+    consecutive gpus_per_node positions share a node, as parallel/mesh.py lays devices out)."""
+    computations, entry = hlo_module.parse_module(hlo_text)
+    inventory = hlo.collective_inventory(hlo_text, mesh, branch_weights)
+    replay = _Replay(computations, entry, inventory, target, branch_weights)
+    _, sizes = hlo._mesh_shape(mesh)
+    num_devices = 1
+    for size in sizes:
+        num_devices *= size
+    replay.run(num_devices)
+    rows = []
+    for op in inventory:
+        key = (op['computation'], op['name'])
+        instruction = next(
+            i for i in computations[op['computation']] if i.name == op['name']
+        )
+        link = replay.link(op, instruction)
+        rows.append(
+            dict(
+                kind=op['kind'],
+                axes=list(op['axes']),
+                link=link,
+                name=op['name'],
+                count=op['count'],
+                wire_bytes=op['wire_bytes'] * op['count'],
+                wire_s=replay.wire_seconds(op, link) * op['count'],
+                exposed_s=replay.exposed.get(key, 0.0) * op['count'],
+            )
+        )
+    table = collections.defaultdict(lambda: dict(wire_bytes=0.0, wire_s=0.0, exposed_s=0.0))
+    for row in rows:
+        total = table[row['kind'], hlo.axes_key(row['axes']), row['link']]
+        for field in ('wire_bytes', 'wire_s', 'exposed_s'):
+            total[field] += row[field]
+    summary = [
+        dict(
+            kind=kind,
+            axes=axes,
+            link=link,
+            **total,
+            overlapped=1.0 - total['exposed_s'] / total['wire_s'] if total['wire_s'] else 1.0,
+        )
+        for (kind, axes, link), total in sorted(table.items())
+    ]
+    step_s = replay.duration(entry)
+    exposed_s = sum(row['exposed_s'] for row in rows)
+    return dict(
+        collectives=rows,
+        table=summary,
+        step_s=step_s,
+        compute_s=step_s - exposed_s,
+        exposed_s=exposed_s,
+    )

@@ -1,0 +1,88 @@
+"""The XLA:GPU flags we recommend: one place, read before JAX starts.
+
+launch/train.py applies them (they only concern XLA:GPU; XLA:CPU ignores them), and so does
+the GPU-target compile of launch/plan.py, so what the planner measures is what trains. A flag
+the user sets in their own XLA_FLAGS wins over ours, whatever its value:
+
+    XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=false python launch/train.py ...
+
+What each changed in the compiled 530 B step is in docs/scale.md ("XLA:GPU flags").
+"""
+
+import os
+import re
+
+# (flag, value, why). Each was compared on the GPU compile of the 530 B step, one at a time
+# and together (docs/scale.md, "XLA:GPU flags"); the ones that did not help are not here.
+RECOMMENDED_GPU_FLAGS = (
+    (
+        'xla_gpu_enable_latency_hiding_scheduler',
+        'true',
+        'schedules independent compute between the start and the done of each asynchronous '
+        'collective',
+    ),
+    (
+        'xla_gpu_enable_analytical_latency_estimator',
+        'true',
+        'the scheduler prices collectives and kernels with XLA\'s analytical model of the GPU '
+        'instead of fixed guesses: it starts the sequence-parallel all-gathers earlier',
+    ),
+    (
+        'xla_gpu_enable_while_loop_double_buffering',
+        'true',
+        'unrolls loops by two so that the next iteration\'s collectives can start during this '
+        'one',
+    ),
+)
+
+_FLAG_NAME = re.compile(r'--([A-Za-z0-9_]+)')
+
+
+def user_flag_names(xla_flags_value):
+    """Names of the flags in an XLA_FLAGS string."""
+    return set(_FLAG_NAME.findall(xla_flags_value or ''))
+
+
+def merged(xla_flags_value, recommended=RECOMMENDED_GPU_FLAGS):
+    """(new XLA_FLAGS string, [(flag, value) applied]): the recommended flags the user did not
+    set, then the user's own."""
+    mine = user_flag_names(xla_flags_value)
+    applied = [(flag, value) for flag, value, _ in recommended if flag not in mine]
+    parts = [f'--{flag}={value}' for flag, value in applied]
+    if xla_flags_value and xla_flags_value.strip():
+        parts.append(xla_flags_value.strip())
+    return ' '.join(parts), applied
+
+
+def apply(environ=os.environ):
+    """Put the recommended flags into environ['XLA_FLAGS'] (before JAX is imported); returns
+    the (flag, value) pairs applied, for the banner."""
+    value, applied = merged(environ.get('XLA_FLAGS', ''))
+    if value:
+        environ['XLA_FLAGS'] = value
+    return applied
+
+
+def in_effect(environ=os.environ):
+    """[(flag, value, 'ours' | 'XLA_FLAGS')] of the recommended flags as XLA will read them:
+    the last value the XLA_FLAGS string gives each."""
+    text = environ.get('XLA_FLAGS', '')
+    ours = {f'--{flag}={value}' for flag, value, _ in RECOMMENDED_GPU_FLAGS}
+    out = []
+    for flag, _, _ in RECOMMENDED_GPU_FLAGS:
+        found = re.findall(rf'--{flag}=(\S+)', text)
+        if found:
+            source = 'ours' if f'--{flag}={found[-1]}' in ours else 'XLA_FLAGS'
+            out.append((flag, found[-1], source))
+    return out
+
+
+def describe(environ=os.environ):
+    """The banner's line: the recommended flags in effect and where each value comes from."""
+    flags = in_effect(environ)
+    if not flags:
+        return 'none of ours'
+    return ' '.join(
+        f'--{flag}={value}' + ('' if source == 'ours' else ' (your XLA_FLAGS)')
+        for flag, value, source in flags
+    )

@@ -1,0 +1,146 @@
+"""XLA:GPU as the measuring instrument: steps compiled for compile-only A100s on this CPU machine
+(plan/gpu_target.py), read by the planner's tools. Skipped, with what to install, without the
+gpu-compile compiler (make gpu-compile)."""
+
+import functools
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import support
+from mtnlg_jax import gpu_compile
+from mtnlg_jax.plan import clusters, gpu_target, overlap, report
+from mtnlg_jax.plan import compile as compile_lib
+
+pytestmark = pytest.mark.skipif(
+    gpu_compile.missing() is not None, reason=str(gpu_compile.missing())
+)
+TARGET = 'a100-80gb'
+TOLERANCE = 0.10
+
+
+def _gpu_plan(config):
+    """The plan of a resolved config with its train step compiled for TARGET."""
+    count = config.mesh.data * config.mesh.stage * config.mesh.tensor
+    devices = gpu_target.devices(TARGET, count)
+    compiled, _, info = compile_lib.compile_train_step(config, devices=devices)
+    plan = report.make_plan(config, TARGET)
+    return report.add_compiled(plan, config, compiled, info, target=TARGET)
+
+
+# What the plan does not yet count as XLA:GPU compiles the 1F1B engine (the CPU compile of the
+# same layout, in fp32, is within 10 %): strict, so the day it matches, this must go.
+PIPELINED_GAP = pytest.param(
+    'pipelined',
+    marks=pytest.mark.xfail(
+        strict=True,
+        reason='1F1B engine under XLA:GPU: peak 0.80 x the plan (the optimizer update is done '
+        'in place), hand-off all-gathers over tensor 1.75 x',
+    ),
+)
+LAYOUTS = ['tensor', 'data_bf16', PIPELINED_GAP]
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_plan(name):
+    return _gpu_plan(support.plan_config(name))
+
+
+def test_plan_target_compiles_the_tiny_config_for_a100s(tmp_path):
+    """`launch/plan.py --target a100-80gb` as a user runs it: configs/tiny.py's layout (data 2
+    x stage 2 x tensor 2, interleaved 1F1B) on 8 compile-only A100s; the JSON has XLA:GPU's
+    memory, matmul FLOPs, attention kernels and the overlap table, the printout its rows."""
+    out = tmp_path / 'plan.json'
+    command = [sys.executable, str(support.ROOT / 'launch/plan.py'), '--config',
+               'configs/tiny.py', '--target', TARGET, '--json', str(out)]  # fmt: skip
+    result = subprocess.run(
+        ['timeout', '-k', '10', '280', *command],
+        capture_output=True, text=True, cwd=support.ROOT, env=support.TRAIN_ENV,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    compiled = json.loads(out.read_text())['compiled']
+    assert compiled['platform'] == 'cuda' and compiled['target'] == TARGET
+    assert compiled['devices'] == 8
+    assert compiled['temp_bytes'] > 0 and compiled['peak_bytes'] > compiled['argument_bytes']
+    assert 1.0 <= compiled['flops_vs_model'] < 2.0
+    assert compiled['attention']['fused'] == bool(compiled['attention']['kernels'])
+    table = compiled['overlap']['table']
+    kinds = {(row['kind'], row['axes'], row['link']) for row in table}
+    assert ('collective-permute', 'stage', 'nvlink') in kinds
+    assert all(0.0 <= row['overlapped'] <= 1.0 for row in table)
+    assert compiled['overlap']['step_s'] >= compiled['overlap']['compute_s'] > 0
+    assert 'compile-only a100-80gb GPUs (XLA:GPU)' in result.stdout
+    assert 'collective-permute stage' in result.stdout and 'overlapped' in result.stdout
+    assert 'autotuning was skipped' in result.stdout
+
+
+@pytest.mark.parametrize('name', LAYOUTS)
+def test_planned_memory_per_device_against_the_gpu_compile(name):
+    """The plan of the step as configured (bf16 as bf16: no fp32 twin, as on XLA:CPU) against
+    XLA:GPU's arguments + unaliased outputs + temporaries."""
+    plan = gpu_plan(name)
+    planned, compiled = plan['per_device_bytes']['total'], plan['compiled']['peak_bytes']
+    assert abs(compiled - planned) <= TOLERANCE * planned, (compiled, planned)
+
+
+@pytest.mark.parametrize('name', LAYOUTS)
+def test_planned_collective_bytes_against_the_gpu_compile(name):
+    """Every (kind, axis) the plan names, within 10 % of the GPU compile's inventory; the
+    ZeRO-1 gradient sum is a reduce-scatter (XLA:CPU makes it an all-reduce + slice) and the
+    bf16 step's parameter all-gather moves bf16."""
+    plan = gpu_plan(name)
+    compiled = plan['compiled']['comm_bytes_per_device']
+    for kind, per_axis in plan['comm_bytes_per_device'].items():
+        for axis, want in per_axis.items():
+            got = compiled.get(kind, {}).get(axis, 0.0)
+            assert abs(got - want) <= TOLERANCE * want, (kind, axis, got, want)
+    assert compiled.get('all-reduce', {}).get('data', 0.0) < 1024  # a few scalars
+
+
+def _overlap_of(step, mesh, x, w):
+    compiled = jax.jit(step).lower(x, w).compile()
+    target = overlap.Target.of_cluster(clusters.CLUSTERS[TARGET], 'bfloat16')
+    result = overlap.collective_overlap(compiled.as_text(), mesh, target)
+    (gather,) = [row for row in result['collectives'] if row['kind'] == 'all-gather']
+    return gather
+
+
+def test_overlap_of_a_compiled_step_with_and_without_independent_work():
+    """An all-gather over a node's 4 GPUs (24 MB sent by each: 80 us on NVLink) beside an
+    independent 137 GFLOP matmul (0.44 ms at peak) is hidden whole by the latency-hiding
+    scheduler; one whose result the matmul needs is exposed whole."""
+    mesh = Mesh(
+        np.array(gpu_target.devices(TARGET, 8)).reshape(2, 4),
+        ('data', 'tensor'),
+        axis_types=(AxisType.Auto,) * 2,
+    )
+    x = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16, sharding=NamedSharding(mesh, P('tensor')))
+    w = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+    gather = jax.shard_map(
+        lambda a: jax.lax.all_gather(a, 'tensor', tiled=True),
+        mesh=mesh,
+        in_specs=P('tensor'),
+        out_specs=P(),
+        check_vma=False,
+    )
+
+    def beside(x, w):
+        return gather(x), w @ w
+
+    def after(x, w):
+        return gather(x) @ w
+
+    hidden = _overlap_of(beside, mesh, x, w)
+    exposed = _overlap_of(after, mesh, x, w)
+    for row in (hidden, exposed):
+        assert row['link'] == 'nvlink' and row['axes'] == ['tensor']
+        assert row['wire_s'] == pytest.approx(3 / 4 * 4096 * 4096 * 2 / 300e9)
+    assert hidden['exposed_s'] == pytest.approx(0.0, abs=1e-9)
+    assert exposed['exposed_s'] == pytest.approx(exposed['wire_s'])

@@ -1,0 +1,87 @@
+"""The overlap replay (plan/overlap.py) on hand-written scheduled modules whose answer is known:
+wire time = wire bytes / link bandwidth, compute = FLOPs / peak or bytes / HBM bandwidth."""
+
+import pytest
+
+from mtnlg_jax.plan import overlap
+
+# Round figures: 1e12 FLOP/s, 1e9 B/s of HBM, NVLink 1e6 B/s, network 1e5 B/s, 2 GPUs a node.
+TARGET = overlap.Target(1e12, 1e9, 1e6, 1e5, gpus_per_node=2)
+MESH = dict(data=2, stage=1, tensor=2)
+
+HEADER = """HloModule scheduled, is_scheduled=true, num_partitions=4
+
+%fused_dot (a: f32[1000,1000], b: f32[1000,1000]) -> f32[1000,1000] {
+  %a = f32[1000,1000]{1,0} parameter(0)
+  %b = f32[1000,1000]{1,0} parameter(1)
+  ROOT %d = f32[1000,1000]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+# One all-gather over 'tensor' (pairs {0,1}, {2,3}: inside a node) of 4,000 bytes: each device
+# sends 2,000 bytes = 2 ms on NVLink. The dot: 2e9 FLOPs = 2 ms at peak (its 12 MB of operands
+# and result take 12 ms of HBM: the roofline says 12 ms).
+BESIDE = HEADER + """
+ENTRY %main (x: f32[500], w: f32[1000,1000]) -> (f32[1000], f32[1000,1000]) {
+  %x = f32[500]{0} parameter(0)
+  %w = f32[1000,1000]{1,0} parameter(1)
+  %ags = (f32[500]{0}, f32[1000]{0}) all-gather-start(%x), channel_id=1, replica_groups={{0,1},{2,3}}, dimensions={0}, use_global_device_ids=true
+  %f = f32[1000,1000]{1,0} fusion(%w, %w), kind=kCustom, calls=%fused_dot
+  %agd = f32[1000]{0} all-gather-done(%ags)
+  ROOT %out = (f32[1000]{0}, f32[1000,1000]{1,0}) tuple(%agd, %f)
+}
+"""
+AFTER = BESIDE.replace(
+    """  %f = f32[1000,1000]{1,0} fusion(%w, %w), kind=kCustom, calls=%fused_dot
+  %agd = f32[1000]{0} all-gather-done(%ags)""",
+    """  %agd = f32[1000]{0} all-gather-done(%ags)
+  %f = f32[1000,1000]{1,0} fusion(%w, %w), kind=kCustom, calls=%fused_dot""",
+)
+
+
+def _only_row(result):
+    (row,) = result['collectives']
+    return row
+
+
+def test_a_collective_with_compute_between_start_and_done_is_hidden():
+    result = overlap.collective_overlap(BESIDE, MESH, TARGET)
+    row = _only_row(result)
+    assert row['link'] == 'nvlink' and row['axes'] == ['tensor']
+    assert row['wire_s'] == pytest.approx(2e-3)
+    assert row['exposed_s'] == pytest.approx(0.0)
+    assert result['step_s'] == pytest.approx(12e-3)  # the fusion's HBM time
+    assert result['table'][0]['overlapped'] == pytest.approx(1.0)
+
+
+def test_a_collective_awaited_at_once_is_exposed_whole():
+    result = overlap.collective_overlap(AFTER, MESH, TARGET)
+    row = _only_row(result)
+    assert row['exposed_s'] == pytest.approx(2e-3)
+    assert result['step_s'] == pytest.approx(14e-3)
+    assert result['compute_s'] == pytest.approx(12e-3)
+    assert result['table'][0]['overlapped'] == pytest.approx(0.0)
+
+
+def test_a_short_window_hides_part_and_groups_across_nodes_use_the_network():
+    """Over 'data' (pairs {0,2}, {1,3}: across nodes) the same bytes take 20 ms on the network;
+    12 ms of compute between start and done hide 12 of them."""
+    text = BESIDE.replace('replica_groups={{0,1},{2,3}}', 'replica_groups={{0,2},{1,3}}')
+    row = _only_row(overlap.collective_overlap(text, MESH, TARGET))
+    assert row['link'] == 'network' and row['axes'] == ['data']
+    assert row['wire_s'] == pytest.approx(20e-3)
+    assert row['exposed_s'] == pytest.approx(8e-3)
+
+
+def test_collectives_on_one_link_queue_behind_each_other():
+    """Two all-gathers started together share NVLink: the second arrives after both (4 ms);
+    the 12 ms fusion hides them both; awaited at once, they cost 2 + 2 ms."""
+    second = (
+        '  %ags2 = (f32[500]{0}, f32[1000]{0}) all-gather-start(%x), channel_id=2, '
+        'replica_groups={{0,1},{2,3}}, dimensions={0}, use_global_device_ids=true\n'
+    )
+    done2 = '  %agd2 = f32[1000]{0} all-gather-done(%ags2)\n'
+    text = AFTER.replace('  %agd = ', second + done2 + '  %agd = ')
+    result = overlap.collective_overlap(text, MESH, TARGET)
+    exposed = sorted(row['exposed_s'] for row in result['collectives'])
+    assert exposed == pytest.approx([0.0, 4e-3])  # ags: arrived during ags2's wait
+    assert result['exposed_s'] == pytest.approx(4e-3)
