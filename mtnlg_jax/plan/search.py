@@ -133,10 +133,11 @@ def _entry(config, step, per_device):
     )
 
 
-def search(inputs, devices, cluster, fixed=(), top=10, progress=True):
+def search(inputs, devices, cluster, fixed=(), top=10, progress=True, figures=None):
     """{'best': [entries, fastest first], 'baseline': the config as given, counts} of the
     layouts that fit (module docstring). inputs: the unresolved config (overrides applied);
-    cluster: a clusters.Cluster. SearchError if no layout can use `devices` GPUs."""
+    cluster: a clusters.Cluster; figures: predict.Efficiency (default: the cluster's).
+    SearchError if no layout can use `devices` GPUs."""
     out = sys.stderr if progress else None
     candidates = list(layouts(inputs, devices, cluster.gpus_per_node, set(fixed)))
     counts_cache, ranked, refused = {}, [], 0
@@ -149,7 +150,7 @@ def search(inputs, devices, cluster, fixed=(), top=10, progress=True):
         key = (layout['mesh.tensor'], layout['mesh.stage'], layout['mesh.data'])
         if key not in counts_cache:  # data and stage traffic depend on the mesh alone
             counts_cache[key] = predict.traffic(config)
-        step = predict.step_time(config, cluster, counts=counts_cache[key])
+        step = predict.step_time(config, cluster, figures, counts=counts_cache[key])
         ranked.append((step['predicted_step_s'], len(ranked), config, step))
     if not ranked:
         raise SearchError(
@@ -178,11 +179,11 @@ def search(inputs, devices, cluster, fixed=(), top=10, progress=True):
         refused=refused,
         memory_checked=checked,
         best=best,
-        baseline=baseline(inputs, devices, cluster),
+        baseline=baseline(inputs, devices, cluster, figures),
     )
 
 
-def baseline(inputs, devices, cluster):
+def baseline(inputs, devices, cluster, figures=None):
     """The config as given, on `devices` GPUs, predicted the same way (None if it cannot
     run there)."""
     try:
@@ -190,7 +191,7 @@ def baseline(inputs, devices, cluster):
     except config_lib.ConfigError:
         return None
     per_device = report.make_plan(config)['per_device_bytes']
-    entry = _entry(config, predict.step_time(config, cluster), per_device)
+    entry = _entry(config, predict.step_time(config, cluster, figures), per_device)
     entry['fits'] = per_device['total'] <= cluster.hbm_bytes
     return entry
 
