@@ -140,6 +140,8 @@ def search(inputs, devices, cluster, fixed=(), top=10, progress=True, figures=No
     SearchError if no layout can use `devices` GPUs."""
     out = sys.stderr if progress else None
     candidates = list(layouts(inputs, devices, cluster.gpus_per_node, set(fixed)))
+    if not candidates:  # before any progress is printed: bad input is one line
+        raise SearchError(_no_layout(inputs, devices, fixed))
     counts_cache, ranked, refused = {}, [], 0
     for layout in tqdm(candidates, desc='predicting layouts', file=out, disable=not progress):
         try:
@@ -153,12 +155,7 @@ def search(inputs, devices, cluster, fixed=(), top=10, progress=True, figures=No
         step = predict.step_time(config, cluster, figures, counts=counts_cache[key])
         ranked.append((step['predicted_step_s'], len(ranked), config, step))
     if not ranked:
-        raise SearchError(
-            f'no layout of {inputs.model.num_layers} layers, {inputs.model.heads} heads and '
-            f'global batch {inputs.train.global_batch} uses {devices} GPUs (data x stage x '
-            f'tensor must be {devices}, data must divide the global batch)'
-            + (f'; fixed: {", ".join(sorted(fixed))}' if fixed else '')
-        )
+        raise SearchError(_no_layout(inputs, devices, fixed))
     ranked.sort(key=lambda r: r[:2])
     best, checked = [], 0
     bar = tqdm(total=top, desc='checking memory', file=out, disable=not progress)
@@ -180,6 +177,15 @@ def search(inputs, devices, cluster, fixed=(), top=10, progress=True, figures=No
         memory_checked=checked,
         best=best,
         baseline=baseline(inputs, devices, cluster, figures),
+    )
+
+
+def _no_layout(inputs, devices, fixed):
+    return (
+        f'no layout of {inputs.model.num_layers} layers, {inputs.model.heads} heads and '
+        f'global batch {inputs.train.global_batch} uses {devices} GPUs (data x stage x '
+        f'tensor must be {devices}, data must divide the global batch)'
+        + (f'; fixed: {", ".join(sorted(fixed))}' if fixed else '')
     )
 
 
