@@ -7,6 +7,8 @@ on CPU devices and measured.
     python launch/plan.py --config configs/mtnlg_530b.py --devices 2240 --target a100-80gb \\
         --compile --json plan.json
         [--config.KEY=VALUE ...] (the overrides launch/train.py takes)
+    python launch/plan.py --config configs/mtnlg_530b.py --search --cluster a100-80gb \\
+        --nodes 280 [--json best.json]     the ten fastest layouts that fit (plan/search.py)
 
 --target a100-80gb | h100-80gb compiles the step with XLA:GPU for that GPU on compile-only
 devices, the whole layout in one process and on a machine without a GPU (after `make
@@ -53,6 +55,11 @@ def parse_args(argv):
         '--target', help='compile for this GPU with XLA:GPU, no GPU needed (a cluster name)'
     )
     parser.add_argument('--json', help='also write the plan as one JSON object to this path')
+    parser.add_argument(
+        '--search', action='store_true',
+        help='the fastest layouts that fit on --cluster (keys set by --config.KEY stay fixed)',
+    )  # fmt: skip
+    parser.add_argument('--nodes', type=int, help='--search: nodes of the cluster to use')
     distributed.add_arguments(parser)
     return parser.parse_args(argv)
 
@@ -120,6 +127,11 @@ def main(argv):
         folder = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(folder):
             fail(f'--json {args.json}: no such directory {folder}')
+    if args.search:
+        from mtnlg_jax.plan import search  # noqa: PLC0415
+
+        fixed = {key for key, _ in cli.split_overrides(argv)[0]}
+        return search.run(args, fixed, write_json)
     devices = device_count(args.config.mesh, args.devices)
     try:
         config = config_lib.resolve(args.config, devices)

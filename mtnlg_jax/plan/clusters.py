@@ -12,10 +12,13 @@ bound of the iteration time.
               and drains
 
 Link figures are one direction's bandwidth per GPU (NVLink's 600 / 900 GB/s are both ways).
+Next to the bound, `predicted_step_s` (plan/predict.py): the same parts at the achieved
+fractions fitted on published step times, the bubble from the engine's own table.
 """
 
 import dataclasses
 
+from mtnlg_jax.plan import predict
 from mtnlg_jax.plan.arithmetic import GIGA
 
 
@@ -85,6 +88,7 @@ def estimate(cluster, config, per_device_total, hardware_flops, comm):
         bubble_s = compute_s * (mesh.stage - 1) / micro_batches
     data_link = cluster.internode_bandwidth if devices > cluster.gpus_per_node else tensor_link
     time_s = compute_s + exposed_s + bubble_s
+    step = predict.step_time(config, cluster)
     return dict(
         cluster=cluster.name,
         description=cluster.description,
@@ -100,4 +104,8 @@ def estimate(cluster, config, per_device_total, hardware_flops, comm):
         bubble_s=bubble_s,
         iteration_s_lower_bound=time_s,
         tflops_per_gpu_upper_bound=hardware_flops / devices / time_s / 1e12,
+        predicted_step_s=step['predicted_step_s'],
+        predicted_tflops_per_gpu=step['tflops_per_gpu'],
+        predicted_mfu=step['mfu'],
+        prediction=step,
     )

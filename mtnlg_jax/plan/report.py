@@ -182,6 +182,19 @@ def _gib(n):
     return ('-' if n < 0 else '') + arithmetic.format_bytes(abs(n))
 
 
+def predicted_line(step):
+    """One line of plan/predict.py's step: the total and its parts."""
+    return (
+        f'  predicted  {step["predicted_step_s"]:.3f} s per step = compute '
+        f'{step["compute_s"]:.3f} + recompute {step["recompute_s"]:.3f} + tensor '
+        f'{step["tensor_comm_s"]:.3f} + accumulate {step["accumulate_s"]:.3f} + pipeline '
+        f'{step["pipeline_comm_s"]:.3f} + bubble {step["bubble_s"]:.3f} + data '
+        f'{step["data_comm_s"] + step["stage_comm_s"]:.3f} + optimizer '
+        f'{step["optimizer_s"]:.3f}; {step["tflops_per_gpu"]:.1f} TFLOP/s per GPU, MFU '
+        f'{100 * step["mfu"]:.1f} % ({step["efficiency"]["source"]}; docs/planner.md)'
+    )
+
+
 def lines(plan):
     """The readable table of a plan (and its compiled figures, if any)."""
     c = plan['config']
@@ -231,6 +244,7 @@ def lines(plan):
             f'{est["pipeline_comm_s"]:.3f} + bubble {est["bubble_s"]:.3f} (data '
             f'{est["data_comm_s"]:.3f} s taken as overlapped); <= '
             f'{est["tflops_per_gpu_upper_bound"]:.1f} TFLOP/s per GPU',
+            predicted_line(est['prediction']),
         ]
     if compiled:
         planned_total = reference['per_device_bytes']['total']

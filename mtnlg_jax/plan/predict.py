@@ -1,0 +1,350 @@
+"""A predicted step time: what each device computes at an achieved fraction of its peak, the
+communication it waits for, the pipeline's bubble from the engine's own table, the optimizer.
+
+One forward of one layer, on one device (b sequences of s tokens, hidden h, MLP f, heads a,
+tensor t, compute dtype of e bytes):
+
+    matmuls     2 b s h (4 h + 2 f) / t FLOPs at peak x matmul(h / t)
+    attention   4 b s^2 h / t FLOPs (Q K^T and the weighted sum, the whole square) at
+                peak x matmul(h / a), and its softmax, mask and dropout: (6 e + 1) a b s^2 / t
+                bytes of memory traffic
+    elementwise layer norms, bias + dropout + residual adds: (10 e + 2) b s h bytes, split
+                over t with sequence parallelism; bias + GeLU: 2 e b s f / t
+    tensor      2 all-reduces of the (b, s, h) activation (sequence parallelism: 2
+                reduce-scatters + 2 all-gathers, the same bytes), ring bytes over NVLink
+                (inside a node) or the network, waited for (the documented exposure rule:
+                each layer needs its own sum; a GPU compile's overlap table may say otherwise)
+
+    matmul(w) = matmul_efficiency x w / (w + matmul_knee): wide matmuls reach a fixed
+                fraction of peak, narrow ones (a small width per device after the tensor
+                split, a small head dimension) less; elementwise work moves bytes at
+                memory_efficiency x HBM bandwidth, collectives at link_efficiency x link.
+
+A backward costs twice a forward's computation and the same collectives. What a backward
+recomputes depends on the engine that runs it (`semantics`):
+
+    megatron    Megatron-LM and DeepSpeed (the published runs): remat full recomputes the
+                forward, selective the attention core, none nothing
+    ours        parallel/pipeline.py's 1F1B engine: a backward is the vjp of its chunk from
+                the stashed stage input, so it always recomputes the chunk's forward, and
+                remat full recomputes it once more inside; the last chunk's forward tick is
+                empty (its backward runs the head and the loss); bf16 gradients are added
+                to the fp32 accumulators after every backward. Without a pipeline, ours is
+                megatron's (jax.checkpoint per layer), plus the accumulation.
+
+The step: the engine's schedule table (parallel/schedule.py) says which stage runs which
+slot on each tick; a tick takes its slowest stage, plus the hand-off to the next stage (split
+over tensor, over the network). Then, once per step and exposed (train/step.py runs them
+after the last micro-batch): the data-parallel reduce-scatter and all-gather of ZeRO-1 and
+the stage all-reduce of the shared parameters (bytes as plan/comm.py counts them), and the
+Adam update (30 bytes a parameter of the ZeRO shard).
+
+The four efficiency figures of a GPU type are fitted on Narayanan et al. 2021's table 1
+(plan/published.py; `fit`), nothing else.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from mtnlg_jax.plan import arithmetic, comm
+from mtnlg_jax.plan.arithmetic import itemsize
+from mtnlg_jax.parallel.schedule import IDLE
+
+ADAM_BYTES_PER_PARAM = 30  # read fp32 master, m, v, gradient; write master, m, v; write e copy
+
+
+@dataclasses.dataclass(frozen=True)
+class Efficiency:
+    """Achieved fractions of a GPU's figures (see the module docstring)."""
+
+    matmul_efficiency: float
+    matmul_knee: float
+    memory_efficiency: float
+    link_efficiency: float
+    source: str
+
+    def as_array(self):
+        return np.array(
+            [self.matmul_efficiency, self.matmul_knee, self.memory_efficiency,
+             self.link_efficiency]
+        )  # fmt: skip
+
+
+# Fitted by `fit(published.TABLE_1, clusters.CLUSTERS['a100-80gb'])`: tests/test_predict.py
+# refits and compares. Table 1 pins one figure down, matmuls at 66.3 % of peak; the other
+# three settle on their bounds (no width penalty down to 768 per device, the spec's HBM and
+# link bandwidths): once attention, elementwise traffic and collectives are counted at the
+# hardware's own speed, table 1 has nothing left to charge to them (its small models ran
+# faster, not slower, than those counts). From two starting points the fit lands on the
+# same values. No H100 step time is fitted: h100-80gb reuses the A100's fractions of its
+# own, higher, peak and bandwidths (an assumption, printed with every H100 prediction).
+A100_FIT = 'fitted on Narayanan et al. 2021 (arXiv 2104.04473) table 1, A100 80 GB'
+A100 = Efficiency(0.6632, 0.0, 1.0, 1.0, A100_FIT)
+FIGURES = {
+    'a100-80gb': A100,
+    'h100-80gb': dataclasses.replace(A100, source='the A100 fit reused: no H100 row is fitted'),
+}
+
+
+def _ring(kind, size, group):
+    if group <= 1:
+        return 0.0
+    return (2.0 if kind == 'all-reduce' else 1.0) * (group - 1) / group * size
+
+
+class _Rates:
+    """Seconds of a matmul, of memory traffic, and of a transfer, on one device."""
+
+    def __init__(self, cluster, figures, dtype):
+        self.peak = cluster.peak_tflops[dtype] * 1e12
+        self.figures = figures
+        self.memory = cluster.hbm_bandwidth * figures.memory_efficiency
+        self.cluster = cluster
+
+    def matmul(self, flops, width):
+        f = self.figures
+        return flops / (self.peak * f.matmul_efficiency * width / (width + f.matmul_knee))
+
+    def bytes(self, size):
+        return size / self.memory
+
+    def link(self, size, group):
+        inside = group <= self.cluster.gpus_per_node
+        bandwidth = self.cluster.nvlink_bandwidth if inside else self.cluster.internode_bandwidth
+        return size / (bandwidth * self.figures.link_efficiency)
+
+
+def layer_forward(config, rates, exposed):
+    """One layer's forward on one device (module docstring): seconds of its computation, of
+    its attention core alone, of the tensor collectives waited for (`exposed` of them), and
+    the FLOPs of all of it and of the attention core."""
+    model, t = config.model, config.mesh.tensor
+    b, s, h, f = config.train.micro_batch, model.seq_len, model.hidden, model.ffn_hidden
+    a, e = model.heads, itemsize(model.compute_dtype)
+    split = t if model.sequence_parallel else 1
+    matmul_flops = 2 * b * s * h * (4 * h + 2 * f) / t
+    attention_flops = 4 * b * s * s * h / t
+    attention = rates.matmul(attention_flops, h / a) + rates.bytes((6 * e + 1) * a * b * s * s / t)
+    elementwise = rates.bytes((10 * e + 2) * b * s * h / split + 2 * e * b * s * f / t)
+    return dict(
+        compute=rates.matmul(matmul_flops, min(b * s, h / t)) + attention + elementwise,
+        attention=attention,
+        tensor=2 * rates.link(_ring('all-reduce', b * s * h * e, t), t) * exposed,
+        flops=matmul_flops + attention_flops,
+        attention_flops=attention_flops,
+    )
+
+
+def head_forward(config, rates):
+    """(seconds, FLOPs) of the output layer and loss on one device: the logits matmul and the
+    fp32 softmax cross-entropy over the vocabulary shard."""
+    model, t = config.model, config.mesh.tensor
+    rows = config.train.micro_batch * model.seq_len
+    vocab = model.padded_vocab / t
+    flops = 2 * rows * model.hidden * vocab
+    seconds = rates.matmul(flops, min(rows, model.hidden)) + rates.bytes(
+        (8 + itemsize(model.compute_dtype)) * rows * vocab
+    )
+    return seconds, flops
+
+
+COMPONENTS = ('compute', 'recompute', 'tensor', 'accumulate', 'flops')
+
+
+def slot_costs(config, rates, semantics, exposed, accumulate):
+    """(forward, backward): {component: [middle chunk, last chunk]} of one slot, seconds (and
+    FLOPs). Components: compute, recompute, tensor (collectives waited for), accumulate (the
+    backward's gradients added to the fp32 accumulators: `accumulate` seconds), flops."""
+    layer = layer_forward(config, rates, exposed)
+    n = config.model.num_layers // (config.mesh.stage * config.pipeline.repeats)
+    again, again_flops = {
+        'full': (layer['compute'] + layer['tensor'], layer['flops']),
+        'selective': (layer['attention'], layer['attention_flops']),
+        'none': (0.0, 0.0),
+    }[config.model.remat]
+    head, head_flops = head_forward(config, rates)
+    run = dict(compute=n * layer['compute'], tensor=n * layer['tensor'], flops=n * layer['flops'])
+    forward = dict(run, recompute=0.0, accumulate=0.0)
+    backward = dict(
+        compute=2 * run['compute'],
+        tensor=run['tensor'],
+        recompute=n * again,
+        accumulate=accumulate,
+        flops=2 * run['flops'] + n * again_flops,
+    )
+    last_forward = dict(forward, compute=forward['compute'] + head, flops=run['flops'] + head_flops)
+    last_backward = dict(
+        backward, compute=backward['compute'] + 2 * head, flops=backward['flops'] + 2 * head_flops
+    )
+    if semantics == 'ours' and config.mesh.stage > 1:
+        # A backward is the vjp of its chunk: the forward runs again (recompute), except on the
+        # last chunk, whose forward tick is empty and whose backward runs it (and the head).
+        backward = dict(
+            backward,
+            recompute=backward['recompute'] + run['compute'] + run['tensor'],
+            flops=backward['flops'] + run['flops'],
+        )
+        last_backward = {k: last_backward[k] + last_forward[k] for k in COMPONENTS}
+        last_forward = dict.fromkeys(COMPONENTS, 0.0)
+    return (
+        {k: [forward[k], last_forward[k]] for k in COMPONENTS},
+        {k: [backward[k], last_backward[k]] for k in COMPONENTS},
+    )
+
+
+def _timeline(config, forward, backward, handoff):
+    """{component: seconds of the busiest stage}, the step's pipeline seconds and the FLOPs a
+    device runs (mean over stages), from the schedule table: a tick takes its slowest stage
+    plus the hand-off. Without a pipeline: m micro-batches one after another."""
+    micro = config.train.micro_steps
+    table = arithmetic.engine_table(config)
+    if table is None:
+        stages, repeats = config.mesh.stage, config.pipeline.repeats
+        if stages == 1:  # every chunk on the one stage, the last with the head
+            work = {
+                k: micro * ((repeats - 1) * (forward[k][0] + backward[k][0]) + forward[k][1]
+                            + backward[k][1])
+                for k in COMPONENTS
+            }  # fmt: skip
+            return work, sum(v for k, v in work.items() if k != 'flops'), work['flops']
+        # GPipe's circular scan: v m + p - 1 iterations of a chunk's forward and backward.
+        iterations = repeats * micro + stages - 1
+        work = {k: micro * repeats * (forward[k][0] + backward[k][0]) for k in COMPONENTS}
+        per = sum(forward[k][1] + backward[k][1] for k in COMPONENTS if k != 'flops')
+        return work, iterations * per + iterations * 2 * handoff, work['flops']
+    stage = np.arange(table.stages)[None, :]
+    last = stage == table.stages - 1
+    fwd_last = (table.fwd_repeat == table.repeats - 1) & last
+    bwd_last = (table.bwd_repeat == table.repeats - 1) & last
+    fwd_busy, bwd_busy = table.fwd_micro != IDLE, table.bwd_micro != IDLE
+    per_stage, tick = {}, 0.0
+    for k in COMPONENTS:
+        cost = np.where(fwd_last, forward[k][1], forward[k][0]) * fwd_busy
+        cost = cost + np.where(bwd_last, backward[k][1], backward[k][0]) * bwd_busy
+        per_stage[k] = cost.sum(axis=0)
+        if k != 'flops':
+            tick = tick + cost
+    busiest = int(np.argmax(sum(per_stage[k] for k in COMPONENTS if k != 'flops')))
+    work = {k: float(per_stage[k][busiest]) for k in COMPONENTS}
+    step = float((tick.max(axis=1) + handoff).sum())
+    return work, step, float(per_stage['flops'].mean())
+
+
+def traffic(config):
+    """What the per-step terms need and costs a few milliseconds to count (the search
+    caches it per mesh): compute-copy and ZeRO-shard parameters per device, and plan/comm.py's
+    bytes per device per step."""
+    compute, zero = arithmetic.local_param_counts(config)
+    return dict(compute=compute, zero=zero, comm=comm.comm_bytes_per_device(config))
+
+
+def step_time(config, cluster, figures=None, semantics='ours', overlap=None, counts=None):
+    """The predicted step of a resolved config on `cluster` (clusters.Cluster), as a dict of
+    seconds (predicted_step_s and its parts), TFLOP/s per GPU and MFU.
+
+    figures: an Efficiency (default: FIGURES[cluster.name]); semantics: 'ours' or
+    'megatron' (module docstring); overlap: {(kind, axis): share of its bytes hidden behind
+    computation}, from a GPU compile's overlap table (default: the documented rule, nothing
+    hidden); counts: `traffic(config)`, when the caller has it."""
+    figures = figures or FIGURES[cluster.name]
+    overlap = overlap or {}
+    counts = counts or traffic(config)
+    rates = _Rates(cluster, figures, config.model.compute_dtype)
+    model, mesh, train = config.model, config.mesh, config.train
+    e = itemsize(model.compute_dtype)
+
+    def exposed(kind, axis):
+        return 1.0 - overlap.get((kind, axis), 0.0)
+
+    tensor_kind = 'reduce-scatter' if model.sequence_parallel else 'all-reduce'
+    accumulate = 0.0
+    if semantics == 'ours':  # bf16 gradients read, fp32 accumulators read and written
+        accumulate = rates.bytes((e + 8) * counts['compute'] / config.pipeline.repeats)
+    forward, backward = slot_costs(
+        config, rates, semantics, exposed(tensor_kind, 'tensor'), accumulate
+    )
+    handoff = 0.0
+    replica = mesh.stage * mesh.tensor
+    if mesh.stage > 1:
+        activation = train.micro_batch * model.seq_len * model.hidden * e
+        split = mesh.tensor if model.seq_len % mesh.tensor == 0 else 1
+        handoff = rates.link(activation / split, replica) + rates.link(
+            _ring('all-gather', activation, split), split
+        )
+        handoff *= exposed('collective-permute', 'stage')
+    work, pipeline_s, flops = _timeline(config, forward, backward, handoff)
+    devices = mesh.data * replica
+
+    def per_step(axis, kinds, group):
+        return sum(
+            rates.link(counts['comm'].get(kind, {}).get(axis, 0.0), group) * exposed(kind, axis)
+            for kind in kinds
+        )
+
+    data_s = per_step('data', ('reduce-scatter', 'all-gather'), devices)
+    stage_s = per_step('stage', ('all-reduce',), replica)
+    optimizer_s = rates.bytes(ADAM_BYTES_PER_PARAM * counts['zero'] + 4 * counts['compute'])
+    busy = sum(v for k, v in work.items() if k != 'flops')
+    handoffs = pipeline_s - busy if mesh.stage > 1 else 0.0
+    ticks = arithmetic.engine_table(config)
+    pipeline_comm_s = handoff * (ticks.ticks if ticks is not None else 0)
+    total = pipeline_s + data_s + stage_s + optimizer_s
+    peak = cluster.peak_tflops[model.compute_dtype] * 1e12
+    model_flops = arithmetic.model_flops_per_step(config) / devices
+    return dict(
+        predicted_step_s=total,
+        compute_s=work['compute'],
+        recompute_s=work['recompute'],
+        tensor_comm_s=work['tensor'],
+        accumulate_s=work['accumulate'],
+        pipeline_comm_s=pipeline_comm_s,
+        bubble_s=max(handoffs - pipeline_comm_s, 0.0),
+        data_comm_s=data_s,
+        stage_comm_s=stage_s,
+        optimizer_s=optimizer_s,
+        tflops_per_gpu=flops / total / 1e12,
+        mfu=model_flops / total / peak,
+        semantics=semantics,
+        efficiency=dataclasses.asdict(figures),
+    )
+
+
+def predict_rows(rows, cluster, figures=None):
+    """[(row, published seconds, predicted step dict)] of published rows (plan/published.py),
+    each predicted as the engine that ran it (semantics 'megatron')."""
+    from mtnlg_jax.plan import published  # noqa: PLC0415
+
+    out = []
+    for row in rows:
+        config = published.config_of(row)
+        flops = arithmetic.megatron_flops_per_step(config.model, row.global_batch)
+        seconds = published.published_seconds(row, flops)
+        out.append((row, seconds, step_time(config, cluster, figures, semantics='megatron')))
+    return out
+
+
+def fit(rows, cluster, start=(0.75, 100.0, 0.7, 0.7)):
+    """The Efficiency that best predicts `rows` (least squares of log predicted / published
+    step time), by scipy's trust-region least squares within physical bounds."""
+    from scipy import optimize  # noqa: PLC0415
+    from mtnlg_jax.plan import published  # noqa: PLC0415
+
+    configs = [published.config_of(row) for row in rows]
+    counts = [traffic(config) for config in configs]
+    targets = [
+        published.published_seconds(row, arithmetic.megatron_flops_per_step(c.model, row.global_batch))
+        for row, c in zip(rows, configs)
+    ]
+
+    def residuals(x):
+        figures = Efficiency(*x, source='fit')
+        return [
+            np.log(step_time(c, cluster, figures, 'megatron', counts=n)['predicted_step_s'] / t)
+            for c, n, t in zip(configs, counts, targets)
+        ]
+
+    result = optimize.least_squares(
+        residuals, np.array(start), bounds=([0.2, 0.0, 0.1, 0.1], [1.0, 4000.0, 1.0, 1.0])
+    )
+    return Efficiency(*[float(x) for x in result.x], source=f'{rows[0].source} (fit)')

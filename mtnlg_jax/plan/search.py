@@ -1,0 +1,278 @@
+"""The fastest layouts of a model on a cluster that fit: enumerate, predict, check memory.
+
+    result = search(inputs, devices, cluster, fixed={'model.remat'})
+    print('\\n'.join(lines(result)))
+
+Every layout the config can take on `devices` GPUs: tensor t inside a node (dividing the
+heads, the MLP and the node's GPUs), stages p dividing the layers, data d = devices / (t p)
+dividing the global batch, micro-batch b dividing the replica's batch, repeats v dividing the
+layers of a stage (interleaved when v > 1), remat none / selective / full, sequence
+parallelism (t > 1), max_in_flight 0 or p (1f1b, v = 1). Keys in `fixed` (the user's
+--config.KEY=VALUE) keep the config's value; the others vary.
+
+Each layout is resolved (config.resolve: what it refuses is skipped), its step predicted
+(plan/predict.py, the 'ours' semantics), and the layouts are ranked by that; memory per device
+(plan/report.make_plan, the planner's arithmetic) is then checked from the fastest down until
+`top` fit in the GPU's memory, so the top is the same as checking every one. `confirm` takes
+a compile callback (the GPU compile) to check the first few with XLA's own memory and FLOPs.
+"""
+
+import itertools
+import json
+import sys
+
+import ml_collections
+from tqdm import tqdm
+
+from mtnlg_jax import config as config_lib
+from mtnlg_jax.plan import arithmetic, predict, report
+
+FREE_KEYS = (
+    'mesh.tensor',
+    'mesh.stage',
+    'mesh.data',
+    'pipeline.repeats',
+    'pipeline.max_in_flight',
+    'train.micro_batch',
+    'model.remat',
+    'model.sequence_parallel',
+)
+REMATS = ('none', 'selective', 'full')
+
+
+class SearchError(ValueError):
+    """Bad input to the search (the message names the flag or key)."""
+
+
+def _divisors(n):
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _get(config, key):
+    section, name = key.split('.')
+    return config[section][name]
+
+
+def layouts(inputs, devices, gpus_per_node, fixed=()):
+    """Every {key: value} of FREE_KEYS the search tries (keys in `fixed` keep `inputs`')."""
+    model, batch = inputs.model, inputs.train.global_batch
+    ffn = model.ffn_hidden or 4 * model.hidden
+
+    def choices(key, values):
+        value = _get(inputs, key)
+        return [value] if key in fixed and value != -1 else values
+
+    tensors = [t for t in _divisors(gpus_per_node) if model.heads % t == 0 and ffn % t == 0]
+    for t in choices('mesh.tensor', tensors):
+        for p in choices('mesh.stage', _divisors(model.num_layers)):
+            if devices % (t * p):
+                continue
+            d = devices // (t * p)
+            wanted = _get(inputs, 'mesh.data')
+            if 'mesh.data' in fixed and wanted != -1 and d != wanted:
+                continue
+            if batch % d:
+                continue
+            stage_layers = model.num_layers // p
+            repeats = _divisors(stage_layers) if p > 1 else [1]
+            sp = [False, True] if t > 1 and model.seq_len % t == 0 else [False]
+            for v, b, remat, seq in itertools.product(
+                choices('pipeline.repeats', repeats),
+                choices('train.micro_batch', _divisors(batch // d)),
+                choices('model.remat', list(REMATS)),
+                choices('model.sequence_parallel', sp),
+            ):
+                bounds = [0, p] if p > 1 and v == 1 else [0]
+                for in_flight in choices('pipeline.max_in_flight', bounds):
+                    yield {
+                        'mesh.tensor': t,
+                        'mesh.stage': p,
+                        'mesh.data': d,
+                        'pipeline.repeats': v,
+                        'pipeline.max_in_flight': in_flight,
+                        'train.micro_batch': b,
+                        'model.remat': remat,
+                        'model.sequence_parallel': seq,
+                    }
+
+
+def with_layout(inputs, layout, devices, fixed=()):
+    """`inputs` with `layout` set, resolved (config.ConfigError if it cannot run); the
+    schedule follows the repeats (1f1b, interleaved) unless the user fixed it."""
+    config = ml_collections.ConfigDict(inputs.to_dict())
+    for key, value in layout.items():
+        section, name = key.split('.')
+        config[section][name] = value
+    if 'pipeline.schedule' not in fixed:
+        config.pipeline.schedule = 'interleaved' if config.pipeline.repeats > 1 else '1f1b'
+    config.train.rampup.start = 0  # the step of the full batch is the one that counts
+    return config_lib.resolve(config, devices)
+
+
+def describe(config):
+    """The layout of a resolved config in one short string."""
+    mesh, train, pipe, model = config.mesh, config.train, config.pipeline, config.model
+    text = f't{mesh.tensor} p{mesh.stage} d{mesh.data}'
+    if mesh.stage > 1:
+        text += f' v{pipe.repeats}'
+        if pipe.max_in_flight:
+            text += f' inflight{pipe.max_in_flight}'
+    text += f' b{train.micro_batch} m{train.micro_steps} remat {model.remat}'
+    return text + (' SP' if model.sequence_parallel else '')
+
+
+def _entry(config, step, per_device):
+    return dict(
+        layout=describe(config),
+        keys={key: _get(config, key) for key in FREE_KEYS},
+        config=report.config_summary(config),
+        sequence_parallel=bool(config.model.sequence_parallel),
+        max_in_flight=config.pipeline.max_in_flight,
+        per_device_bytes=per_device,
+        step=step,
+    )
+
+
+def search(inputs, devices, cluster, fixed=(), top=10, progress=True, figures=None):
+    """{'best': [entries, fastest first], 'baseline': the config as given, counts} of the
+    layouts that fit (module docstring). inputs: the unresolved config (overrides applied);
+    cluster: a clusters.Cluster; figures: predict.Efficiency (default: the cluster's).
+    SearchError if no layout can use `devices` GPUs."""
+    out = sys.stderr if progress else None
+    candidates = list(layouts(inputs, devices, cluster.gpus_per_node, set(fixed)))
+    if not candidates:  # before any progress is printed: bad input is one line
+        raise SearchError(_no_layout(inputs, devices, fixed))
+    counts_cache, ranked, refused = {}, [], 0
+    for layout in tqdm(candidates, desc='predicting layouts', file=out, disable=not progress):
+        try:
+            config = with_layout(inputs, layout, devices, fixed)
+        except config_lib.ConfigError:
+            refused += 1
+            continue
+        key = (layout['mesh.tensor'], layout['mesh.stage'], layout['mesh.data'])
+        if key not in counts_cache:  # data and stage traffic depend on the mesh alone
+            counts_cache[key] = predict.traffic(config)
+        step = predict.step_time(config, cluster, figures, counts=counts_cache[key])
+        ranked.append((step['predicted_step_s'], len(ranked), config, step))
+    if not ranked:
+        raise SearchError(_no_layout(inputs, devices, fixed))
+    ranked.sort(key=lambda r: r[:2])
+    best, checked = [], 0
+    bar = tqdm(total=top, desc='checking memory', file=out, disable=not progress)
+    for _, _, config, step in ranked:
+        checked += 1
+        per_device = report.make_plan(config)['per_device_bytes']
+        if per_device['total'] <= cluster.hbm_bytes:
+            best.append(_entry(config, step, per_device))
+            bar.update()
+            if len(best) == top:
+                break
+    bar.close()
+    return dict(
+        devices=devices,
+        cluster=cluster.name,
+        fixed=sorted(fixed),
+        layouts=len(candidates),
+        refused=refused,
+        memory_checked=checked,
+        best=best,
+        baseline=baseline(inputs, devices, cluster, figures),
+    )
+
+
+def _no_layout(inputs, devices, fixed):
+    return (
+        f'no layout of {inputs.model.num_layers} layers, {inputs.model.heads} heads and '
+        f'global batch {inputs.train.global_batch} uses {devices} GPUs (data x stage x '
+        f'tensor must be {devices}, data must divide the global batch)'
+        + (f'; fixed: {", ".join(sorted(fixed))}' if fixed else '')
+    )
+
+
+def baseline(inputs, devices, cluster, figures=None):
+    """The config as given, on `devices` GPUs, predicted the same way (None if it cannot
+    run there)."""
+    try:
+        config = config_lib.resolve(ml_collections.ConfigDict(inputs.to_dict()), devices)
+    except config_lib.ConfigError:
+        return None
+    per_device = report.make_plan(config)['per_device_bytes']
+    entry = _entry(config, predict.step_time(config, cluster, figures), per_device)
+    entry['fits'] = per_device['total'] <= cluster.hbm_bytes
+    return entry
+
+
+def confirm(result, inputs, compile_fn, top=3):
+    """Compile the first `top` layouts of a search with `compile_fn(resolved config) ->
+    JSON-ready dict` (the GPU compile: memory per device, FLOPs) and store what it returns as
+    entry['compiled']. Returns the result."""
+    for entry in result['best'][:top]:
+        config = with_layout(inputs, entry['keys'], result['devices'], result['fixed'])
+        entry['compiled'] = compile_fn(config)
+    return result
+
+
+def _gib(n):
+    return arithmetic.format_bytes(n)
+
+
+def _row(rank, entry):
+    s = entry['step']
+    comm = s['tensor_comm_s'] + s['pipeline_comm_s'] + s['data_comm_s'] + s['stage_comm_s']
+    return (
+        f'{rank:>4}  {entry["layout"]:<40} {_gib(entry["per_device_bytes"]["total"]):>9} '
+        f'{s["predicted_step_s"]:>8.2f} {s["tflops_per_gpu"]:>6.1f} {100 * s["mfu"]:>5.1f} '
+        f'{s["bubble_s"]:>7.2f} {comm:>6.2f} {s["recompute_s"]:>6.2f}'
+    )
+
+
+def lines(result):
+    """The readable table of a search."""
+    head = (
+        f'{"rank":>4}  {"layout":<40} {"memory":>9} {"step s":>8} {"TF/s":>6} {"MFU%":>5} '
+        f'{"bubble":>7} {"comm":>6} {"recomp":>6}'
+    )
+    out = [
+        f'search       {result["layouts"]} layouts on {result["devices"]} GPUs of '
+        f'{result["cluster"]} ({result["refused"]} refused by the config checks); memory '
+        f'checked for the {result["memory_checked"]} fastest until {len(result["best"])} fit'
+        + (f'; fixed: {", ".join(result["fixed"])}' if result['fixed'] else ''),
+        '             step: predicted seconds (plan/predict.py); TF/s executed per GPU; MFU: '
+        'model FLOPs; bubble, comm (exposed), recomp: seconds of the step',
+        head,
+    ]
+    out += [_row(rank, entry) for rank, entry in enumerate(result['best'], 1)]
+    base = result['baseline']
+    if base is not None:
+        out.append(_row('as', base) + ('' if base['fits'] else '  (does NOT fit)'))
+        if result['best']:
+            gain = base['step']['predicted_step_s'] / result['best'][0]['step']['predicted_step_s']
+            out.append(f'             best is {100 * (1 - 1 / gain):.1f} % faster than the config as given')
+    return out
+
+
+def run(args, fixed, write_json):
+    """launch/plan.py --search: check the flags, search, print the table, write --json.
+    args: plan.py's parsed arguments (config not yet resolved); fixed: the keys the command
+    line set; write_json(path, obj): the tool's atomic writer."""
+    from mtnlg_jax.cli import fail  # noqa: PLC0415
+    from mtnlg_jax.plan.clusters import CLUSTERS  # noqa: PLC0415
+
+    if args.cluster is None:
+        fail(f'--search needs --cluster (one of {", ".join(CLUSTERS)})')
+    if args.compile:
+        fail('--search --compile needs the GPU compile (--target); without it, drop --compile')
+    cluster = CLUSTERS[args.cluster]
+    if (args.devices is None) == (args.nodes is None):
+        fail('--search needs one of --devices N or --nodes N (GPUs to lay the model out on)')
+    count = args.devices if args.devices is not None else args.nodes * cluster.gpus_per_node
+    if count <= 0:
+        fail(f'--{"devices" if args.devices is not None else "nodes"} must be positive')
+    try:
+        result = search(args.config, count, cluster, fixed)
+    except SearchError as e:
+        fail(f'--devices {count}: {e}')
+    print('\n'.join(lines(result)))
+    if args.json is not None:
+        write_json(args.json, json.loads(json.dumps(result, default=float)))
+        print(f'wrote {args.json}')

@@ -1,0 +1,117 @@
+"""The step-time model (plan/predict.py) against published step times: its fit on
+Narayanan et al. 2021's table 1 reproduces its figures and its own rows, and predicts the
+held-back rows (plan/published.py) as measured; and its parts against hand counts."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import support
+from mtnlg_jax.plan import clusters, comm, predict, published
+
+A100 = clusters.CLUSTERS['a100-80gb']
+
+
+def errors(rows, figures=None):
+    """{row: predicted / published step time - 1}."""
+    return {
+        row: out['predicted_step_s'] / seconds - 1
+        for row, seconds, out in predict.predict_rows(rows, A100, figures)
+    }
+
+
+def test_refitting_table_1_gives_the_figures_the_planner_uses():
+    fitted = predict.fit(published.TABLE_1, A100)
+    assert fitted.as_array() == pytest.approx(predict.FIGURES['a100-80gb'].as_array(), abs=2e-3)
+
+
+def test_the_fit_reproduces_its_own_rows_within_11_percent():
+    """Measured: +10.3 % (1.7 B) to -7.0 % (76.1 B); the 530 B and 1 T rows within 1.1 %."""
+    err = errors(published.TABLE_1)
+    assert max(abs(e) for e in err.values()) < 0.11
+    big = [e for row, e in err.items() if row.model in ('530B', '1T')]
+    assert max(abs(e) for e in big) < 0.02
+
+
+def test_held_back_rows_as_measured():
+    """Not fitted, predicted as the engine that ran them (semantics 'megatron'). Narayanan's
+    table 2 and Korthikanti's 22 B to 530 B (full recompute and SP + selective) within the
+    10 % target; Korthikanti's 1 T (no interleaving) 11.6 to 12.3 % slow; MT-NLG (DeepSpeed's
+    engine) 17 to 20 % fast: the model, fitted on Megatron's own code, predicts Megatron's
+    speed, and Narayanan's table 2 ran the same 530 B layout at 159 TFLOP/s where MT-NLG
+    reports 126."""
+    err = errors(published.HELD_BACK)
+    for row, e in err.items():
+        if row.source == published.MTNLG:
+            assert -0.21 < e < -0.16, row.name
+        elif row.model == '1T':
+            assert 0.10 < e < 0.13, row.name
+        else:
+            assert abs(e) < 0.10, (row.name, e)
+
+
+def test_a_broken_formula_breaks_the_fit():
+    """Counting the attention core's FLOPs as those of the MLP's matmuls (no s^2) moves the
+    training rows past 11 % even after refitting: the fit is not free to absorb it."""
+    original = predict.layer_forward
+
+    def without_attention(config, rates, exposed):
+        out = original(config, rates, exposed)
+        return dict(out, compute=out['compute'] - out['attention'], attention=0.0)
+
+    predict.layer_forward = without_attention
+    try:
+        err = errors(published.TABLE_1)
+    finally:
+        predict.layer_forward = original
+    assert max(abs(e) for e in err.values()) > 0.11
+
+
+def pipelined(remat):
+    """2 stages of 2 layers, a head that costs next to nothing (vocabulary 8, padded to 256),
+    so the busiest stage is the first one, as in the paper-sized models."""
+    return support.small_config(
+        data=1, stage=2, tensor=2, micro_steps=4, remat=remat, num_layers=4, vocab_size=8
+    )
+
+
+def test_our_engine_recomputes_every_chunk_in_its_backward():
+    """The 1F1B engine's backward is the vjp of its chunk: with remat none it recomputes what
+    Megatron's full recompute does; remat full recomputes once more. (The last stage runs
+    its chunk's forward only in the backward: it recomputes nothing with remat none.)"""
+    ours = predict.step_time(pipelined('none'), A100, semantics='ours')
+    megatron = predict.step_time(pipelined('full'), A100, semantics='megatron')
+    assert ours['recompute_s'] == pytest.approx(megatron['recompute_s'], rel=1e-9)
+    twice = predict.step_time(pipelined('full'), A100, semantics='ours')
+    assert twice['recompute_s'] == pytest.approx(2 * ours['recompute_s'], rel=1e-9)
+    assert twice['compute_s'] == pytest.approx(ours['compute_s'], rel=1e-9)
+
+
+def test_tensor_traffic_is_plan_comm_s_bytes_over_the_link():
+    """Without a pipeline, the tensor all-reduces the model waits for carry the bytes
+    plan/comm.py counts for them (its two embedding and head all-reduces a micro-batch
+    aside), at NVLink x link efficiency."""
+    config = support.small_config(data=1, tensor=2, micro_steps=4, remat='none')
+    step = predict.step_time(config, A100)
+    figures = predict.FIGURES['a100-80gb']
+    bytes_ = comm.comm_bytes_per_device(config)['all-reduce']['tensor']
+    layers = config.model.num_layers
+    expected = bytes_ * layers / (layers + 0.5)  # 4 per layer, 2 per micro-batch at the edges
+    assert step['tensor_comm_s'] * A100.nvlink_bandwidth * figures.link_efficiency == (
+        pytest.approx(expected, rel=1e-6)
+    )
+
+
+def test_the_bubble_is_the_engine_tables(monkeypatch):
+    """1F1B, p stages, m micro-batches, every slot the same: the busiest stage waits
+    (p - 1) (F + B) of (m + p - 1) (F + B). A head that costs nothing and free links make
+    every slot equal; the bubble then is (p - 1) / m of the work."""
+    monkeypatch.setattr(predict, 'head_forward', lambda config, rates: (0.0, 0.0))
+    config = pipelined('none')
+    free = dataclasses.replace(A100, nvlink_bandwidth=1e30, internode_bandwidth=1e30)
+    step = predict.step_time(config, free, semantics='megatron')
+    stages, micro = config.mesh.stage, config.train.micro_steps
+    work = step['compute_s'] + step['recompute_s']
+    assert step['bubble_s'] / work == pytest.approx((stages - 1) / micro, rel=1e-6)
+    assert np.isfinite(step['mfu']) and 0 < step['mfu'] < 1

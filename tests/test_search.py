@@ -1,0 +1,111 @@
+"""The layout search (plan/search.py, launch/plan.py --search): every result fits, they come
+fastest first, a constructed case finds the layout a hand count says is best, overrides stay
+fixed, and bad input is one line."""
+
+import dataclasses
+import subprocess
+import sys
+
+import ml_collections
+
+import support
+from mtnlg_jax import config as config_lib
+from mtnlg_jax.plan import clusters, predict, search
+
+# A cluster whose links and memory bandwidth are free and whose matmuls lose efficiency
+# below a width of 64 per device: a step then costs its matmul FLOPs / (peak x e(width))
+# alone. By hand: no pipeline (no bubble, no chunk recompute), no recompute, tensor 1 and
+# micro-batch 2 (width min(b s, h / t) = 64, the widest) is the fastest.
+FREE = dataclasses.replace(
+    clusters.CLUSTERS['a100-80gb'],
+    name='free',
+    hbm_bandwidth=1e30,
+    nvlink_bandwidth=1e30,
+    internode_bandwidth=1e30,
+    hbm_bytes=1e9,
+)
+HAND_BEST = {'mesh.tensor': 1, 'mesh.stage': 1, 'train.micro_batch': 2, 'model.remat': 'none'}
+WIDTH_MATTERS = predict.Efficiency(0.5, 64.0, 1.0, 1.0, 'test')
+
+
+def inputs(**overrides):
+    config = config_lib.defaults()
+    config.mesh.update(dict(data=-1, stage=1, tensor=1))
+    config.model.update(
+        dict(num_layers=4, hidden=64, heads=8, seq_len=32, vocab_size=300, remat='full')
+    )
+    config.train.update(dict(global_batch=16, micro_batch=1))
+    for key, value in overrides.items():
+        section, name = key.split('.')
+        config[section][name] = value
+    return ml_collections.ConfigDict(config.to_dict())
+
+
+def is_hand_best(keys):
+    return all(keys[key] == value for key, value in HAND_BEST.items())
+
+
+def test_the_fastest_is_the_hand_counts_and_they_come_fastest_first():
+    result = search.search(inputs(), 8, FREE, progress=False, figures=WIDTH_MATTERS)
+    best = result['best']
+    assert len(best) == 10 and is_hand_best(best[0]['keys'])
+    times = [entry['step']['predicted_step_s'] for entry in best]
+    assert times == sorted(times)
+    assert result['baseline']['keys']['model.remat'] == 'full'  # the config as given
+
+
+def test_layouts_that_do_not_fit_are_dropped():
+    """3.5 MB a device: the hand count's best needs 3.6 MB (measured by the plan)."""
+    small = dataclasses.replace(FREE, hbm_bytes=3.5e6)
+    result = search.search(inputs(), 8, small, progress=False, figures=WIDTH_MATTERS)
+    best = result['best']
+    assert len(best) == 10 and result['memory_checked'] > 10
+    assert all(entry['per_device_bytes']['total'] <= small.hbm_bytes for entry in best)
+    assert not any(is_hand_best(entry['keys']) for entry in best)
+
+
+def test_overrides_stay_fixed_and_the_rest_varies():
+    fixed = {'mesh.tensor', 'model.remat'}
+    config = inputs(**{'mesh.tensor': 2, 'model.remat': 'selective'})
+    result = search.search(config, 8, FREE, fixed=fixed, progress=False, figures=WIDTH_MATTERS)
+    keys = [entry['keys'] for entry in result['best']]
+    assert {(k['mesh.tensor'], k['model.remat']) for k in keys} == {(2, 'selective')}
+    varied = {key for key in search.FREE_KEYS if len({k[key] for k in keys}) > 1}
+    assert varied and not varied & fixed
+
+
+def test_a_gpu_count_the_batch_cannot_use_is_an_error():
+    try:
+        search.search(inputs(), 7, FREE, progress=False)
+    except search.SearchError as e:
+        assert 'uses 7 GPUs' in str(e)
+    else:
+        raise AssertionError('no error')
+
+
+def run_plan(*args):
+    command = [sys.executable, str(support.ROOT / 'launch/plan.py'), *args]
+    return subprocess.run(
+        command, capture_output=True, text=True, cwd=support.ROOT, env=support.TRAIN_ENV,
+        timeout=280,
+    )  # fmt: skip
+
+
+def test_the_command_line_searches_and_refuses_bad_input(tmp_path):
+    out = tmp_path / 'best.json'
+    result = run_plan(
+        '--config', 'configs/tiny.py', '--search', '--cluster', 'a100-80gb', '--devices', '8',
+        '--config.model.remat=full', '--json', str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert 'fixed: model.remat' in result.stdout and out.exists()
+    assert 'predicting layouts' in result.stderr  # progress while it works
+    for args, flag in (
+        (['--cluster', 'nope', '--devices', '8'], '--cluster'),
+        (['--cluster', 'a100-80gb', '--devices', '7'], '--devices 7'),
+        (['--cluster', 'a100-80gb'], '--devices N or --nodes N'),
+    ):
+        bad = run_plan('--config', 'configs/tiny.py', '--search', *args)
+        assert bad.returncode == 2, bad.stderr
+        lines = bad.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith('error:') and flag in lines[0]
