@@ -9,15 +9,20 @@ WORKDIR ?= runs/tiny
 DATA := data/default
 SOURCES := kjv python_stdlib
 
-.PHONY: setup data train train-multiprocess test bench clean
+.PHONY: setup dev data train train-multiprocess test lint bench clean
 
 setup: $(VENV)/.installed
+dev: $(VENV)/.dev-installed  # setup + the pinned developer tools (pytest, ruff)
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
 	$(PY) -m pip install --quiet --no-deps -e .
+	touch $@
+
+$(VENV)/.dev-installed: $(VENV)/.installed requirements-dev.txt
+	$(PY) -m pip install --quiet -r requirements-dev.txt
 	touch $@
 
 # The default corpus: each source exported to jsonl and curated (launch/curate.py: exact and
@@ -63,8 +68,13 @@ train-multiprocess: data
 	$(PY) launch/spawn.py --processes 2 --devices_per_process 4 -- \
 		launch/train.py --config $(CONFIG) --workdir $(WORKDIR)-2proc
 
-test: setup
+test: dev
 	$(PY) -m pytest -q -n 2 --dist loadfile  # two workers: the CI machine has 2 cores
+
+# ruff's settings are in pyproject.toml (the rules checked, the files not yet formatted).
+lint: dev
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 bench: setup
 	$(PY) bench/throughput.py
