@@ -30,7 +30,8 @@ import math
 import numpy as np
 
 from mtnlg_jax.data.blend import BlendedDataset
-from mtnlg_jax.data.gpt_dataset import SPLIT_NAMES, GPTDataset, parse_split
+from mtnlg_jax.config_checks import parse_split
+from mtnlg_jax.data.gpt_dataset import SPLIT_NAMES, GPTDataset
 from mtnlg_jax.data.indexed import DataError
 
 MID_LEVEL_SURPLUS = 0.005  # Megatron's mid_level_dataset_surplus: each source's extra samples
