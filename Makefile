@@ -30,7 +30,7 @@ $(VENV)/.dev-installed: $(VENV)/.installed requirements-dev.txt
 # tokenizer trained on both, then each source preprocessed into its own .bin/.idx pair
 # (configs/tiny.py blends them). Quality filtering is off for both sources: MT-NLG applied it
 # to Common Crawl only, and Gopher's repetition rules would drop a sixth of the Bible's
-# chapters (README, Curation). Per-source flags: CURATE_<source>.
+# chapters (docs/data.md, Curation). Per-source flags: CURATE_<source>.
 CURATE_kjv ?= --stages exact fuzzy
 CURATE_python_stdlib ?= --stages exact fuzzy
 data: $(SOURCES:%=$(DATA)/%.idx)

@@ -48,7 +48,7 @@ def get_config():
     train.rampup.update(dict(start=8, increment=8, tokens=40_960))
 
     opt = config.optimizer
-    # Measured (README, "The default run"): KJV validation loss after 300 steps 5.25 with
+    # Measured (docs/benchmarks.md, "make train"): KJV validation loss after 300 steps 5.25 with
     # lr 8e-3, 4.94 with 2e-3 and 1e-3, 5.07 with 5e-4.
     opt.lr = 1.5e-3
     opt.min_lr = 1.5e-4
