@@ -9,9 +9,10 @@ WORKDIR ?= runs/tiny
 DATA := data/default
 SOURCES := kjv python_stdlib
 
-.PHONY: setup gpu-compile data train train-multiprocess test bench clean
+.PHONY: setup dev gpu-compile data train train-multiprocess test lint bench clean
 
 setup: $(VENV)/.installed
+dev: $(VENV)/.dev-installed  # setup + the pinned developer tools (pytest, ruff)
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,14 +21,19 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $@
 
+$(VENV)/.dev-installed: $(VENV)/.installed requirements-dev.txt
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	touch $@
+
 # The XLA:GPU compiler, to compile GPU steps on a machine without a GPU (launch/plan.py
-# --target a100-80gb | h100-80gb): requirements-gpu-compile.txt, about 2.3 GB, in a folder of its
-# own (mtnlg_jax/gpu_compile.py says why). With it, make test also runs
+# --target a100-80gb | h100-80gb): requirements-gpu-compile.txt, about 2.3 GB, in a folder of
+# its own (mtnlg_jax/gpu_compile.py says why). With it, make test also runs
 # tests/test_gpu_compile.py (skipped without it).
 gpu-compile: .gpu-compile/.installed
 
 .gpu-compile/.installed: $(VENV)/.installed requirements-gpu-compile.txt
-	$(PY) -m pip install --quiet --no-deps --upgrade --target .gpu-compile -r requirements-gpu-compile.txt
+	$(PY) -m pip install --quiet --no-deps --upgrade --target .gpu-compile \
+		-r requirements-gpu-compile.txt
 	touch $@
 
 # The default corpus: each source exported to jsonl and curated (launch/curate.py: exact and
@@ -35,7 +41,7 @@ gpu-compile: .gpu-compile/.installed
 # tokenizer trained on both, then each source preprocessed into its own .bin/.idx pair
 # (configs/tiny.py blends them). Quality filtering is off for both sources: MT-NLG applied it
 # to Common Crawl only, and Gopher's repetition rules would drop a sixth of the Bible's
-# chapters (README, Curation). Per-source flags: CURATE_<source>.
+# chapters (docs/data.md, Curation). Per-source flags: CURATE_<source>.
 CURATE_kjv ?= --stages exact fuzzy
 CURATE_python_stdlib ?= --stages exact fuzzy
 data: $(SOURCES:%=$(DATA)/%.idx)
@@ -73,8 +79,13 @@ train-multiprocess: data
 	$(PY) launch/spawn.py --processes 2 --devices_per_process 4 -- \
 		launch/train.py --config $(CONFIG) --workdir $(WORKDIR)-2proc
 
-test: setup
+test: dev
 	$(PY) -m pytest -q -n 2 --dist loadfile  # two workers: the CI machine has 2 cores
+
+# ruff's settings are in pyproject.toml (the rules checked, the files not yet formatted).
+lint: dev
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 bench: setup
 	$(PY) bench/throughput.py

@@ -58,22 +58,27 @@ def main(argv):
     rows = [
         ('unigram (add-one)', baselines.unigram_cross_entropy(train, evals, vocab)),
         (
-            f'bigram ({baselines.BIGRAM_WEIGHT} bigram + {1 - baselines.BIGRAM_WEIGHT:.1f} unigram)',
+            f'bigram ({baselines.BIGRAM_WEIGHT} bigram'
+            f' + {1 - baselines.BIGRAM_WEIGHT:.1f} unigram)',
             baselines.bigram_cross_entropy(train, evals, vocab),
         ),
     ]
     if model:
         rows.insert(0, (f'GPT at step {model.get("step", "?")}', model['loss']))
     name = os.path.basename(args.data)
-    print(f'\n{name} {args.split} split: {len(evals) - 1:,} target tokens; counts from its train '
-          f'split ({len(train):,} tokens), data.split {args.data_split}')
+    print(
+        f'\n{name} {args.split} split: {len(evals) - 1:,} target tokens; counts from its train '
+        f'split ({len(train):,} tokens), data.split {args.data_split}'
+    )
     print('| model | loss (nats/token) |\n|---|---|')
     for label, loss in rows:
         print(f'| {label} | {loss:.4f} |')
     if model:
         bigram = rows[-1][1]
         verdict = 'below' if model['loss'] < bigram else 'ABOVE'
-        print(f'the model is {verdict} the bigram baseline by {abs(model["loss"] - bigram):.3f} nats')
+        print(
+            f'the model is {verdict} the bigram baseline by {abs(model["loss"] - bigram):.3f} nats'
+        )
 
 
 if __name__ == '__main__':

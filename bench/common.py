@@ -102,8 +102,10 @@ def print_table(title, header, rows):
     """A markdown table with the command that made it and the machine it ran on."""
     print(f'\n{title}')
     print(f'command: python {" ".join(sys.argv)}')
-    print(f'machine: {jax.devices()[0].device_kind} ({cpu_model()}), {os.cpu_count()} cores, '
-          f'jax {jax.__version__}')
+    print(
+        f'machine: {jax.devices()[0].device_kind} ({cpu_model()}), {os.cpu_count()} cores, '
+        f'jax {jax.__version__}'
+    )
     print('| ' + ' | '.join(header) + ' |')
     print('|' + '|'.join('---' for _ in header) + '|')
     for row in rows:

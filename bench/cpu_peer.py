@@ -44,14 +44,24 @@ class TorchPeer:
         self.torch = torch
         self.model = GPT2LMHeadModel(
             GPT2Config(
-                vocab_size=m.padded_vocab, n_positions=m.seq_len, n_embd=m.hidden,
-                n_layer=m.num_layers, n_head=m.heads, n_inner=m.ffn_hidden,
-                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                bos_token_id=0, eos_token_id=0,
+                vocab_size=m.padded_vocab,
+                n_positions=m.seq_len,
+                n_embd=m.hidden,
+                n_layer=m.num_layers,
+                n_head=m.heads,
+                n_inner=m.ffn_hidden,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                bos_token_id=0,
+                eos_token_id=0,
             )
         )
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=opt.lr, betas=(opt.b1, opt.b2), eps=opt.eps,
+            self.model.parameters(),
+            lr=opt.lr,
+            betas=(opt.b1, opt.b2),
+            eps=opt.eps,
             weight_decay=opt.weight_decay,
         )
         self.clip = opt.clip_norm
@@ -116,12 +126,25 @@ def main():
         config = own if name.endswith('layout') else one_device
         mesh = config.mesh
         rows.append(
-            (name, f'{mesh.data} x {mesh.stage} x {mesh.tensor}', config.train.micro_steps,
-             config.model.remat,
-             f'{median:.3f}', f'{tokens / median:,.0f}', f'{base / median:.2f}')
+            (
+                name,
+                f'{mesh.data} x {mesh.stage} x {mesh.tensor}',
+                config.train.micro_steps,
+                config.model.remat,
+                f'{median:.3f}',
+                f'{tokens / median:,.0f}',
+                f'{base / median:.2f}',
+            )
         )
-    header = ('step', 'data x stage x tensor', 'micro-batches', 'remat', 'step s', 'tokens/s',
-              'speed vs ours')
+    header = (
+        'step',
+        'data x stage x tensor',
+        'micro-batches',
+        'remat',
+        'step s',
+        'tokens/s',
+        'speed vs ours',
+    )
     print_table(f'CPU train step of {args.config}, global batch {tokens:,} tokens', header, rows)
 
 

@@ -14,7 +14,8 @@
    13-gram rule against 500 Bible verses as the "evaluation set"), on
    a. the default corpus (8 MB, as `make data` exports it), and
    b. a synthetic corpus of --synthetic-mb MB: documents of 20-60 random Bible verses, 10 %
-      of them near copies (1 % of words replaced: Jaccard about 0.9), 5 % exact copies, 10 % generated junk.
+      of them near copies (1 % of words replaced: Jaccard about 0.9), 5 % exact copies,
+      10 % generated junk.
    Per stage: documents and MB in, compute seconds summed over the worker processes (and the
    main one's share: LSH, verification), and the rates per core they give. The classifier's
    threshold is 0.05 here: it still scores every document, but the set-up's reference and
@@ -73,7 +74,9 @@ def sha1_signatures(texts, n=5):
     for text in texts:
         w = words(text)
         sketch = MinHash(128)
-        sketch.update_batch([' '.join(w[i : i + n]).encode() for i in range(max(len(w) - n + 1, 1))])
+        sketch.update_batch(
+            [' '.join(w[i : i + n]).encode() for i in range(max(len(w) - n + 1, 1))]
+        )
         out.append(sketch.hashvalues)
     return out
 
@@ -92,13 +95,20 @@ def library_or_own(texts):
     (pairs, _), numpy_lsh_s = timed(fuzzy.candidate_pairs, ours, keys, 0.8, 128)
     (reference, _), library_lsh_s = timed(fuzzy.candidate_pairs_datasketch, ours, keys, 0.8, 128)
     assert pairs == reference
-    print(f'\n1. library or own code: default corpus, {len(texts):,} documents, {megabytes:.1f} MB, '
-          f'{sum(map(len, shingle_sets)):,} shingles (word 5-grams; hashing them: {shingle_s:.2f} s), '
-          '128 permutations, one process')
+    print(
+        f'\n1. library or own code: default corpus, {len(texts):,} documents, {megabytes:.1f} MB, '
+        f'{sum(map(len, shingle_sets)):,} shingles '
+        f'(word 5-grams; hashing them: {shingle_s:.2f} s), '
+        '128 permutations, one process'
+    )
     rows = [
         ('MinHash signatures', 'datasketch, integer shingle hashes (used)', library_s),
         ('', 'own numpy (reduceat over blocks of 64 documents)', own_s),
-        ('', "datasketch, its default SHA-1 of each shingle (+ shingling), est. from 300 docs", sha1_s),
+        (
+            '',
+            "datasketch, its default SHA-1 of each shingle (+ shingling), est. from 300 docs",
+            sha1_s,
+        ),
         ('LSH candidate pairs', 'datasketch MinHashLSH (insert, read buckets)', library_lsh_s),
         ('', 'own numpy (one stable sort per band) (used)', numpy_lsh_s),
     ]
@@ -135,29 +145,57 @@ def synthetic(path, megabytes, verses):
 
 def run_pipeline(name, inputs, folder, workers, reference, evaluation):
     output = os.path.join(folder, f'{name}.curated.jsonl')
-    command = [sys.executable, os.path.join(ROOT, 'launch/curate.py'), '--input', *inputs,
-               '--output', output, '--workers', str(workers), '--quality_reference', reference,
-               '--classifier_threshold', '0.05', '--eval', evaluation]
+    command = [
+        sys.executable,
+        os.path.join(ROOT, 'launch/curate.py'),
+        '--input',
+        *inputs,
+        '--output',
+        output,
+        '--workers',
+        str(workers),
+        '--quality_reference',
+        reference,
+        '--classifier_threshold',
+        '0.05',
+        '--eval',
+        evaluation,
+    ]
     start = time.perf_counter()
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   env={**os.environ, 'PYTHONPATH': ROOT})
+    subprocess.run(
+        command,
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, 'PYTHONPATH': ROOT},
+    )
     wall = time.perf_counter() - start
     report = json.load(open(os.path.join(folder, f'{name}.curated.report.json')))
     mb = report['bytes_in'] / 1e6
-    print(f'\n2{name[0]}. {name} (load average {os.getloadavg()[0]:.1f} at the end): '
-          f'{report["documents_in"]:,} documents, {mb:.1f} MB, '
-          f'--workers {workers}: {wall:.1f} s wall (with start-up and the classifier\'s training) '
-          f'= {report["documents_in"] / wall:,.0f} documents/s, {mb / wall:.2f} MB/s; '
-          f'{report["documents_out"]:,} documents out; peak RSS main {report["peak_rss_main_mb"]:.0f} MB, '
-          f'largest worker {report["peak_rss_worker_mb"]:.0f} MB')
-    print(f'    {"stage":<14} {"docs in":>9} {"MB in":>8} {"removed":>15} {"compute s":>10} '
-          f'{"docs/s/core":>12} {"MB/s/core":>10}')
+    print(
+        f'\n2{name[0]}. {name} (load average {os.getloadavg()[0]:.1f} at the end): '
+        f'{report["documents_in"]:,} documents, {mb:.1f} MB, '
+        f'--workers {workers}: {wall:.1f} s wall (with start-up and the classifier\'s training) '
+        f'= {report["documents_in"] / wall:,.0f} documents/s, {mb / wall:.2f} MB/s; '
+        f'{report["documents_out"]:,} documents out; '
+        f'peak RSS main {report["peak_rss_main_mb"]:.0f} MB, '
+        f'largest worker {report["peak_rss_worker_mb"]:.0f} MB'
+    )
+    print(
+        f'    {"stage":<14} {"docs in":>9} {"MB in":>8} {"removed":>15} {"compute s":>10} '
+        f'{"docs/s/core":>12} {"MB/s/core":>10}'
+    )
     for s in report['stages']:
         seconds = max(s['seconds'], 1e-9)
-        removed = f"{s['documents_removed']:,} ({s['documents_removed'] / max(s['documents_in'], 1):.1%})"
-        print(f"    {s['stage']:<14} {s['documents_in']:>9,} {s['bytes_in'] / 1e6:>8.1f} {removed:>15} "
-              f"{s['seconds']:>10.1f} {s['documents_in'] / seconds:>12,.0f} "
-              f"{s['bytes_in'] / 1e6 / seconds:>10.2f}")
+        removed = (
+            f"{s['documents_removed']:,} ({s['documents_removed'] / max(s['documents_in'], 1):.1%})"
+        )
+        print(
+            f"    {s['stage']:<14} {s['documents_in']:>9,} {s['bytes_in'] / 1e6:>8.1f} "
+            f"{removed:>15} "
+            f"{s['seconds']:>10.1f} {s['documents_in'] / seconds:>12,.0f} "
+            f"{s['bytes_in'] / 1e6 / seconds:>10.2f}"
+        )
 
 
 def main():
@@ -167,11 +205,17 @@ def main():
     parser.add_argument('--no-synthetic', action='store_true')
     args = parser.parse_args()
     print(f'command: python bench/curate.py {" ".join(sys.argv[1:])}'.strip())
-    print(f'machine: {os.cpu_count()} cores, shared with other work (load average '
-          f'{os.getloadavg()[0]:.1f} at start): timings are noisy; compute seconds are CPU time')
+    print(
+        f'machine: {os.cpu_count()} cores, shared with other work (load average '
+        f'{os.getloadavg()[0]:.1f} at start): timings are noisy; compute seconds are CPU time'
+    )
     with tempfile.TemporaryDirectory() as folder:
-        subprocess.run([sys.executable, os.path.join(ROOT, 'launch/export_corpus.py'), '--out', folder],
-                       check=True, stdout=subprocess.DEVNULL, env={**os.environ, 'PYTHONPATH': ROOT})
+        subprocess.run(
+            [sys.executable, os.path.join(ROOT, 'launch/export_corpus.py'), '--out', folder],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            env={**os.environ, 'PYTHONPATH': ROOT},
+        )
         inputs = [os.path.join(folder, f'{s}.jsonl') for s in ('kjv', 'python_stdlib')]
         texts = [json.loads(line)['text'] for path in inputs for line in open(path)]
         library_or_own(texts)

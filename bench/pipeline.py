@@ -2,7 +2,8 @@
 
     python bench/pipeline.py [--config configs/tiny.py] [--steps 3] [--tables time,bubble,memory]
 
-Three tables (and a fourth on request), all from one run on the same 8 devices, for each `pipeline.schedule`:
+Three tables (and a fourth on request), all from one run on the same 8 devices, for each
+`pipeline.schedule`:
 
 1. Step time of data 2 x stage 2 x tensor 2 (v = 1 and 2) against data 8 and data 4 x
    tensor 2, same global batch, as ratios to data 8. On a CPU the 8 devices are simulated

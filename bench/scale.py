@@ -1,4 +1,4 @@
-"""The scale check of the four paper configs: planned and compiled, one table.
+"""The scale check of the four paper configs: planned and compiled by XLA:CPU and XLA:GPU.
 
     python bench/scale.py [--results DIR] [--reuse] [--only NAME ...]
 
@@ -11,6 +11,12 @@ own process (each needs its own forced CPU device count), at the layout of its p
     mtnlg_530b     data 8 x stage 35 x tensor 8 (2,240 GPUs, the paper's): compiled as one
                    replica, 280 CPU devices, at its real 240 micro-batches (XLA:CPU allows
                    2,048 devices per process)
+
+Then, where the XLA:GPU compiler is installed (make gpu-compile), each config again with
+`--target a100-80gb` (and the 530 B also `--target h100-80gb`): the whole layout compiled for
+compile-only GPUs in one process, 2,240 of them for MT-NLG (DIR/NAME.TARGET.json), in a second
+table: XLA:GPU's peak per device next to XLA:CPU's, compiled / model FLOPs, whether attention
+ran fused, and the exposed communication of the overlap replay (plan/overlap.py).
 
 --reuse keeps a config's JSON already in DIR (the 530 B compile takes minutes). How to read
 the table: "planned" is the plan of the layout on GPUs (bf16 where the config says so);
@@ -31,6 +37,7 @@ import sys
 
 from tqdm import tqdm
 
+from mtnlg_jax import gpu_compile
 from mtnlg_jax.plan.comm import by_axis
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -40,22 +47,34 @@ RUNS = {  # name: launch/plan.py arguments after --config
     'megatron_8_3b': ['--devices', '512'],
     'mtnlg_530b': ['--devices', '2240'],
 }
+GPU_TARGETS = {'mtnlg_530b': ('a100-80gb', 'h100-80gb')}  # others: A100 80 GB, the papers'
 GB = 1e9
 
 
-def plan_command(name, results):
+def plan_command(name, results, target=None):
+    compile_args = ['--target', target] if target else ['--compile', '--cluster', 'a100-80gb']
     return [
         sys.executable,
         str(ROOT / 'launch/plan.py'),
         '--config',
         f'configs/{name}.py',
         *RUNS[name],
-        '--compile',
-        '--cluster',
-        'a100-80gb',
+        *compile_args,
         '--json',
-        str(results / f'{name}.json'),
+        str(json_path(results, name, target)),
     ]
+
+
+def json_path(results, name, target=None):
+    return results / (f'{name}.json' if target is None else f'{name}.{target}.json')
+
+
+def runs(names, with_gpu):
+    """(name, target) of every compile to make: XLA:CPU's (target None), then XLA:GPU's."""
+    out = [(name, None) for name in names]
+    if with_gpu:
+        out += [(name, t) for name in names for t in GPU_TARGETS.get(name, ('a100-80gb',))]
+    return out
 
 
 def axis_cell(comm):
@@ -108,6 +127,42 @@ HEADER = [
 ]
 
 
+def gpu_row(name, target, plan, cpu_plan):
+    compiled = plan['compiled']
+    over = compiled['overlap']
+    c = plan['config']
+    return [
+        name,
+        target,
+        f'{layout(c["mesh"])} ({compiled["devices"]:,} GPUs), m {c["micro_steps"]}',
+        f'{plan["per_device_bytes"]["total"] / GB:.3g}',
+        f'{cpu_plan["compiled"]["peak_bytes"] / GB:.4g}' if cpu_plan else '-',
+        f'{compiled["peak_bytes"] / GB:.4g}',
+        f'{compiled["flops_vs_model"]:.2f}',
+        'yes' if compiled['attention']['fused'] else 'no',
+        f'{over["compute_s"]:.2f}',
+        f'{over["exposed_s"]:.2f} ({100 * over["exposed_vs_compute"]:.1f} %)',
+        f'{compiled["compile_s"]:.0f}',
+        'yes' if compiled['peak_bytes'] <= 80 * GB else 'no',
+    ]
+
+
+GPU_HEADER = [
+    'config',
+    'target',
+    'layout d x p x t, compiled whole',
+    'planned GB/device',
+    'XLA:CPU peak GB',
+    'XLA:GPU peak GB',
+    'compiled / model FLOPs',
+    'fused attention',
+    'compute at peak s',
+    'exposed comm s (of compute)',
+    'compile s',
+    'fits 80 GB',
+]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--results', default='runs/scale', help='folder of the JSON plans')
@@ -116,11 +171,13 @@ def main():
     args = parser.parse_args()
     results = pathlib.Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
-    for name in tqdm(args.only, desc='plan --compile', unit='config'):
-        path = results / f'{name}.json'
+    missing = gpu_compile.missing()
+    todo = runs(args.only, with_gpu=missing is None)
+    for name, target in tqdm(todo, desc='plan --compile', unit='compile'):
+        path = json_path(results, name, target)
         if args.reuse and path.exists():
             continue
-        command = plan_command(name, results)
+        command = plan_command(name, results, target)
         tqdm.write(' '.join(command[1:]))
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
         if done.returncode != 0:
@@ -137,6 +194,24 @@ def main():
     for name in args.only:
         plan = json.loads((results / f'{name}.json').read_text())
         print('| ' + ' | '.join(row(name, plan)) + ' |')
+    print('\nXLA:GPU: the same train steps compiled for compile-only GPUs (plan.py --target)')
+    if missing is not None:
+        print(f'skipped: {missing}')
+        return
+    print(
+        'each row: python launch/plan.py --config configs/NAME.py ARGS --target TARGET --json '
+        f'{results}/NAME.TARGET.json; exposed comm: the overlap replay of the compiled schedule '
+        '(compute at peak, collectives at the link bandwidths)'
+    )
+    print('| ' + ' | '.join(GPU_HEADER) + ' |')
+    print('|' + '|'.join('---' for _ in GPU_HEADER) + '|')
+    for name, target in todo:
+        if target is None:
+            continue
+        plan = json.loads(json_path(results, name, target).read_text())
+        cpu_path = json_path(results, name)
+        cpu_plan = json.loads(cpu_path.read_text()) if cpu_path.exists() else None
+        print('| ' + ' | '.join(gpu_row(name, target, plan, cpu_plan)) + ' |')
 
 
 if __name__ == '__main__':

@@ -1,9 +1,9 @@
 """Tiny GPT for CPU development: a few million parameters, fp32 compute, 8 simulated devices.
 
 The default of `make train`. Mesh data 2 x stage 2 x tensor 2 with an interleaved 1F1B
-pipeline of 2 repeats: each stage holds 2 of the 4 layers, chunks of one layer. Data: the default corpus's
-two sources (launch/export_corpus.py, then launch/preprocess.py), blended 0.9 King James
-Bible and 0.1 Python (the closing evaluation and sample are the Bible's); the
+pipeline of 2 repeats: each stage holds 2 of the 4 layers, chunks of one layer. Data: the
+default corpus's two sources (launch/export_corpus.py, then launch/preprocess.py), blended
+0.9 King James Bible and 0.1 Python (the closing evaluation and sample are the Bible's); the
 batch ramps up from 8 to 16 sequences over the first 40,960 tokens, as MT-NLG's did from 32
 (8 sequences are 1 micro-batch per replica, 16 are 2).
 
@@ -48,7 +48,7 @@ def get_config():
     train.rampup.update(dict(start=8, increment=8, tokens=40_960))
 
     opt = config.optimizer
-    # Measured (README, "The default run"): KJV validation loss after 300 steps 5.25 with
+    # Measured (docs/benchmarks.md, "make train"): KJV validation loss after 300 steps 5.25 with
     # lr 8e-3, 4.94 with 2e-3 and 1e-3, 5.07 with 5e-4.
     opt.lr = 1.5e-3
     opt.min_lr = 1.5e-4

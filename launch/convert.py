@@ -173,9 +173,7 @@ def main(argv):
         fail(str(e))
     if args.import_hf:
         cli.cpu_devices(cli.mesh_device_count(args.config.mesh))
-        import_hf(
-            args.import_hf, args.workdir, args.config, args.at_step, args.samples_consumed
-        )
+        import_hf(args.import_hf, args.workdir, args.config, args.at_step, args.samples_consumed)
     else:
         cli.workdir_config(args.workdir)
         cli.cpu_devices(1)

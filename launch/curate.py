@@ -36,8 +36,12 @@ def parse_args(argv):
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--input', nargs='+', required=True, help='jsonl / text files or folders')
     p.add_argument('--output', required=True, help='the curated jsonl ({"text": ...} lines)')
-    p.add_argument('--stages', nargs='+', choices=pipeline.STAGES,
-                   help='default: exact fuzzy quality, and decontaminate when --eval is given')
+    p.add_argument(
+        '--stages',
+        nargs='+',
+        choices=pipeline.STAGES,
+        help='default: exact fuzzy quality, and decontaminate when --eval is given',
+    )
     p.add_argument('--workers', type=int, default=1)
     p.add_argument('--json_key', default='text')
     p.add_argument('--chunk_documents', type=int, default=256, help='documents per worker task')
@@ -52,8 +56,12 @@ def parse_args(argv):
     g.add_argument('--min_words', type=int, default=quality.Rules.min_words)
     g.add_argument('--quality_reference', nargs='+', help='good text: trains the classifier')
     g.add_argument('--classifier_threshold', type=float, default=0.5, help='keep P(good) >= this')
-    g.add_argument('--classifier_samples', type=int, default=5000,
-                   help='documents of each class the classifier is trained on, at most')
+    g.add_argument(
+        '--classifier_samples',
+        type=int,
+        default=5000,
+        help='documents of each class the classifier is trained on, at most',
+    )
     g = p.add_argument_group('decontamination')
     g.add_argument('--eval', nargs='+', help='evaluation sets (jsonl: every string field; text)')
     g.add_argument('--ngram', type=int, default=13, help='words per contaminating n-gram')
@@ -63,8 +71,11 @@ def parse_args(argv):
 
 
 def _check(args):
-    for flag, paths in (('--input', args.input), ('--quality_reference', args.quality_reference),
-                        ('--eval', args.eval)):
+    for flag, paths in (
+        ('--input', args.input),
+        ('--quality_reference', args.quality_reference),
+        ('--eval', args.eval),
+    ):
         for path in paths or ():
             if not os.path.exists(path):
                 raise InputError(f'{flag} {path}: no such file or folder')
@@ -73,18 +84,22 @@ def _check(args):
                     open(name, 'rb').close()
                 except OSError as e:
                     raise InputError(f'{flag} {name}: {e.strerror or e}') from None
-    for flag, value in (('--threshold', args.threshold),
-                        ('--classifier_threshold', args.classifier_threshold)):
+    for flag, value in (
+        ('--threshold', args.threshold),
+        ('--classifier_threshold', args.classifier_threshold),
+    ):
         if not 0 < value <= 1:
             raise InputError(f'{flag} must be in (0, 1], got {value}')
-    for flag, value, low, high in (('--workers', args.workers, 1, 256),
-                                   ('--num_perm', args.num_perm, 8, 1024),
-                                   ('--shingle_words', args.shingle_words, 1, 64),
-                                   ('--ngram', args.ngram, 1, 64),
-                                   ('--chunk_documents', args.chunk_documents, 1, 1 << 20),
-                                   ('--classifier_samples', args.classifier_samples, 2, 1 << 24),
-                                   ('--min_words', args.min_words, 0, 1 << 30),
-                                   ('--examples', args.examples, 0, 1000)):
+    for flag, value, low, high in (
+        ('--workers', args.workers, 1, 256),
+        ('--num_perm', args.num_perm, 8, 1024),
+        ('--shingle_words', args.shingle_words, 1, 64),
+        ('--ngram', args.ngram, 1, 64),
+        ('--chunk_documents', args.chunk_documents, 1, 1 << 20),
+        ('--classifier_samples', args.classifier_samples, 2, 1 << 24),
+        ('--min_words', args.min_words, 0, 1 << 30),
+        ('--examples', args.examples, 0, 1000),
+    ):
         if not low <= value <= high:
             raise InputError(f'{flag} must be in [{low}, {high}], got {value}')
     if args.stages is None:
@@ -104,11 +119,17 @@ def options(args):
     """The pipeline's options; trains the classifier and reads the evaluation sets first."""
     chosen = pipeline.Options(
         stages=tuple(s for s in pipeline.STAGES if s in args.stages),
-        threshold=args.threshold, num_perm=args.num_perm, shingle_words=args.shingle_words,
-        seed=args.seed, heuristics=not args.no_heuristics,
+        threshold=args.threshold,
+        num_perm=args.num_perm,
+        shingle_words=args.shingle_words,
+        seed=args.seed,
+        heuristics=not args.no_heuristics,
         rules=quality.Rules(min_words=args.min_words),
-        classifier_threshold=args.classifier_threshold, workers=args.workers,
-        chunk_documents=args.chunk_documents, json_key=args.json_key, examples=args.examples,
+        classifier_threshold=args.classifier_threshold,
+        workers=args.workers,
+        chunk_documents=args.chunk_documents,
+        json_key=args.json_key,
+        examples=args.examples,
         rule=decontaminate.Rule(n=args.ngram),
     )
     if args.quality_reference:
@@ -123,8 +144,10 @@ def options(args):
         if not raw:
             raise InputError(f'--input {" ".join(args.input)}: no documents')
         chosen.classifier = quality.Classifier().fit(good, raw)
-        print(f'classifier   trained on {len(good):,} reference and {len(raw):,} raw documents '
-              f'({time.perf_counter() - start:.1f} s)')
+        print(
+            f'classifier   trained on {len(good):,} reference and {len(raw):,} raw documents '
+            f'({time.perf_counter() - start:.1f} s)'
+        )
     if 'decontaminate' in chosen.stages:
         chosen.contaminants = decontaminate.contaminants(
             decontaminate.evaluation_texts(args.eval), args.ngram

@@ -7,8 +7,7 @@ optimizer.decay_tokens), which resolve() then records under `derived`.
 
 import math
 
-from mtnlg_jax.data import rampup
-from mtnlg_jax.data.gpt_dataset import parse_split
+from mtnlg_jax import rampup
 
 REMAT_POLICIES = ('none', 'full', 'selective')
 PIPELINE_SCHEDULES = ('1f1b', 'interleaved', 'gpipe')
@@ -23,6 +22,18 @@ class ConfigError(ValueError):
     def __init__(self, key, message):
         super().__init__(f'config key {key}: {message}')
         self.key = key
+
+
+def parse_split(split):
+    """'969,30,1' (or '969/30/1', missing parts 0) -> three non-negative weights; ValueError.
+    Megatron's --split: the data's document split (data/gpt_dataset.py) reads it from here."""
+    try:
+        weights = [float(part) for part in split.replace('/', ',').split(',')]
+    except ValueError:
+        weights = [-1.0]
+    if len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f'{split!r} is not up to three non-negative weights, e.g. "969,30,1"')
+    return weights + [0.0] * (3 - len(weights))
 
 
 def _require(condition, key, message):

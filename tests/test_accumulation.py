@@ -1,5 +1,6 @@
 """k accumulated micro-steps compute what one step on the whole batch computes."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -21,10 +22,18 @@ def test_accumulated_micro_steps_equal_one_whole_batch_step(data, tensor, sp):
 
 
 def test_accumulated_training_follows_whole_batch_training():
+    # After 5 Adam steps: the losses, and each parameter leaf's update against its own size
+    # (an absolute bound failed on another CPU: Adam turns float noise in near-zero
+    # gradients into parameter differences; support.assert_updates_close says why).
     batches = support.random_batches(5, seed=2)
-    losses_whole, state_whole = support.train_losses(support.small_config(micro_steps=1), batches)
+    whole = support.small_config(micro_steps=1)
+    losses_whole, state_whole = support.train_losses(whole, batches)
     losses_accumulated, state_accumulated = support.train_losses(
         support.small_config(micro_steps=8), batches
     )
-    np.testing.assert_allclose(losses_accumulated, losses_whole, atol=1e-5)
-    support.assert_trees_close(state_accumulated['params'], state_whole['params'], atol=1e-5)
+    np.testing.assert_allclose(losses_accumulated, losses_whole, rtol=1e-5)
+    support.assert_updates_close(
+        jax.device_get(state_accumulated['params']),
+        jax.device_get(state_whole['params']),
+        support.initial_params(whole),
+    )

@@ -115,6 +115,7 @@ CASES = [
     ('convert.py', ('--export_hf', '{tmp}/out', '--workdir', '{run}'), 'config.json not found'),
 ]
 
+
 @pytest.mark.parametrize('script,args,message', CASES)
 def test_bad_input_is_one_line_exit_2_nothing_written_nothing_compiled(
     places, small_tokenizer, script, args, message
@@ -135,9 +136,7 @@ def test_nothing_to_do_is_said_and_changes_nothing(tmp_path):
     (workdir / 'checkpoints' / '5').mkdir(parents=True)  # a run at step 5
     (workdir / 'config.json').write_text('{"model": {}}')
     before = snapshot(workdir)
-    result = run(
-        'train.py', *TINY[:3], workdir, *SMALL_MODEL, '--config.train.steps=5'
-    )
+    result = run('train.py', *TINY[:3], workdir, *SMALL_MODEL, '--config.train.steps=5')
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == (
         f'nothing to do: {workdir} is at step 5 and train.steps is 5 '

@@ -73,17 +73,33 @@ def one_document(folder):
     return write_jsonl(folder / 'ok.jsonl', ['text'])
 
 
-@pytest.mark.parametrize('make, flags, message', [
-    (lambda d: write_jsonl(d / 'empty.jsonl', []), (), 'no documents'),
-    (lambda d: d / 'missing.jsonl', (), 'missing.jsonl: no such file'),
-    (lambda d: (d / 'bad.jsonl').write_bytes(b'{"text": "a"}\nnot json\n') and d / 'bad.jsonl',
-     (), 'bad.jsonl:2: not a JSON object'),
-    (lambda d: (d / 'latin1.txt').write_bytes(b'caf\xe9') and d / 'latin1.txt', (), 'not UTF-8'),
-    (one_document, ('--threshold', '0'), '--threshold must be in (0, 1]'),
-    (one_document, ('--threshold', '1.5'), '--threshold must be in (0, 1]'),
-    (one_document, ('--classifier_threshold', '-1'), '--classifier_threshold must be in (0, 1]'),
-    (one_document, ('--stages', 'decontaminate'), 'needs --eval'),
-])
+@pytest.mark.parametrize(
+    'make, flags, message',
+    [
+        (lambda d: write_jsonl(d / 'empty.jsonl', []), (), 'no documents'),
+        (lambda d: d / 'missing.jsonl', (), 'missing.jsonl: no such file'),
+        (
+            lambda d: (
+                (d / 'bad.jsonl').write_bytes(b'{"text": "a"}\nnot json\n') and d / 'bad.jsonl'
+            ),
+            (),
+            'bad.jsonl:2: not a JSON object',
+        ),
+        (
+            lambda d: (d / 'latin1.txt').write_bytes(b'caf\xe9') and d / 'latin1.txt',
+            (),
+            'not UTF-8',
+        ),
+        (one_document, ('--threshold', '0'), '--threshold must be in (0, 1]'),
+        (one_document, ('--threshold', '1.5'), '--threshold must be in (0, 1]'),
+        (
+            one_document,
+            ('--classifier_threshold', '-1'),
+            '--classifier_threshold must be in (0, 1]',
+        ),
+        (one_document, ('--stages', 'decontaminate'), 'needs --eval'),
+    ],
+)
 def test_bad_input_is_one_line_and_keeps_the_old_output(tmp_path, capsys, make, flags, message):
     source = make(tmp_path)
     output = tmp_path / 'curated.jsonl'

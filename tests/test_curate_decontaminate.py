@@ -7,8 +7,10 @@ import random
 from mtnlg_jax.data.curate.decontaminate import Rule, contaminants, decontaminate
 
 RULE = Rule()
-ITEM = ('Alas poor Yorick I knew him Horatio a fellow of infinite jest of most excellent fancy '
-        'he hath borne me on his back a thousand times')
+ITEM = (
+    'Alas poor Yorick I knew him Horatio a fellow of infinite jest of most excellent fancy '
+    'he hath borne me on his back a thousand times'
+)
 EVAL = contaminants([ITEM], RULE.n)
 
 

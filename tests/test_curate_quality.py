@@ -21,8 +21,10 @@ def junk(rng):
         items = ['Home', 'About', 'Contact', 'Login', 'Register', 'Privacy', 'Terms', 'FAQ', 'Cart']
         return '\n'.join(' | '.join(rng.sample(items, 5)) for _ in range(rng.randint(10, 60)))
     if kind == 2:
-        return ' '.join(''.join(rng.choices('qxzjkvw0123456789', k=rng.randint(3, 12)))
-                        for _ in range(rng.randint(50, 300)))
+        return ' '.join(
+            ''.join(rng.choices('qxzjkvw0123456789', k=rng.randint(3, 12)))
+            for _ in range(rng.randint(50, 300))
+        )
     return '\n'.join(' '.join(str(rng.randint(0, 99999)) for _ in range(8)) for _ in range(40))
 
 
@@ -39,13 +41,19 @@ def test_classifier_separates_held_out_good_text_from_junk():
     assert correct / 400 >= 0.9, correct / 400
 
 
-@pytest.mark.parametrize('text, reason', [
-    ('the cat sat on the mat with a hat', 'too_few_words'),
-    (' '.join(['zebra quokka marmot'] * 40), 'stop_words'),
-    ('\n'.join(f'- an item of the list with the words {i}th' for i in range(30)), 'bullet_lines'),
-    ('\n'.join(['the same line of text with the words here'] * 30), 'duplicate_lines'),
-    (' '.join(['#tag'] * 30 + ['the words of the text and more'] * 10), 'symbol_ratio'),
-])
+@pytest.mark.parametrize(
+    'text, reason',
+    [
+        ('the cat sat on the mat with a hat', 'too_few_words'),
+        (' '.join(['zebra quokka marmot'] * 40), 'stop_words'),
+        (
+            '\n'.join(f'- an item of the list with the words {i}th' for i in range(30)),
+            'bullet_lines',
+        ),
+        ('\n'.join(['the same line of text with the words here'] * 30), 'duplicate_lines'),
+        (' '.join(['#tag'] * 30 + ['the words of the text and more'] * 10), 'symbol_ratio'),
+    ],
+)
 def test_heuristics_name_the_rule_broken(text, reason):
     assert quality.heuristic_failure(text) == reason
 
@@ -79,7 +87,7 @@ def test_repetition_statistics_match_a_plain_count():
         size = rng.randint(5, 60)
         vocabulary = [''.join(rng.choices('abcdef', k=rng.randint(1, 6))) for _ in range(size)]
         tokens = rng.choices(vocabulary, k=rng.randint(20, 200))
-        phrase = tokens[:rng.randint(3, 12)]
+        phrase = tokens[: rng.randint(3, 12)]
         tokens = tokens + phrase + tokens[20:40] + [p.upper() for p in phrase]
         expected = brute_force_shares(tokens)
         got = quality.repetition_shares(tokens)

@@ -31,7 +31,10 @@ def tokenizer(tmp_path_factory):
 
 def snapshot(directory):
     return sorted(
-        (os.path.relpath(os.path.join(root, name), directory), os.path.getsize(os.path.join(root, name)))
+        (
+            os.path.relpath(os.path.join(root, name), directory),
+            os.path.getsize(os.path.join(root, name)),
+        )
         for root, _, names in os.walk(directory)
         for name in names
     )
@@ -164,8 +167,12 @@ def broken(original, tmp_path_factory):  # noqa: F811
             "argument --task: invalid choice: 'squad'",
         ),
         ('generate.py', None, ['--prompt', 'x', '--tensor', '3'], 'config key model.heads: 8'),
-        ('generate.py', None, ['--prompt', 'x', '--do_sample', '--temperature', '-1'],
-         '--temperature must be'),
+        (
+            'generate.py',
+            None,
+            ['--prompt', 'x', '--do_sample', '--temperature', '-1'],
+            '--temperature must be',
+        ),
         (
             'evaluate.py',
             None,
@@ -193,8 +200,14 @@ def broken(original, tmp_path_factory):  # noqa: F811
         ),
     ],
 )
-def test_bad_input_fails_with_one_line(  # noqa: F811
-    original, broken, tokenizer, script, workdir, args, message  # noqa: F811
+def test_bad_input_fails_with_one_line(
+    original,  # noqa: F811 (the fixture imported from test_hf_gpt2)
+    broken,
+    tokenizer,
+    script,
+    workdir,
+    args,
+    message,
 ):
     workdir = broken / workdir if workdir else original[1]
     before = snapshot(broken)

@@ -26,13 +26,6 @@ def _plain_loss(hidden, embed, labels):
     return gpt.cross_entropy(logits, labels).sum()
 
 
-def _assert_grads_close(got, want, rtol):
-    for name, g, w in zip(('hidden', 'embed'), got, want):
-        scale = float(jnp.max(jnp.abs(w)))
-        error = float(jnp.max(jnp.abs(g - w)))
-        assert error <= rtol * scale, (name, error, scale)
-
-
 @pytest.mark.parametrize('chunks', [1, 3, 12])
 def test_fused_loss_and_gradients_equal_autodiff_of_the_plain_loss(chunks):
     """Any number of pieces: the same summed loss, and the same gradients per leaf relative
@@ -44,7 +37,7 @@ def test_fused_loss_and_gradients_equal_autodiff_of_the_plain_loss(chunks):
     np.testing.assert_allclose(fused(hidden, embed), plain(hidden, embed), rtol=1e-6)
     want = jax.grad(lambda h, e: 2.5 * plain(h, e), (0, 1))(hidden, embed)
     got = jax.grad(lambda h, e: 2.5 * fused(h, e), (0, 1))(hidden, embed)
-    _assert_grads_close(got, want, 1e-5)
+    support.assert_within_leaf_scale(got, want, 1e-5, what='gradient')
     assert not np.any(got[1][VOCAB:]), 'padding rows of the embedding got a gradient'
 
 
@@ -56,7 +49,8 @@ def test_fused_loss_in_bf16_stays_near_the_fp32_gradients():
     as_bf16 = (hidden.astype(jnp.bfloat16), embed.astype(jnp.bfloat16))
     got = jax.grad(lambda h, e: loss.head_loss_sum(h, e, labels, VOCAB, 4), (0, 1))(*as_bf16)
     assert got[0].dtype == got[1].dtype == jnp.bfloat16
-    _assert_grads_close([g.astype(jnp.float32) for g in got], want, 2e-2)
+    got = [g.astype(jnp.float32) for g in got]
+    support.assert_within_leaf_scale(got, want, 2e-2, what='gradient')
 
 
 def test_model_loss_does_not_depend_on_loss_chunks():
@@ -72,9 +66,4 @@ def test_model_loss_does_not_depend_on_loss_chunks():
         results.append(jax.value_and_grad(loss_fn)(params))
     (loss_1, grads_1), (loss_4, grads_4) = results
     np.testing.assert_allclose(loss_4, loss_1, rtol=1e-6)
-    for path, g1, g4 in zip(
-        jax.tree_util.tree_leaves_with_path(grads_1), jax.tree.leaves(grads_1),
-        jax.tree.leaves(grads_4),
-    ):  # fmt: skip
-        scale = float(jnp.max(jnp.abs(g1)))
-        assert float(jnp.max(jnp.abs(g4 - g1))) <= 1e-5 * scale, path[0]
+    support.assert_within_leaf_scale(grads_4, grads_1, 1e-5, what='gradient')

@@ -118,7 +118,11 @@ def test_train_only_writes_a_usable_deterministic_tokenizer(corpus, tokenizer, t
         (lambda d: d / 'ok.txt', ['--workers', '0'], '--workers'),
         (lambda d: d / 'ok.txt', ['--tokenizer-model', 'none.model'], 'none.model: no such'),
         (lambda d: d / 'empty.jsonl', [], '--input'),  # no documents at all
-        (lambda d: d / 'ok.txt', ['--tokenizer-model', str(ROOT / 'README.md')], 'not a sentencepiece'),
+        (
+            lambda d: d / 'ok.txt',
+            ['--tokenizer-model', str(ROOT / 'README.md')],
+            'not a sentencepiece',
+        ),
         (lambda d: d / 'ok.txt', ['--output-prefix', 'no/such/folder/out'], 'no folder'),
         (lambda d: d / 'ok.txt', ['--vocab-file', 'v.json'], '--tokenizer-model is sentencepie'),
         (lambda d: d / 'ok.txt', ['--json-keys', 'a', 'b'], 'several --json-keys need jsonl'),

@@ -34,7 +34,8 @@ def test_recompute_gives_the_same_gradients(policy):
         support.small_config(data=2, tensor=2, remat=policy), batch
     )
     np.testing.assert_allclose(loss_remat, loss, rtol=1e-6)
-    support.assert_trees_close(grads_remat, grads, atol=1e-6)
+    # Per leaf against its own scale too (measured: 2.5e-7 of it at most), not only 1e-6.
+    support.assert_gradients_close(grads_remat, grads, atol=1e-6)
 
 
 def test_full_recompute_keeps_less_than_none_and_selective_in_between():

@@ -24,7 +24,7 @@ from typing import Iterable, Sequence
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from mtnlg_jax.data.tokenizer import TokenizerError
+from mtnlg_jax.data.tokenizer_error import TokenizerError
 
 EOD_TOKEN = '<|endoftext|>'
 KIND = 'GPT2BPETokenizer'

@@ -32,21 +32,11 @@ import threading
 
 import numpy as np
 
+from mtnlg_jax.config_checks import parse_split
 from mtnlg_jax.data.indexed import DataError
 
 CACHE_FORMAT = 1
 SPLIT_NAMES = ('train', 'valid', 'test')
-
-
-def parse_split(split):
-    """'969,30,1' (or '969/30/1', missing parts 0) -> three non-negative weights; ValueError."""
-    try:
-        weights = [float(part) for part in split.replace('/', ',').split(',')]
-    except ValueError:
-        weights = [-1.0]
-    if len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f'{split!r} is not up to three non-negative weights, e.g. "969,30,1"')
-    return weights + [0.0] * (3 - len(weights))
 
 
 def split_ranges(split, count):

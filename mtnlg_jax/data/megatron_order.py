@@ -30,7 +30,8 @@ import math
 import numpy as np
 
 from mtnlg_jax.data.blend import BlendedDataset
-from mtnlg_jax.data.gpt_dataset import SPLIT_NAMES, GPTDataset, parse_split
+from mtnlg_jax.config_checks import parse_split
+from mtnlg_jax.data.gpt_dataset import SPLIT_NAMES, GPTDataset
 from mtnlg_jax.data.indexed import DataError
 
 MID_LEVEL_SURPLUS = 0.005  # Megatron's mid_level_dataset_surplus: each source's extra samples
@@ -131,7 +132,8 @@ def within(indices, length, what):
 class MegatronGPTDataset(GPTDataset):
     """One split of one source with Megatron's index for `num_samples` samples.
 
-    read(indices) -> int32 (k, seq_len + 1); len() = all windows of the E epochs (>= num_samples)."""
+    read(indices) -> int32 (k, seq_len + 1); len() = all windows of the E epochs
+    (>= num_samples)."""
 
     def __init__(self, indexed, documents, seq_len, seed, num_samples, name='train', cache=True):
         self.num_samples = num_samples
@@ -208,8 +210,9 @@ class MegatronBlendedDataset(BlendedDataset):
 
 def open_splits(sources, split, seq_len, seed, sizes):
     """{'train', 'valid', 'test'} -> MegatronBlendedDataset (splits with no share, and a test split
-    of no documents, left out), as Megatron-LM builds them from --data-path W1 P1 W2 P2 .. (or one unweighted P), --split,
-    --seq-length, --seed and the split sizes. sources: ((weight, IndexedDataset), ...)."""
+    of no documents, left out), as Megatron-LM builds them from --data-path W1 P1 W2 P2 ..
+    (or one unweighted P), --split, --seq-length, --seed and the split sizes.
+    sources: ((weight, IndexedDataset), ...)."""
     weights = normalize([weight for weight, _ in sources])
     splits = {}
     for s, name in enumerate(SPLIT_NAMES):

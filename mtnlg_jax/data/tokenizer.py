@@ -36,6 +36,9 @@ from typing import Iterable, Iterator, Sequence
 
 import sentencepiece as spm
 
+from mtnlg_jax.data import gpt2_bpe
+from mtnlg_jax.data.tokenizer_error import TokenizerError
+
 EOD_ID = 1
 _MODEL_TYPES = ("bpe", "unigram")
 # Lines longer than this (in bytes) are skipped by the trainer only; they are
@@ -47,17 +50,12 @@ _MAX_TRAIN_LINE_BYTES = 16384
 _MAX_TRAIN_LINES = 1_000_000
 
 
-class TokenizerError(ValueError):
-    """Bad tokenizer arguments or a failed training run (message says which)."""
-
-
+__all__ = ['KINDS', 'Tokenizer', 'TokenizerError', 'from_files', 'load']
 KINDS = ("SentencePieceTokenizer", "GPT2BPETokenizer")  # Megatron's --tokenizer-type names
 
 
 def load(path: str):
     """The tokenizer `path` names (see above); TokenizerError naming the file if unusable."""
-    from mtnlg_jax.data import gpt2_bpe
-
     gpt2_files = gpt2_bpe.files_of(path)
     if gpt2_files is not None:
         return gpt2_bpe.GPT2BPETokenizer(*gpt2_files)
@@ -72,10 +70,8 @@ def load(path: str):
 def from_files(kind: str, files: Sequence[str]):
     """The tokenizer of `kind` (KINDS) made of `files` (its .files): how worker processes
     reopen one."""
-    if kind == "GPT2BPETokenizer":
-        from mtnlg_jax.data.gpt2_bpe import GPT2BPETokenizer
-
-        return GPT2BPETokenizer(*files)
+    if kind == gpt2_bpe.KIND:
+        return gpt2_bpe.GPT2BPETokenizer(*files)
     return Tokenizer(*files)
 
 

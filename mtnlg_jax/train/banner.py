@@ -4,7 +4,7 @@ import jax
 
 from mtnlg_jax import plan, xla_flags
 from mtnlg_jax.parallel import pipeline
-from mtnlg_jax.data import rampup
+from mtnlg_jax import rampup
 
 
 def pipeline_line(config):

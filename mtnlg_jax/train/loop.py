@@ -28,7 +28,7 @@ from tqdm import tqdm
 from mtnlg_jax import checkpoint as checkpoint_lib
 from mtnlg_jax import distributed, plan
 from mtnlg_jax.data import loader as loader_lib
-from mtnlg_jax.data import rampup
+from mtnlg_jax import rampup
 from mtnlg_jax.parallel import pipeline
 from mtnlg_jax.parallel.mesh import mesh_from_config
 from mtnlg_jax.rundir import RunDir

@@ -113,7 +113,7 @@ def _filter(chunk):
                 row[6] = text[row[5][0][0] : row[5][0][1]]
         elif row[2] is None:
             row[4] = [text]
-        row[6] = row[6][: EXAMPLE_CHARACTERS] if row[2] is not None or row[5] else None
+        row[6] = row[6][:EXAMPLE_CHARACTERS] if row[2] is not None or row[5] else None
     return out, quality_s, time.process_time() - started - quality_s
 
 
@@ -177,8 +177,9 @@ def _chunks(indexed_texts, max_documents):
 
 def _progress(description, total=None):
     # delay: a run that fails on its first lines prints its error alone, no empty bar first
-    return tqdm(desc=description, total=total, unit=' docs', unit_scale=True, mininterval=0.5,
-                delay=1)
+    return tqdm(
+        desc=description, total=total, unit=' docs', unit_scale=True, mininterval=0.5, delay=1
+    )
 
 
 class Curation:
@@ -223,8 +224,11 @@ class Curation:
                 signatures[keys], keys, self.options.threshold, self.options.num_perm
             )
             self.stages['fuzzy'].details.update(
-                threshold=self.options.threshold, num_perm=self.options.num_perm,
-                shingle_words=self.options.shingle_words, bands=bands, rows=rows,
+                threshold=self.options.threshold,
+                num_perm=self.options.num_perm,
+                shingle_words=self.options.shingle_words,
+                bands=bands,
+                rows=rows,
                 candidate_pairs=len(self.pairs),
             )
             self.stages['fuzzy'].seconds += time.process_time() - started

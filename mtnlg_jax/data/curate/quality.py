@@ -42,7 +42,12 @@ class Rules:
     max_duplicate_line_chars: float = 0.2  # share of characters
     max_top_ngram_chars: tuple = ((2, 0.20), (3, 0.18), (4, 0.16))
     max_duplicate_ngram_chars: tuple = (
-        (5, 0.15), (6, 0.14), (7, 0.13), (8, 0.12), (9, 0.11), (10, 0.10)
+        (5, 0.15),
+        (6, 0.14),
+        (7, 0.13),
+        (8, 0.12),
+        (9, 0.11),
+        (10, 0.10),
     )
 
 
@@ -151,8 +156,11 @@ class Classifier:
         from sklearn.linear_model import LogisticRegression
 
         self.vectorizer = HashingVectorizer(
-            n_features=n_features, alternate_sign=False, ngram_range=(1, 2),
-            token_pattern=r'(?u)\b\w+\b', dtype=np.float32,
+            n_features=n_features,
+            alternate_sign=False,
+            ngram_range=(1, 2),
+            token_pattern=r'(?u)\b\w+\b',
+            dtype=np.float32,
         )
         self.model = LogisticRegression(max_iter=1000, class_weight='balanced', random_state=seed)
 

@@ -59,11 +59,17 @@ def table(report):
     rows = [('stage', 'docs in', 'docs out', 'removed', 'MB in', 'MB removed', 'compute s')]
     for s in report['stages']:
         share = s['documents_removed'] / max(s['documents_in'], 1)
-        rows.append((
-            s['stage'], f"{s['documents_in']:,}", f"{s['documents_out']:,}",
-            f"{s['documents_removed']:,} ({share:.1%})", f"{s['bytes_in'] / 1e6:.2f}",
-            f"{s['bytes_removed'] / 1e6:.2f} ({s['bytes_removed'] / max(s['bytes_in'], 1):.1%})",
-            f"{s['seconds']:.1f}",
-        ))
+        rows.append(
+            (
+                s['stage'],
+                f"{s['documents_in']:,}",
+                f"{s['documents_out']:,}",
+                f"{s['documents_removed']:,} ({share:.1%})",
+                f"{s['bytes_in'] / 1e6:.2f}",
+                f"{s['bytes_removed'] / 1e6:.2f} "
+                f"({s['bytes_removed'] / max(s['bytes_in'], 1):.1%})",
+                f"{s['seconds']:.1f}",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return '\n'.join('  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

@@ -1,5 +1,8 @@
 """Batch-size ramp-up: the global batch as a function of the samples consumed, as Megatron.
 
+Pure arithmetic on the config's `train.rampup` keys, so it sits at the config's layer: the
+config derives optimizer.decay_tokens from it, the loader and the trainer follow it.
+
 MT-NLG started at 32 sequences and added 32 at a time until 1920, over its first 12 B tokens.
 `train.rampup` = (start, increment, tokens); the ramp's tokens / seq_len are its samples, and
 the batch steps up every (ramp samples / number of increments) samples:

@@ -1,0 +1,171 @@
+"""The README and docs/ say what exists: every relative link resolves (file and heading), and
+every command in a code block names a script, flags, config keys, make targets and repository
+files that exist (each script's own `--help` says which flags it takes)."""
+
+import functools
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAGES = [ROOT / 'README.md'] + sorted((ROOT / 'docs').glob('*.md'))
+# Files another branch adds (merged together with this one); links to them are checked as
+# soon as they exist. Empty this once they are on main.
+ADDED_ELSEWHERE = {'docs/faults.md'}
+LINK = re.compile(r'!?\[[^\]]*\]\(([^)\s]+)\)')
+FENCE = re.compile(r'^```.*?^```', re.S | re.M)
+# A command line in a code block: optional VAR=value prefixes, then one of these.
+COMMAND = re.compile(r'^(?:command:\s+)?(?:[A-Z_]+=\S+\s+)*(python|make|sbatch)\s+(.*)$')
+REPO_PATH = re.compile(r'^(configs|launch|bench|harness_tasks|docs|tests)/[\w./-]+$')
+
+
+def slug(heading):
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r'[`*_]', '', heading.strip().lower())
+    return re.sub(r'[^\w\- ]', '', text).replace(' ', '-')
+
+
+def anchors(page):
+    prose = FENCE.sub('', page.read_text())
+    return {slug(line.lstrip('#')) for line in prose.splitlines() if line.startswith('#')}
+
+
+def links(page):
+    prose = FENCE.sub('', page.read_text())
+    prose = re.sub(r'`[^`\n]*`', '', prose)  # inline code is not a link
+    return [target for target in LINK.findall(prose) if not re.match(r'[a-z]+:', target)]
+
+
+@pytest.mark.parametrize('page', PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(page):
+    broken = []
+    for target in links(page):
+        path, _, anchor = target.partition('#')
+        file = (page.parent / path).resolve() if path else page
+        relative = file.relative_to(ROOT).as_posix() if file.is_relative_to(ROOT) else str(file)
+        if not file.exists():
+            if relative not in ADDED_ELSEWHERE:
+                broken.append(f'{target}: no file {relative}')
+        elif anchor and file.suffix == '.md' and anchor not in anchors(file):
+            broken.append(f'{target}: no heading #{anchor} in {relative}')
+    assert not broken, f'{page.relative_to(ROOT)}: ' + '; '.join(broken)
+
+
+def command_lines(page):
+    """Every command of the page's code blocks, continuation lines joined, comments cut."""
+    for block in FENCE.findall(page.read_text()):
+        lines = block.splitlines()[1:-1]
+        joined, pending = [], ''
+        for line in lines:
+            if pending:
+                line = pending + ' ' + line.strip()
+            if line.rstrip().endswith('\\'):
+                pending = line.rstrip()[:-1]
+                continue
+            pending = ''
+            joined.append(line.strip())
+        for line in joined:
+            match = COMMAND.match(line)
+            if match:
+                yield match.group(1), re.sub(r'\s+#.*$', '', match.group(2))
+
+
+@functools.cache
+def help_text(script):
+    """`--help` of a script (for launch/harness.py, also lm-eval's `run`, which takes the
+    flags it does not know)."""
+    text = run_help([sys.executable, str(ROOT / script), '--help'])
+    if script == 'launch/harness.py':
+        text += run_help([sys.executable, '-m', 'lm_eval', 'run', '--help'])
+    return text
+
+
+def run_help(argv):
+    result = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, f'{argv}: {result.stderr[-2000:]}'
+    return result.stdout
+
+
+def config_keys(text):
+    """{'model.hidden', 'train.rampup.start', ...} from the `--help` of a tool with a config."""
+    keys = set()
+    for section, values in re.findall(r'^  (\w+): (.*)$', text, re.M):
+        keys |= {f'{section}.{key}' for key in re.findall(r'(?:^|, )([\w.]+)=', values)}
+    return keys
+
+
+def problems_of_python(words):
+    """What is wrong with `python SCRIPT ARGS` (and the command after spawn.py's `--`)."""
+    if words[:1] == ['-m']:
+        return []  # a module of an installed package (pytest, ...)
+    script, args = words[0], words[1:]
+    if not (ROOT / script).is_file():
+        return [f'no script {script}']
+    inner = []
+    if '--' in args:
+        args, inner = args[: args.index('--')], args[args.index('--') + 1 :]
+    text = help_text(script)
+    problems = []
+    for word in args:
+        word = word.strip('[]')
+        flag = word.split('=', 1)[0]
+        if flag.startswith('--config.'):
+            key = flag[len('--config.') :]
+            if key != key.lower():  # a placeholder: --config.SECTION.KEY=VALUE
+                continue
+            if key not in config_keys(text):
+                problems.append(f'{script}: no config key {key}')
+        elif flag.startswith('--') and flag != '--' and not re.search(rf'{flag}\b', text):
+            problems.append(f'{script}: no flag {flag}')
+        elif REPO_PATH.match(word.split(':')[0]) and not (ROOT / word.split(':')[0]).exists():
+            problems.append(f'no file {word}')
+    if inner:
+        problems += problems_of_python(inner)
+    return problems
+
+
+def problems_of(program, rest):
+    try:
+        words = shlex.split(rest)
+    except ValueError as error:
+        return [f'{rest}: {error}']
+    if program == 'python':
+        return problems_of_python(words)
+    if program == 'make':
+        targets = set(re.findall(r'^([\w-]+):', (ROOT / 'Makefile').read_text(), re.M))
+        return [f'no make target {t}' for t in words if '=' not in t and t not in targets]
+    missing = [w for w in words if REPO_PATH.match(w) and not (ROOT / w).exists()]
+    return [f'no file {w}' for w in missing]  # sbatch: its script and config
+
+
+@pytest.mark.parametrize('page', PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_command_names_what_exists(page):
+    problems = []
+    for program, rest in command_lines(page):
+        problems += [f'`{program} {rest}`: {p}' for p in problems_of(program, rest)]
+    assert not problems, '\n'.join(problems)
+
+
+def test_the_checks_find_what_is_wrong(tmp_path):
+    page = tmp_path / 'page.md'
+    page.write_text(
+        '# Title\n[ok](#title) [gone](nowhere.md) [no heading](#other)\n'
+        '```\npython launch/train.py --config configs/tiny.py --workdir w --no_such_flag\n'
+        'python launch/train.py --config configs/none.py --config.model.hiden=3 \\\n'
+        '    --workdir w   # a comment --not_a_flag\n'
+        'make trian\nsbatch launch/slurm/none.sbatch\n```\n'
+    )
+    assert links(page) == ['#title', 'nowhere.md', '#other']
+    assert 'title' in anchors(page) and 'other' not in anchors(page)
+    found = [p for program, rest in command_lines(page) for p in problems_of(program, rest)]
+    assert found == [
+        'launch/train.py: no flag --no_such_flag',
+        'no file configs/none.py',
+        'launch/train.py: no config key model.hiden',
+        'no make target trian',
+        'no file launch/slurm/none.sbatch',
+    ]
