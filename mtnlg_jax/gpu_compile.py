@@ -36,8 +36,7 @@ COMPILER_DIR = pathlib.Path(
     )
 )
 INSTALL = (
-    'make gpu-compile (pip install --no-deps --target .gpu-compile '
-    '-r requirements-gpu-compile.txt)'
+    'make gpu-compile (pip install --no-deps --target .gpu-compile -r requirements-gpu-compile.txt)'
 )
 # What it must bring: the XLA:GPU compiler (plugin + PJRT) and cuDNN.
 REQUIRED_MODULES = (

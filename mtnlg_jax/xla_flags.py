@@ -30,8 +30,7 @@ RECOMMENDED_GPU_FLAGS = (
     (
         'xla_gpu_enable_while_loop_double_buffering',
         'true',
-        'unrolls loops by two so that the next iteration\'s collectives can start during this '
-        'one',
+        'unrolls loops by two so that the next iteration\'s collectives can start during this one',
     ),
 )
 

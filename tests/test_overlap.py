@@ -20,7 +20,9 @@ HEADER = """HloModule scheduled, is_scheduled=true, num_partitions=4
 # One all-gather over 'tensor' (pairs {0,1}, {2,3}: inside a node) of 4,000 bytes: each device
 # sends 2,000 bytes = 2 ms on NVLink. The dot: 2e9 FLOPs = 2 ms at peak (its 12 MB of operands
 # and result take 12 ms of HBM: the roofline says 12 ms).
-BESIDE = HEADER + """
+BESIDE = (
+    HEADER
+    + """
 ENTRY %main (x: f32[500], w: f32[1000,1000]) -> (f32[1000], f32[1000,1000]) {
   %x = f32[500]{0} parameter(0)
   %w = f32[1000,1000]{1,0} parameter(1)
@@ -30,6 +32,7 @@ ENTRY %main (x: f32[500], w: f32[1000,1000]) -> (f32[1000], f32[1000,1000]) {
   ROOT %out = (f32[1000]{0}, f32[1000,1000]{1,0}) tuple(%agd, %f)
 }
 """
+)
 AFTER = BESIDE.replace(
     """  %f = f32[1000,1000]{1,0} fusion(%w, %w), kind=kCustom, calls=%fused_dot
   %agd = f32[1000]{0} all-gather-done(%ags)""",

@@ -22,6 +22,7 @@ from mtnlg_jax.plan import hlo, hlo_module, report
 MESH = dict(data=2, stage=2, tensor=2)  # device id = 4 data + 2 stage + tensor
 TOLERANCE = 0.10
 
+
 @functools.lru_cache(maxsize=None)
 def compiled_step(name, step='train'):
     """(config, compiled, info) of a PLAN_LAYOUTS layout's train or eval step, compiled ahead

@@ -206,9 +206,7 @@ def collective_overlap(hlo_text, mesh, target, branch_weights=None):
     rows = []
     for op in inventory:
         key = (op['computation'], op['name'])
-        instruction = next(
-            i for i in computations[op['computation']] if i.name == op['name']
-        )
+        instruction = next(i for i in computations[op['computation']] if i.name == op['name'])
         link = replay.link(op, instruction)
         rows.append(
             dict(

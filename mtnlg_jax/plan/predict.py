@@ -333,7 +333,9 @@ def fit(rows, cluster, start=(0.75, 100.0, 0.7, 0.7)):
     configs = [published.config_of(row) for row in rows]
     counts = [traffic(config) for config in configs]
     targets = [
-        published.published_seconds(row, arithmetic.megatron_flops_per_step(c.model, row.global_batch))
+        published.published_seconds(
+            row, arithmetic.megatron_flops_per_step(c.model, row.global_batch)
+        )
         for row, c in zip(rows, configs)
     ]
 

@@ -106,6 +106,7 @@ TABLE_1 = (
 )
 
 _T2_175B = 'tensor 8 x pipeline 12 for model-parallel 96, v 2'
+# fmt: off
 HELD_BACK = (
     Row(NARAYANAN_T2, '175B', 8, 12, 384, 1536, tflops=153, repeats=2, assumed=_T2_175B),
     Row(NARAYANAN_T2, '175B', 8, 12, 768, 1536, tflops=149, repeats=2, assumed=_T2_175B),
@@ -131,6 +132,7 @@ HELD_BACK = (
     Row(MTNLG, '530B', 8, 35, 2800, 1920, seconds=50.2),
     Row(MTNLG, '530B', 8, 35, 3360, 1920, seconds=44.4),
 )
+# fmt: on
 
 ROWS = TABLE_1 + HELD_BACK
 

@@ -296,15 +296,17 @@ def gpu_lines(compiled):
     links = over['links']
     out = [
         '  attention  '
-        + (f'fused (cuDNN): {kernels}' if attention['fused'] else 'NOT fused: einsums around '
-           'a materialised (seq x seq) score matrix'),
+        + (
+            f'fused (cuDNN): {kernels}'
+            if attention['fused']
+            else 'NOT fused: einsums around a materialised (seq x seq) score matrix'
+        ),
         f'  overlap    replayed step {over["step_s"]:.3f} s = compute at peak '
         f'{over["compute_s"]:.3f} + exposed communication {over["exposed_s"]:.3f} '
         f'({100 * over["exposed_vs_compute"]:.1f} % of compute); links per GPU: NVLink '
         f'{links["nvlink_bytes_per_s"] / 1e9:.0f} GB/s inside a node of '
         f'{links["gpus_per_node"]}, network {links["network_bytes_per_s"] / 1e9:.0f} GB/s',
-        f'  {"kind":<19}{"axes":<19}{"link":<9}{"GB/step":>10}{"overlapped":>12}'
-        f'{"exposed s":>11}',
+        f'  {"kind":<19}{"axes":<19}{"link":<9}{"GB/step":>10}{"overlapped":>12}{"exposed s":>11}',
     ]
     for row in over['table']:
         out.append(

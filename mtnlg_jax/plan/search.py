@@ -247,7 +247,8 @@ def lines(result):
         out.append(_row('as', base) + ('' if base['fits'] else '  (does NOT fit)'))
         if result['best']:
             gain = base['step']['predicted_step_s'] / result['best'][0]['step']['predicted_step_s']
-            out.append(f'             best is {100 * (1 - 1 / gain):.1f} % faster than the config as given')
+            faster = 100 * (1 - 1 / gain)
+            out.append(f'             best is {faster:.1f} % faster than the config as given')
     return out
 
 
