@@ -230,7 +230,8 @@ def plan_for_gpu(args, config):
     )
     with gpu_compile.without_driver_noise():
         devices = gpu_target.devices(args.target, total, per_node)
-        compiled, _, info = compile_lib.compile_train_step(config, devices=devices)
+        with gpu_target.compiling_for(devices):
+            compiled, _, info = compile_lib.compile_train_step(config, devices=devices)
     notes = compile_lib.gpu_compile_notes(args.target, args.xla_flags)
     report.add_compiled(plan, config, compiled, info, notes, target=args.target)
     show(plan, args.json)

@@ -68,6 +68,13 @@ def defaults():
             hidden_dropout=0.1,
             compute_dtype='bfloat16',  # parameters and optimizer state are always fp32
             remat='none',  # none | full | selective
+            # auto | fused | plain. fused: jax.nn.dot_product_attention, cuDNN's flash
+            # attention on GPUs (no (seq x seq) scores in memory; bf16 or fp16; no attention
+            # dropout: cuDNN's masks come from a fixed seed, not the per-sequence keys);
+            # plain: einsums around the fp32 scores (dropout per sequence); auto: fused where
+            # cuDNN can run it (GPU, bf16/fp16, attention_dropout 0, head dim within its
+            # limit: 128 on A100, 256 on H100), else plain (model/block.py).
+            attention='auto',
             # Megatron's sequence parallelism: layer norms, dropout and residual adds on
             # sequence shards split over mesh.tensor (parallel/rules.py).
             sequence_parallel=False,

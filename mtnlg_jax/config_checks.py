@@ -10,6 +10,7 @@ import math
 from mtnlg_jax import rampup
 
 REMAT_POLICIES = ('none', 'full', 'selective')
+ATTENTION = ('auto', 'fused', 'plain')
 PIPELINE_SCHEDULES = ('1f1b', 'interleaved', 'gpipe')
 COMPUTE_DTYPES = ('float32', 'bfloat16', 'float16')
 VOCAB_PAD_MULTIPLE = 128
@@ -106,6 +107,20 @@ def check_model(config):
         model.remat in REMAT_POLICIES,
         'model.remat',
         f'{model.remat!r} is not one of {", ".join(REMAT_POLICIES)}',
+    )
+    if 'attention' not in model:  # a run saved before the key existed
+        model.attention = 'auto'
+    _require(
+        model.attention in ATTENTION,
+        'model.attention',
+        f'{model.attention!r} is not one of {", ".join(ATTENTION)}',
+    )
+    _require(
+        model.attention != 'fused' or model.attention_dropout == 0,
+        'model.attention',
+        f'fused attention applies no dropout (cuDNN draws its masks from a fixed seed, not '
+        f'from the per-sequence keys), but model.attention_dropout is '
+        f'{model.attention_dropout}: set it to 0, or model.attention=auto or plain',
     )
     _require(
         model.compute_dtype in COMPUTE_DTYPES,

@@ -99,9 +99,10 @@ def checkpoint_step(workdir, step=None):
     return steps[-1] if step is None else step
 
 
-def abstract_params(config):
-    """(graphdef, ShapeDtypeStructs of the fp32 parameters, their logical axes)."""
-    abstract_model = nnx.eval_shape(lambda: gpt.create(config.model, config.train.seed))
+def abstract_params(config, device=None):
+    """(graphdef, ShapeDtypeStructs of the fp32 parameters, their logical axes); device: the
+    mesh's first (the attention kernel)."""
+    abstract_model = nnx.eval_shape(lambda: gpt.create(config.model, config.train.seed, device))
     return gpt.split(abstract_model)
 
 
@@ -121,7 +122,7 @@ def load(workdir, step=None, data=None, tensor=None, dtype=None):
             f'{config.mesh.tensor}'
         )
     mesh = mesh_from_config(config)
-    graphdef, params_shapes, logical_axes = abstract_params(config)
+    graphdef, params_shapes, logical_axes = abstract_params(config, mesh.devices.flat[0])
     shardings = rules.compute_shardings(logical_axes, mesh)
     target = checkpoint_lib.abstract_with_shardings(params_shapes, shardings)
     checkpoints = checkpoint_lib.Checkpoints(workdir, read_only=True)

@@ -15,13 +15,49 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from mtnlg_jax.config import ConfigError
 from mtnlg_jax.model.layers import LayerNorm, dropout, param, use
-from mtnlg_jax.parallel.rules import constrain
+from mtnlg_jax.parallel.rules import constrain, local_call
 
 # Names of the values `model.remat = 'selective'` keeps: every matmul output. The attention
 # core (scores, softmax, dropout) is recomputed in the backward pass, as in Megatron's
 # selective recompute (arXiv 2205.05198): cheap FLOPs, large memory.
 SELECTIVE_SAVED = ('qkv', 'context', 'attn_out', 'mlp_in', 'mlp_out')
+
+# The largest head dimension of cuDNN's flash attention by compute capability major (JAX 0.10:
+# 128 before Hopper, 256 from it); MT-NLG's 160 runs on H100, not on A100.
+CUDNN_MAX_HEAD_DIM = {8: 128, 9: 256}
+CONTEXT_AXES = ('batch', 'seq', 'heads', 'head_dim')
+
+
+def attention_kernel(cfg, device=None):
+    """What Attention runs under model.attention on `device` (the mesh's first; None: the
+    CPU): 'cudnn' (jax.nn.dot_product_attention's cuDNN flash attention, a GPU), 'xla' (the
+    same call elsewhere: `fused` on a CPU, which the tests compare with plain), or 'plain'."""
+    choice = cfg.get('attention', 'plain')
+    if choice == 'plain':
+        return 'plain'
+    on_gpu = device is not None and device.platform == 'gpu'
+    if not on_gpu:
+        return 'xla' if choice == 'fused' else 'plain'
+    major = int(str(getattr(device, 'compute_capability', '8.0')).split('.')[0])
+    head_dim = cfg.hidden // cfg.heads
+    limit = CUDNN_MAX_HEAD_DIM.get(major, 256 if major > 9 else 0)
+    reasons = [
+        why
+        for failed, why in (
+            (cfg.compute_dtype not in ('bfloat16', 'float16'), f'{cfg.compute_dtype} compute'),
+            (head_dim > limit or head_dim % 8, f'head dim {head_dim} (at most {limit} here)'),
+            (cfg.attention_dropout > 0, f'attention dropout {cfg.attention_dropout}'),
+        )
+        if failed
+    ]
+    if not reasons:
+        return 'cudnn'
+    if choice == 'fused':
+        raise ConfigError('model.attention', f'cuDNN cannot fuse {", ".join(reasons)}')
+    return 'plain'
+
 
 # Dropout sites of one block, told apart in the per-sequence keys.
 _ATTN_PROBS, _ATTN_RESIDUAL, _MLP_RESIDUAL = range(3)
@@ -31,7 +67,7 @@ SITES_PER_BLOCK = 3
 class Attention(nnx.Module):
     """Causal multi-head self-attention; softmax in fp32."""
 
-    def __init__(self, cfg, rngs):
+    def __init__(self, cfg, rngs, kernel='plain'):
         heads, hidden = cfg.heads, cfg.hidden
         head_dim = hidden // heads
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
@@ -45,6 +81,7 @@ class Attention(nnx.Module):
         self.out_bias = param(rngs, (hidden,), ('embed',))
         self.dropout_rate = cfg.attention_dropout
         self.dtype = cfg.compute_dtype
+        self.kernel = kernel  # attention_kernel(): 'cudnn', 'xla' or 'plain'
 
     def project_qkv(self, x):
         """(batch, seq, embed) -> (batch, seq, 3, heads, head_dim), split over heads."""
@@ -62,7 +99,32 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1)
         probs = dropout(probs, self.dropout_rate, row_keys, site).astype(q.dtype)
         context = jnp.einsum('bhqk,bkhd->bqhd', probs, v.astype(q.dtype))
-        return checkpoint_name(constrain(context, ('batch', 'seq', 'heads', 'head_dim')), 'context')
+        return checkpoint_name(constrain(context, CONTEXT_AXES), 'context')
+
+    def attend_fused(self, q, k, v, visible_keys=None):
+        """The same context in one kernel (self.kernel: cuDNN's flash attention on GPUs): no
+        (seq x seq) scores are kept, the backward recomputes them; q, k, v and the context in
+        the compute dtype. Causal, or with visible_keys (a scalar, decoding): keys 0 ..
+        visible_keys - 1 for every query. Each device runs the kernel on its own batch rows
+        and heads (rules.local_call: cuDNN's partitioning rule fails inside the pipeline)."""
+
+        def kernel(q, k, v, *visible):
+            lengths = None
+            if visible:
+                lengths = jnp.full((q.shape[0],), visible[0], jnp.int32)
+            return jax.nn.dot_product_attention(
+                q,
+                k,
+                v,
+                is_causal=not visible,
+                key_value_seq_lengths=lengths,
+                implementation=self.kernel,
+            )
+
+        q, k, v = (constrain(a.astype(q.dtype), CONTEXT_AXES) for a in (q, k, v))
+        extra = () if visible_keys is None else (jnp.asarray(visible_keys, jnp.int32),)
+        context = local_call(kernel, (q, k, v), CONTEXT_AXES, extra)
+        return checkpoint_name(constrain(context, CONTEXT_AXES), 'context')
 
     def project_out(self, context):
         """(batch, seq, heads, head_dim) -> (batch, seq, embed): row parallel, one all-reduce
@@ -74,6 +136,8 @@ class Attention(nnx.Module):
     def __call__(self, x, row_keys, site_base):
         qkv = self.project_qkv(x)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        if self.kernel != 'plain':
+            return self.project_out(self.attend_fused(q, k, v))
         seq = x.shape[1]
         causal = jnp.tril(jnp.ones((seq, seq), bool))
         context = self.attend(q, k, v, causal, row_keys, site_base + _ATTN_PROBS)
@@ -92,6 +156,11 @@ class Attention(nnx.Module):
             jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), index, axis=1)
             for c, new in zip(cache, (k, v))
         )
+        if self.kernel != 'plain' and x.shape[1] == 1:  # one new token: keys 0 .. index
+            context = self.attend_fused(q, keys, values, visible_keys=index + 1)
+            return self.project_out(context), (keys, values)
+        # A prompt (several new tokens at once): the plain path, whose mask starts at index
+        # (cuDNN's causal mask starts at key 0).
         query_pos = index + jnp.arange(x.shape[1])
         visible = jnp.arange(keys.shape[1])[None, :] <= query_pos[:, None]
         return self.project_out(self.attend(q, keys, values, visible)), (keys, values)
@@ -121,9 +190,9 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg, rngs):
+    def __init__(self, cfg, rngs, attention_kernel='plain'):
         self.ln_attn = LayerNorm(cfg.hidden, cfg.layer_norm_epsilon)
-        self.attention = Attention(cfg, rngs)
+        self.attention = Attention(cfg, rngs, attention_kernel)
         self.ln_mlp = LayerNorm(cfg.hidden, cfg.layer_norm_epsilon)
         self.mlp = MLP(cfg, rngs)
         self.hidden_dropout = cfg.hidden_dropout

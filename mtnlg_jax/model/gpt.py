@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtnlg_jax.model.block import SELECTIVE_SAVED, SITES_PER_BLOCK, Block
+from mtnlg_jax.model.block import SELECTIVE_SAVED, SITES_PER_BLOCK, Block, attention_kernel
 from mtnlg_jax.model.layers import LayerNorm, dropout, param, use
 from mtnlg_jax.model import loss
 from mtnlg_jax.model.loss import cross_entropy  # noqa: F401 (callers' name: gpt.cross_entropy)
@@ -31,8 +31,9 @@ REMAT_POLICIES = {
 
 
 class GPT(nnx.Module):
-    def __init__(self, cfg, rngs):
-        """cfg: a resolved `config.model` (ffn_hidden and padded_vocab filled in)."""
+    def __init__(self, cfg, rngs, device=None):
+        """cfg: a resolved `config.model` (ffn_hidden and padded_vocab filled in); device: the
+        mesh's first, which picks the attention kernel (block.attention_kernel)."""
         self.token_embed = param(
             rngs, (cfg.padded_vocab, cfg.hidden), ('vocab', 'embed'), cfg.init_std
         )
@@ -40,8 +41,9 @@ class GPT(nnx.Module):
             rngs, (cfg.seq_len, cfg.hidden), ('position', 'embed'), cfg.init_std
         )
         layer_keys = jax.random.split(rngs.params(), cfg.num_layers)
+        kernel = attention_kernel(cfg, device)
         make_blocks = nnx.vmap(
-            lambda key: Block(cfg, nnx.Rngs(params=key)),
+            lambda key: Block(cfg, nnx.Rngs(params=key), kernel),
             transform_metadata={nnx.PARTITION_NAME: 'layers', 'logical_axes': 'layers'},
         )
         self.blocks = make_blocks(layer_keys)
@@ -107,9 +109,10 @@ def loss_sum(model, batch, row_keys=None):
     return total, jnp.asarray(labels.size, jnp.float32)
 
 
-def create(cfg, seed):
-    """A GPT with parameters initialised from `seed`."""
-    return GPT(cfg, nnx.Rngs(params=seed))
+def create(cfg, seed, device=None):
+    """A GPT with parameters initialised from `seed`, its attention kernel chosen for `device`
+    (the mesh's first; None: the CPU's)."""
+    return GPT(cfg, nnx.Rngs(params=seed), device)
 
 
 def split(model):

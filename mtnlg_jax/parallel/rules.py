@@ -109,6 +109,29 @@ def constrain_spec(x, spec):
     )
 
 
+def local_call(fn, args, logical_axes, replicated=()):
+    """fn(*args, *replicated) on each device's own shards: a nested shard_map manual over the
+    mesh axes that `logical_axes` split the args over (and that are not manual here already),
+    for a kernel with no partitioning rule that works where some axes are manual (cuDNN's
+    attention inside the pipeline's region manual over 'stage'). Every arg and the result are
+    laid out by `logical_axes`; `replicated` args are whole on every device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return fn(*args, *replicated)
+    manual = set(mesh.manual_axes)
+    spec = PartitionSpec(*(_without(axes, manual) for axes in logical_to_spec(logical_axes)))
+    names = {a for part in spec if part for a in ((part,) if isinstance(part, str) else part)}
+    if not names:
+        return fn(*args, *replicated)
+    return jax.shard_map(
+        fn,
+        in_specs=(spec,) * len(args) + (PartitionSpec(),) * len(replicated),
+        out_specs=spec,
+        axis_names=names,
+        check_vma=False,
+    )(*args, *replicated)
+
+
 def constrain_tree(tree, logical_tree):
     """`constrain` every leaf of `tree` by the logical names at the same place of
     `logical_tree` (e.g. gradient accumulators laid out as the parameters)."""

@@ -12,6 +12,7 @@ Nothing is allocated or run, so a GPU compile times nothing, and XLA skips autot
 its default GEMM and fusion configurations rather than the fastest measured ones).
 """
 
+import contextlib
 import os
 
 from mtnlg_jax.gpu_compile import TARGETS
@@ -42,3 +43,26 @@ def devices(target, count, gpus_per_node=8):
         target_config=target_config(target),
     )
     return list(topology.devices)
+
+
+@contextlib.contextmanager
+def compiling_for(devices):
+    """Trace for compile-only `devices`: JAX's cuDNN attention asks the local GPU backend for
+    the compute capability (for the head dimensions it allows: 128 before Hopper, 256 from
+    it); here there is none, so the target's devices answer instead."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn  # noqa: PLC0415
+
+    have = tuple(int(x) for x in str(devices[0].compute_capability).split('.'))
+
+    def at_least(capability):
+        return have >= tuple(int(x) for x in capability.split('.'))
+
+    def equal(capability):
+        return have == tuple(int(x) for x in capability.split('.'))
+
+    saved = cudnn.check_compute_capability, cudnn.is_cuda_compute_capability_equal
+    cudnn.check_compute_capability, cudnn.is_cuda_compute_capability_equal = at_least, equal
+    try:
+        yield
+    finally:
+        cudnn.check_compute_capability, cudnn.is_cuda_compute_capability_equal = saved

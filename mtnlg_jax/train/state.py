@@ -36,7 +36,8 @@ class TrainSetup:
 
 def make_setup(config, mesh):
     """Shapes and shardings of the train state, without allocating it."""
-    abstract_model = nnx.eval_shape(lambda: gpt.create(config.model, config.train.seed))
+    device = mesh.devices.flat[0]
+    abstract_model = nnx.eval_shape(lambda: gpt.create(config.model, config.train.seed, device))
     graphdef, abstract_params, logical_axes = gpt.split(abstract_model)
     optimizer = make_optimizer(config.optimizer)
     abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
