@@ -42,8 +42,9 @@ PIPELINED_GAP = pytest.param(
     'pipelined',
     marks=pytest.mark.xfail(
         strict=True,
-        reason='1F1B engine under XLA:GPU: peak 0.80 x the plan (the optimizer update is done '
-        'in place), hand-off all-gathers over tensor 1.75 x',
+        reason='1F1B engine under XLA:GPU: peak 0.88 x the plan; XLA keeps the stashed '
+        'residuals split over tensor along the sequence and gathers them (all-gathers over '
+        'tensor 4.6 x the plan, all-reduces 0.63 x, reduce-scatters it chose itself)',
     ),
 )
 LAYOUTS = ['tensor', 'data_bf16', PIPELINED_GAP]
@@ -70,7 +71,7 @@ def test_plan_target_compiles_the_tiny_config_for_a100s(tmp_path):
     assert compiled['platform'] == 'cuda' and compiled['target'] == TARGET
     assert compiled['devices'] == 8
     assert compiled['temp_bytes'] > 0 and compiled['peak_bytes'] > compiled['argument_bytes']
-    assert 1.0 <= compiled['flops_vs_model'] < 2.0
+    assert 0.95 <= compiled["flops_vs_model"] < 1.1  # the 1F1B backward recomputes nothing
     assert compiled['attention']['fused'] == bool(compiled['attention']['kernels'])
     table = compiled['overlap']['table']
     kinds = {(row['kind'], row['axes'], row['link']) for row in table}

@@ -92,7 +92,7 @@ def test_1f1b_bounded_to_p_stage_inputs_matches_one_device(one_device):
     config.pipeline.max_in_flight = 4
     bounded, greedy = pipeline.build_table(4, 1, 8, 4), pipeline.build_table(4, 1, 8)
     assert bounded.in_flight().max() == 4 < greedy.in_flight().max()
-    assert bounded.stash_slots < greedy.stash_slots and bounded.ticks > greedy.ticks
+    assert bounded.resid_slots < greedy.resid_slots and bounded.ticks > greedy.ticks
     _, loss, grads = support.gradients(config, support.random_batches(1)[0], step=5)
     np.testing.assert_allclose(loss, one_device['loss'], rtol=1e-6)
     support.assert_gradients_close(grads, one_device['grads'])

@@ -125,16 +125,17 @@ def test_gpipe_hand_offs_and_recompute_by_hand():
 
 def test_1f1b_engine_hand_offs_and_recompute_by_hand():
     """The interleaved 1F1B table of stage 2 x repeats 2 x 4 micro-batches has 12 ticks, two
-    hand-offs a tick split over tensor 2; per device (mean over stages) 8 - 4 / 2 = 6 chunk
-    forwards of 2 all-reduces, 8 backwards of 2 recomputed (less the dead one) + 2 recomputed
-    inside remat + 2 backward, the embedding's 2 x 4 / 2 and the head's 4 / 2."""
+    hand-offs a tick split over tensor 2; per device (mean over stages) 8 chunk forwards of 2
+    all-reduces (the last chunk's in its backward's tick), 8 backwards of 2 recomputed by
+    remat full (less the dead one) + 2 backward, the embedding's 4 / 2 and the head's 4 / 2:
+    no backward recomputes its chunk from its input any more."""
     config = support.small_config(
         data=1, stage=2, tensor=2, repeats=2, num_layers=4, micro_steps=4, remat='full'
     )
     activation = 4 * support.SEQ_LEN * 64 * 4
     planned = comm.comm_bytes_per_device(config)
     assert planned['collective-permute']['stage'] == 2 * 12 * activation / 2
-    runs = 6 * 2 + 8 * (6 - 1) + 2 * 4 / 2 + 4 / 2
+    runs = 8 * 2 + 8 * (4 - 1) + 4 / 2 + 4 / 2
     assert planned['all-reduce']['tensor'] == pytest.approx(runs * activation)  # ring over 2
 
 

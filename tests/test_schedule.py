@@ -38,11 +38,13 @@ def test_every_forward_and_backward_once_in_dependency_order(p, v, m):
 
 
 @pytest.mark.parametrize('p,v,m', SHAPES)
-def test_slots_hold_each_input_and_gradient_from_arrival_to_backward(p, v, m):
-    """Replay the table as the engine does: arrivals are written into slots, forwards and
-    backwards read them; every read must find the value of its own (micro-batch, chunk)."""
+def test_slots_hold_each_input_residual_and_gradient_until_it_is_read(p, v, m):
+    """Replay the table as the engine does: arrivals are written into slots, a forward reads
+    its input (the last chunk's backward: its input) and writes its residuals, a backward
+    reads its residuals and gradient; every read must find its own (micro-batch, chunk)."""
     table = schedule.build(p, v, m)
     stash = np.full((p, table.stash_slots), None, object)
+    resids = np.full((p, table.resid_slots), None, object)
     grads = np.full((p, table.grad_slots), None, object)
     act_in, grad_in = [None] * p, [None] * p
     last = p * v - 1
@@ -55,19 +57,25 @@ def test_slots_hold_each_input_and_gradient_from_arrival_to_backward(p, v, m):
                 grads[s, table.recv_grad_slot[t, s]] = grad_in[s]
             if table.fwd_micro[t, s] != IDLE:
                 key = (table.fwd_micro[t, s], table.fwd_repeat[t, s] * p + s)
-                if key[1] > 0:
+                if 0 < key[1] < last:
                     assert stash[s, table.fwd_slot[t, s]] == key
                 if key[1] < last:
+                    resids[s, table.fwd_resid_slot[t, s]] = key
                     sent_act[(s + 1) % p] = (key[0], key[1] + 1)
+                else:
+                    assert table.fwd_resid_slot[t, s] == IDLE
             if table.bwd_micro[t, s] != IDLE:
                 key = (table.bwd_micro[t, s], table.bwd_repeat[t, s] * p + s)
-                if key[1] > 0:
+                if key[1] == last and key[1] > 0:
                     assert stash[s, table.bwd_slot[t, s]] == key
                 if key[1] < last:
+                    assert resids[s, table.bwd_resid_slot[t, s]] == key
                     assert grads[s, table.bwd_grad_slot[t, s]] == key
                 if key[1] > 0:
                     sent_grad[(s - 1) % p] = (key[0], key[1] - 1)
         act_in, grad_in = sent_act, sent_grad
+    # a residual slot per micro-batch in flight on the busiest stage, no more
+    assert table.resid_slots == table.in_flight().max()
 
 
 @pytest.mark.parametrize('p,m', [(2, 2), (3, 4), (4, 2), (4, 7), (35, 4), (35, 240)])

@@ -7,22 +7,28 @@ stages. `pipeline.schedule`:
                       inside `jax.shard_map` manual over 'stage' runs it. Memory is flat in m.
   gpipe               autodiff of a forward scan (parallel/gpipe.py), kept for comparison.
 
-One tick on one stage (every stage runs the same program; `lax.switch` on the table picks
-what each one computes, so an idle slot costs nothing):
+One tick on one stage (every stage runs the same program; `lax.cond` on the table picks what
+each one computes, so an idle slot costs nothing):
 
     arrivals -> stash[recv_act_slot], grads[recv_grad_slot]        (last tick's ppermute)
-    forward  y  = chunk(stash[fwd_slot])        chunk 0: chunk(embed(tokens))   last: nothing
-    backward vjp of chunk at stash[bwd_slot]    chunk 0: through the embedding
-                    cotangent grads[bwd_grad_slot]   last chunk: + final norm, head, loss, 1.0
+    forward  y, vjp = jax.vjp(chunk, stash[fwd_slot])   chunk 0: chunk(embed(tokens))
+             resids[fwd_resid_slot] = vjp's residuals   last chunk: nothing (see backward)
+    backward vjp = from resids[bwd_resid_slot]          cotangent grads[bwd_grad_slot]
+             last chunk: y, vjp = jax.vjp(chunk, stash[bwd_slot]), then final norm, head,
+             loss; the loss's gradient is the cotangent
              fp32 accumulators += parameter gradients;   dx = gradient of the stage input
     y -> stage s + 1, dx -> stage s - 1 (rings), split over 'tensor' along the sequence
 
-The backward recomputes its chunk from the stashed stage input (`jax.vjp` of the block stack
-under `model.remat`), so a stage holds only stage inputs between ticks, never a micro-batch's
-layer activations. The embedding runs on the first stage, the final norm, head and loss on
-the last, one micro-batch a tick; only the loss is summed over 'stage', and the gradients of
-the parameters outside the block stack (each stage holds them all) are summed over 'stage':
-the tied embedding's two halves meet there, from the first stage and the last.
+A forward keeps what its chunk's backward needs, the residuals of its VJP under
+`model.remat` (every layer's kept values with remat none, the named matmul outputs with
+selective, each layer's input with full), in a slot per micro-batch in flight; the backward
+applies that VJP, so no chunk runs its forward twice and a pipelined step does the matmul
+FLOPs of the same model unpipelined. The parameters inside a VJP are not stashed: the
+backward puts the current chunk's back (`pullback_of`). The embedding runs on the first
+stage, the final norm, head and loss on the last, one micro-batch a tick; only the loss is
+summed over 'stage', and the gradients of the parameters outside the block stack (each stage
+holds them all) are summed over 'stage': the tied embedding's two halves meet there, from the
+first stage and the last.
 
 Stored form: block parameters (and their Adam moments) are kept stage-major, so the rule
 'layers' -> 'stage' gives each stage exactly its own chunks:
@@ -263,13 +269,63 @@ def run_schedule(graphdef, params, tokens, row_keys, table, with_grads, bubble_f
                     lambda: constrain(h, ACTIVATION_AXES),
                 )
 
-        def forward(kind, stash, micro, repeat, slot):
+        def chunk_fn(kind, micro, repeat):
+            """The chunk as a function of its parameters, the shared ones (the embedding's,
+            for chunk 0) and its stashed input: what a forward differentiates."""
+
+            def run(c, sh, x):
+                return apply_chunk(c, stage_input(kind, sh, x, micro), micro, repeat)
+
+            return run
+
+        def params_of(repeat):
+            return jax.tree.leaves((chunk_at(repeat), shared))
+
+        def forward_with_residuals(kind, x, micro, repeat):
+            """(y, the residuals of the chunk's VJP that are not parameters, the layout of the
+            whole VJP): what the backward needs under model.remat, kept instead of
+            recomputed. Parameters appear in the VJP as themselves; the backward puts its own
+            copy of them back, so a slot holds activations only."""
+            chunk = chunk_at(repeat)
+            y, pullback = jax.vjp(chunk_fn(kind, micro, repeat), chunk, shared, x)
+            leaves, treedef = jax.tree.flatten(pullback)
+            position = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves((chunk, shared)))}
+            where = tuple(position.get(id(leaf)) for leaf in leaves)
+            kept = [leaf for leaf, w in zip(leaves, where) if w is None]
+            return y, kept, (treedef, where)
+
+        # The layout of a forward's residuals, traced once: every forward has the same.
+        layout_of = []
+
+        def residual_shapes():
+            def probe(x, kind, micro, repeat):
+                _, kept, structure = forward_with_residuals(kind, x, micro, repeat)
+                layout_of.append(structure)
+                return kept
+
+            zero = jnp.zeros((), jnp.int32)
+            return jax.eval_shape(probe, fill, zero, zero, zero)
+
+        def forward(kind, stash, resids, micro, repeat, slot, resid_slot):
+            """One chunk's forward: y to the next stage, its residuals into resids[slot]."""
+
             def run():
-                x = stage_input(kind, shared, stash[slot], micro)
-                return apply_chunk(chunk_at(repeat), x, micro, repeat)
+                x = stash[slot]
+                if not with_grads:
+                    return apply_chunk(chunk_at(repeat), stage_input(kind, shared, x, micro),
+                                       micro, repeat), []  # fmt: skip
+                y, kept, structure = forward_with_residuals(kind, x, micro, repeat)
+                # the same program as the probe's: the same parameters in the same places
+                assert structure[1] == layout_of[0][1], 'a forward kept another layout'
+                return y, kept
+
+            def idle():
+                return fill, [jnp.zeros(b.shape[1:], b.dtype) for b in resids]
 
             with jax.named_scope(FORWARD):
-                return jax.lax.cond(kind == _IDLE, lambda: fill, run)
+                y, kept = jax.lax.cond(kind == _IDLE, idle, run)
+            ran = (kind != _IDLE) & (kind != _LAST)
+            return y, [write(b, resid_slot, ran, r) for b, r in zip(resids, kept)]
 
         def add(acc, grads):
             return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
@@ -281,9 +337,19 @@ def run_schedule(graphdef, params, tokens, row_keys, table, with_grads, bubble_f
 
             return jax.tree.map(add_one, acc, grads)
 
-        def backward(kind, sums, stash, grad_buf, micro, repeat, slot, grad_slot):
-            """One chunk's backward: recompute from the stash, head and loss on the last
-            chunk, chunk 0 through the embedding; one vjp of the chunk for every case."""
+        def pullback_of(kept, repeat):
+            """The chunk's VJP from a forward's kept residuals, with the parameters of chunk
+            `repeat` and the shared ones put back where it used them."""
+            treedef, where = layout_of[0]
+            kept, params = iter(kept), jax.tree.leaves((chunk_at(repeat), shared))
+            return jax.tree.unflatten(
+                treedef, [next(kept) if w is None else params[w] for w in where]
+            )
+
+        def backward(kind, sums, stash, resids, grad_buf, micro, repeat, slot, resid_slot,
+                     grad_slot):  # fmt: skip
+            """One chunk's backward through the VJP its forward kept; the last chunk runs its
+            forward here, then final norm, head and loss, whose gradient starts the VJP."""
             acc_blocks, acc_shared, loss = sums
             h, g = stash[slot], grad_buf[grad_slot]
 
@@ -291,24 +357,21 @@ def run_schedule(graphdef, params, tokens, row_keys, table, with_grads, bubble_f
                 x = apply_chunk(chunk_at(repeat), constrain(h, ACTIVATION_AXES), micro, repeat)
                 return (acc_blocks, acc_shared, loss + token_loss(shared, x, micro)), fill
 
+            def head():  # the last chunk: its forward, the loss and the loss's gradient
+                y, kept, _ = forward_with_residuals(kind, h, micro, repeat)
+                value, (d_shared, d_y) = jax.value_and_grad(token_loss, argnums=(0, 1))(
+                    shared, y, micro
+                )
+                return kept, d_y.astype(y.dtype), add(acc_shared, d_shared), loss + value
+
+            def stashed():  # the forward ran in an earlier tick: its residuals, the gradient
+                kept = [jax.lax.dynamic_index_in_dim(b, resid_slot, 0, False) for b in resids]
+                return kept, constrain(g, ACTIVATION_AXES), acc_shared, loss
+
             def run():
-                def chunk_fn(c, sh, x):
-                    return apply_chunk(c, stage_input(kind, sh, x, micro), micro, repeat)
-
-                y, chunk_vjp = jax.vjp(chunk_fn, chunk_at(repeat), shared, h)
-
-                def head():  # the last chunk: final norm, head and loss of this micro-batch
-                    value, (d_shared, d_y) = jax.value_and_grad(token_loss, argnums=(0, 1))(
-                        shared, y, micro
-                    )
-                    return add(acc_shared, d_shared), loss + value, d_y.astype(y.dtype)
-
-                def no_head():
-                    return acc_shared, loss, constrain(g, ACTIVATION_AXES)
-
                 with jax.named_scope(LAST):
-                    acc, total, d_y = jax.lax.cond(kind == _LAST, head, no_head)
-                d_chunk, d_shared, d_h = chunk_vjp(d_y)
+                    kept, d_y, acc, total = jax.lax.cond(kind == _LAST, head, stashed)
+                d_chunk, d_shared, d_h = pullback_of(kept, repeat)(d_y)
                 with jax.named_scope(FIRST):  # the embedding's half of the tied gradient
                     acc = jax.lax.cond(kind == _FIRST, lambda: add(acc, d_shared), lambda: acc)
                 return (add_chunk(acc_blocks, repeat, d_chunk), acc, total), d_h
@@ -327,29 +390,49 @@ def run_schedule(graphdef, params, tokens, row_keys, table, with_grads, bubble_f
             return jax.lax.dynamic_update_index_in_dim(buffer, kept, slot, 0)
 
         def tick(carry, row):
-            act_in, grad_in, stash, grad_buf, sums = carry
+            act_in, grad_in, stash, resids, grad_buf, sums = carry
             row = {k: a[stage] for k, a in row.items()}
             stash = write(stash, row['recv_act_slot'], row['act'], act_in)
             grad_buf = write(grad_buf, row['recv_grad_slot'], row['grad'], grad_in)
-            y = forward(
-                row['fwd_kind'], stash, row['fwd_micro'], row['fwd_repeat'], row['fwd_slot']
+            y, resids = forward(
+                row['fwd_kind'],
+                stash,
+                resids,
+                row['fwd_micro'],
+                row['fwd_repeat'],
+                row['fwd_slot'],
+                row['fwd_resid_slot'],
             )
             sums, dx = backward(
                 row['bwd_kind'],
                 sums,
                 stash,
+                resids,
                 grad_buf,
                 row['bwd_micro'],
                 row['bwd_repeat'],
                 row['bwd_slot'],
+                row['bwd_resid_slot'],
                 row['bwd_grad_slot'],
             )
             act_in = handoff(y, [(i, (i + 1) % p) for i in range(p)])
             grad_in = handoff(dx, [(i, (i - 1) % p) for i in range(p)])
-            return (act_in, grad_in, stash, grad_buf, sums), None
+            return (act_in, grad_in, stash, resids, grad_buf, sums), None
 
         def buffer(slots):
             return constrain(jnp.full((slots, rows, seq, hidden), bubble_fill, dtype), handoff_axes)
+
+        def residual_buffers():
+            """One buffer per kept residual, a slot per micro-batch in flight ([] without
+            gradients)."""
+            if not with_grads:
+                return []
+            return [
+                jnp.full((table.resid_slots, *r.shape), bubble_fill, r.dtype)
+                if jnp.issubdtype(r.dtype, jnp.floating)
+                else jnp.zeros((table.resid_slots, *r.shape), r.dtype)
+                for r in residual_shapes()
+            ]
 
         zeros32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
         sums = (zeros32(chunks), zeros32(shared), jnp.zeros((), jnp.float32))
@@ -357,12 +440,13 @@ def run_schedule(graphdef, params, tokens, row_keys, table, with_grads, bubble_f
             constrain(fill, handoff_axes),
             constrain(fill, handoff_axes),
             buffer(table.stash_slots),
+            residual_buffers(),
             buffer(table.grad_slots),
             sums,
         )
         xs = {k: jnp.asarray(a) for k, a in columns.items()}
         xs.update({k: jnp.asarray(a) for k, a in arrivals.items()})
-        (_, _, _, _, (acc_blocks, acc_shared, loss)), _ = jax.lax.scan(tick, init, xs)
+        (*_, (acc_blocks, acc_shared, loss)), _ = jax.lax.scan(tick, init, xs)
         loss = jax.lax.psum(loss, STAGE_AXIS)
         if not with_grads:
             return (loss,)

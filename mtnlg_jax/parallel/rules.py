@@ -110,19 +110,19 @@ def constrain_spec(x, spec):
 
 
 def local_call(fn, args, logical_axes, replicated=()):
-    """fn(*args, *replicated) on each device's own shards: a nested shard_map manual over the
-    mesh axes that `logical_axes` split the args over (and that are not manual here already),
-    for a kernel with no partitioning rule that works where some axes are manual (cuDNN's
-    attention inside the pipeline's region manual over 'stage'). Every arg and the result are
-    laid out by `logical_axes`; `replicated` args are whole on every device."""
+    """fn(*args, *replicated) on each device's own shards: a nested shard_map manual over every
+    mesh axis not manual here already, for a kernel whose partitioning rule fails where some
+    axes are manual (cuDNN's attention inside the train step's region manual over 'data' and
+    the pipeline's over 'stage'). Every arg and the result are laid out by `logical_axes`;
+    `replicated` args are whole on every device."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return fn(*args, *replicated)
     manual = set(mesh.manual_axes)
-    spec = PartitionSpec(*(_without(axes, manual) for axes in logical_to_spec(logical_axes)))
-    names = {a for part in spec if part for a in ((part,) if isinstance(part, str) else part)}
+    names = set(mesh.axis_names) - manual
     if not names:
         return fn(*args, *replicated)
+    spec = PartitionSpec(*(_without(axes, manual) for axes in logical_to_spec(logical_axes)))
     return jax.shard_map(
         fn,
         in_specs=(spec,) * len(args) + (PartitionSpec(),) * len(replicated),

@@ -20,16 +20,18 @@ v = 1, m = 4 (F3 = forward of micro-batch 3; ticks hold F then B):
 
 Ramp-up ticks hold only forwards, ramp-down ticks only backwards: a tick costs its slowest
 stage, so the step takes (m + p - 1) (F + B) when v = 1, the 1F1B bubble (p - 1) / (m + p - 1)
-(`bubble_fraction` computes it from the table for any v). The last chunk's forward is empty
-(its backward recomputes it with the head and the loss), so F and B of a micro-batch share
-the last stage's tick. A backward recomputes its chunk from the stage input stashed on
-arrival: stage s holds at most 2 (p - s) - 1 stage inputs with v = 1, whatever m (Megatron's
-asynchronous 1F1B holds p - s; in lockstep ticks an input waits a whole tick per hop both
-ways). `max_in_flight` caps it (stage s then holds at most that many) at the cost of idle
-ticks. Stage inputs of chunk 0 are never stashed: the backward recomputes the embedding.
+(`bubble_fraction` computes it from the table for any v). The last chunk's forward is empty:
+its backward's tick runs it with the head and the loss, so F and B of a micro-batch share the
+last stage's tick. Every other forward keeps what its chunk's backward needs (the residuals
+of its VJP under model.remat) until that backward: stage s holds at most 2 (p - s) - 1
+micro-batches in flight with v = 1, whatever m (Megatron's asynchronous 1F1B holds p - s; in
+lockstep ticks a micro-batch waits a whole tick per hop both ways). `max_in_flight` caps it
+(stage s then holds at most that many) at the cost of idle ticks.
 
 Slots: an arriving activation is written into a free stash slot (`recv_act_slot`) and stays
-until its backward; an arriving gradient into a free gradient slot until its backward.
+until its forward reads it (the last chunk's: until its backward); a forward's residuals go
+into a free residual slot (`fwd_resid_slot`) until its backward; an arriving gradient into a
+free gradient slot until its backward.
 """
 
 import dataclasses
@@ -44,9 +46,11 @@ COLUMNS = (
     'fwd_micro',
     'fwd_repeat',
     'fwd_slot',
+    'fwd_resid_slot',
     'bwd_micro',
     'bwd_repeat',
     'bwd_slot',
+    'bwd_resid_slot',
     'bwd_grad_slot',
     'recv_act_slot',
     'recv_grad_slot',
@@ -59,11 +63,19 @@ class Schedule:
 
     fwd_micro, fwd_repeat: the forward of micro-batch fwd_micro through the stage's chunk
         fwd_repeat (global chunk fwd_repeat p + stage); fwd_slot: stash slot of its input
-        (IDLE for chunk 0: the embedding).
-    bwd_micro, bwd_repeat, bwd_slot: the same for the backward; bwd_grad_slot: gradient slot
-        of its output's gradient (IDLE for the last chunk: the loss).
+        (IDLE for chunk 0: the embedding); fwd_resid_slot: the residual slot its forward
+        writes what the chunk's backward needs into (IDLE for the last chunk, whose forward
+        runs in its backward's tick).
+    bwd_micro, bwd_repeat: the same for the backward; bwd_resid_slot: the residual slot it
+        reads; bwd_slot: the stash slot of the last chunk's input (IDLE for other chunks);
+        bwd_grad_slot: gradient slot of its output's gradient (IDLE for the last chunk: the
+        loss).
     recv_act_slot / recv_grad_slot: where the activation / gradient that arrives at the start
         of the tick goes (IDLE: nothing arrives, or nothing needs it).
+
+    A stage input stays in its stash slot from its arrival to its forward (the last chunk's:
+    to its backward); the residuals of a forward from that tick to its backward; a gradient
+    from its arrival to its backward.
     """
 
     stages: int
@@ -72,13 +84,16 @@ class Schedule:
     fwd_micro: np.ndarray
     fwd_repeat: np.ndarray
     fwd_slot: np.ndarray
+    fwd_resid_slot: np.ndarray
     bwd_micro: np.ndarray
     bwd_repeat: np.ndarray
     bwd_slot: np.ndarray
+    bwd_resid_slot: np.ndarray
     bwd_grad_slot: np.ndarray
     recv_act_slot: np.ndarray
     recv_grad_slot: np.ndarray
     stash_slots: int
+    resid_slots: int
     grad_slots: int
 
     @property
@@ -97,15 +112,15 @@ class Schedule:
                 count -= int(self.bwd_micro[t, s] != IDLE)
         return held
 
-    def tick_costs(self, forward=1.0, backward=3.0):
-        """Each tick's cost, its slowest stage's work (a backward recomputes its chunk: with
-        full recompute about 3 forwards), the last chunk's forward being empty."""
+    def tick_costs(self, forward=1.0, backward=2.0):
+        """Each tick's cost, its slowest stage's work (a backward about 2 forwards, 3 with full
+        recompute), the last chunk's forward being empty (its backward's tick runs it)."""
         last = self.fwd_repeat == self.repeats - 1
         last &= np.arange(self.stages)[None, :] == self.stages - 1
         work = forward * ((self.fwd_micro != IDLE) & ~last) + backward * (self.bwd_micro != IDLE)
         return work.max(axis=1), work.sum(axis=0)
 
-    def bubble_fraction(self, forward=1.0, backward=3.0):
+    def bubble_fraction(self, forward=1.0, backward=2.0):
         """Share of the step the busiest stage spends waiting: 1 - its work / the step time
         (the last stage's lighter work, its last chunk's forward folded into the backward,
         is imbalance, not bubble)."""
@@ -181,40 +196,49 @@ def _with_slots(p, v, m, rows, act_ready, grad_ready):
     shape = (ticks, p)
     arrays = {name: np.full(shape, IDLE, np.int32) for name in COLUMNS}
     bwd_at = {bwd: t for t, row in enumerate(rows) for _, bwd in row if bwd is not None}
+    fwd_at = {fwd: t for t, row in enumerate(rows) for fwd, _ in row if fwd is not None}
     last = p * v - 1
 
-    def assign(ready, skip, recv):
-        """Slots for every key of `ready` (arrival tick) but `skip`'s; returns slot counts."""
+    def assign(start, end, skip, recv=None):
+        """Slots for every key of `start` (first tick held) but `skip`'s, each held to its
+        `end` tick; returns ({key: slot}, slot count)."""
         slot_of, free_at = {}, [[] for _ in range(p)]  # free_at[s][k]: first tick slot k free
-        for key in sorted(ready, key=lambda k: ready[k]):
+        for key in sorted(start, key=lambda k: start[k]):
             if skip(key):
                 continue
-            s, arrive = key[1] % p, ready[key]
-            k = next((k for k, free in enumerate(free_at[s]) if free <= arrive), None)
+            s, first = key[1] % p, start[key]
+            k = next((k for k, free in enumerate(free_at[s]) if free <= first), None)
             if k is None:
                 k = len(free_at[s])
                 free_at[s].append(0)
-            free_at[s][k] = bwd_at[key] + 1
+            free_at[s][k] = end[key] + 1
             slot_of[key] = k
-            arrays[recv][arrive, s] = k
+            if recv:
+                arrays[recv][first, s] = k
         return slot_of, max((len(f) for f in free_at), default=0)
 
-    stash, stash_slots = assign(act_ready, lambda k: k[1] == 0, 'recv_act_slot')
-    grads, grad_slots = assign(grad_ready, lambda k: k[1] == last, 'recv_grad_slot')
+    # a stage input is read by its forward (the last chunk's by its backward, which runs it)
+    read_at = {key: (bwd_at if key[1] == last else fwd_at)[key] for key in act_ready}
+    stash, stash_slots = assign(act_ready, read_at, lambda k: k[1] == 0, 'recv_act_slot')
+    resid, resid_slots = assign(fwd_at, bwd_at, lambda k: k[1] == last)
+    grads, grad_slots = assign(grad_ready, bwd_at, lambda k: k[1] == last, 'recv_grad_slot')
     for t, row in enumerate(rows):
         for s, (fwd, bwd) in enumerate(row):
             if fwd is not None:
                 arrays['fwd_micro'][t, s], arrays['fwd_repeat'][t, s] = fwd[0], fwd[1] // p
-                arrays['fwd_slot'][t, s] = stash.get(fwd, IDLE)
+                arrays['fwd_slot'][t, s] = stash.get(fwd, IDLE) if fwd[1] != last else IDLE
+                arrays['fwd_resid_slot'][t, s] = resid.get(fwd, IDLE)
             if bwd is not None:
                 arrays['bwd_micro'][t, s], arrays['bwd_repeat'][t, s] = bwd[0], bwd[1] // p
-                arrays['bwd_slot'][t, s] = stash.get(bwd, IDLE)
+                arrays['bwd_slot'][t, s] = stash.get(bwd, IDLE) if bwd[1] == last else IDLE
+                arrays['bwd_resid_slot'][t, s] = resid.get(bwd, IDLE)
                 arrays['bwd_grad_slot'][t, s] = grads.get(bwd, IDLE)
     return Schedule(
         stages=p,
         repeats=v,
         micro_batches=m,
         stash_slots=max(stash_slots, 1),
+        resid_slots=max(resid_slots, 1),
         grad_slots=max(grad_slots, 1),
         **arrays,
     )

@@ -232,10 +232,12 @@ def activation_bytes(config):
     no pipeline: micro-steps run one after another, so one micro-batch's activations: every
         layer's kept values, one layer recomputed (remat full / selective), the output
         layer's and loss's (loss_bytes)
-    pipeline, 1f1b / interleaved (parallel/pipeline.py): the stage inputs the schedule
-        table stashes (its stash slots) and the output gradients it holds (its gradient
-        slots), each split over tensor along the sequence, the two hand-offs in flight, one
-        chunk recomputed by a backward's vjp, the loss's on the last stage
+    pipeline, 1f1b / interleaved (parallel/pipeline.py): what each forward keeps for its
+        chunk's backward (its residual slots, one per micro-batch in flight: the chunk's
+        layers' kept values under model.remat), the stage inputs waiting for their forward
+        and the output gradients waiting for their backward (its stash and gradient slots)
+        and the two hand-offs in flight, each split over tensor along the sequence, one
+        layer recomputed (remat full / selective), the loss's on the last stage
     pipeline, gpipe (parallel/gpipe.py, differentiated as one program): each stage keeps
         what every one of its v m + p - 1 iterations saved (the chunk input under full
         recompute), one chunk recomputed, the (m, b, s, h) embedded inputs, recirculating and
@@ -256,11 +258,11 @@ def activation_bytes(config):
     table = engine_table(config)
     if table is not None:
         handoff = boundary // tensor if model.seq_len % tensor == 0 else boundary
+        chunk = chunk_layers * layer_activation_bytes(model, rows, tensor, model.remat)
         return dict(
-            layers=(table.stash_slots + table.grad_slots + 2) * handoff,
-            recomputed=chunk_layers * layer_activation_bytes(model, rows, tensor, model.remat)
-            + (full_layer if model.remat != 'none' else 0),
-            pipeline_buffers=0,
+            layers=table.resid_slots * chunk,
+            recomputed=full_layer if model.remat != 'none' else 0,
+            pipeline_buffers=(table.stash_slots + table.grad_slots + 2) * handoff,
             logits=logits,
         )
     iterations = gpipe.num_iterations(stages, repeats, micro)

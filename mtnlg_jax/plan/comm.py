@@ -12,16 +12,16 @@ formulas of the literature (ring algorithms: an all-reduce of S bytes over n dev
     stage   (p)  one (b, s, h) hand-off per pipeline iteration forward and one backward; the
                  circular schedule runs v m + p - 1 iterations on every stage, bubble included
     1F1B engine  (pipeline.schedule 1f1b / interleaved; parallel/pipeline.py) per device, the
-                 mean over stages: a chunk's forward runs v m - m / p times (the last chunk's is
-                 empty), its backward v m times and recomputes the chunk first (Megatron's
-                 full recompute: 2 + 2 all-reduces per layer, 6 with remat = full, less the dead
-                 one of a single-layer segment); the embedding's all-reduce runs 2 m / p times
-                 (forward and recompute on the first stage), the head's input gradient m / p;
+                 mean over stages: every chunk runs its forward v m times (2 all-reduces per
+                 layer) and its backward v m times (2 per layer, 4 with remat = full, which
+                 recomputes each layer's forward, less the dead one of a single-layer chunk);
+                 the embedding's all-reduce runs m / p times, the head's input gradient m / p;
                  two hand-offs per tick of the table, split over tensor along the sequence
-                 (when it divides), each gathered where it is used: one all-gather per forward
-                 and two per backward that does not start or end the pipe
-                 and the gradients of the parameters outside the block stack (which every
-                 stage holds) are summed over stage once per step, in fp32
+                 (when it divides), each gathered where it is used: by the forward of every
+                 chunk but the first, and by the backward of every chunk but the last (its
+                 gradient) and of the last (its input: its forward runs in that tick);
+                 the gradients of the parameters outside the block stack (which every stage
+                 holds) are summed over stage once per step, in fp32
     data    (d)  ZeRO-1 / distributed optimizer: one reduce-scatter of the fp32 gradients onto
                  the ZeRO shards and one all-gather of the compute-dtype parameters per step,
                  independent of the micro-batch count
@@ -68,13 +68,13 @@ def _engine_tensor_runs(config):
     model = config.model
     stages, repeats, micro = config.mesh.stage, config.pipeline.repeats, config.train.micro_steps
     chunk_layers = model.num_layers // (stages * repeats)
-    forwards, backwards = repeats * micro - micro / stages, repeats * micro
-    per_backward = 4 * chunk_layers
+    passes, per_stage = repeats * micro, micro / stages
+    per_backward = 2 * chunk_layers
     if model.remat == 'full':
-        per_backward = 6 * chunk_layers - (1 if chunk_layers == 1 else 0)
-    layer_runs = forwards * 2 * chunk_layers + backwards * per_backward
-    edge_runs = 2 * micro / stages + micro / stages
-    gathers = (forwards - micro / stages) + 2 * (backwards - micro / stages)
+        per_backward = 4 * chunk_layers - (1 if chunk_layers == 1 else 0)
+    layer_runs = passes * (2 * chunk_layers + per_backward)
+    edge_runs = 2 * per_stage
+    gathers = (passes - per_stage) + passes
     return layer_runs, edge_runs, gathers
 
 

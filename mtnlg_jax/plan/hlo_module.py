@@ -83,8 +83,9 @@ def shape_bytes(type_text):
 class Instruction:
     """One HLO instruction: name, result type text, opcode, the text after the opcode."""
 
-    def __init__(self, name, type_text, opcode, rest):
+    def __init__(self, name, type_text, opcode, rest, is_root=False):
         self.name, self.type_text, self.opcode, self.rest = name, type_text, opcode, rest
+        self.is_root = is_root
 
     def callees(self):
         """(attribute, computation) pairs this instruction runs; a conditional's branches as
@@ -141,7 +142,8 @@ def _parse_instruction(line):
     op = re.match(r'([\w\-]+)\(', rest)
     if not op:
         return None
-    return Instruction(name, type_text, op.group(1), rest[op.end() - 1 :])
+    is_root = line.lstrip().startswith('ROOT ')
+    return Instruction(name, type_text, op.group(1), rest[op.end() - 1 :], is_root)
 
 
 def parse_module(hlo_text):

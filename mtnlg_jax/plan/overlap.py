@@ -101,15 +101,43 @@ class _Replay:
         if instruction.opcode in _CALLS:
             return self.called_seconds(instruction, callees)
         flops = hlo_module.instruction_flops(instruction, types)
-        for attr, callee in callees:  # a fusion's dots live in its fused computation
-            if attr == 'calls':
-                flops += self.fused_flops(callee)
-        moved = hlo_module.shape_bytes(instruction.type_text) + sum(
-            hlo_module.shape_bytes(types[name])
-            for name in _operand_names(instruction)
-            if name in types
-        )
+        fused = [callee for attr, callee in callees if attr == 'calls']
+        for callee in fused:  # a fusion's dots live in its fused computation
+            flops += self.fused_flops(callee)
+        moved = self.bytes_moved(instruction, types, fused[0] if fused else None)
         return max(flops / self.target.peak_flops, moved / self.target.hbm_bandwidth)
+
+    def bytes_moved(self, instruction, types, fused=None):
+        """Bytes read and written: operands and result, except where a buffer is sliced or
+        updated in place (a stash slot): a dynamic-slice reads only its slice, a
+        dynamic-update-slice writes only its update (also inside a fusion)."""
+        operands = _operand_names(instruction)
+        sizes = [hlo_module.shape_bytes(types[name]) if name in types else 0 for name in operands]
+        result = hlo_module.shape_bytes(instruction.type_text)
+        if instruction.opcode == 'dynamic-slice':
+            return 2 * result
+        if instruction.opcode == 'dynamic-update-slice':
+            return 2 * (sizes[1] if len(sizes) > 1 else result)
+        if fused is None:
+            return result + sum(sizes)
+        body = self.computations.get(fused, [])
+        params = {i.name: hlo_module.ints(i.rest)[0] for i in body if i.opcode == 'parameter'}
+        users = collections.defaultdict(list)
+        for i in body:
+            for name in _operand_names(i) if i.opcode != 'parameter' else ():
+                users[name].append(i)
+        body_types = {i.name: i.type_text for i in body}
+        for name, index in params.items():
+            uses = users.get(name, [])
+            if uses and index < len(sizes) and all(u.opcode == 'dynamic-slice' for u in uses):
+                sizes[index] = sum(hlo_module.shape_bytes(u.type_text) for u in uses)
+        root = next((i for i in body if i.is_root), None)
+        if root is not None and root.opcode == 'dynamic-update-slice':
+            buffer, update = (_operand_names(root) + [None, None])[:2]
+            if buffer in params and params[buffer] < len(sizes):
+                small = hlo_module.shape_bytes(body_types.get(update, ''))
+                sizes[params[buffer]], result = 0, small  # the update: read, then written
+        return result + sum(sizes)
 
     def fused_flops(self, name):
         flops = hlo_module.computation_flops(self.computations.get(name, []))
