@@ -25,12 +25,12 @@ recomputes depends on the engine that runs it (`semantics`):
 
     megatron    Megatron-LM and DeepSpeed (the published runs): remat full recomputes the
                 forward, selective the attention core, none nothing
-    ours        parallel/pipeline.py's 1F1B engine: a backward is the vjp of its chunk from
-                the stashed stage input, so it always recomputes the chunk's forward, and
-                remat full recomputes it once more inside; the last chunk's forward tick is
-                empty (its backward runs the head and the loss); bf16 gradients are added
-                to the fp32 accumulators after every backward. Without a pipeline, ours is
-                megatron's (jax.checkpoint per layer), plus the accumulation.
+    ours        parallel/pipeline.py's 1F1B engine: a backward applies the VJP its forward
+                kept, so it recomputes what model.remat says, as megatron; the last chunk's
+                forward tick is empty (its backward's tick runs the forward, the head and
+                the loss); bf16 gradients are added to the fp32 accumulators after every
+                backward. Without a pipeline, ours is megatron's (jax.checkpoint per layer),
+                plus the accumulation.
 
 The step: the engine's schedule table (parallel/schedule.py) says which stage runs which
 slot on each tick; a tick takes its slowest stage, plus the hand-off to the next stage (split
@@ -178,13 +178,7 @@ def slot_costs(config, rates, semantics, exposed, accumulate):
         backward, compute=backward['compute'] + 2 * head, flops=backward['flops'] + 2 * head_flops
     )
     if semantics == 'ours' and config.mesh.stage > 1:
-        # A backward is the vjp of its chunk: the forward runs again (recompute), except on the
-        # last chunk, whose forward tick is empty and whose backward runs it (and the head).
-        backward = dict(
-            backward,
-            recompute=backward['recompute'] + run['compute'] + run['tensor'],
-            flops=backward['flops'] + run['flops'],
-        )
+        # The last chunk's forward tick is empty: its backward's tick runs it (and the head).
         last_backward = {k: last_backward[k] + last_forward[k] for k in COMPONENTS}
         last_forward = dict.fromkeys(COMPONENTS, 0.0)
     return (

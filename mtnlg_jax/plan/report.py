@@ -7,7 +7,7 @@ and the readable table launch/plan.py prints.
 """
 
 from mtnlg_jax.parallel import pipeline
-from mtnlg_jax.plan import arithmetic, clusters, comm, hlo, hlo_module, overlap
+from mtnlg_jax.plan import arithmetic, clusters, comm, hlo, hlo_module, overlap, predict
 
 # Keys other tools read (README, bench/scale.py, the pipeline and communication tests).
 PER_DEVICE_KEYS = ('params', 'grads', 'optimizer', 'update', 'activations', 'total')
@@ -109,6 +109,7 @@ def add_compiled(plan, config, compiled, info, notes=(), target=None):
     )
     if target is not None:
         add_gpu_figures(plan['compiled'], config, text, info['mesh'], target, weights)
+        predict_with_overlap(plan, config, target)
     else:
         reference = make_plan(cpu_equivalent(config))
         plan['compiled']['planned_as_compiled'] = dict(
@@ -142,6 +143,33 @@ def add_gpu_figures(compiled, config, text, mesh, target, weights):
             peak_flops=cluster.peak_tflops[config.model.compute_dtype] * 1e12,
             hbm_bytes_per_s=cluster.hbm_bandwidth,
         ),
+    )
+
+
+def overlap_shares(table):
+    """{(kind, axis): share of its wire time hidden} of an overlap table, links merged."""
+    wire, hidden = {}, {}
+    for row in table:
+        key = (row['kind'], row['axes'])
+        wire[key] = wire.get(key, 0.0) + row['wire_s']
+        hidden[key] = hidden.get(key, 0.0) + row['wire_s'] - row['exposed_s']
+    return {key: hidden[key] / wire[key] for key in wire if wire[key] > 0}
+
+
+def predict_with_overlap(plan, config, target):
+    """The cluster's predicted step again, what each collective hides taken from the GPU
+    compile's overlap table instead of the documented rule (nothing hidden)."""
+    if plan.get('cluster', {}).get('cluster') != target:
+        return
+    shares = overlap_shares(plan['compiled']['overlap']['table'])
+    step = predict.step_time(config, clusters.CLUSTERS[target], overlap=shares)
+    plan['cluster'].update(
+        predicted_step_s_rule=plan['cluster']['predicted_step_s'],
+        predicted_step_s=step['predicted_step_s'],
+        predicted_tflops_per_gpu=step['tflops_per_gpu'],
+        predicted_mfu=step['mfu'],
+        prediction=step,
+        exposure='the GPU compile\'s overlap table',
     )
 
 
@@ -244,7 +272,13 @@ def lines(plan):
             f'{est["pipeline_comm_s"]:.3f} + bubble {est["bubble_s"]:.3f} (data '
             f'{est["data_comm_s"]:.3f} s taken as overlapped); <= '
             f'{est["tflops_per_gpu_upper_bound"]:.1f} TFLOP/s per GPU',
-            predicted_line(est['prediction']),
+            predicted_line(est['prediction'])
+            + (
+                f'; exposure from the GPU compile\'s overlap table (the rule: '
+                f'{est["predicted_step_s_rule"]:.3f} s)'
+                if 'predicted_step_s_rule' in est
+                else ''
+            ),
         ]
     if compiled:
         planned_total = reference['per_device_bytes']['total']

@@ -1,0 +1,128 @@
+"""Which recipe of the 530 B model is fastest on the paper's layout: each compiled by XLA:GPU.
+
+    python bench/recipes.py [--results DIR] [--reuse] [--targets a100-80gb h100-80gb]
+
+Every row is `launch/plan.py --config configs/mtnlg_530b.py --devices 2240 --target TARGET
+ARGS --json DIR/NAME.TARGET.json`: the whole layout (data 8 x stage 35 x tensor 8, 240
+micro-batches of 1 sequence, sequence parallel) compiled for compile-only GPUs in one process
+(needs `make gpu-compile`). How to read it: peak GB is XLA:GPU's arguments + unaliased outputs
++ temporaries per device; compiled / model FLOPs is the step's matmul FLOPs (loops and the
+engine's table weighed in, fused attention counted) x devices / 6N + 12LHQT per token: 1.00 is
+no recompute at all; the replayed step is plan/overlap.py's replay of the compiled schedule
+(compute at peak FLOP/s and HBM bandwidth, collectives at the link bandwidths): a ranking,
+not a time any GPU measured; exposed is the communication it waits for. The winner is the
+default of configs/mtnlg_530b.py; the paper's recipe is `paper` (remat full).
+"""
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+
+from tqdm import tqdm
+
+from mtnlg_jax import gpu_compile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAPER = ['--config.model.remat=full', '--config.pipeline.max_in_flight=0']
+RECIPES = {  # name: overrides of configs/mtnlg_530b.py
+    'paper': PAPER,
+    'full, in flight 35': ['--config.model.remat=full', '--config.pipeline.max_in_flight=35'],
+    'selective': ['--config.model.remat=selective', '--config.pipeline.max_in_flight=0'],
+    'selective, in flight 35': [],  # the config's default
+    'none, in flight 35': ['--config.model.remat=none'],
+    'selective, in flight 35, micro-batch 2': ['--config.train.micro_batch=2'],
+    'selective, in flight 35, no attention dropout': ['--config.model.attention_dropout=0.0'],
+}
+GB = 1e9
+
+
+def command(name, target, results):
+    return [
+        sys.executable,
+        str(ROOT / 'launch/plan.py'),
+        '--config',
+        'configs/mtnlg_530b.py',
+        '--devices',
+        '2240',
+        '--target',
+        target,
+        *RECIPES[name],
+        '--json',
+        str(json_path(results, name, target)),
+    ]
+
+
+def json_path(results, name, target):
+    return results / f'{name.replace(", ", "_").replace(" ", "-")}.{target}.json'
+
+
+def row(name, target, plan):
+    compiled, c = plan['compiled'], plan['config']
+    over = compiled['overlap']
+    return [
+        name,
+        target,
+        f'{c["remat"]}, micro-batch {c["micro_batch"]}, m {c["micro_steps"]}',
+        f'{compiled["peak_bytes"] / GB:.1f}',
+        'yes' if compiled['peak_bytes'] <= 80 * GB else 'NO',
+        f'{compiled["flops_vs_model"]:.3f}',
+        'yes' if compiled['attention']['fused'] else 'no',
+        f'{over["step_s"]:.2f}',
+        f'{over["exposed_s"]:.2f} ({100 * over["exposed_vs_compute"]:.1f} %)',
+    ]
+
+
+HEADER = [
+    'recipe',
+    'target',
+    'remat, micro-batch, micro-batches',
+    'XLA:GPU peak GB',
+    'fits 80 GB',
+    'compiled / model FLOPs',
+    'fused attention',
+    'replayed step s',
+    'exposed comm s (of compute)',
+]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--results', default='runs/recipes', help='folder of the JSON plans')
+    parser.add_argument('--reuse', action='store_true', help='keep JSON plans already there')
+    parser.add_argument('--targets', nargs='*', default=['a100-80gb', 'h100-80gb'])
+    args = parser.parse_args()
+    missing = gpu_compile.missing()
+    if missing:
+        sys.exit(f'error: {missing}')
+    results = pathlib.Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
+    todo = [(name, target) for target in args.targets for name in RECIPES]
+    for name, target in tqdm(todo, desc='plan --target', unit='compile'):
+        if args.reuse and json_path(results, name, target).exists():
+            continue
+        done = subprocess.run(
+            command(name, target, results), cwd=ROOT, capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            sys.exit(f'{name} on {target}: launch/plan.py failed:\n{done.stderr[-3000:]}')
+    print('\n530 B on data 8 x stage 35 x tensor 8 (2,240 GPUs), compiled by XLA:GPU per recipe')
+    print(f'command: python {" ".join(sys.argv)}')
+    print(
+        'each row: python launch/plan.py --config configs/mtnlg_530b.py --devices 2240 '
+        '--target TARGET ARGS'
+    )
+    print('| ' + ' | '.join(HEADER) + ' |')
+    print('|' + '|'.join('---' for _ in HEADER) + '|')
+    for name, target in todo:
+        plan = json.loads(json_path(results, name, target).read_text())
+        print('| ' + ' | '.join(row(name, target, plan)) + ' |')
+    print(
+        'ARGS per recipe: '
+        + '; '.join(f'{n}: {" ".join(a) or "(none)"}' for n, a in RECIPES.items())
+    )
+
+
+if __name__ == '__main__':
+    main()
