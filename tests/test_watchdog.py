@@ -3,11 +3,14 @@ overruns (stacks, one line, status 3) and what it must not watch. The multi-proc
 in test_multiprocess.py."""
 
 import re
+import subprocess
+import sys
 import threading
 import time
 
 from mtnlg_jax.train import watchdog as watchdog_lib
 from mtnlg_jax.train.watchdog import Watchdog
+from support import ROOT
 
 
 class Exits:
@@ -50,7 +53,7 @@ def test_a_phase_that_overruns_writes_every_stack_and_one_line_then_exits_3(tmp_
     assert any('in _fire' in line for line in lines)  # the watchdog's own
     assert re.match(
         r'error: process 1 of 2 stalled: batch \(step 5\) made no progress for \d+ s '
-        r'\(allowance 0 s: train.hang_timeout_s\), its main thread at ',
+        r'\(allowance 0.3 s: train.hang_timeout_s\), its main thread at ',
         lines[-1],
     )
     assert 'threading.py' in lines[-1] and 'tests/test_watchdog.py' not in lines[-1]
@@ -69,3 +72,29 @@ def test_unwatched_time_does_not_count_and_the_phase_clock_starts_again_after_it
             time.sleep(1.0)  # between phases: not watched
     assert not exits.called.is_set(), (tmp_path / 'stderr').read_text()
     assert 0.3 <= watchdog.slowest['step'] < 0.5
+
+
+BLOCKED_WITH_THE_GIL = '''
+import ctypes, time
+from mtnlg_jax.train import watchdog as watchdog_lib
+watchdog_lib.BACKSTOP_MARGIN_S = 1.0
+with watchdog_lib.Watchdog(0.5, 0.0) as watchdog, watchdog.phase('batch', 'step 1'):
+    time.sleep(0.2)  # the watchdog's thread arms the backstop
+    ctypes.PyDLL(None).sleep(20)  # a C call that keeps the GIL: the thread cannot run
+'''
+
+
+def test_a_stall_that_holds_the_gil_is_ended_by_faulthandlers_backstop():
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, '-c', BLOCKED_WITH_THE_GIL],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert result.returncode == 1, result.stderr
+    assert time.monotonic() - started < 15
+    assert re.match(r'Timeout \(0:00:0\d', result.stderr), result.stderr
+    assert '<string>", line 7 in <module>' in result.stderr  # the blocked main thread
+    assert 'stalled' not in result.stderr  # the watchdog's own thread never got to run

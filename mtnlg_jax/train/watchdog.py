@@ -28,9 +28,10 @@ and exits with status 3 (STALLED) without any clean-up that could itself block. 
 spawn.py and SLURM's --kill-on-bad-exit then end the job.
 
 A stall that holds the GIL (a C call that blocks without releasing it) would stop this
-thread too: faulthandler's own timer, re-armed by the thread at every check, is the
-backstop. It fires only when the thread itself could not run for the allowance and
-BACKSTOP_MARGIN_S more, prints `Timeout (h:mm:ss)!` and the stacks, and exits with status 1.
+thread too: faulthandler's own timer, armed at every phase change and re-armed by the thread
+at every check, is the backstop. It fires only when neither could run for the phase's
+allowance and BACKSTOP_MARGIN_S more, prints `Timeout (h:mm:ss)!` and the stacks, and exits
+with status 1.
 """
 
 import contextlib
@@ -118,6 +119,7 @@ class Watchdog:
         """Time a phase; `label` says what it is doing (e.g. 'step 12')."""
         outer = self._current
         self._current = (kind, label, time.monotonic())
+        self._rearm()  # here, not only in the thread: it may not run again
         try:
             yield
         finally:
@@ -125,18 +127,20 @@ class Watchdog:
             elapsed = time.monotonic() - started
             self.slowest[kind] = max(self.slowest.get(kind, 0.0), elapsed)
             self._current = outer
+            self._rearm()
 
     @contextlib.contextmanager
     def unwatched(self):
         """Not watched (a compile, a restore); the phase around it starts its clock again."""
         outer, self._current = self._current, None
-        faulthandler.cancel_dump_traceback_later()  # here, not in the thread: it may not run
+        self._rearm()  # cancels it
         try:
             yield
         finally:
             if outer is not None:
                 outer = (outer[0], outer[1], time.monotonic())
             self._current = outer
+            self._rearm()
 
     def _watch(self):
         while not self._stop.is_set():
@@ -150,13 +154,25 @@ class Watchdog:
                     self._fire(kind, label, elapsed, allowance)
                     return
                 wait = min(POLL_S, allowance - elapsed + 0.05)
-                # The backstop: if this thread cannot run again for that long, the GIL is held.
-                faulthandler.dump_traceback_later(
-                    allowance - elapsed + BACKSTOP_MARGIN_S, exit=True, file=self.stderr_fd
-                )
+                self._arm_backstop(allowance - elapsed)
             else:
                 faulthandler.cancel_dump_traceback_later()
             self._stop.wait(wait)
+
+    def _rearm(self):
+        """The backstop for the phase now current (cancelled between phases)."""
+        current = self._current
+        if current is None:
+            faulthandler.cancel_dump_traceback_later()
+        else:
+            self._arm_backstop(self.allowance(current[0]) - (time.monotonic() - current[2]))
+
+    def _arm_backstop(self, seconds_left):
+        """faulthandler's timer: fires only if nothing re-arms or cancels it for the phase's
+        remaining allowance and BACKSTOP_MARGIN_S more, i.e. if this thread cannot run."""
+        faulthandler.dump_traceback_later(
+            seconds_left + BACKSTOP_MARGIN_S, exit=True, file=self.stderr_fd
+        )
 
     def _fire(self, kind, label, elapsed, allowance):
         faulthandler.cancel_dump_traceback_later()
@@ -164,7 +180,7 @@ class Watchdog:
         faulthandler.dump_traceback(file=self.stderr_fd, all_threads=True)
         line = (
             f'error: {self.name} stalled: {kind} ({label}) made no progress for {elapsed:.0f} s '
-            f'(allowance {allowance:.0f} s: {self.how(kind)}), its main thread at '
+            f'(allowance {round(allowance, 1):g} s: {self.how(kind)}), its main thread at '
             f'{where(sys._current_frames().get(self._main))}; exiting with status {STALLED}\n'
         )
         os.write(self.stderr_fd, line.encode())
