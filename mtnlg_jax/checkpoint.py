@@ -157,7 +157,8 @@ class Checkpoints:
     def _open(self):
         # create=False: nothing is written to the workdir until the first save.
         state = _with_save_drill(
-            ocp.StandardCheckpointHandler(), lambda: self._saving == self.fail_save_at
+            ocp.StandardCheckpointHandler(),
+            lambda: bool(self.fail_save_at) and self._saving == self.fail_save_at,
         )
         handlers = dict(state=state, meta=ocp.JsonCheckpointHandler())
         with _quiet_orbax() if self.read_only else contextlib.nullcontext():
@@ -198,14 +199,15 @@ class Checkpoints:
 
     @contextlib.contextmanager
     def _failures_named(self):
-        """Orbax's error of a failed save as one SaveError line (orbax's own log of it, a
-        traceback, is kept off stderr); the manager is opened again, as the failed one
+        """Orbax's error of a failed save as one SaveError line (_NoSaveTracebacks keeps
+        orbax's own log of it off stderr); the manager is opened again, as the failed one
         raises the same error at every later wait."""
         try:
-            with _quiet_orbax():
-                yield
+            yield
         except Exception as error:
-            where = os.path.join(self.directory, str(self._saving))
+            where = self.directory
+            if self._saving is not None:
+                where = os.path.join(where, str(self._saving))
             self._saving = None
             self._manager = self._open()
             newest = self._manager.latest_step()

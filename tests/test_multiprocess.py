@@ -182,6 +182,8 @@ def test_spawn_names_the_killed_process_when_its_peer_ends_in_the_same_poll():
     processes = [Ended(1), Ended(-9), Ended(None)]
     assert spawn.first_failure(processes, [0, 1]) == 1
     assert spawn.first_failure(processes, [0]) == 0
+    # Process 1's watchdog ended it (status 3); process 0's collective failed in the same poll.
+    assert spawn.first_failure([Ended(1), Ended(3)], [0, 1]) == 1
     assert spawn.first_failure([Ended(0), Ended(0)], [0, 1]) is None
 
 

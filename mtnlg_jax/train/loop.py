@@ -11,6 +11,9 @@
         loss spike?  position = roll_back       (resume.py; the data moves on past the spike)
     evaluate, write the loss-curve PNG
 
+Each part of a step (batch, step, save, evaluation) runs in a phase of the progress watchdog
+(train/watchdog.py), which ends a process that stalls; compiles and restores run unwatched.
+
 Several processes run this same loop on their own devices; each reads only its rows of each
 batch and writes its shards of each checkpoint. Process 0 alone prints (banner, progress bar,
 messages) and writes config.json, metrics.jsonl, tensorboard events and the PNG.
