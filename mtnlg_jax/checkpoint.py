@@ -71,7 +71,7 @@ def _with_save_drill(handler, failing):
             return futures
         path = str(getattr(directory, 'path', directory))
         error = OSError(errno.ENOSPC, 'No space left on device (a drill)', path)
-        return [*(futures or []), _FailedCommit(error)]
+        return [_FailedCommit(error), *(futures or [])]  # first: it fails at once
 
     handler.async_save = async_save
     return handler
