@@ -18,7 +18,8 @@ runs its collectives through gloo, as it would run through NCCL on P GPU hosts.
     one fails        the others get --grace_s seconds to end on their own (a lost process
                      ends them within the heartbeat timeout), then SIGKILL; spawn prints one
                      line naming the process that failed and its last line, and exits
-                     non-zero (2 when the script rejected its input)
+                     non-zero (2 when the script rejected its input); a stalled process
+                     (its watchdog's status 3) is named before the peers it took down
 """
 
 import argparse
@@ -33,6 +34,7 @@ import time
 
 from mtnlg_jax.cli import ArgumentParser, fail
 from mtnlg_jax.rundir import RunDir
+from mtnlg_jax.train.watchdog import STALLED
 
 DEVICE_COUNT_FLAG = '--xla_force_host_platform_device_count'
 BAD_INPUT = 2
@@ -188,10 +190,12 @@ def signal_all(processes, sig):
 def first_failure(processes, just_ended):
     """Which of the processes seen ending in the same poll failed first. A peer's death can
     end the others within the 0.1 s between polls (gloo sees the closed connection), so a
-    process killed by a signal is taken as the cause before one that exited non-zero."""
+    process killed by a signal, then one whose watchdog found it stalled (status 3), is taken
+    as the cause before one that exited non-zero."""
     failures = [i for i in just_ended if processes[i].returncode != 0]
     killed = [i for i in failures if processes[i].returncode < 0]
-    return (killed or failures or [None])[0]
+    stalled = [i for i in failures if processes[i].returncode == STALLED]
+    return (killed or stalled or failures or [None])[0]
 
 
 def main(argv):
@@ -210,9 +214,7 @@ def main(argv):
     failed = None  # index of the first process that failed
     while len(ended) < len(processes):
         now = time.monotonic() - began
-        just_ended = [
-            i for i, p in enumerate(processes) if i not in ended and p.poll() is not None
-        ]
+        just_ended = [i for i, p in enumerate(processes) if i not in ended and p.poll() is not None]
         for index in just_ended:
             ended[index] = now
         if failed is None:

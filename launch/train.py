@@ -10,7 +10,8 @@ is compiled or written.
 
 Re-running the same command on a workdir resumes its newest complete checkpoint, under this
 command's layout; if the workdir is already at train.steps there is nothing to do (exit 0).
-SIGTERM or SIGINT finishes the current step, saves and exits 0.
+SIGTERM or SIGINT finishes the current step, saves and exits 0. What each failure looks like
+and how to resume: docs/faults.md.
 
 The same command runs as one of several processes (jax.distributed) under launch/spawn.py,
 SLURM (launch/slurm/train.sbatch), Open MPI, or with --coordinator, --num_processes and
@@ -112,7 +113,7 @@ def main(argv):
         loop.train(config, args.workdir)
     except (DataError, CheckpointError, config_lib.ConfigError) as e:
         fail(str(e))
-    except faults.NonFiniteError as e:  # not bad input, a run that went wrong: status 1
+    except (faults.NonFiniteError, faults.SaveFailedError) as e:  # a run gone wrong: status 1
         print(f'error: {e}', file=sys.stderr)
         sys.exit(1)
     except jax.errors.JaxRuntimeError as e:

@@ -24,6 +24,7 @@ restore.
 """
 
 import contextlib
+import errno
 import glob
 import logging
 import os
@@ -42,6 +43,38 @@ NOT_RESIZABLE = -1
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the one-line message names it and why."""
+
+
+class SaveError(RuntimeError):
+    """A checkpoint that could not be written; the one-line message names it and the cause."""
+
+
+class _FailedCommit:
+    """An orbax commit future whose write failed (the save drill's)."""
+
+    def __init__(self, error):
+        self._error = error
+
+    def result(self, timeout=None):
+        raise self._error
+
+
+def _with_save_drill(handler, failing):
+    """orbax's `handler`, whose commit fails as a full disk's would while `failing()` is true
+    (checkpoint.inject_save_error_at_step): the failure reaches the training loop by orbax's
+    own path, from its background thread."""
+    save = handler.async_save
+
+    async def async_save(directory, *args, **kwargs):
+        futures = await save(directory, *args, **kwargs)
+        if not failing():
+            return futures
+        path = str(getattr(directory, 'path', directory))
+        error = OSError(errno.ENOSPC, 'No space left on device (a drill)', path)
+        return [_FailedCommit(error), *(futures or [])]  # first: it fails at once
+
+    handler.async_save = async_save
+    return handler
 
 
 def abstract_with_shardings(abstract_tree, shardings):
@@ -65,6 +98,14 @@ def _quiet_orbax():
         yield
     finally:
         logger.setLevel(level)
+
+
+class _NoSaveTracebacks(logging.Filter):
+    """Drops the tracebacks orbax logs from its threads when a save fails: the SaveError's
+    one line says what failed and why, and stderr keeps it as its last line."""
+
+    def filter(self, record):
+        return not (record.exc_info and f'{os.sep}orbax{os.sep}' in record.pathname)
 
 
 def checkpoint_directory(path):
@@ -105,15 +146,26 @@ class Checkpoints:
 
     def __init__(self, workdir, keep=3, *, directory=None, read_only=False):
         self.directory = os.path.abspath(directory or RunDir(workdir).checkpoints)
+        self.keep, self.read_only = keep, read_only
+        self.fail_save_at = 0  # the save drill's step (0: none)
+        self._saving = None  # step of the save in flight
+        self._manager = self._open()
+        absl = logging.getLogger('absl')  # orbax logs through absl, absl through this logger
+        if not read_only and not any(isinstance(f, _NoSaveTracebacks) for f in absl.filters):
+            absl.addFilter(_NoSaveTracebacks())
+
+    def _open(self):
         # create=False: nothing is written to the workdir until the first save.
-        handlers = dict(state=ocp.StandardCheckpointHandler(), meta=ocp.JsonCheckpointHandler())
-        with _quiet_orbax() if read_only else contextlib.nullcontext():
+        state = _with_save_drill(
+            ocp.StandardCheckpointHandler(),
+            lambda: bool(self.fail_save_at) and self._saving == self.fail_save_at,
+        )
+        handlers = dict(state=state, meta=ocp.JsonCheckpointHandler())
+        with _quiet_orbax() if self.read_only else contextlib.nullcontext():
             options = ocp.CheckpointManagerOptions(
-                max_to_keep=keep, create=False, read_only=read_only
+                max_to_keep=self.keep, create=False, read_only=self.read_only
             )
-            self._manager = ocp.CheckpointManager(
-                self.directory, options=options, item_handlers=handlers
-            )
+            return ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def latest_step(self):
         return self._manager.latest_step()
@@ -126,15 +178,43 @@ class Checkpoints:
         return sorted(glob.glob(os.path.join(self.directory, f'*{TMP_MARKER}*')))
 
     def save(self, step, state, meta):
-        """Start writing `state` and `meta` at `step`; training goes on while it writes."""
+        """Start writing `state` and `meta` at `step`; training goes on while it writes.
+        SaveError if the previous save failed, or this one's blocking part did."""
+        self.wait()  # the previous save's failure is named as its own
         self._set_aside_steps_from(step)
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
-            ),
-            force=True,
-        )
+        self._saving = step
+        with self._failures_named():
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+                ),
+                force=True,
+            )
+
+    def check_saves(self):
+        """SaveError if the save in flight has failed; returns at once while it runs."""
+        if self._saving is not None and not self._manager.is_saving_in_progress():
+            self.wait()
+
+    @contextlib.contextmanager
+    def _failures_named(self):
+        """Orbax's error of a failed save as one SaveError line (_NoSaveTracebacks keeps
+        orbax's own log of it off stderr); the manager is opened again, as the failed one
+        raises the same error at every later wait."""
+        try:
+            yield
+        except Exception as error:
+            where = self.directory
+            if self._saving is not None:
+                where = os.path.join(where, str(self._saving))
+            self._saving = None
+            self._manager = self._open()
+            newest = self._manager.latest_step()
+            raise SaveError(
+                f'checkpoint {where} was not saved: {first_line(error)}; the newest complete '
+                f'checkpoint is ' + (f'step {newest}' if newest is not None else 'none')
+            ) from error
 
     def _set_aside_steps_from(self, step):
         """Steps at or past `step` exist only if restore skipped them as unreadable: they are
@@ -272,8 +352,10 @@ class Checkpoints:
         return self._manager.reached_preemption(step)
 
     def wait(self):
-        """Block until every save in flight is on disk."""
-        self._manager.wait_until_finished()
+        """Block until every save in flight is on disk; SaveError if one failed."""
+        with self._failures_named():
+            self._manager.wait_until_finished()
+        self._saving = None
 
     def close(self):
         self._manager.close()

@@ -105,17 +105,28 @@ def defaults():
             spike_factor=0.0,
             spike_window=20,
             spike_skip_batches=0,
+            # Progress watchdog (train/watchdog.py): a batch, step, evaluation or save that
+            # takes longer than its allowance ends the process with its stacks in its log
+            # (exit status 3). Allowance: hang_timeout_s seconds if > 0, else
+            # max(hang_floor_s, 10 x the slowest of its kind so far); restores and compiles
+            # are not watched.
+            hang_timeout_s=0,
+            hang_floor_s=300,
             # Fault drills, to check on a real cluster what a bad step does (0: never): steps
             # inject_nan_at_step .. + inject_nan_steps - 1 get a NaN loss and gradients;
-            # step inject_spike_at_step reports 10 x its loss; at step inject_kill_at_step of
-            # a run started from scratch (not resumed), process inject_kill_process kills
+            # step inject_spike_at_step reports 10 x its loss; in a run started from scratch
+            # (not resumed), at step inject_kill_at_step process inject_kill_process kills
             # itself (SIGKILL, a lost node): the others must end within
-            # distributed.heartbeat_timeout_s, and the same command resumes.
+            # distributed.heartbeat_timeout_s, and the same command resumes; at step
+            # inject_hang_at_step process inject_hang_process stops making progress (a
+            # deadlocked data reader) until its watchdog ends it.
             inject_nan_at_step=0,
             inject_nan_steps=1,
             inject_spike_at_step=0,
             inject_kill_at_step=0,
             inject_kill_process=0,
+            inject_hang_at_step=0,
+            inject_hang_process=0,
         )
     )
     # Adam as in the MT-NLG paper; the learning rate is a function of tokens seen, as there:
@@ -137,8 +148,18 @@ def defaults():
     # init_from: a workdir (or checkpoint directory) of another run whose newest checkpoint
     # gives this run's initial parameters (with init_full_state: its whole state and data
     # position), under any layout. Used only while this workdir has no checkpoint of its own.
+    # on_save_error: stop (a failed save ends the run, exit status 1) or continue (a warning;
+    # the run goes on and saves again at the next checkpoint). inject_save_error_at_step: a
+    # drill, the save of that step fails as on a full disk (in every run that saves it).
     config.checkpoint = ml_collections.ConfigDict(
-        dict(every=0, keep=3, init_from='', init_full_state=False)
+        dict(
+            every=0,
+            keep=3,
+            init_from='',
+            init_full_state=False,
+            on_save_error='stop',
+            inject_save_error_at_step=0,
+        )
     )
     # sources: (weight, path prefix of a .bin/.idx pair) ..., blended by weight; split: the
     # train, valid and test shares of each source's documents, as Megatron's --split.

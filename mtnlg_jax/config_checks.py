@@ -15,6 +15,7 @@ PIPELINE_SCHEDULES = ('1f1b', 'interleaved', 'gpipe')
 COMPUTE_DTYPES = ('float32', 'bfloat16', 'float16')
 VOCAB_PAD_MULTIPLE = 128
 DATA_ORDERS = ('layout_independent', 'megatron')
+SAVE_ERROR_ACTIONS = ('stop', 'continue')
 
 
 class ConfigError(ValueError):
@@ -171,6 +172,7 @@ def check_train(config):
         'train.max_consecutive_skips',
         'train.inject_nan_steps',
         'train.spike_window',
+        'train.hang_floor_s',
     )
     _non_negative(
         config,
@@ -179,6 +181,9 @@ def check_train(config):
         'train.inject_spike_at_step',
         'train.inject_kill_at_step',
         'train.inject_kill_process',
+        'train.inject_hang_at_step',
+        'train.inject_hang_process',
+        'train.hang_timeout_s',
         'train.spike_skip_batches',
     )
     replica_batch = _divisible(
@@ -208,6 +213,17 @@ def check_checkpoint(checkpoint):
         isinstance(checkpoint.every, int) and checkpoint.every >= 0,
         'checkpoint.every',
         f'must be an integer >= 0, got {checkpoint.every!r}',
+    )
+    _require(
+        checkpoint.on_save_error in SAVE_ERROR_ACTIONS,
+        'checkpoint.on_save_error',
+        f'must be one of {", ".join(SAVE_ERROR_ACTIONS)}, got {checkpoint.on_save_error!r}',
+    )
+    _require(
+        isinstance(checkpoint.inject_save_error_at_step, int)
+        and checkpoint.inject_save_error_at_step >= 0,
+        'checkpoint.inject_save_error_at_step',
+        f'must be an integer >= 0, got {checkpoint.inject_save_error_at_step!r}',
     )
 
 

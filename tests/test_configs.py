@@ -1,6 +1,7 @@
 """The shipped configs: the papers' shapes and the paper's FLOPs arithmetic."""
 
 import glob
+import re
 
 import jax
 import pytest
@@ -116,3 +117,21 @@ def test_loss_chunks_zero_takes_the_largest_of_4_3_2_1_dividing_the_sequence(seq
     resolved = config_lib.resolve(config, 1)
     assert resolved.model.loss_chunks == resolved.derived.model.loss_chunks == pieces
     assert resolved.inputs.model.loss_chunks == 0
+
+
+@pytest.mark.parametrize(
+    'key,value',
+    [
+        ('train.hang_timeout_s', -1),
+        ('train.hang_floor_s', 0),
+        ('train.inject_hang_process', -2),
+        ('checkpoint.on_save_error', 'retry'),
+        ('checkpoint.inject_save_error_at_step', -3),
+    ],
+)
+def test_fault_keys_are_checked_naming_the_key(key, value):
+    config = config_lib.load('configs/tiny.py')
+    section, name = key.split('.')
+    config[section][name] = value
+    with pytest.raises(config_lib.ConfigError, match=f'config key {re.escape(key)}: '):
+        config_lib.resolve(config, 8)

@@ -5,15 +5,21 @@ launch/spawn.py runs launch/train.py as 2 processes x 4 devices.
   the processes: the same global batches), a process lost mid-run ends the other through the
   heartbeat, and the same command resumes to the uninterrupted losses;
 - checkpoints written by 2 processes restore under 1, and the reverse, in another layout;
-- bad input (coordinator, process count) is one `error:` line, exit 2, nothing written.
+- bad input (coordinator, process count) is one `error:` line, exit 2, nothing written;
+- faults in one workdir, each run the same command: a process that hangs (the drill) ends
+  itself through its watchdog, naming itself, and the job with it; SIGTERM to every process
+  saves one step and exits 0; a paused process (SIGSTOP) ends the job; the last run resumes
+  to the uninterrupted losses.
 
 Every process is bounded by `timeout -k` (JAX's preemption notifier takes SIGTERM).
 """
 
 import collections
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -165,74 +171,6 @@ def test_bad_coordinator_or_process_count_is_one_error_line(tmp_path, token_data
     assert not workdir.exists()
 
 
-Device = collections.namedtuple('Device', 'id process_index')
-
-
-def simulated_devices(nodes, processes_per_node, devices_per_process, cyclic=False):
-    """Devices of a multi-process run as JAX numbers them (process p's from p x 2048), in a
-    shuffled order, and the node of each: processes 0, 1, .. fill node 0 first, or with
-    `cyclic` (SLURM's --distribution=cyclic) go round the nodes."""
-    per_node = processes_per_node * devices_per_process
-    devices = [
-        Device(process * 2048 + k, process)
-        for process in range(nodes * processes_per_node)
-        for k in range(devices_per_process)
-    ]
-    order = np.random.default_rng(0).permutation(len(devices))
-    node = {
-        d: d.process_index % nodes if cyclic else d.process_index // processes_per_node
-        for d in devices
-    }
-    return [devices[i] for i in order], node.__getitem__, per_node
-
-
-@pytest.mark.parametrize(
-    'nodes, processes_per_node, devices_per_process, cyclic, data, stage, tensor',
-    [
-        (2, 2, 2, False, 2, 2, 2),  # 2 nodes, 2 processes of 2 devices each
-        (2, 4, 1, True, 1, 2, 4),  # one process per device, placed round the nodes
-        (2, 1, 4, False, 1, 4, 2),  # stage crosses the nodes
-        (280, 8, 1, False, 8, 35, 8),  # MT-NLG 530B: 280 DGX nodes, one process per GPU
-    ],
-)
-def test_mesh_keeps_tensor_in_a_node_and_data_outermost(
-    nodes, processes_per_node, devices_per_process, cyclic, data, stage, tensor
-):
-    from mtnlg_jax.parallel.mesh import device_grid
-
-    devices, node_of, per_node = simulated_devices(
-        nodes, processes_per_node, devices_per_process, cyclic
-    )
-    grid = device_grid(data, stage, tensor, devices, node_of)
-    assert sorted(d.id for d in grid.ravel()) == sorted(d.id for d in devices)
-    nodes_of = np.vectorize(node_of)(grid)
-    # A tensor group is one node, each node's devices contiguous; stage, then data, outer.
-    assert (nodes_of == nodes_of[..., :1]).all()
-    flat = nodes_of.reshape(-1)
-    np.testing.assert_array_equal(flat, np.arange(len(flat)) // per_node)
-    ids = np.vectorize(lambda d: d.id)(grid).reshape(-1, per_node)
-    assert (np.diff(ids, axis=1) > 0).all()  # in a node: by process, then device id
-
-
-def test_mesh_refuses_tensor_across_nodes():
-    from mtnlg_jax.config import ConfigError
-    from mtnlg_jax.parallel.mesh import device_grid
-
-    devices, node_of, _ = simulated_devices(2, 1, 4)
-    with pytest.raises(ConfigError, match=r'mesh.tensor.*span nodes \[0, 1\].*2 nodes of 4'):
-        device_grid(1, 1, 8, devices, node_of)
-
-
-def test_mesh_of_one_process_is_jax_make_mesh():
-    import jax
-
-    from mtnlg_jax.parallel.mesh import make_mesh
-
-    mesh = make_mesh(2, 2, 2)
-    reference = jax.make_mesh((2, 2, 2), ('data', 'stage', 'tensor'), devices=jax.devices())
-    assert mesh.device_ids.tolist() == reference.device_ids.tolist()
-
-
 def test_spawn_names_the_killed_process_when_its_peer_ends_in_the_same_poll():
     import importlib.util
 
@@ -244,4 +182,144 @@ def test_spawn_names_the_killed_process_when_its_peer_ends_in_the_same_poll():
     processes = [Ended(1), Ended(-9), Ended(None)]
     assert spawn.first_failure(processes, [0, 1]) == 1
     assert spawn.first_failure(processes, [0]) == 0
+    # Process 1's watchdog ended it (status 3); process 0's collective failed in the same poll.
+    assert spawn.first_failure([Ended(1), Ended(3)], [0, 1]) == 1
     assert spawn.first_failure([Ended(0), Ended(0)], [0, 1]) is None
+
+
+# Faults, each run the same command on one workdir: no run ends on its own (train.steps 1000;
+# the schedule does not depend on it) until the last, which sets 10 to compare with 1 x 8.
+HANG_S = 10  # train.hang_timeout_s; the heartbeat timeout (MODEL) is 10 s too
+FAULTS = [
+    *PIPELINED,
+    '--config.train.steps=1000',
+    '--config.checkpoint.every=3',
+    f'--config.train.hang_timeout_s={HANG_S}',
+    '--config.train.inject_hang_at_step=5',  # in a run started from scratch only
+    '--config.train.inject_hang_process=1',
+]
+
+
+class Background:
+    """launch/spawn.py (2 x 4 devices) running `overrides` in the background, its output in
+    files; `pid_of(1)` finds process 1 by a mark in its environment."""
+
+    def __init__(self, workdir, *overrides, data, grace_s=10):
+        self.workdir, self.mark = workdir, f'{workdir.name}-{time.monotonic_ns()}'
+        command = train_args(workdir, *MODEL, *overrides, data=data)[1:]
+        spawn = [sys.executable, str(ROOT / 'launch/spawn.py'), '--processes', '2']
+        spawn += ['--devices_per_process', '4', '--grace_s', str(grace_s), '--', *command]
+        self.stdout = workdir.parent / f'{self.mark}.out'
+        self.stderr = workdir.parent / f'{self.mark}.err'
+        self.process = subprocess.Popen(
+            bounded(spawn, limit=180),
+            stdout=open(self.stdout, 'w'),
+            stderr=open(self.stderr, 'w'),
+            cwd=ROOT,
+            env=dict(TRAIN_ENV, MTNLG_JAX_TEST_RUN=self.mark),
+        )
+
+    def wait_until(self, condition, timeout=150):
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert self.process.poll() is None, self.stderr.read_text()[-3000:]
+            assert time.monotonic() < deadline, 'timed out'
+            time.sleep(0.05)
+        return time.monotonic()
+
+    def logged_step(self):
+        path = self.workdir / 'metrics.jsonl'
+        lines = path.read_text().splitlines() if path.exists() else []
+        return json.loads(lines[-1])['step'] if lines else 0
+
+    def pid_of(self, index):
+        wanted = (f'MTNLG_JAX_TEST_RUN={self.mark}'.encode(), f'JAX_PROCESS_ID={index}'.encode())
+        for pid in filter(str.isdigit, os.listdir('/proc')):
+            try:
+                environ = open(f'/proc/{pid}/environ', 'rb').read().split(b'\0')
+            except OSError:
+                continue
+            if all(w in environ for w in wanted):
+                return int(pid)
+        raise AssertionError(f'no process {index} of {self.mark}')
+
+    def finish(self):
+        """(exit status, seconds from now until it ended, stdout, stderr)."""
+        started = time.monotonic()
+        status = self.process.wait()
+        return status, time.monotonic() - started, self.stdout.read_text(), self.stderr.read_text()
+
+
+@pytest.fixture(scope='module')
+def faults(tmp_path_factory, token_data):
+    """The workdir through: process 1 hanging at step 5 (checkpoint at 3); the same command
+    again (it resumes from 3), SIGTERM to every process once step 5 is logged; again, SIGSTOP
+    to process 1 once a step is logged; again with train.steps 10, to the end."""
+    workdir = tmp_path_factory.mktemp('faults') / 'run'
+    workdir.parent.mkdir(exist_ok=True)
+    results = {}
+    hang = Background(workdir, *FAULTS, data=token_data)
+    log = workdir / 'logs' / 'process_1.log'
+    hang.wait_until(lambda: log.exists() and 'hangs at step 5' in log.read_text())
+    results['hang'] = hang.finish()
+    results['hang_log'] = log.read_text()  # each run writes process 1's log anew
+    preempted = Background(workdir, *FAULTS, data=token_data)
+    preempted.wait_until(lambda: preempted.logged_step() >= 5)
+    preempted.process.send_signal(signal.SIGTERM)  # timeout passes it on to spawn, spawn to all
+    results['preempted'] = preempted.finish()
+    results['preempted_log'] = log.read_text()
+    paused = Background(workdir, *FAULTS, data=token_data, grace_s=2)
+    resumed_at = preempted.logged_step()
+    paused.wait_until(lambda: paused.logged_step() > resumed_at)
+    os.kill(paused.pid_of(1), signal.SIGSTOP)
+    results['paused'] = paused.finish()
+    last = Background(workdir, *FAULTS, '--config.train.steps=10', data=token_data)
+    results['last'] = last.finish()
+    return workdir, results
+
+
+def test_a_hung_process_ends_itself_with_its_stacks_and_the_job_with_it(faults):
+    _, results = faults
+    status, seconds, _, stderr = results['hang']
+    assert status == 1, stderr[-3000:]
+    assert seconds < HANG_S + 30, seconds  # every process, counted from process 1's hang
+    # spawn names process 1 and its line; process 1's own log holds every thread's stack.
+    last = stderr.strip().splitlines()[-1]
+    assert re.match(r'error: process 1 of 2 exited with status 3 after \d+ s', last), last
+    stalled = (
+        f'error: process 1 of 2 stalled: batch (step 5) made no progress for {HANG_S} s '
+        f'(allowance {HANG_S} s: train.hang_timeout_s), its main thread at '
+        'mtnlg_jax/train/faults.py'
+    )
+    assert f'(its last line: {stalled}' in last, last
+    log = results['hang_log']
+    assert 'process 1 of 2: stacks of every thread' in log
+    assert re.search(r'File ".*mtnlg_jax/train/faults.py", line \d+ in hang_if_drilled', log)
+    assert re.search(r'File ".*mtnlg_jax/data/loader.py", line \d+ in _produce', log)  # a thread
+
+
+def test_sigterm_to_every_process_saves_one_step_and_exits_0(faults):
+    workdir, results = faults
+    status, _, stdout, stderr = results['preempted']
+    assert status == 0, stderr[-3000:]
+    assert 'resumed      from step 3' in stdout
+    stopped = re.findall(r'stopped +at step (\d+) on request', stdout + results['preempted_log'])
+    assert len(stopped) == 2 and stopped[0] == stopped[1], stopped  # process 0's and 1's
+    assert (workdir / 'checkpoints' / stopped[0]).is_dir()
+
+
+def test_a_paused_process_ends_the_job_within_the_timeout(faults):
+    status, seconds, _, stderr = faults[1]['paused']
+    assert status == 1, stderr[-3000:]
+    assert seconds < HANG_S + 30, seconds
+
+
+def test_after_a_hang_a_preemption_and_a_pause_the_same_command_resumes_exactly(
+    one_by_eight, faults
+):
+    workdir, results = faults
+    status, _, stdout, stderr = results['last']
+    assert status == 0, stderr[-3000:]
+    stopped = re.search(r'stopped +at step (\d+)', results['preempted'][2]).group(1)
+    assert f'resumed      from step {stopped}' in stdout
+    np.testing.assert_allclose(losses(workdir), losses(one_by_eight), rtol=1e-6, atol=0)

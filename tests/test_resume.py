@@ -218,3 +218,37 @@ def test_a_checkpoint_resumes_under_another_layout_with_the_uninterrupted_losses
     assert sorted(actual) == sorted(expected)
     for step in range(HALF + 1, STEPS + 1):
         assert actual[step] == pytest.approx(expected[step], abs=1e-4), step
+
+
+def test_a_failed_save_stops_the_run_and_the_previous_checkpoint_resumes_exactly(
+    tmp_path,
+    runs,
+    token_data,
+):
+    """The save of step 10 fails as on a full disk (the drill, at orbax's commit): one error
+    line naming it and the cause, exit 1, step 5 still the newest complete checkpoint. The
+    same command with checkpoint.on_save_error=continue resumes from 5, warns when the save of
+    10 fails again, and ends with the uninterrupted losses."""
+    workdir = tmp_path / 'run'
+    drill = [
+        f'--config.train.steps={STEPS}',
+        '--config.checkpoint.every=5',
+        '--config.checkpoint.inject_save_error_at_step=10',
+    ]
+    stopped = run_train(workdir, *RUN, *drill, data=token_data)
+    assert stopped.returncode == 1, stopped.stderr[-3000:]
+    errors = [line for line in stopped.stderr.splitlines() if 'error' in line.lower()]
+    assert len(errors) == 1 and stopped.stderr.strip().splitlines()[-1] == errors[0], errors
+    assert errors[0].startswith(f'error: checkpoint {workdir}/checkpoints/10 was not saved: ')
+    assert 'No space left on device' in errors[0]
+    assert 'the newest complete checkpoint is step 5' in errors[0]
+    assert complete_steps(workdir / 'checkpoints') == [5]
+    assert max(losses(workdir)) < 15  # it stopped soon after, not at the end
+    going_on = train_ok(
+        workdir, *drill, '--config.checkpoint.on_save_error=continue', data=token_data
+    )
+    assert 'resumed      from step 5' in going_on.stdout
+    assert 'ignored incomplete save(s)' in going_on.stdout
+    assert f'warning: checkpoint {workdir}/checkpoints/10 was not saved' in going_on.stderr
+    assert sorted(complete_steps(workdir / 'checkpoints')) == [5, 15, 20]
+    assert losses(workdir) == losses(runs.uninterrupted())

@@ -1,4 +1,5 @@
-"""Faults a long run must survive: preemption signals and non-finite steps.
+"""Faults a long run must survive: preemption signals, non-finite steps, failed saves, and
+the drills that rehearse them (docs/faults.md says what each looks like to a user).
 
 Preemption: SIGTERM (what schedulers send before they kill) or SIGINT (Ctrl-C) sets a flag;
 the loop finishes the step it is on, saves, and exits 0. A second SIGINT interrupts at once.
@@ -21,12 +22,18 @@ already runs, so watching never stalls the device:
 import collections
 import os
 import signal
+import time
 
 import jax
 
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive non-finite steps: the run stops, its checkpoints untouched."""
+
+
+class SaveFailedError(RuntimeError):
+    """A checkpoint could not be written (checkpoint.on_save_error=stop): the run stops, its
+    newest complete checkpoint untouched."""
 
 
 class StopSignals:
@@ -117,3 +124,43 @@ class StepGuard:
                 f'or gradient norm (train.max_consecutive_skips={self.limit}); the run stops '
                 f'with its checkpoints as they were'
             )
+
+
+def drills_of(train_cfg):
+    """{step: drill} of the train-step drills a config asks for (tests and rehearsals)."""
+    drills = {train_cfg.inject_spike_at_step: 'spike'}
+    first_nan = train_cfg.inject_nan_at_step
+    drills.update(dict.fromkeys(range(first_nan, first_nan + train_cfg.inject_nan_steps), 'nan'))
+    return drills
+
+
+def _drilled_here(at, process, first_step, step):
+    """A process drill fires only in a run started from scratch, so that the same command,
+    run again, resumes past it."""
+    return bool(at) and step == at and first_step == 0 and jax.process_index() == process
+
+
+def kills_this_process(config, first_step, done):
+    """The process-loss drill: process train.inject_kill_process SIGKILLs itself once step
+    train.inject_kill_at_step is done (a lost node)."""
+    train_cfg = config.train
+    return _drilled_here(
+        train_cfg.inject_kill_at_step, train_cfg.inject_kill_process, first_step, done
+    )
+
+
+def hang_if_drilled(config, first_step, step):
+    """The hang drill: process train.inject_hang_process stops making progress while it
+    reads the batch of step train.inject_hang_at_step (a deadlocked data worker, a dead file
+    system), alive and sending heartbeats, until its watchdog ends it."""
+    train_cfg = config.train
+    if _drilled_here(
+        train_cfg.inject_hang_at_step, train_cfg.inject_hang_process, first_step, step
+    ):
+        print(
+            f'drill        process {jax.process_index()} hangs at step {step} '
+            f'(train.inject_hang_at_step)',
+            flush=True,
+        )
+        while True:
+            time.sleep(3600)

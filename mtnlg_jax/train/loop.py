@@ -11,6 +11,9 @@
         loss spike?  position = roll_back       (resume.py; the data moves on past the spike)
     evaluate, write the loss-curve PNG
 
+Each part of a step (batch, step, save, evaluation) runs in a phase of the progress watchdog
+(train/watchdog.py), which ends a process that stalls; compiles and restores run unwatched.
+
 Several processes run this same loop on their own devices; each reads only its rows of each
 batch and writes its shards of each checkpoint. Process 0 alone prints (banner, progress bar,
 messages) and writes config.json, metrics.jsonl, tensorboard events and the PNG.
@@ -18,6 +21,7 @@ messages) and writes config.json, metrics.jsonl, tensorboard events and the PNG.
 
 import os
 import signal
+import sys
 import time
 
 import jax
@@ -36,6 +40,7 @@ from mtnlg_jax.train import banner, faults, resume
 from mtnlg_jax.train import metrics as metrics_lib
 from mtnlg_jax.train.state import make_setup, pipeline_order
 from mtnlg_jax.train.step import make_eval_step, make_train_step
+from mtnlg_jax.train.watchdog import Watchdog
 
 
 def open_data(config):
@@ -59,7 +64,9 @@ def evaluate(config, eval_step, params, dataset, mesh):
 
 class CompiledSteps:
     """The train step compiled ahead of time once per (micro-step count, drill): the ramp-up
-    changes the count, a fault drill (see make_train_step) swaps in a variant for one step."""
+    changes the count, a fault drill (see make_train_step) swaps in a variant for one step.
+    The evaluation step too, on first use: compiles happen here, where the loop does not
+    watch for stalls."""
 
     def __init__(self, config, setup, mesh, state):
         self.config, self.setup, self.mesh, self.state = config, setup, mesh, state
@@ -75,6 +82,23 @@ class CompiledSteps:
             step = make_train_step(self.config, self.setup, inject=drill)
             self._compiled[key] = step.lower(self.state, *batch, jnp.float32(0)).compile()
         return self._compiled[key]
+
+    def for_batch(self, batch, drill, report):
+        """The step of `batch`'s micro-step count (a new count's compile is reported)."""
+        if batch.micro_steps not in self:
+            start = time.perf_counter()
+            self(batch.micro_steps)
+            report.compiled(batch, time.perf_counter() - start)
+        return self(batch.micro_steps, drill)
+
+    def evaluation(self, params):
+        if 'evaluation' not in self._compiled:
+            tokens, _ = loader_lib.abstract_train_batch(
+                self.config, self.mesh, self.config.train.micro_steps
+            )
+            step = make_eval_step(self.config, self.setup)
+            self._compiled['evaluation'] = step.lower(params, tokens).compile()
+        return self._compiled['evaluation']
 
 
 class Interval:
@@ -141,6 +165,13 @@ class Reporter:
         self.interval = Interval(position.step, position.counters['tokens_seen'])
         self.losses = []  # device scalars: averaged at the log step, no sync per step
 
+    def say_everywhere(self, message):
+        """A line from every process: process 0's on the terminal, the others' in their logs."""
+        if distributed.is_primary():
+            self.say(message)
+        else:
+            print(message, flush=True)
+
     def compiled(self, batch, seconds):
         self.interval.exclude(seconds)  # compile time is not step time
         self.say(
@@ -190,26 +221,6 @@ class Reporter:
         return self.writer.path
 
 
-def drills_of(train_cfg):
-    """{step: drill} of the fault drills a config asks for (tests and rehearsals)."""
-    drills = {train_cfg.inject_spike_at_step: 'spike'}
-    first_nan = train_cfg.inject_nan_at_step
-    drills.update(dict.fromkeys(range(first_nan, first_nan + train_cfg.inject_nan_steps), 'nan'))
-    return drills
-
-
-def kills_this_process(config, first_step, done):
-    """The process-loss drill (train.inject_kill_at_step): only in a run started from scratch,
-    so that the same command, run again, resumes past it."""
-    at = config.train.inject_kill_at_step
-    return (
-        at
-        and done == at
-        and first_step == 0
-        and (jax.process_index() == config.train.inject_kill_process)
-    )
-
-
 def due(every, step, last_step):
     return bool(every and step % every == 0) or step == last_step
 
@@ -217,7 +228,9 @@ def due(every, step, last_step):
 def train(config, workdir):
     """Train a resolved config in workdir, resuming from its newest checkpoint if it has one.
     Raises DataError or CheckpointError before anything is written, NonFiniteError after
-    train.max_consecutive_skips non-finite steps. Returns the final state."""
+    train.max_consecutive_skips non-finite steps, SaveFailedError after a failed save
+    (checkpoint.on_save_error=stop). A stalled phase ends the process (train/watchdog.py).
+    Returns the final state."""
     train_data, valid_data = open_data(config)
     mesh = mesh_from_config(config)
     setup = make_setup(config, mesh)
@@ -227,6 +240,7 @@ def train(config, workdir):
     peak = plan.device_peak_tflops(jax.devices()[0], config.model.compute_dtype)
     run_dir = RunDir(workdir)
     checkpoints = checkpoint_lib.Checkpoints(workdir, keep=config.checkpoint.keep)
+    checkpoints.fail_save_at = config.checkpoint.inject_save_error_at_step  # a drill
     in_layer_order = pipeline_order(config, setup, to='layer')  # what checkpoints hold
     primary = distributed.is_primary()
 
@@ -243,11 +257,10 @@ def train(config, workdir):
         samples = position.counters['samples_consumed']
         first_batch = rampup.global_batch_at(train_cfg, seq_len, samples)
         compiled(first_batch // (train_cfg.micro_batch * config.mesh.data))
-        eval_step = make_eval_step(config, setup)
         if primary:
             for line in banner.lines(config, setup, time.perf_counter() - start, train_data):
                 print(line, flush=True)
-        drills = drills_of(train_cfg)
+        drills = faults.drills_of(train_cfg)
         guard = faults.StepGuard(
             train_cfg.max_consecutive_skips,
             train_cfg.spike_factor,
@@ -256,78 +269,85 @@ def train(config, workdir):
         )
         report = Reporter(config, workdir, position, flops_per_token, peak)
         batches = loader_lib.TrainBatches(config, train_data, mesh, samples)
-        while position.step < train_cfg.steps:
-            batch = next(batches)
-            if batch.micro_steps not in compiled:
-                start = time.perf_counter()
-                compiled(batch.micro_steps)
-                report.compiled(batch, time.perf_counter() - start)
-            # A drill runs once: a rolled-back step is not drilled again.
-            train_step = compiled(batch.micro_steps, drills.pop(position.step + 1, None))
-            tokens_after = position.counters['tokens_seen'] + batch.global_batch * seq_len
-            state, step_metrics = train_step(
-                position.state, batch.tokens, batch.row_ids, jnp.float32(tokens_after)
-            )
-            position = position.after(state, batch.global_batch, seq_len)
-            done = position.step
-            if kills_this_process(config, first_step, done):
-                checkpoints.wait()  # the drill loses a process, not the checkpoint before it
-                os.kill(os.getpid(), signal.SIGKILL)
-            report.stepped(step_metrics)
-            guard.push(done, step_metrics)
-            stopping = (
-                checkpoints.reached_preemption(done)
-                if jax.process_count() > 1
-                else stop_signals.requested
-            )
-            if due(train_cfg.log_every, done, train_cfg.steps) or stopping:
+        save_error = None
+        with watchdog_for(config) as watchdog:
+            while position.step < train_cfg.steps:
+                step = position.step + 1
+                with watchdog.phase('batch', f'step {step}'):
+                    faults.hang_if_drilled(config, first_step, step)
+                    batch = next(batches)
+                with watchdog.phase('step', f'step {step}'):
+                    with watchdog.unwatched():  # a new batch size or a drill compiles
+                        train_step = compiled.for_batch(batch, drills.pop(step, None), report)
+                    tokens_after = position.counters['tokens_seen'] + batch.global_batch * seq_len
+                    state, step_metrics = train_step(
+                        position.state, batch.tokens, batch.row_ids, jnp.float32(tokens_after)
+                    )
+                    position = position.after(state, batch.global_batch, seq_len)
+                    if faults.kills_this_process(config, first_step, step):
+                        checkpoints.wait()  # the drill loses a process, not the checkpoint
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    report.stepped(step_metrics)
+                    guard.push(step, step_metrics)
+                    stopping = (
+                        checkpoints.reached_preemption(step)
+                        if jax.process_count() > 1
+                        else stop_signals.requested
+                    )
+                    if due(train_cfg.log_every, step, train_cfg.steps) or stopping:
+                        guard.flush()
+                        position = position.counted(guard.total)
+                        report.log(position, batch, step_metrics)
+                with watchdog.phase('save', f'checkpoint of step {step}'):
+                    saving = due(config.checkpoint.every, step, train_cfg.steps) or stopping
+                    if saving:
+                        guard.flush()
+                        position = position.counted(guard.total)
+                    try:  # a rollback reads the newest checkpoint: saves in flight first
+                        checkpoints.wait() if guard.spike else checkpoints.check_saves()
+                        if saving and not (guard.error or guard.spike):  # keep the last good one
+                            meta = resume.checkpoint_meta(config, position.counters)
+                            checkpoints.save(step, in_layer_order(position.state), meta)
+                    except checkpoint_lib.SaveError as error:
+                        save_error = failed_save(config, error)
+                if guard.error or save_error:
+                    break
+                if stopping:
+                    report.say_everywhere(
+                        f'stopped      at step {step} on request: checkpoint saved; '
+                        f'the same command resumes it'
+                    )
+                    break
+                if due(train_cfg.eval_every, step, train_cfg.steps):
+                    start = time.perf_counter()
+                    with watchdog.phase('evaluation', f'after step {step}'):
+                        with watchdog.unwatched():
+                            eval_step = compiled.evaluation(position.state['params'])
+                        params = position.state['params']
+                        loss = evaluate(config, eval_step, params, valid_data, mesh)
+                    report.evaluated(position, loss, time.perf_counter() - start)
+                if guard.spike:  # a restore: not watched
+                    rolled = roll_back(config, setup, checkpoints, position, guard, report)
+                    if rolled is not None:
+                        position = rolled
+                        batches.close()  # the data position moved: read from there
+                        samples = position.counters['samples_consumed']
+                        batches = loader_lib.TrainBatches(config, train_data, mesh, samples)
+            with watchdog.phase('step', 'the last step'):
                 guard.flush()
-                position = position.counted(guard.total)
-                report.log(position, batch, step_metrics)
-            if due(config.checkpoint.every, done, train_cfg.steps) or stopping:
-                guard.flush()
-                if not (guard.error or guard.spike):  # keep the last good checkpoint
-                    position = position.counted(guard.total)
-                    meta = resume.checkpoint_meta(config, position.counters)
-                    checkpoints.save(done, in_layer_order(position.state), meta)
-            if guard.error:
-                break
-            if stopping:
-                report.say(
-                    f'stopped      at step {done} on request: checkpoint saved; '
-                    f'the same command resumes it'
-                )
-                break
-            if due(train_cfg.eval_every, done, train_cfg.steps):
-                start = time.perf_counter()
-                loss = evaluate(config, eval_step, position.state['params'], valid_data, mesh)
-                report.evaluated(position, loss, time.perf_counter() - start)
-            if guard.spike:
-                spike_step, spike_loss, mean = guard.spike
-                guard.spike = None
-                rolled = resume.roll_back(config, setup, checkpoints, position)
-                if rolled is None:
-                    report.say(f'loss spike at step {spike_step}: no checkpoint to go back to')
-                    continue
-                position = rolled
-                report.say(
-                    f'loss spike at step {spike_step}: {spike_loss:.4f} > '
-                    f'{train_cfg.spike_factor} x running mean {mean:.4f}; rolled back to step '
-                    f'{position.step}, data moved on to sample '
-                    f'{position.counters["samples_consumed"]}'
-                )
-                batches.close()  # the data position moved: read from there
-                batches = loader_lib.TrainBatches(
-                    config, train_data, mesh, position.counters['samples_consumed']
-                )
-                report.moved_to(position)
-        guard.flush()
-        batches.close()
-        metrics_path = report.close()
-        checkpoints.wait()  # saves in flight complete, also after non-finite steps
+            with watchdog.phase('batch', 'closing the data reader'):
+                batches.close()
+            metrics_path = report.close()
+            with watchdog.phase('save', 'the saves in flight'):
+                try:  # saves in flight complete, also after non-finite steps
+                    checkpoints.wait()
+                except checkpoint_lib.SaveError as error:
+                    save_error = save_error or failed_save(config, error)
         checkpoints.close()
     if guard.error:
         raise faults.NonFiniteError(guard.error)
+    if save_error:
+        raise faults.SaveFailedError(save_error)
 
     if not primary:
         return position.state
@@ -335,3 +355,49 @@ def train(config, workdir):
     metrics_lib.plot_loss_curve(metrics_path, png, title=os.path.basename(workdir.rstrip('/')))
     print(f'wrote {metrics_path}, {png} and tensorboard events in {run_dir.tensorboard}')
     return position.state
+
+
+def watchdog_for(config):
+    """The progress watchdog of this process (train.hang_timeout_s, train.hang_floor_s); a
+    phase that waits on the devices of several processes gets the heartbeat timeout more."""
+    several = jax.process_count() > 1
+    train_cfg = config.train
+    watchdog = Watchdog(
+        train_cfg.hang_timeout_s,
+        train_cfg.hang_floor_s,
+        peer_grace_s=config.distributed.heartbeat_timeout_s if several else 0.0,
+        name=f'process {jax.process_index()} of {jax.process_count()}',
+    )
+    # The first evaluation: about eval_batches steps' time.
+    watchdog.estimates['evaluation'] = lambda: (
+        train_cfg.eval_batches * watchdog.slowest.get('step', 0.0)
+    )
+    return watchdog
+
+
+def failed_save(config, error):
+    """The message that stops the run after a failed save (checkpoint.on_save_error=stop), or
+    None after a warning (continue): the run saves again at its next checkpoint."""
+    if config.checkpoint.on_save_error == 'stop':
+        return f'{error}; the run stops (checkpoint.on_save_error=stop)'
+    # tqdm.write: the line does not land inside process 0's progress bar.
+    tqdm.write(f'warning: {error}; the run goes on (checkpoint.on_save_error=continue)', sys.stderr)
+    return None
+
+
+def roll_back(config, setup, checkpoints, position, guard, report):
+    """After a loss spike: the position of the newest checkpoint with the data moved past the
+    spike (resume.roll_back), or None when there is no checkpoint to go back to."""
+    spike_step, spike_loss, mean = guard.spike
+    guard.spike = None
+    rolled = resume.roll_back(config, setup, checkpoints, position)
+    if rolled is None:
+        report.say(f'loss spike at step {spike_step}: no checkpoint to go back to')
+        return None
+    report.say(
+        f'loss spike at step {spike_step}: {spike_loss:.4f} > '
+        f'{config.train.spike_factor} x running mean {mean:.4f}; rolled back to step '
+        f'{rolled.step}, data moved on to sample {rolled.counters["samples_consumed"]}'
+    )
+    report.moved_to(rolled)
+    return rolled
