@@ -32,6 +32,16 @@ RECOMMENDED_GPU_FLAGS = (
         'true',
         'unrolls loops by two so that the next iteration\'s collectives can start during this one',
     ),
+    (
+        'xla_gpu_enable_pipelined_all_gather',
+        'true',
+        'moves a loop\'s all-gathers into the iteration before the one that uses them',
+    ),
+    (
+        'xla_gpu_enable_pipelined_reduce_scatter',
+        'true',
+        'moves a loop\'s reduce-scatters into the iteration after the one that makes them',
+    ),
 )
 
 _FLAG_NAME = re.compile(r'--([A-Za-z0-9_]+)')

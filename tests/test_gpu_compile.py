@@ -111,7 +111,7 @@ def test_fused_attention_compiles_to_cudnn_inside_the_pipeline():
     cuDNN's flash attention on an A100 (head dim 32), forward and backward kernels inside the
     engine's loop, and the compiled FLOPs count them (dense, as 6N + 12LHQT does: the ratio
     stays that of the plain path, whose einsums it replaces)."""
-    plain = _gpu_plan(support.plan_config('pipelined'))['compiled']
+    plain = gpu_plan('pipelined')['compiled']  # the same layout in fp32: plain attention
     config = support.small_config(
         **support.PLAN_LAYOUTS['pipelined'], hidden=256, vocab_size=1500, compute_dtype='bfloat16'
     )
