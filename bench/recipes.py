@@ -32,7 +32,6 @@ RECIPES = {  # name: overrides of configs/mtnlg_530b.py
     'selective': ['--config.model.remat=selective', '--config.pipeline.max_in_flight=0'],
     'selective, in flight 35': [],  # the config's default
     'none, in flight 35': ['--config.model.remat=none'],
-    'selective, in flight 35, micro-batch 2': ['--config.train.micro_batch=2'],
     'selective, in flight 35, no attention dropout': ['--config.model.attention_dropout=0.0'],
 }
 # H100 rows: the paper's recipe, the default, and the default with cuDNN's flash attention

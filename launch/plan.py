@@ -228,10 +228,20 @@ def plan_for_gpu(args, config):
         file=sys.stderr,
         flush=True,
     )
+    import jax  # noqa: PLC0415
+
     with gpu_compile.without_driver_noise():
         devices = gpu_target.devices(args.target, total, per_node)
-        with gpu_target.compiling_for(devices):
-            compiled, _, info = compile_lib.compile_train_step(config, devices=devices)
+        try:
+            with gpu_target.compiling_for(devices):
+                compiled, _, info = compile_lib.compile_train_step(config, devices=devices)
+        except jax.errors.JaxRuntimeError as e:  # XLA's own limits (no input of the user's)
+            print(
+                f'error: XLA:GPU could not compile this step for {args.target}: '
+                f'{str(e).splitlines()[0][:300]}',
+                file=sys.stderr,
+            )
+            sys.exit(1)
     notes = compile_lib.gpu_compile_notes(args.target, args.xla_flags)
     report.add_compiled(plan, config, compiled, info, notes, target=args.target)
     show(plan, args.json)

@@ -353,3 +353,19 @@ def test_compiled_matmul_flops_match_model_flops():
     Q T per token over the devices (no recompute): within 10 %."""
     _, _, compiled, _, _ = _planned_and_compiled('tensor')
     assert abs(compiled['flops_vs_model'] - 1.0) <= TOLERANCE
+
+
+CUBLAS = """HloModule gemm, num_partitions=1
+
+ENTRY %main (x: bf16[512,256], w: bf16[256,1024]) -> bf16[512,1024] {
+  %x.1 = bf16[512,256]{1,0} parameter(0)
+  %w.1 = bf16[256,1024]{1,0} parameter(1)
+  %custom-call.1 = (bf16[512,1024]{1,0}, s8[4194304]{0}) custom-call(%x.1, %w.1), custom_call_target="__cublas$lt$matmul", backend_config={"operation_queue_id":"0","gemm_backend_config":{"selected_algorithm":"0","alpha_real":1,"beta":0,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  ROOT %get-tuple-element.1 = bf16[512,1024]{1,0} get-tuple-element(%custom-call.1), index=0
+}
+"""
+
+
+def test_cublas_gemm_calls_count_as_matmuls():
+    """XLA:GPU lowers a dot to a cuBLAS call when Triton GEMMs are off: the same FLOPs."""
+    assert hlo_module.dot_flops(CUBLAS) == 2 * 512 * 1024 * 256

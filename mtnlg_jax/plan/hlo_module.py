@@ -291,19 +291,31 @@ def fused_attention_flops(instruction):
     return 2 * matmuls * math.prod(ints(scores.group(1))) * head_dim
 
 
+_GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\s*\[([^\]]*)\]')
+
+
 def instruction_flops(instruction, types):
     """Matmul FLOPs of one run of one instruction (not of what it calls): a dot's 2 x result
-    elements x contracted elements, or a fused attention call's; types: {name: type text}
-    of its computation (for the dot's operand)."""
+    elements x contracted elements, the same for a cuBLAS GEMM call (XLA:GPU's, e.g. with
+    --xla_gpu_enable_triton_gemm=false), or a fused attention call's; types: {name: type
+    text} of its computation (for the operand)."""
     if instruction.opcode == 'custom-call':
-        return fused_attention_flops(instruction)
-    if instruction.opcode != 'dot':
+        target = custom_call_target(instruction) or ''
+        if not target.startswith('__cublas$'):
+            return fused_attention_flops(instruction)
+        contracting = _GEMM_CONTRACTING.search(instruction.rest)
+        result = split_top(instruction.type_text.strip()[1:-1])[0]
+        if instruction.type_text.strip()[:1] != '(':
+            result = instruction.type_text
+    elif instruction.opcode == 'dot':
+        contracting = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', instruction.rest)
+        result = instruction.type_text
+    else:
         return 0
     lhs = re.match(r'\(\s*%?([\w.\-]+)', instruction.rest).group(1)
-    contracting = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', instruction.rest)
     lhs_dims = _dims(types[lhs])
     contracted = math.prod(lhs_dims[i] for i in ints(contracting.group(1)))
-    return 2 * math.prod(_dims(instruction.type_text)) * contracted
+    return 2 * math.prod(_dims(result)) * contracted
 
 
 def computation_flops(instructions):
