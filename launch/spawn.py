@@ -14,7 +14,8 @@ runs its collectives through gloo, as it would run through NCCL on P GPU hosts.
                      WORKDIR; until then, and for scripts without --workdir, spawn keeps their
                      lines, so a command with bad input leaves nothing on disk)
     Ctrl-C           SIGTERM to every process: a training run saves and stops at one step
-                     (twice: SIGKILL)
+                     (a second one, a second or more later: SIGKILL; the same signal twice
+                     within a second is one request, as `timeout` delivers it)
     one fails        the others get --grace_s seconds to end on their own (a lost process
                      ends them within the heartbeat timeout), then SIGKILL; spawn prints one
                      line naming the process that failed and its last line, and exits
@@ -198,13 +199,22 @@ def first_failure(processes, just_ended):
     return (killed or stalled or failures or [None])[0]
 
 
+# The same signal again within this many seconds is the same request delivered twice.
+DUPLICATE_S = 1.0
+
+
 def main(argv):
     args = parse_args(argv)
     processes, logs, readers = start(args)
-    interrupts = []
+    interrupts = []  # (signal, monotonic time)
 
     def on_interrupt(signum, frame):
-        interrupts.append(signum)
+        now = time.monotonic()
+        if interrupts and interrupts[-1][0] == signum and now - interrupts[-1][1] < DUPLICATE_S:
+            # One request delivered twice: `timeout` sends its signal to its child and to its
+            # whole process group, spawn included. Only a second request stops at once.
+            return
+        interrupts.append((signum, now))
         signal_all(processes, signal.SIGKILL if len(interrupts) > 1 else signal.SIGTERM)
 
     signal.signal(signal.SIGINT, on_interrupt)
