@@ -352,6 +352,9 @@ def run_schedule(graphdef, params, tokens, row_keys, table, with_grads, bubble_f
             forward here, then final norm, head and loss, whose gradient starts the VJP."""
             acc_blocks, acc_shared, loss = sums
             h, g = stash[slot], grad_buf[grad_slot]
+            # the slot's residuals, read here: a conditional handed the whole buffers would
+            # copy them (XLA:CPU does), a slice is what the branch needs
+            kept_earlier = [jax.lax.dynamic_index_in_dim(b, resid_slot, 0, False) for b in resids]
 
             def loss_only():  # no gradients (evaluation): the last chunk's loss
                 x = apply_chunk(chunk_at(repeat), constrain(h, ACTIVATION_AXES), micro, repeat)
@@ -365,8 +368,7 @@ def run_schedule(graphdef, params, tokens, row_keys, table, with_grads, bubble_f
                 return kept, d_y.astype(y.dtype), add(acc_shared, d_shared), loss + value
 
             def stashed():  # the forward ran in an earlier tick: its residuals, the gradient
-                kept = [jax.lax.dynamic_index_in_dim(b, resid_slot, 0, False) for b in resids]
-                return kept, constrain(g, ACTIVATION_AXES), acc_shared, loss
+                return kept_earlier, constrain(g, ACTIVATION_AXES), acc_shared, loss
 
             def run():
                 with jax.named_scope(LAST):
