@@ -8,10 +8,14 @@ micro-batches of 1 sequence, sequence parallel) compiled for compile-only GPUs i
 (needs `make gpu-compile`). How to read it: peak GB is XLA:GPU's arguments + unaliased outputs
 + temporaries per device; compiled / model FLOPs is the step's matmul FLOPs (loops and the
 engine's table weighed in, fused attention counted) x devices / 6N + 12LHQT per token: 1.00 is
-no recompute at all; the replayed step is plan/overlap.py's replay of the compiled schedule
-(compute at peak FLOP/s and HBM bandwidth, collectives at the link bandwidths): a ranking,
-not a time any GPU measured; exposed is the communication it waits for. The winner is the
-default of configs/mtnlg_530b.py; the paper's recipe is `paper` (remat full).
+no recompute at all; the predicted step is the planner's (plan/predict.py: the engine's
+schedule table tick by tick, each tick its slowest stage, the communication each collective
+leaves exposed taken from the compile's overlap table): it counts the pipeline's bubble and
+ranks the recipes; replayed work is plan/overlap.py's replay of one device's compiled
+schedule (compute at peak, collectives at link speed), which weighs the engine's idle slots
+by how often they occur and so leaves the lockstep bubble out: compare it between recipes of
+one schedule only. Exposed is the communication the replay waits for. The winner is the
+default of configs/mtnlg_530b.py; the paper's recipe is `paper` (remat full, 1F1B).
 """
 
 import argparse
@@ -25,18 +29,26 @@ from tqdm import tqdm
 from mtnlg_jax import gpu_compile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PAPER = ['--config.model.remat=full', '--config.pipeline.max_in_flight=0']
+PAPER = ['--config.model.remat=full', '--config.pipeline.repeats=1']
 RECIPES = {  # name: overrides of configs/mtnlg_530b.py
     'paper': PAPER,
-    'full, in flight 35': ['--config.model.remat=full', '--config.pipeline.max_in_flight=35'],
-    'selective': ['--config.model.remat=selective', '--config.pipeline.max_in_flight=0'],
-    'selective, in flight 35': [],  # the config's default
-    'none, in flight 35': ['--config.model.remat=none'],
-    'selective, in flight 35, no attention dropout': ['--config.model.attention_dropout=0.0'],
+    'full, in flight 35': PAPER + ['--config.pipeline.max_in_flight=35'],
+    'selective': ['--config.pipeline.repeats=1'],
+    'selective, in flight 35': [
+        '--config.pipeline.repeats=1',
+        '--config.pipeline.max_in_flight=35',
+    ],
+    'selective, interleaved 3': [],  # the config's default
+    'none, interleaved 3': ['--config.model.remat=none'],
+    'selective, interleaved 3, no attention dropout': ['--config.model.attention_dropout=0.0'],
 }
 # H100 rows: the paper's recipe, the default, and the default with cuDNN's flash attention
 # (head dimension 160 is within its limit there once attention dropout is off).
-H100_RECIPES = ('paper', 'selective, in flight 35', 'selective, in flight 35, no attention dropout')
+H100_RECIPES = (
+    'paper',
+    'selective, interleaved 3',
+    'selective, interleaved 3, no attention dropout',
+)
 GB = 1e9
 
 
@@ -66,11 +78,12 @@ def row(name, target, plan):
     return [
         name,
         target,
-        f'{c["remat"]}, micro-batch {c["micro_batch"]}, m {c["micro_steps"]}',
+        f'{c["remat"]}, v {c["repeats"]}, micro-batch {c["micro_batch"]}, m {c["micro_steps"]}',
         f'{compiled["peak_bytes"] / GB:.1f}',
         'yes' if compiled['peak_bytes'] <= 80 * GB else 'NO',
         f'{compiled["flops_vs_model"]:.3f}',
         'yes' if compiled['attention']['fused'] else 'no',
+        f'{plan["cluster"]["predicted_step_s"]:.1f}',
         f'{over["step_s"]:.2f}',
         f'{over["exposed_s"]:.2f} ({100 * over["exposed_vs_compute"]:.1f} %)',
     ]
@@ -79,12 +92,13 @@ def row(name, target, plan):
 HEADER = [
     'recipe',
     'target',
-    'remat, micro-batch, micro-batches',
+    'remat, repeats, micro-batch, micro-batches',
     'XLA:GPU peak GB',
     'fits 80 GB',
     'compiled / model FLOPs',
     'fused attention',
-    'replayed step s',
+    'predicted step s',
+    'replayed work s',
     'exposed comm s (of compute)',
 ]
 

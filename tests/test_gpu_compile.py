@@ -36,15 +36,15 @@ def _gpu_plan(config):
     return report.add_compiled(plan, config, compiled, info, target=TARGET)
 
 
-# What the plan does not yet count as XLA:GPU compiles the 1F1B engine (the CPU compile of the
-# same layout, in fp32, is within 10 %): strict, so the day it matches, this must go.
+# What the plan does not yet count as XLA:GPU compiles the 1F1B engine's collectives (memory
+# matches, and the CPU compile's all-reduces): strict, so the day it matches, this must go.
 PIPELINED_GAP = pytest.param(
     'pipelined',
     marks=pytest.mark.xfail(
         strict=True,
-        reason='1F1B engine under XLA:GPU: peak 0.88 x the plan; XLA keeps the stashed '
-        'residuals split over tensor along the sequence and gathers them (all-gathers over '
-        'tensor 4.6 x the plan, all-reduces 0.63 x, reduce-scatters it chose itself)',
+        reason='1F1B engine under XLA:GPU: XLA keeps the stashed residuals split over tensor '
+        'along the sequence and gathers them (all-gathers over tensor 4.6 x the plan, '
+        'all-reduces 0.63 x, reduce-scatters it chose itself)',
     ),
 )
 LAYOUTS = ['tensor', 'data_bf16', PIPELINED_GAP]
@@ -71,7 +71,9 @@ def test_plan_target_compiles_the_tiny_config_for_a100s(tmp_path):
     assert compiled['platform'] == 'cuda' and compiled['target'] == TARGET
     assert compiled['devices'] == 8
     assert compiled['temp_bytes'] > 0 and compiled['peak_bytes'] > compiled['argument_bytes']
-    assert 0.95 <= compiled["flops_vs_model"] < 1.1  # the 1F1B backward recomputes nothing
+    # full recompute (the config's): each layer's forward twice, and the 1F1B backward
+    # recomputes nothing more (the embedding, attention core and head are not recomputed)
+    assert 1.0 <= compiled['flops_vs_model'] < 1.34
     assert compiled['attention']['fused'] == bool(compiled['attention']['kernels'])
     table = compiled['overlap']['table']
     kinds = {(row['kind'], row['axes'], row['link']) for row in table}
@@ -83,7 +85,7 @@ def test_plan_target_compiles_the_tiny_config_for_a100s(tmp_path):
     assert 'autotuning was skipped' in result.stdout
 
 
-@pytest.mark.parametrize('name', LAYOUTS)
+@pytest.mark.parametrize('name', list(support.PLAN_LAYOUTS))
 def test_planned_memory_per_device_against_the_gpu_compile(name):
     """The plan of the step as configured (bf16 as bf16: no fp32 twin, as on XLA:CPU) against
     XLA:GPU's arguments + unaliased outputs + temporaries."""

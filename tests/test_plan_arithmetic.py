@@ -13,11 +13,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def mtnlg(data=8, stage=35, tensor=8, global_batch=1920, schedule='1f1b'):
-    """configs/mtnlg_530b.py with the paper's recipe (full recompute, no in-flight bound), whose
-    arithmetic these tests reproduce."""
+    """configs/mtnlg_530b.py with the paper's recipe (full recompute, 1F1B), whose arithmetic
+    these tests reproduce."""
     config = config_lib.load(str(ROOT / 'configs/mtnlg_530b.py'))
     config.model.remat = 'full'
-    config.pipeline.max_in_flight = 0
+    config.pipeline.update(dict(repeats=1, max_in_flight=0))
     config.pipeline.schedule = schedule
     config.mesh.update(dict(data=data, stage=stage, tensor=tensor))
     config.train.global_batch = global_batch
