@@ -259,7 +259,9 @@ def collective_overlap(hlo_text, mesh, target, branch_weights=None):
             axes=axes,
             link=link,
             **total,
-            overlapped=1.0 - total['exposed_s'] / total['wire_s'] if total['wire_s'] else 1.0,
+            overlapped=max(0.0, 1.0 - total['exposed_s'] / total['wire_s'])
+            if total['wire_s']
+            else 1.0,
         )
         for (kind, axes, link), total in sorted(table.items())
     ]
