@@ -19,16 +19,13 @@ default of configs/mtnlg_530b.py; the paper's recipe is `paper` (remat full, 1F1
 """
 
 import argparse
-import json
 import pathlib
-import subprocess
 import sys
 
-from tqdm import tqdm
 
 from mtnlg_jax import gpu_compile
+from plan_runs import ROOT, print_markdown, read_plan, run_plans
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAPER = ['--config.model.remat=full', '--config.pipeline.repeats=1']
 RECIPES = {  # name: overrides of configs/mtnlg_530b.py
     'paper': PAPER,
@@ -119,25 +116,18 @@ def main():
         for target in args.targets
         for name in (H100_RECIPES if target == 'h100-80gb' else RECIPES)
     ]
-    for name, target in tqdm(todo, desc='plan --target', unit='compile'):
-        if args.reuse and json_path(results, name, target).exists():
-            continue
-        done = subprocess.run(
-            command(name, target, results), cwd=ROOT, capture_output=True, text=True
-        )
-        if done.returncode != 0:
-            sys.exit(f'{name} on {target}: launch/plan.py failed:\n{done.stderr[-3000:]}')
+    jobs = [
+        (f'{name} on {target}', command(name, target, results), json_path(results, name, target))
+        for name, target in todo
+    ]
+    run_plans(jobs, args.reuse, 'plan --target')
     print('\n530 B on data 8 x stage 35 x tensor 8 (2,240 GPUs), compiled by XLA:GPU per recipe')
     print(f'command: python {" ".join(sys.argv)}')
     print(
         'each row: python launch/plan.py --config configs/mtnlg_530b.py --devices 2240 '
         '--target TARGET ARGS'
     )
-    print('| ' + ' | '.join(HEADER) + ' |')
-    print('|' + '|'.join('---' for _ in HEADER) + '|')
-    for name, target in todo:
-        plan = json.loads(json_path(results, name, target).read_text())
-        print('| ' + ' | '.join(row(name, target, plan)) + ' |')
+    print_markdown(HEADER, [row(n, t, read_plan(json_path(results, n, t))) for n, t in todo])
     print(
         'ARGS per recipe: '
         + '; '.join(f'{n}: {" ".join(a) or "(none)"}' for n, a in RECIPES.items())

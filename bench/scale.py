@@ -29,18 +29,15 @@ token): recompute and pipeline bubble make it exceed 1.
 """
 
 import argparse
-import json
 import os
 import pathlib
-import subprocess
 import sys
 
-from tqdm import tqdm
 
 from mtnlg_jax import gpu_compile
+from plan_runs import ROOT, print_markdown, read_plan, run_plans
 from mtnlg_jax.plan.comm import by_axis
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUNS = {  # name: launch/plan.py arguments after --config
     'tiny': [],
     'gpt2_124m': ['--devices', '8'],
@@ -173,15 +170,15 @@ def main():
     results.mkdir(parents=True, exist_ok=True)
     missing = gpu_compile.missing()
     todo = runs(args.only, with_gpu=missing is None)
-    for name, target in tqdm(todo, desc='plan --compile', unit='compile'):
-        path = json_path(results, name, target)
-        if args.reuse and path.exists():
-            continue
-        command = plan_command(name, results, target)
-        tqdm.write(' '.join(command[1:]))
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-        if done.returncode != 0:
-            sys.exit(f'{name}: launch/plan.py failed:\n{done.stderr[-3000:]}')
+    jobs = [
+        (
+            f'{name} {target or "cpu"}',
+            plan_command(name, results, target),
+            json_path(results, name, target),
+        )
+        for name, target in todo
+    ]
+    run_plans(jobs, args.reuse, 'plan --compile')
     print('\nScale check: planned and compiled train steps, per device')
     print(f'command: python {" ".join(sys.argv)}')
     print(
@@ -189,11 +186,7 @@ def main():
         f'a100-80gb --json {results}/NAME.json, ARGS: {RUNS}'
     )
     print(f'machine: {os.cpu_count()} CPU cores (compile times are noisy on a shared machine)')
-    print('| ' + ' | '.join(HEADER) + ' |')
-    print('|' + '|'.join('---' for _ in HEADER) + '|')
-    for name in args.only:
-        plan = json.loads((results / f'{name}.json').read_text())
-        print('| ' + ' | '.join(row(name, plan)) + ' |')
+    print_markdown(HEADER, [row(name, read_plan(json_path(results, name))) for name in args.only])
     print('\nXLA:GPU: the same train steps compiled for compile-only GPUs (plan.py --target)')
     if missing is not None:
         print(f'skipped: {missing}')
@@ -203,15 +196,15 @@ def main():
         f'{results}/NAME.TARGET.json; exposed comm: the overlap replay of the compiled schedule '
         '(compute at peak, collectives at the link bandwidths)'
     )
-    print('| ' + ' | '.join(GPU_HEADER) + ' |')
-    print('|' + '|'.join('---' for _ in GPU_HEADER) + '|')
+    rows = []
     for name, target in todo:
-        if target is None:
-            continue
-        plan = json.loads(json_path(results, name, target).read_text())
-        cpu_path = json_path(results, name)
-        cpu_plan = json.loads(cpu_path.read_text()) if cpu_path.exists() else None
-        print('| ' + ' | '.join(gpu_row(name, target, plan, cpu_plan)) + ' |')
+        if target is not None:
+            cpu_path = json_path(results, name)
+            cpu_plan = read_plan(cpu_path) if cpu_path.exists() else None
+            rows.append(
+                gpu_row(name, target, read_plan(json_path(results, name, target)), cpu_plan)
+            )
+    print_markdown(GPU_HEADER, rows)
 
 
 if __name__ == '__main__':

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtnlg_jax import config as config_lib
-from mtnlg_jax.parallel import pipeline
+from mtnlg_jax.parallel import stage_order
 from mtnlg_jax.parallel.mesh import make_mesh
 from mtnlg_jax.train import state as state_lib
 from mtnlg_jax.train import step as step_lib
@@ -104,7 +104,7 @@ def gradients(config, batch, step=0):
 
 def in_layer_order(config, tree):
     """Block parameters (or gradients) of a pipelined layout back in plain layer order."""
-    return pipeline.to_layer_order(
+    return stage_order.to_layer_order(
         tree, config.model.num_layers, config.mesh.stage, config.pipeline.repeats
     )
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import support
-from mtnlg_jax.parallel import pipeline
+from mtnlg_jax.parallel import pipeline, stage_order
 from mtnlg_jax.parallel import schedule as schedule_lib
 from mtnlg_jax.train import state as state_lib
 from mtnlg_jax.train import step as step_lib
@@ -143,7 +143,7 @@ def test_each_stage_holds_only_its_own_blocks_and_their_optimizer_state():
         assert array.sharding.spec[0] == 'stage'
         # 8 layers over 2 stages; embed split by ZeRO over data; mlp over tensor.
         assert array.addressable_shards[0].data.shape == (4, 32, 128)
-    first_stage_layers = pipeline.schedule_order(8, stages=2, repeats=2)[:4]
+    first_stage_layers = stage_order.schedule_order(8, stages=2, repeats=2)[:4]
     assert list(first_stage_layers) == [0, 1, 4, 5]  # chunks 0 and 2 of 2 layers each
 
 
@@ -181,8 +181,8 @@ def _all_eqns(jaxpr):
 def test_schedule_order_round_trips_to_layer_order(stages, repeats):
     layers = 8
     tree = {'blocks': {'w': jnp.arange(layers * 3).reshape(layers, 3)}, 'token_embed': jnp.ones(2)}
-    there = pipeline.to_schedule_order(tree, layers, stages, repeats)
-    back = pipeline.to_layer_order(there, layers, stages, repeats)
+    there = stage_order.to_schedule_order(tree, layers, stages, repeats)
+    back = stage_order.to_layer_order(there, layers, stages, repeats)
     np.testing.assert_array_equal(back['blocks']['w'], tree['blocks']['w'])
     per_stage = layers // stages
     for stage in range(stages):  # each stage's slice holds the layers of chunks stage, stage+p...

@@ -24,19 +24,14 @@ A forward keeps what its chunk's backward needs, the residuals of its VJP under
 selective, each layer's input with full), in a slot per micro-batch in flight; the backward
 applies that VJP, so no chunk runs its forward twice and a pipelined step does the matmul
 FLOPs of the same model unpipelined. The parameters inside a VJP are not stashed: the
-backward puts the current chunk's back (`pullback_of`). The embedding runs on the first
+backward puts the current chunk's back (parallel/residuals.py). The embedding runs on the first
 stage, the final norm, head and loss on the last, one micro-batch a tick; only the loss is
 summed over 'stage', and the gradients of the parameters outside the block stack (each stage
 holds them all) are summed over 'stage': the tied embedding's two halves meet there, from the
 first stage and the last.
 
-Stored form: block parameters (and their Adam moments) are kept stage-major, so the rule
-'layers' -> 'stage' gives each stage exactly its own chunks:
-
-    storage index  s (v L/(pv)) + r L/(pv) + j   holds layer  (r p + s) L/(pv) + j
-
-Checkpoints hold them in plain layer order (`to_layer_order` before saving,
-`to_schedule_order` after restoring), so any (stage, repeats, schedule) restores any other.
+Stored form: block parameters stage-major (parallel/stage_order.py), so the rule 'layers' ->
+'stage' gives each stage exactly its own chunks.
 """
 
 import jax
@@ -48,6 +43,7 @@ from jax.sharding import PartitionSpec
 from mtnlg_jax.model import gpt
 from mtnlg_jax.parallel import gpipe
 from mtnlg_jax.parallel import schedule as schedule_lib
+from mtnlg_jax.parallel.residuals import join_vjp, split_vjp
 from mtnlg_jax.parallel.rules import constrain
 
 STAGE_AXIS = gpipe.STAGE_AXIS
@@ -65,39 +61,6 @@ _IDLE, _FIRST, _MIDDLE, _LAST = range(4)
 FORWARD, BACKWARD, EVAL, FIRST, LAST = (
     'pipeline_forward', 'pipeline_backward', 'pipeline_eval', 'pipeline_first', 'pipeline_last'
 )  # fmt: skip
-
-
-def schedule_order(num_layers, stages, repeats):
-    """Layer held at each storage index of the stage-major order."""
-    per_chunk = num_layers // (stages * repeats)
-    return np.array(
-        [
-            (r * stages + s) * per_chunk + j
-            for s in range(stages)
-            for r in range(repeats)
-            for j in range(per_chunk)
-        ]
-    )
-
-
-def _reorder_blocks(tree, index):
-    """Permute axis 0 of every leaf under a 'blocks' key (parameters and Adam moments)."""
-    if np.array_equal(index, np.arange(len(index))):
-        return tree
-
-    def reorder(path, leaf):
-        in_blocks = any(getattr(key, 'key', None) == 'blocks' for key in path)
-        return jnp.take(leaf, index, axis=0) if in_blocks else leaf
-
-    return jax.tree_util.tree_map_with_path(reorder, tree)
-
-
-def to_schedule_order(tree, num_layers, stages, repeats):
-    return _reorder_blocks(tree, schedule_order(num_layers, stages, repeats))
-
-
-def to_layer_order(tree, num_layers, stages, repeats):
-    return _reorder_blocks(tree, np.argsort(schedule_order(num_layers, stages, repeats)))
 
 
 def options(config):
@@ -273,26 +236,17 @@ def run_schedule(graphdef, params, tokens, row_keys, table, with_grads, bubble_f
             """The chunk as a function of its parameters, the shared ones (the embedding's,
             for chunk 0) and its stashed input: what a forward differentiates."""
 
-            def run(c, sh, x):
-                return apply_chunk(c, stage_input(kind, sh, x, micro), micro, repeat)
+            def run(params, x):
+                chunk, sh = params
+                return apply_chunk(chunk, stage_input(kind, sh, x, micro), micro, repeat)
 
             return run
 
-        def params_of(repeat):
-            return jax.tree.leaves((chunk_at(repeat), shared))
-
         def forward_with_residuals(kind, x, micro, repeat):
-            """(y, the residuals of the chunk's VJP that are not parameters, the layout of the
-            whole VJP): what the backward needs under model.remat, kept instead of
-            recomputed. Parameters appear in the VJP as themselves; the backward puts its own
-            copy of them back, so a slot holds activations only."""
-            chunk = chunk_at(repeat)
-            y, pullback = jax.vjp(chunk_fn(kind, micro, repeat), chunk, shared, x)
-            leaves, treedef = jax.tree.flatten(pullback)
-            position = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves((chunk, shared)))}
-            where = tuple(position.get(id(leaf)) for leaf in leaves)
-            kept = [leaf for leaf, w in zip(leaves, where) if w is None]
-            return y, kept, (treedef, where)
+            """(y, what the chunk's backward needs under model.remat, its layout): the VJP's
+            residuals without the parameters (residuals.split_vjp), kept instead of
+            recomputed."""
+            return split_vjp(chunk_fn(kind, micro, repeat), (chunk_at(repeat), shared), x)
 
         # The layout of a forward's residuals, traced once: every forward has the same.
         layout_of = []
@@ -312,8 +266,7 @@ def run_schedule(graphdef, params, tokens, row_keys, table, with_grads, bubble_f
             def run():
                 x = stash[slot]
                 if not with_grads:
-                    return apply_chunk(chunk_at(repeat), stage_input(kind, shared, x, micro),
-                                       micro, repeat), []  # fmt: skip
+                    return chunk_fn(kind, micro, repeat)((chunk_at(repeat), shared), x), []
                 y, kept, structure = forward_with_residuals(kind, x, micro, repeat)
                 # the same program as the probe's: the same parameters in the same places
                 assert structure[1] == layout_of[0][1], 'a forward kept another layout'
@@ -336,15 +289,6 @@ def run_schedule(graphdef, params, tokens, row_keys, table, with_grads, bubble_f
                 return jax.lax.dynamic_update_index_in_dim(a, total, repeat, 0)
 
             return jax.tree.map(add_one, acc, grads)
-
-        def pullback_of(kept, repeat):
-            """The chunk's VJP from a forward's kept residuals, with the parameters of chunk
-            `repeat` and the shared ones put back where it used them."""
-            treedef, where = layout_of[0]
-            kept, params = iter(kept), jax.tree.leaves((chunk_at(repeat), shared))
-            return jax.tree.unflatten(
-                treedef, [next(kept) if w is None else params[w] for w in where]
-            )
 
         def backward(kind, sums, stash, resids, grad_buf, micro, repeat, slot, resid_slot,
                      grad_slot):  # fmt: skip
@@ -373,7 +317,8 @@ def run_schedule(graphdef, params, tokens, row_keys, table, with_grads, bubble_f
             def run():
                 with jax.named_scope(LAST):
                     kept, d_y, acc, total = jax.lax.cond(kind == _LAST, head, stashed)
-                d_chunk, d_shared, d_h = pullback_of(kept, repeat)(d_y)
+                pullback = join_vjp(layout_of[0], kept, (chunk_at(repeat), shared))
+                (d_chunk, d_shared), d_h = pullback(d_y)
                 with jax.named_scope(FIRST):  # the embedding's half of the tied gradient
                     acc = jax.lax.cond(kind == _FIRST, lambda: add(acc, d_shared), lambda: acc)
                 return (add_chunk(acc_blocks, repeat, d_chunk), acc, total), d_h

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mtnlg_jax.model import gpt
-from mtnlg_jax.parallel import pipeline, rules
+from mtnlg_jax.parallel import rules, stage_order
 from mtnlg_jax.train.optimizer import make_optimizer
 
 
@@ -75,7 +75,7 @@ def init_state(config, setup):
 
     def init():
         _, params, _ = gpt.split(gpt.create(config.model, config.train.seed))
-        params = pipeline.to_schedule_order(
+        params = stage_order.to_schedule_order(
             params, config.model.num_layers, config.mesh.stage, config.pipeline.repeats
         )
         return dict(
@@ -93,6 +93,6 @@ def pipeline_order(config, setup, to):
     stages and repeats."""
     if config.mesh.stage == 1 or config.pipeline.repeats == 1:
         return lambda state: state
-    convert = pipeline.to_layer_order if to == 'layer' else pipeline.to_schedule_order
+    convert = stage_order.to_layer_order if to == 'layer' else stage_order.to_schedule_order
     shape = (config.model.num_layers, config.mesh.stage, config.pipeline.repeats)
     return jax.jit(lambda state: convert(state, *shape), out_shardings=setup.state_shardings)

@@ -1,0 +1,34 @@
+"""What the benchmarks that drive launch/plan.py share: one plan per subprocess (each needs its own
+device count and compiler set up before JAX starts), and the markdown tables they print."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+from tqdm import tqdm
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run_plans(jobs, reuse, desc):
+    """Run each (name, command, JSON path) whose JSON is missing (or every one unless `reuse`),
+    with a progress bar; the first failure ends the benchmark with its stderr."""
+    for name, command, path in tqdm(jobs, desc=desc, unit='compile'):
+        if reuse and path.exists():
+            continue
+        tqdm.write(' '.join(str(part) for part in command[1:]))
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f'{name}: launch/plan.py failed:\n{done.stderr[-3000:]}')
+
+
+def read_plan(path):
+    return json.loads(pathlib.Path(path).read_text())
+
+
+def print_markdown(header, rows):
+    print('| ' + ' | '.join(header) + ' |')
+    print('|' + '|'.join('---' for _ in header) + '|')
+    for row in rows:
+        print('| ' + ' | '.join(str(cell) for cell in row) + ' |')
