@@ -68,12 +68,13 @@ def defaults():
             hidden_dropout=0.1,
             compute_dtype='bfloat16',  # parameters and optimizer state are always fp32
             remat='none',  # none | full | selective
-            # auto | fused | plain. fused: jax.nn.dot_product_attention, cuDNN's flash
-            # attention on GPUs (no (seq x seq) scores in memory; bf16 or fp16; no attention
-            # dropout: cuDNN's masks come from a fixed seed, not the per-sequence keys);
-            # plain: einsums around the fp32 scores (dropout per sequence); auto: fused where
-            # cuDNN can run it (GPU, bf16/fp16, attention_dropout 0, head dim within its
-            # limit: 128 on A100, 256 on H100), else plain (model/block.py).
+            # auto | fused | flash | plain (model/block.py). No (seq x seq) scores in memory
+            # on the fused kernels: cuDNN's flash attention (jax.nn.dot_product_attention; a
+            # GPU, bf16/fp16, no attention dropout, head dim <= 128 on A100, 256 on H100) and
+            # the Pallas flash kernel (model/flash_attention.py; Triton on GPUs, bf16/fp16,
+            # head dim <= 256, attention dropout from per-sequence keys). auto: cuDNN, else
+            # flash, else plain; fused: the same, refused where neither runs; flash: the
+            # Pallas kernel (interpreted on a CPU); plain: einsums around the fp32 scores.
             attention='auto',
             # Megatron's sequence parallelism: layer norms, dropout and residual adds on
             # sequence shards split over mesh.tensor (parallel/rules.py).

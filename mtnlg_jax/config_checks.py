@@ -10,7 +10,7 @@ import math
 from mtnlg_jax import rampup
 
 REMAT_POLICIES = ('none', 'full', 'selective')
-ATTENTION = ('auto', 'fused', 'plain')
+ATTENTION = ('auto', 'fused', 'flash', 'plain')
 PIPELINE_SCHEDULES = ('1f1b', 'interleaved', 'gpipe')
 COMPUTE_DTYPES = ('float32', 'bfloat16', 'float16')
 VOCAB_PAD_MULTIPLE = 128
@@ -115,13 +115,6 @@ def check_model(config):
         model.attention in ATTENTION,
         'model.attention',
         f'{model.attention!r} is not one of {", ".join(ATTENTION)}',
-    )
-    _require(
-        model.attention != 'fused' or model.attention_dropout == 0,
-        'model.attention',
-        f'fused attention applies no dropout (cuDNN draws its masks from a fixed seed, not '
-        f'from the per-sequence keys), but model.attention_dropout is '
-        f'{model.attention_dropout}: set it to 0, or model.attention=auto or plain',
     )
     _require(
         model.compute_dtype in COMPUTE_DTYPES,

@@ -1,6 +1,8 @@
-"""Fused attention (model.attention = fused: jax.nn.dot_product_attention, cuDNN's flash attention
-on GPUs) against the plain einsums: the same loss and gradients per leaf, the same decoding;
-which kernel a config gets where; and what is refused."""
+"""Fused attention against the plain einsums: jax.nn.dot_product_attention (cuDNN's flash
+attention on GPUs) and the Pallas flash kernel (model/flash_attention.py, interpreted on this
+CPU) give the same loss and gradients per leaf, the same decoding; the flash kernel's dropout
+is its reference's and does not depend on the layout; which kernel a config gets where; and
+what is refused."""
 
 import types
 
@@ -11,7 +13,7 @@ import pytest
 
 import support
 from mtnlg_jax import config as config_lib
-from mtnlg_jax.model import block, gpt
+from mtnlg_jax.model import block, flash_attention, gpt
 from mtnlg_jax.model.decode import forward_cached, init_cache
 
 A100 = types.SimpleNamespace(platform='gpu', compute_capability='8.0')
@@ -82,11 +84,20 @@ def test_decoding_with_the_fused_kernel_matches_plain_decoding():
         (dict(compute_dtype='bfloat16'), A100, 'cudnn'),  # head dim 8
         (dict(compute_dtype='bfloat16'), CPU, 'plain'),
         (dict(compute_dtype='float32'), A100, 'plain'),
-        (dict(compute_dtype='bfloat16', attention_dropout=0.1), A100, 'plain'),
-        (dict(compute_dtype='bfloat16', hidden=8 * 160), A100, 'plain'),  # MT-NLG's head dim
+        (dict(compute_dtype='bfloat16', attention_dropout=0.1), A100, 'flash'),
+        (dict(compute_dtype='bfloat16', hidden=8 * 160), A100, 'flash'),  # MT-NLG's head dim
         (dict(compute_dtype='bfloat16', hidden=8 * 160), H100, 'cudnn'),
+        (dict(compute_dtype='bfloat16', hidden=8 * 160, attention_dropout=0.1), H100, 'flash'),
+        (dict(compute_dtype='bfloat16', hidden=8 * 512), A100, 'plain'),  # over 256
         (dict(compute_dtype='bfloat16', attention='plain'), H100, 'plain'),
         (dict(compute_dtype='float32', attention='fused'), CPU, 'xla'),
+        (
+            dict(compute_dtype='float32', attention='fused', attention_dropout=0.1),
+            CPU,
+            'flash_interpreted',
+        ),
+        (dict(compute_dtype='float32', attention='flash'), CPU, 'flash_interpreted'),
+        (dict(compute_dtype='float32', attention='flash'), A100, 'flash'),
     ],
 )
 def test_which_kernel_a_config_gets(overrides, device, kernel):
@@ -94,10 +105,92 @@ def test_which_kernel_a_config_gets(overrides, device, kernel):
     assert block.attention_kernel(cfg, device) == kernel
 
 
-def test_fused_attention_with_dropout_or_where_cudnn_cannot_is_refused():
-    config = support.small_config(attention='fused').copy_and_resolve_references()
-    config.model.attention_dropout = 0.1
-    with pytest.raises(config_lib.ConfigError, match='model.attention: fused attention applies'):
-        config_lib.resolve(config, 1)
+def test_fused_attention_where_no_kernel_can_is_refused():
     with pytest.raises(config_lib.ConfigError, match='cuDNN cannot fuse float32 compute'):
         block.attention_kernel(_model_cfg('fused'), A100)
+    with pytest.raises(config_lib.ConfigError, match='cannot take head dim 512'):
+        block.attention_kernel(_model_cfg('fused', compute_dtype='bfloat16', hidden=8 * 512), A100)
+    with pytest.raises(config_lib.ConfigError, match='cannot take sequence length 48'):
+        block.attention_kernel(_model_cfg('flash', seq_len=48), CPU)
+
+
+@pytest.mark.parametrize('rate', [0.0, 0.1])
+@pytest.mark.parametrize('dtype, relative', [('float32', 1e-5), ('bfloat16', 2e-2)])
+def test_flash_kernel_gives_its_reference_output_and_gradients(rate, dtype, relative):
+    """The Pallas kernels (interpreted) against materialised scores with the same dropout
+    bits: MT-NLG's head dim 160 (padded to 256 inside), four forward query blocks and eight
+    backward blocks, so every block pairing and the online softmax across key blocks run."""
+    batch, seq, heads, head_dim = 1, 256, 2, 160
+    keys = jax.random.split(jax.random.key(0), 5)
+    q, k, v, weight = (
+        jax.random.normal(key, (batch, seq, heads, head_dim)).astype(dtype) for key in keys[:4]
+    )
+    seeds = flash_attention.head_seeds(jax.random.split(keys[4], batch), 3, heads)
+
+    def loss(attend):
+        return lambda q, k, v: (attend(q, k, v).astype(jnp.float32) * weight).sum()
+
+    def flash(q, k, v):
+        return flash_attention.flash_attention(q, k, v, seeds, rate, True)
+
+    def reference(q, k, v):
+        return flash_attention.reference(q, k, v, seeds, rate)
+
+    out, want = jax.jit(flash)(q, k, v), jax.jit(reference)(q, k, v)
+    scale = float(jnp.abs(want.astype(jnp.float32)).max())
+    np.testing.assert_allclose(
+        out.astype(jnp.float32), want.astype(jnp.float32), atol=relative * scale
+    )
+    grads = jax.jit(jax.grad(loss(flash), argnums=(0, 1, 2)))(q, k, v)
+    wanted = jax.jit(jax.grad(loss(reference), argnums=(0, 1, 2)))(q, k, v)
+    support.assert_within_leaf_scale(
+        [g.astype(jnp.float32) for g in grads], [g.astype(jnp.float32) for g in wanted],
+        relative, what='gradient',
+    )  # fmt: skip
+
+
+def test_flash_dropout_keeps_the_rate_and_differs_by_sequence_head_and_site():
+    seq, rate = 128, 0.1
+    pos = jnp.arange(seq)
+    seeds = flash_attention.head_seeds(jax.random.split(jax.random.key(1), 2), 0, 4)
+    other_site = flash_attention.head_seeds(jax.random.split(jax.random.key(1), 2), 1, 4)
+    keep = jax.vmap(jax.vmap(lambda s: flash_attention.keep_mask(s, pos, pos, seq, rate)))
+    masks, masks_other_site = keep(seeds), keep(other_site)
+    assert abs(float(masks.mean()) - (1 - rate)) < 0.005  # 131,072 draws: 4 sigma ~ 0.0033
+    flat = masks.reshape(8, -1)
+    agreement = (flat[:, None] == flat[None]).mean(-1)
+    off_diagonal = agreement[~np.eye(8, dtype=bool)]
+    assert float(off_diagonal.max()) < 1 - 2 * rate * (1 - rate) + 0.01  # independent masks
+    assert float((masks != masks_other_site).mean()) > 0.15
+
+
+def test_the_flash_path_gives_the_plain_loss_and_gradients():
+    """model.attention=flash through the whole GPT (fp32, no dropout): the plain path's loss
+    and every gradient per leaf."""
+    flash_loss, flash = _loss_and_grads(_model_cfg('flash'))
+    plain_loss, plain = _loss_and_grads(_model_cfg('plain'))
+    np.testing.assert_allclose(flash_loss, plain_loss, rtol=1e-5)
+    support.assert_within_leaf_scale(flash, plain, 1e-5, what='gradient')
+
+
+def test_flash_dropout_does_not_depend_on_the_layout():
+    """The flash kernel's masks come from (sequence key, site, global head): data 2 x tensor 4
+    with two micro-steps computes one device's loss and gradients, and dropout changes them."""
+    batch = support.random_batches(1)[0]
+    dropout = dict(attention='flash', attention_dropout=0.2)
+    _, loss_one, grads_one = support.gradients(
+        support.small_config(data=1, micro_steps=1, **dropout), batch, step=5
+    )
+    _, loss_many, grads_many = support.gradients(
+        support.small_config(data=2, tensor=4, micro_steps=2, **dropout), batch, step=5
+    )
+    _, _, grads_no_dropout = support.gradients(
+        support.small_config(data=1, attention='flash'), batch, step=5
+    )
+    change = max(
+        np.abs(a - b).max()
+        for a, b in zip(jax.tree.leaves(grads_one), jax.tree.leaves(grads_no_dropout))
+    )
+    assert change > 1e-3, 'dropout should change the gradients far beyond the tolerance'
+    np.testing.assert_allclose(loss_many, loss_one, rtol=1e-6)
+    support.assert_gradients_close(grads_many, grads_one)

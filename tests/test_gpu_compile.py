@@ -108,21 +108,27 @@ def test_planned_collective_bytes_against_the_gpu_compile(name):
     assert compiled.get('all-reduce', {}).get('data', 0.0) < 1024  # a few scalars
 
 
-def test_fused_attention_compiles_to_cudnn_inside_the_pipeline():
-    """A bf16 pipelined layout (data 2 x stage 2 x tensor 2, interleaved 1F1B): 'auto' takes
-    cuDNN's flash attention on an A100 (head dim 32), forward and backward kernels inside the
-    engine's loop, and the compiled FLOPs count them (dense, as 6N + 12LHQT does: the ratio
-    stays that of the plain path, whose einsums it replaces)."""
+@pytest.mark.parametrize(
+    'dropout, kernels',
+    [
+        (0.0, {'__cudnn$fmhaSoftmax', '__cudnn$fmhaSoftmaxBackward'}),
+        (0.1, {'flash_attention_forward', 'flash_attention_backward'}),
+    ],
+)
+def test_fused_attention_compiles_inside_the_pipeline(dropout, kernels):
+    """A bf16 pipelined layout (data 2 x stage 2 x tensor 2, interleaved 1F1B) on A100s: 'auto'
+    takes cuDNN's flash attention (head dim 32), or with attention dropout the Pallas flash
+    kernel as Triton, forward and backward kernels inside the engine's loop; the compiled
+    FLOPs count them (dense, as 6N + 12LHQT does: the ratio stays that of the plain path,
+    whose einsums it replaces)."""
     plain = gpu_plan('pipelined')['compiled']  # the same layout in fp32: plain attention
     config = support.small_config(
-        **support.PLAN_LAYOUTS['pipelined'], hidden=256, vocab_size=1500, compute_dtype='bfloat16'
-    )
+        **support.PLAN_LAYOUTS['pipelined'], hidden=256, vocab_size=1500,
+        compute_dtype='bfloat16', attention_dropout=dropout,
+    )  # fmt: skip
     compiled = _gpu_plan(config)['compiled']
     assert compiled['attention']['fused']
-    assert set(compiled['attention']['kernels']) == {
-        '__cudnn$fmhaSoftmax',
-        '__cudnn$fmhaSoftmaxBackward',
-    }
+    assert set(compiled['attention']['kernels']) == kernels
     # flash attention's backward recomputes the scores: 7 matmuls of the scores' size where
     # the plain path runs 6; everything else is the same work
     assert compiled['flops_vs_model'] >= plain['flops_vs_model']

@@ -16,6 +16,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from mtnlg_jax.config import ConfigError
+from mtnlg_jax.model import flash_attention
 from mtnlg_jax.model.layers import LayerNorm, dropout, param, use
 from mtnlg_jax.parallel.rules import constrain, local_call
 
@@ -25,37 +26,63 @@ from mtnlg_jax.parallel.rules import constrain, local_call
 SELECTIVE_SAVED = ('qkv', 'context', 'attn_out', 'mlp_in', 'mlp_out')
 
 # The largest head dimension of cuDNN's flash attention by compute capability major (JAX 0.10:
-# 128 before Hopper, 256 from it); MT-NLG's 160 runs on H100, not on A100.
+# 128 before Hopper, 256 from it); MT-NLG's 160 fits H100's, not A100's. The Pallas flash
+# kernel (model/flash_attention.py) pads the head dimension to a power of two, up to 256.
 CUDNN_MAX_HEAD_DIM = {8: 128, 9: 256}
 CONTEXT_AXES = ('batch', 'seq', 'heads', 'head_dim')
+SEED_AXES = ('batch', 'heads')
 
 
 def attention_kernel(cfg, device=None):
-    """What Attention runs under model.attention on `device` (the mesh's first; None: the
-    CPU): 'cudnn' (jax.nn.dot_product_attention's cuDNN flash attention, a GPU), 'xla' (the
-    same call elsewhere: `fused` on a CPU, which the tests compare with plain), or 'plain'."""
+    """What Attention runs under model.attention on `device` (the mesh's first; None: the CPU):
+
+        'cudnn'  jax.nn.dot_product_attention's cuDNN flash attention (a GPU; no dropout)
+        'flash'  the Pallas flash kernel (model/flash_attention.py) as Triton on a GPU, where
+                 cuDNN cannot (A100 with head dim 160, attention dropout)
+        'flash_interpreted'  the same kernel interpreted, elsewhere (`flash` asked for by
+                 name, or `fused` with dropout, on a CPU: the tests)
+        'xla'    jax.nn.dot_product_attention on a CPU (`fused` without dropout: the tests)
+        'plain'  einsums around the materialised (seq x seq) scores
+
+    auto takes the first of cudnn, flash, plain that can run; fused the first of cudnn, flash
+    and refuses what neither can (one ConfigError naming why)."""
     choice = cfg.get('attention', 'plain')
-    if choice == 'plain':
-        return 'plain'
     on_gpu = device is not None and device.platform == 'gpu'
-    if not on_gpu:
-        return 'xla' if choice == 'fused' else 'plain'
-    major = int(str(getattr(device, 'compute_capability', '8.0')).split('.')[0])
     head_dim = cfg.hidden // cfg.heads
+    flash_refuses = flash_attention.refusal(cfg.seq_len, head_dim)
+    if choice == 'plain':
+        return choice
+    if choice == 'flash' and flash_refuses:
+        raise ConfigError('model.attention', f'the Pallas flash kernel cannot take {flash_refuses}')
+    if choice == 'flash':
+        return 'flash' if on_gpu else 'flash_interpreted'
+    if not on_gpu:
+        if choice == 'auto':
+            return 'plain'
+        return 'flash_interpreted' if cfg.attention_dropout > 0 else 'xla'
+    major = int(str(getattr(device, 'compute_capability', '8.0')).split('.')[0])
+    half = cfg.compute_dtype in ('bfloat16', 'float16')
     limit = CUDNN_MAX_HEAD_DIM.get(major, 256 if major > 9 else 0)
-    reasons = [
+    cudnn_refuses = [
         why
         for failed, why in (
-            (cfg.compute_dtype not in ('bfloat16', 'float16'), f'{cfg.compute_dtype} compute'),
+            (not half, f'{cfg.compute_dtype} compute'),
             (head_dim > limit or head_dim % 8, f'head dim {head_dim} (at most {limit} here)'),
             (cfg.attention_dropout > 0, f'attention dropout {cfg.attention_dropout}'),
         )
         if failed
     ]
-    if not reasons:
+    if not cudnn_refuses:
         return 'cudnn'
+    if half and not flash_refuses:
+        return 'flash'
     if choice == 'fused':
-        raise ConfigError('model.attention', f'cuDNN cannot fuse {", ".join(reasons)}')
+        raise ConfigError(
+            'model.attention',
+            f'no fused kernel runs this: cuDNN cannot fuse {", ".join(cudnn_refuses)}; the '
+            f'Pallas flash kernel needs bf16 or fp16 compute and cannot take '
+            f'{flash_refuses or cfg.compute_dtype + " compute"}',
+        )
     return 'plain'
 
 
@@ -81,7 +108,7 @@ class Attention(nnx.Module):
         self.out_bias = param(rngs, (hidden,), ('embed',))
         self.dropout_rate = cfg.attention_dropout
         self.dtype = cfg.compute_dtype
-        self.kernel = kernel  # attention_kernel(): 'cudnn', 'xla' or 'plain'
+        self.kernel = kernel  # attention_kernel()'s choice
 
     def project_qkv(self, x):
         """(batch, seq, embed) -> (batch, seq, 3, heads, head_dim), split over heads."""
@@ -101,12 +128,30 @@ class Attention(nnx.Module):
         context = jnp.einsum('bhqk,bkhd->bqhd', probs, v.astype(q.dtype))
         return checkpoint_name(constrain(context, CONTEXT_AXES), 'context')
 
-    def attend_fused(self, q, k, v, visible_keys=None):
-        """The same context in one kernel (self.kernel: cuDNN's flash attention on GPUs): no
-        (seq x seq) scores are kept, the backward recomputes them; q, k, v and the context in
-        the compute dtype. Causal, or with visible_keys (a scalar, decoding): keys 0 ..
-        visible_keys - 1 for every query. Each device runs the kernel on its own batch rows
-        and heads (rules.local_call: cuDNN's partitioning rule fails inside the pipeline)."""
+    def attend_fused(self, q, k, v, visible_keys=None, row_keys=None, site=0):
+        """The same context in one kernel (self.kernel): no (seq x seq) scores are kept, the
+        backward recomputes them; q, k, v and the context in the compute dtype. Causal, or
+        with visible_keys (a scalar, decoding): keys 0 .. visible_keys - 1 for every query.
+        Each device runs the kernel on its own batch rows and heads (rules.local_call:
+        cuDNN's partitioning rule fails inside the pipeline). The flash kernel applies
+        attention dropout from per-(sequence, head) seeds drawn from row_keys."""
+        q, k, v = (constrain(a.astype(q.dtype), CONTEXT_AXES) for a in (q, k, v))
+        if self.kernel in ('flash', 'flash_interpreted'):
+            rate = self.dropout_rate if row_keys is not None else 0.0
+            if rate:
+                seeds = flash_attention.head_seeds(row_keys.reshape(-1), site, q.shape[2])
+            else:
+                seeds = jnp.zeros(q.shape[0:1] + q.shape[2:3], jnp.uint32)
+            interpret = self.kernel == 'flash_interpreted'  # decided by the mesh's device
+            context = local_call(
+                lambda q, k, v, seeds: flash_attention.flash_attention(
+                    q, k, v, seeds, rate, interpret
+                ),
+                (q, k, v, constrain(seeds, SEED_AXES)),
+                CONTEXT_AXES,
+                args_axes=(CONTEXT_AXES,) * 3 + (SEED_AXES,),
+            )
+            return checkpoint_name(constrain(context, CONTEXT_AXES), 'context')
 
         def kernel(q, k, v, *visible):
             lengths = None
@@ -121,7 +166,6 @@ class Attention(nnx.Module):
                 implementation=self.kernel,
             )
 
-        q, k, v = (constrain(a.astype(q.dtype), CONTEXT_AXES) for a in (q, k, v))
         extra = () if visible_keys is None else (jnp.asarray(visible_keys, jnp.int32),)
         context = local_call(kernel, (q, k, v), CONTEXT_AXES, extra)
         return checkpoint_name(constrain(context, CONTEXT_AXES), 'context')
@@ -137,7 +181,8 @@ class Attention(nnx.Module):
         qkv = self.project_qkv(x)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         if self.kernel != 'plain':
-            return self.project_out(self.attend_fused(q, k, v))
+            context = self.attend_fused(q, k, v, row_keys=row_keys, site=site_base + _ATTN_PROBS)
+            return self.project_out(context)
         seq = x.shape[1]
         causal = jnp.tril(jnp.ones((seq, seq), bool))
         context = self.attend(q, k, v, causal, row_keys, site_base + _ATTN_PROBS)
@@ -156,11 +201,12 @@ class Attention(nnx.Module):
             jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), index, axis=1)
             for c, new in zip(cache, (k, v))
         )
-        if self.kernel != 'plain' and x.shape[1] == 1:  # one new token: keys 0 .. index
+        if self.kernel in ('cudnn', 'xla') and x.shape[1] == 1:  # one token: keys 0 .. index
             context = self.attend_fused(q, keys, values, visible_keys=index + 1)
             return self.project_out(context), (keys, values)
         # A prompt (several new tokens at once): the plain path, whose mask starts at index
-        # (cuDNN's causal mask starts at key 0).
+        # (cuDNN's causal mask starts at key 0); the flash kernel takes whole sequences only,
+        # and one new token's scores are one row: nothing to fuse.
         query_pos = index + jnp.arange(x.shape[1])
         visible = jnp.arange(keys.shape[1])[None, :] <= query_pos[:, None]
         return self.project_out(self.attend(q, keys, values, visible)), (keys, values)

@@ -109,11 +109,12 @@ def constrain_spec(x, spec):
     )
 
 
-def local_call(fn, args, logical_axes, replicated=()):
+def local_call(fn, args, logical_axes, replicated=(), args_axes=None):
     """fn(*args, *replicated) on each device's own shards: a nested shard_map manual over every
     mesh axis not manual here already, for a kernel whose partitioning rule fails where some
     axes are manual (cuDNN's attention inside the train step's region manual over 'data' and
-    the pipeline's over 'stage'). Every arg and the result are laid out by `logical_axes`;
+    the pipeline's over 'stage'), or that has none (a Pallas kernel). The result is laid out
+    by `logical_axes`, and so is every arg unless `args_axes` names each arg's own;
     `replicated` args are whole on every device."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
@@ -122,11 +123,15 @@ def local_call(fn, args, logical_axes, replicated=()):
     names = set(mesh.axis_names) - manual
     if not names:
         return fn(*args, *replicated)
-    spec = PartitionSpec(*(_without(axes, manual) for axes in logical_to_spec(logical_axes)))
+
+    def spec(axes):
+        return PartitionSpec(*(_without(a, manual) for a in logical_to_spec(axes)))
+
+    in_axes = args_axes if args_axes is not None else (logical_axes,) * len(args)
     return jax.shard_map(
         fn,
-        in_specs=(spec,) * len(args) + (PartitionSpec(),) * len(replicated),
-        out_specs=spec,
+        in_specs=tuple(spec(axes) for axes in in_axes) + (PartitionSpec(),) * len(replicated),
+        out_specs=spec(logical_axes),
         axis_names=names,
         check_vma=False,
     )(*args, *replicated)
@@ -135,9 +140,7 @@ def local_call(fn, args, logical_axes, replicated=()):
 def constrain_tree(tree, logical_tree):
     """`constrain` every leaf of `tree` by the logical names at the same place of
     `logical_tree` (e.g. gradient accumulators laid out as the parameters)."""
-    return jax.tree.map(
-        lambda axes, x: constrain(x, axes), logical_tree, tree, is_leaf=_is_axes
-    )
+    return jax.tree.map(lambda axes, x: constrain(x, axes), logical_tree, tree, is_leaf=_is_axes)
 
 
 def _without(axes, dropped):

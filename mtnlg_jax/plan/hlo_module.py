@@ -18,6 +18,8 @@ import collections
 import math
 import re
 
+from mtnlg_jax.model import flash_attention
+
 DTYPE_BYTES = {
     'pred': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1, 'f8e4m3': 1, 'f8e5m2fnuz': 1,
     'f8e4m3fnuz': 1, 'f8e4m3b11fnuz': 1, 'f8e3m4': 1, 'f8e8m0fnu': 1,
@@ -262,11 +264,19 @@ def _dims(type_text):
     return [int(re.sub(r'\D', '', d)) for d in match.group(2).split(',') if d.strip()]
 
 
-# cuDNN's fused attention: the forward runs 2 matmuls over the (batch, heads, q, k) scores,
-# the backward 5 (flash attention recomputes the scores, then dV, dP, dQ, dK).
-FUSED_ATTENTION_MATMULS = {'__cudnn$fmhaSoftmax': 2, '__cudnn$fmhaSoftmaxBackward': 5}
+# Fused attention kernels and the matmuls each runs over the (batch, heads, q, k) scores:
+# cuDNN's (forward 2; backward 5: flash attention recomputes the scores, then dV, dP, dQ, dK),
+# named by their custom call targets, and the Pallas flash kernels of model/flash_attention.py
+# (the same counts), Triton custom calls named by their op_name.
+FUSED_ATTENTION_MATMULS = {
+    '__cudnn$fmhaSoftmax': 2,
+    '__cudnn$fmhaSoftmaxBackward': 5,
+    **flash_attention.KERNEL_MATMULS,
+}
 _CUSTOM_TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _SCORES_SHAPE = re.compile(r'"intermediate_tensor_shape":\s*\{[^{}]*?"dimensions":\s*\[([^\]]*)\]')
+_PALLAS_KERNEL = re.compile(r'op_name="[^"]*?/(\w+)/pallas_call')
+_FIRST_OPERAND = re.compile(r'operand_layout_constraints=\{\s*\w+\[([^\]]*)\]')
 
 
 def custom_call_target(instruction):
@@ -274,18 +284,40 @@ def custom_call_target(instruction):
     return match.group(1) if match else None
 
 
-def custom_call_counts(hlo_text):
-    """{custom call target: instructions calling it} of a module (e.g. the cuDNN kernels)."""
-    return dict(collections.Counter(_CUSTOM_TARGET.findall(hlo_text)))
+def attention_kernel(instruction):
+    """The FUSED_ATTENTION_MATMULS name of a fused attention call, else None."""
+    target = custom_call_target(instruction)
+    if target == '__gpu$xla.gpu.triton':
+        pallas = _PALLAS_KERNEL.search(instruction.rest)
+        target = pallas.group(1) if pallas else None
+    return target if target in FUSED_ATTENTION_MATMULS else None
+
+
+def attention_kernel_counts(hlo_text):
+    """{fused attention kernel: calls in the module} (cuDNN's or the Pallas flash kernels)."""
+    computations, _ = parse_module(hlo_text)
+    kernels = (
+        attention_kernel(instruction)
+        for instructions in computations.values()
+        for instruction in instructions
+        if instruction.opcode == 'custom-call'
+    )
+    return dict(collections.Counter(k for k in kernels if k))
 
 
 def fused_attention_flops(instruction):
-    """FLOPs of one cuDNN fused-attention custom call, counted dense (2 x scores x head_dim
-    per matmul, as the model's 12 L H Q T counts attention; a causal kernel skips most of the
-    masked tiles, so the hardware does less); 0 for any other instruction."""
-    matmuls = FUSED_ATTENTION_MATMULS.get(custom_call_target(instruction) or '')
+    """FLOPs of one fused-attention call, counted dense (2 x scores x head_dim per matmul, as
+    the model's 12 L H Q T counts attention; a causal kernel skips most of the masked tiles,
+    so the hardware does less); 0 for any other instruction."""
+    kernel = attention_kernel(instruction)
+    if kernel is None:
+        return 0
+    matmuls = FUSED_ATTENTION_MATMULS[kernel]
+    if kernel in flash_attention.KERNEL_MATMULS:  # q: (batch, seq, heads, head_dim)
+        batch, seq, heads, head_dim = ints(_FIRST_OPERAND.search(instruction.rest).group(1))
+        return 2 * matmuls * batch * heads * seq * seq * head_dim
     scores = _SCORES_SHAPE.search(instruction.rest)
-    if not matmuls or not scores:
+    if not scores:
         return 0
     head_dim = _dims(split_top(instruction.type_text.strip()[1:-1])[0])[-1]
     return 2 * matmuls * math.prod(ints(scores.group(1))) * head_dim

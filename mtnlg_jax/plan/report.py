@@ -124,8 +124,7 @@ def add_gpu_figures(compiled, config, text, mesh, target, weights):
     """What only a GPU compile shows: the attention kernels, and the overlap replay of its
     schedule on the target's figures (plan/overlap.py)."""
     cluster = clusters.CLUSTERS[target]
-    kernels = hlo_module.custom_call_counts(text)
-    fused = {k: n for k, n in kernels.items() if k in hlo_module.FUSED_ATTENTION_MATMULS}
+    fused = hlo_module.attention_kernel_counts(text)
     compiled['attention'] = dict(fused=bool(fused), kernels=fused)
     replay = overlap.collective_overlap(
         text, mesh, overlap.Target.of_cluster(cluster, config.model.compute_dtype), weights
@@ -331,7 +330,7 @@ def gpu_lines(compiled):
     out = [
         '  attention  '
         + (
-            f'fused (cuDNN): {kernels}'
+            f'fused: {kernels}'
             if attention['fused']
             else 'NOT fused: einsums around a materialised (seq x seq) score matrix'
         ),
