@@ -56,8 +56,8 @@ def test_a_broken_formula_breaks_the_fit():
     training rows past 11 % even after refitting: the fit is not free to absorb it."""
     original = predict.layer_forward
 
-    def without_attention(config, rates, exposed):
-        out = original(config, rates, exposed)
+    def without_attention(*args):
+        out = original(*args)
         return dict(out, compute=out['compute'] - out['attention'], attention=0.0)
 
     predict.layer_forward = without_attention
@@ -117,3 +117,27 @@ def test_the_bubble_is_the_engine_tables(monkeypatch):
     work = step['compute_s'] + step['recompute_s']
     assert step['bubble_s'] / work == pytest.approx((stages - 1) / micro, rel=1e-6)
     assert np.isfinite(step['mfu']) and 0 < step['mfu'] < 1
+
+
+def test_a_fused_attention_kernel_moves_no_scores_through_memory():
+    """Where our engine runs a fused kernel on the GPU (auto: cuDNN on A100 at head dim 8),
+    the prediction drops the (seq x seq) scores' memory traffic, and only that; the published
+    runs (megatron semantics, unfused attention) are predicted as before."""
+    cluster = clusters.CLUSTERS['a100-80gb']
+    fused, plain = (
+        support.small_config(compute_dtype='bfloat16', attention=attention)
+        for attention in ('auto', 'plain')
+    )
+    rates = predict._Rates(cluster, predict.FIGURES[cluster.name], 'bfloat16')
+    model = fused.model
+    scores_bytes = (6 * 2 + 1) * model.heads * fused.train.micro_batch * model.seq_len**2
+    with_kernel = predict.layer_forward(fused, rates, 1.0, fused_attention=True)
+    without = predict.layer_forward(plain, rates, 1.0)
+    assert without['compute'] - with_kernel['compute'] == pytest.approx(rates.bytes(scores_bytes))
+    ours = [predict.step_time(c, cluster)['predicted_step_s'] for c in (fused, plain)]
+    assert ours[0] < ours[1]
+    theirs = [
+        predict.step_time(c, cluster, semantics='megatron')['predicted_step_s']
+        for c in (fused, plain)
+    ]
+    assert theirs[0] == theirs[1]

@@ -32,6 +32,7 @@ class Cluster:
     nvlink_bandwidth: float  # bytes/s per GPU, one direction
     internode_bandwidth: float  # bytes/s per GPU, one direction
     gpus_per_node: int
+    compute_capability: str  # picks the attention kernel (model/block.py)
 
 
 CLUSTERS = {
@@ -44,6 +45,7 @@ CLUSTERS = {
         nvlink_bandwidth=300 * GIGA,
         internode_bandwidth=25 * GIGA,
         gpus_per_node=8,
+        compute_capability='8.0',
     ),
     'h100-80gb': Cluster(
         name='h100-80gb',
@@ -54,6 +56,7 @@ CLUSTERS = {
         nvlink_bandwidth=450 * GIGA,
         internode_bandwidth=50 * GIGA,
         gpus_per_node=8,
+        compute_capability='9.0',
     ),
 }
 

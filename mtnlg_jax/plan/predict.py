@@ -7,7 +7,8 @@ tensor t, compute dtype of e bytes):
     matmuls     2 b s h (4 h + 2 f) / t FLOPs at peak x matmul(h / t)
     attention   4 b s^2 h / t FLOPs (Q K^T and the weighted sum, the whole square) at
                 peak x matmul(h / a), and its softmax, mask and dropout: (6 e + 1) a b s^2 / t
-                bytes of memory traffic
+                bytes of memory traffic, none where our engine runs a fused kernel on this
+                GPU (model/block.py's attention_kernel: the scores stay on chip)
     elementwise layer norms, bias + dropout + residual adds: (10 e + 2) b s h bytes, split
                 over t with sequence parallelism; bias + GeLU: 2 e b s f / t
     tensor      2 all-reduces of the (b, s, h) activation (sequence parallelism: 2
@@ -44,9 +45,11 @@ The four efficiency figures of a GPU type are fitted on Narayanan et al. 2021's 
 """
 
 import dataclasses
+import types
 
 import numpy as np
 
+from mtnlg_jax.model import block
 from mtnlg_jax.plan import arithmetic, comm
 from mtnlg_jax.plan.arithmetic import itemsize
 from mtnlg_jax.parallel.schedule import IDLE
@@ -101,6 +104,10 @@ class _Rates:
         self.figures = figures
         self.memory = cluster.hbm_bandwidth * figures.memory_efficiency
         self.cluster = cluster
+        # what model/block.py's attention_kernel is asked about this GPU
+        self.gpu = types.SimpleNamespace(
+            platform='gpu', compute_capability=cluster.compute_capability
+        )
 
     def matmul(self, flops, width):
         f = self.figures
@@ -115,7 +122,7 @@ class _Rates:
         return size / (bandwidth * self.figures.link_efficiency)
 
 
-def layer_forward(config, rates, exposed):
+def layer_forward(config, rates, exposed, fused_attention=False):
     """One layer's forward on one device (module docstring): seconds of its computation, of
     its attention core alone, of the tensor collectives waited for (`exposed` of them), and
     the FLOPs of all of it and of the attention core."""
@@ -125,7 +132,8 @@ def layer_forward(config, rates, exposed):
     split = t if model.sequence_parallel else 1
     matmul_flops = 2 * b * s * h * (4 * h + 2 * f) / t
     attention_flops = 4 * b * s * s * h / t
-    attention = rates.matmul(attention_flops, h / a) + rates.bytes((6 * e + 1) * a * b * s * s / t)
+    scores_bytes = 0.0 if fused_attention else (6 * e + 1) * a * b * s * s / t
+    attention = rates.matmul(attention_flops, h / a) + rates.bytes(scores_bytes)
     elementwise = rates.bytes((10 * e + 2) * b * s * h / split + 2 * e * b * s * f / t)
     return dict(
         compute=rates.matmul(matmul_flops, min(b * s, h / t)) + attention + elementwise,
@@ -156,7 +164,8 @@ def slot_costs(config, rates, semantics, exposed, accumulate):
     """(forward, backward): {component: [middle chunk, last chunk]} of one slot, seconds (and
     FLOPs). Components: compute, recompute, tensor (collectives waited for), accumulate (the
     backward's gradients added to the fp32 accumulators: `accumulate` seconds), flops."""
-    layer = layer_forward(config, rates, exposed)
+    fused = semantics == 'ours' and block.attention_kernel(config.model, rates.gpu) != 'plain'
+    layer = layer_forward(config, rates, exposed, fused)
     n = config.model.num_layers // (config.mesh.stage * config.pipeline.repeats)
     again, again_flops = {
         'full': (layer['compute'] + layer['tensor'], layer['flops']),
