@@ -20,9 +20,11 @@ third of 1F1B's. The paper's recipe is one override away:
     python launch/train.py --config configs/mtnlg_530b.py --workdir runs/mtnlg_530b
     ... --config.model.remat=full --config.pipeline.repeats=1     (the paper's)
 
-Attention stays on the plain path on A100s: MT-NLG's head dimension, 160, is over cuDNN's
-flash attention limit there (128); on H100s (256) `model.attention=auto` fuses it once
-`model.attention_dropout=0` (cuDNN draws its dropout masks from a fixed seed).
+Attention is fused on GPUs (`model.attention=auto`): MT-NLG's head dimension, 160, is over
+cuDNN's flash attention limit on A100s (128), and cuDNN draws attention dropout masks from a
+fixed seed, so with the paper's attention dropout 0.1 the step runs the Pallas flash kernel
+(mtnlg_jax/model/flash_attention.py: Triton, per-sequence dropout keys) on A100s and H100s;
+cuDNN on H100s once `model.attention_dropout=0`.
 """
 
 from mtnlg_jax import config as config_lib
