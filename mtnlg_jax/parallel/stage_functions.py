@@ -3,8 +3,8 @@
 Imports flow one way, config -> parallel -> model -> train -> launch (docs/design.md, "Layers"):
 the engines (pipeline.py, gpipe.py) sit below the model and import nothing from it. The train
 step builds these functions from its model (`gpt.stage_functions(graphdef)`) and passes them
-in. An engine sees the parameters as a plain dict: the block stack under 'blocks' (stacked on
-a leading layer axis, `shared_params` the rest, which every stage holds).
+in. An engine sees the parameters as a plain dict: the block stack under 'blocks', stacked on
+a leading layer axis, and the rest (`shared_params`), which every stage holds.
 
     embed(shared, tokens, row_keys)           tokens (..., seq) -> hidden (..., seq, embed):
                                               token + position embeddings, dropout (chunk 0)
