@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import support
+from mtnlg_jax.model import gpt
 from mtnlg_jax.parallel import pipeline, stage_order
 from mtnlg_jax.parallel import schedule as schedule_lib
 from mtnlg_jax.train import state as state_lib
@@ -118,9 +119,10 @@ def test_idle_slots_filled_with_nan_never_reach_loss_or_gradients():
     tokens = jnp.asarray(support.random_batches(1)[0].reshape(4, 4, -1), jnp.int32)
     table = schedule_lib.build(2, 2, 4)
     assert (table.fwd_micro == schedule_lib.IDLE).any()  # the table has idle slots
+    stage_fns = gpt.stage_functions(setup.graphdef)
     run = jax.jit(
         lambda params, fill: pipeline.run_schedule(
-            setup.graphdef, params, tokens, None, table, with_grads=True, bubble_fill=fill
+            stage_fns, params, tokens, None, table, with_grads=True, bubble_fill=fill
         )
     )
     with jax.set_mesh(mesh):

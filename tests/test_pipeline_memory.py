@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import support
+from mtnlg_jax.model import gpt
 from mtnlg_jax.parallel import pipeline
 
 ROWS, SEQ = 2, 64  # a stage input: 2 x 64 x 64 fp32 = 32 KiB, 1 MiB for 32 micro-batches
@@ -26,9 +27,10 @@ def temp_bytes(schedule, repeats, micro):
     )
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     tokens = jax.ShapeDtypeStruct((micro, ROWS, SEQ + 1), jnp.int32, sharding=replicated)
+    stage_fns = gpt.stage_functions(setup.graphdef)
     loss_and_grads = jax.jit(
         lambda params, tokens: pipeline.loss_and_grads(
-            setup.graphdef, params, tokens, None, stages=2, repeats=repeats, schedule=schedule
+            stage_fns, params, tokens, None, stages=2, repeats=repeats, schedule=schedule
         )
     )
     with jax.set_mesh(mesh):

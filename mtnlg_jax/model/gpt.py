@@ -21,8 +21,9 @@ from flax import nnx
 from mtnlg_jax.model.block import SELECTIVE_SAVED, SITES_PER_BLOCK, Block, attention_kernel
 from mtnlg_jax.model.layers import LayerNorm, dropout, param, use
 from mtnlg_jax.model import loss
-from mtnlg_jax.model.loss import cross_entropy  # noqa: F401 (callers' name: gpt.cross_entropy)
+from mtnlg_jax.model.loss import cross_entropy  # also the callers' name: gpt.cross_entropy
 from mtnlg_jax.parallel.rules import constrain
+from mtnlg_jax.parallel.stage_functions import StageFunctions
 
 REMAT_POLICIES = {
     'full': jax.checkpoint_policies.nothing_saveable,
@@ -129,3 +130,42 @@ def split(model):
 def merge(graphdef, params):
     """The module view of a plain parameter dict (inside jit: free)."""
     return nnx.merge(graphdef, nnx.State(params))
+
+
+def stage_functions(graphdef):
+    """The GPT's pieces as the pipeline engines run them (parallel/stage_functions.py says
+    what each takes), from its graphdef alone. The settings and the blocks' graph come from a
+    skeleton: the graph with a placeholder for every array. The embedding, final norm and head
+    run on a view of the caller's shared parameters whose blocks are those placeholders,
+    which they never read."""
+    placeholder = jax.ShapeDtypeStruct((), jnp.float32)
+    skeleton = nnx.merge(graphdef, [placeholder] * graphdef.num_leaves)
+    block_graphdef, placeholder_blocks = nnx.split(skeleton.blocks)
+    placeholder_blocks = nnx.to_pure_dict(placeholder_blocks)
+
+    def view(shared):
+        return merge(graphdef, {**shared, 'blocks': placeholder_blocks})
+
+    def embed(shared, tokens, row_keys):
+        return view(shared).embed(tokens, row_keys)
+
+    def apply_blocks(chunk, hidden, row_keys, first_layer, remat):
+        return apply_block_stack(block_graphdef, chunk, hidden, row_keys, remat, first_layer)
+
+    def head_loss_sum(shared, hidden, labels):
+        model = view(shared)
+        return model.token_loss_sum(model.final_norm(hidden), labels)
+
+    def logits_loss_sum(shared, hidden, labels):
+        model = view(shared)
+        return cross_entropy(model.logits(model.final_norm(hidden)), labels).sum()
+
+    return StageFunctions(
+        embed=embed,
+        apply_blocks=apply_blocks,
+        head_loss_sum=head_loss_sum,
+        logits_loss_sum=logits_loss_sum,
+        remat=skeleton.remat,
+        remat_policy=REMAT_POLICIES.get(skeleton.remat),
+        dtype=jnp.dtype(skeleton.dtype),
+    )

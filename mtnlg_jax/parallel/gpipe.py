@@ -19,16 +19,16 @@ or the gradients.
 
 The backward is autodiff's: every micro-batch's activations (and each iteration's chunk
 weights) stay alive until it, so memory grows with m; the outputs of all m micro-batches are
-summed over `stage`. The 1F1B engine (parallel/pipeline.py) bounds both.
+summed over `stage`. The 1F1B engine (parallel/pipeline.py) bounds both. The embedding, the
+chunks' blocks and the head are the caller's functions (parallel/stage_functions.py).
 """
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import PartitionSpec
 
-from mtnlg_jax.model import gpt
 from mtnlg_jax.parallel.rules import constrain
+from mtnlg_jax.parallel.stage_functions import shared_params
 
 STAGE_AXIS = 'stage'
 
@@ -42,13 +42,13 @@ def bubble_fraction(stages, repeats, micro_batches):
     return (stages - 1) / num_iterations(stages, repeats, micro_batches)
 
 
-def run_pipeline(graphdef, stacked, x, row_keys, *, stages, repeats, remat, bubble_fill=0.0):
+def run_pipeline(stage_fns, stacked, x, row_keys, *, stages, repeats, bubble_fill=0.0):
     """The block stack over micro-batches x (m, rows, seq, embed), pipelined over 'stage'.
 
-    graphdef/stacked: one Block's graph and the stage-major stacked block parameters (split
-    over 'stage' on axis 0). row_keys: dropout keys (m, rows) or None. bubble_fill: what the
-    activation slots hold before real work reaches them (tests fill NaN to show it never
-    leaks).
+    stage_fns: the model's pieces (stage_functions.StageFunctions); stacked: the stage-major
+    stacked block parameters (split over 'stage' on axis 0). row_keys: dropout keys (m, rows)
+    or None. bubble_fill: what the activation slots hold before real work reaches them (tests
+    fill NaN to show it never leaks).
     """
     micro_batches = x.shape[0]
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
@@ -56,13 +56,11 @@ def run_pipeline(graphdef, stacked, x, row_keys, *, stages, repeats, remat, bubb
     stage_spec = jax.tree.map(lambda _: PartitionSpec(STAGE_AXIS), stacked)
     key_spec = None if row_keys is None else PartitionSpec()
 
-    def apply_chunk(chunk, h, keys, first_layer):
-        return gpt.apply_block_stack(graphdef, chunk, h, keys, first_layer=first_layer)
+    def apply_chunk(chunk, h, keys, first_layer):  # recomputed as a whole chunk (below)
+        return stage_fns.apply_blocks(chunk, h, keys, first_layer, 'none')
 
-    if remat != 'none':
-        apply_chunk = jax.checkpoint(
-            apply_chunk, policy=gpt.REMAT_POLICIES[remat], prevent_cse=False
-        )
+    if stage_fns.remat != 'none':
+        apply_chunk = jax.checkpoint(apply_chunk, policy=stage_fns.remat_policy, prevent_cse=False)
 
     def per_stage(local, x, row_keys):
         stage = jax.lax.axis_index(STAGE_AXIS)
@@ -113,11 +111,12 @@ def run_pipeline(graphdef, stacked, x, row_keys, *, stages, repeats, remat, bubb
     return run(stacked, x, row_keys)
 
 
-def pipelined_loss_sum(model, tokens, row_keys, *, stages, repeats):
-    """Summed loss and token count of micro-batches tokens (m, rows, seq + 1), the block stack
-    pipelined. Embedding, final norm and head run outside the pipeline; when p divides m, each
-    stage takes m / p of the micro-batches, so none of that work is repeated on every stage
-    (otherwise, as for MT-NLG's m = 240 over p = 35, every stage does all of it)."""
+def pipelined_loss_sum(stage_fns, params, tokens, row_keys, *, stages, repeats):
+    """Summed loss and token count of micro-batches tokens (m, rows, seq + 1) under params
+    (blocks stage-major), the block stack pipelined. Embedding, final norm and head run
+    outside the pipeline; when p divides m, each stage takes m / p of the micro-batches, so
+    none of that work is repeated on every stage (otherwise, as for MT-NLG's m = 240 over
+    p = 35, every stage does all of it)."""
     micro_batches = tokens.shape[0]
     split = stages if micro_batches % stages == 0 else 1
     stage_axes = ('stages',) if split > 1 else ()
@@ -127,16 +126,16 @@ def pipelined_loss_sum(model, tokens, row_keys, *, stages, repeats):
 
     tokens = constrain(by_stage(tokens), stage_axes + ('batch', 'seq'))
     keys = None if row_keys is None else by_stage(row_keys)
-    x = constrain(model.embed(tokens[..., :-1], keys), stage_axes + ('batch', 'seq', 'embed'))
-    graphdef, stacked = nnx.split(model.blocks)
+    shared = shared_params(params)
+    x = stage_fns.embed(shared, tokens[..., :-1], keys)
+    x = constrain(x, stage_axes + ('batch', 'seq', 'embed'))
     x = run_pipeline(
-        graphdef,
-        stacked,
+        stage_fns,
+        params['blocks'],
         x.reshape(micro_batches, *x.shape[2:]),
         row_keys,
         stages=stages,
         repeats=repeats,
-        remat=model.remat,
     )
     x = constrain(by_stage(x), stage_axes + ('batch', 'seq', 'embed'))
 
@@ -144,8 +143,7 @@ def pipelined_loss_sum(model, tokens, row_keys, *, stages, repeats):
     def add_loss(total, hidden_and_labels):
         hidden, labels = hidden_and_labels  # (split, rows, seq, ...): one per stage
         hidden = constrain(hidden, stage_axes + ('batch', 'seq', 'embed'))
-        logits = model.logits(model.final_norm(hidden))
-        return total + gpt.cross_entropy(logits, labels).sum(), None
+        return total + stage_fns.logits_loss_sum(shared, hidden, labels), None
 
     labels = tokens[..., 1:]
     total, _ = jax.lax.scan(add_loss, jnp.zeros((), jnp.float32), (x, labels))

@@ -1,7 +1,8 @@
 """The pipeline over the mesh axis 'stage': loss and explicit gradients, schedule-driven.
 
 `loss_and_grads` is what the train step calls instead of `value_and_grad` when the mesh has
-stages. `pipeline.schedule`:
+stages, with the model's pieces as functions (parallel/stage_functions.py: the engines import
+nothing from the model). `pipeline.schedule`:
   1f1b / interleaved  a static table (parallel/schedule.py) says, for every tick and stage,
                       which forward and which backward to run; one `lax.scan` over the ticks
                       inside `jax.shard_map` manual over 'stage' runs it. Memory is flat in m.
@@ -37,14 +38,13 @@ Stored form: block parameters stage-major (parallel/stage_order.py), so the rule
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import PartitionSpec
 
-from mtnlg_jax.model import gpt
 from mtnlg_jax.parallel import gpipe
 from mtnlg_jax.parallel import schedule as schedule_lib
 from mtnlg_jax.parallel.residuals import join_vjp, split_vjp
 from mtnlg_jax.parallel.rules import constrain
+from mtnlg_jax.parallel.stage_functions import shared_params
 
 STAGE_AXIS = gpipe.STAGE_AXIS
 SCHEDULES = ('gpipe', '1f1b', 'interleaved')
@@ -97,15 +97,16 @@ def bubble_fraction(stages, repeats, micro_batches, schedule='1f1b', max_in_flig
 
 
 def loss_and_grads(
-    graphdef, params, tokens, row_keys, *, stages, repeats, schedule='1f1b', max_in_flight=0
+    stage_fns, params, tokens, row_keys, *, stages, repeats, schedule='1f1b', max_in_flight=0
 ):
     """(loss sum, token count, fp32 gradients shaped as params) of micro-batches tokens
     (m, rows, seq + 1), the block stack pipelined over 'stage'.
 
-    graphdef, params: the GPT's graph and its compute-dtype parameters (blocks stage-major);
-    row_keys: one dropout key per sequence (m, rows), or None. Called by the train step inside
-    its region manual over 'data' (one replica's rows); at top level with both 'data' and
-    'tensor' larger than 1, XLA's SPMD partitioner aborts on the embedding's scatter-add."""
+    stage_fns: the model's pieces (stage_functions.StageFunctions); params: its compute-dtype
+    parameters (blocks stage-major); row_keys: one dropout key per sequence (m, rows), or
+    None. Called by the train step inside its region manual over 'data' (one replica's rows);
+    at top level with both 'data' and 'tensor' larger than 1, XLA's SPMD partitioner aborts on
+    the embedding's scatter-add."""
     if schedule == 'gpipe':
         # Differentiated in fp32 (the model casts each parameter to the compute dtype where
         # it uses it), so the scans' transposes sum every iteration's gradient in fp32.
@@ -113,22 +114,23 @@ def loss_and_grads(
 
         def loss_sum(p):
             return gpipe.pipelined_loss_sum(
-                gpt.merge(graphdef, p), tokens, row_keys, stages=stages, repeats=repeats
+                stage_fns, p, tokens, row_keys, stages=stages, repeats=repeats
             )
 
         (loss, count), grads = jax.value_and_grad(loss_sum, has_aux=True)(params)
         return loss, count, grads
     ticks = build_table(stages, repeats, tokens.shape[0], max_in_flight)
-    return run_schedule(graphdef, params, tokens, row_keys, ticks, with_grads=True)
+    return run_schedule(stage_fns, params, tokens, row_keys, ticks, with_grads=True)
 
 
-def loss_sum(graphdef, params, tokens, *, stages, repeats, schedule='1f1b', max_in_flight=0):
+def loss_sum(stage_fns, params, tokens, *, stages, repeats, schedule='1f1b', max_in_flight=0):
     """(loss sum, token count) of tokens (m, rows, seq + 1), pipelined, no gradients."""
     if schedule == 'gpipe':
-        model = gpt.merge(graphdef, params)
-        return gpipe.pipelined_loss_sum(model, tokens, None, stages=stages, repeats=repeats)
+        return gpipe.pipelined_loss_sum(
+            stage_fns, params, tokens, None, stages=stages, repeats=repeats
+        )
     ticks = build_table(stages, repeats, tokens.shape[0], max_in_flight)
-    loss, count, _ = run_schedule(graphdef, params, tokens, None, ticks, with_grads=False)
+    loss, count, _ = run_schedule(stage_fns, params, tokens, None, ticks, with_grads=False)
     return loss, count
 
 
@@ -170,13 +172,10 @@ def _slot_kinds(table):
     return np.where(fwd == _LAST, _IDLE, fwd), kinds(table.bwd_micro, table.bwd_repeat)
 
 
-def run_schedule(graphdef, params, tokens, row_keys, table, with_grads, bubble_fill=0.0):
+def run_schedule(stage_fns, params, tokens, row_keys, table, with_grads, bubble_fill=0.0):
     """Run `table` (schedule.Schedule); returns (loss sum, token count, fp32 grads or None).
     bubble_fill: what empty slots and idle outputs hold (tests fill NaN: it never leaks)."""
-    model = gpt.merge(graphdef, params)
-    block_graphdef, _ = nnx.split(model.blocks)
-    remat = model.remat
-    shared = {k: v for k, v in params.items() if k != 'blocks'}
+    shared = shared_params(params)
     p, v, m = table.stages, table.repeats, table.micro_batches
     num_layers = jax.tree.leaves(params['blocks'])[0].shape[0]
     per_chunk = num_layers // (p * v)
@@ -188,7 +187,7 @@ def run_schedule(graphdef, params, tokens, row_keys, table, with_grads, bubble_f
     )
     columns = {k: np.maximum(a, 0) for k, a in columns.items()}  # IDLE slots index 0, unused
     arrivals = dict(act=table.recv_act_slot >= 0, grad=table.recv_grad_slot >= 0)
-    dtype = jnp.dtype(model.dtype)
+    dtype = stage_fns.dtype
     rows, seq = tokens.shape[1], tokens.shape[2] - 1
     hidden = params['position_embed'].shape[-1]
     mesh = jax.sharding.get_abstract_mesh()
@@ -205,17 +204,13 @@ def run_schedule(graphdef, params, tokens, row_keys, table, with_grads, bubble_f
         def apply_chunk(chunk, h, micro, repeat):
             h = constrain(h, ACTIVATION_AXES)  # gathered over 'tensor' on arrival
             first_layer = (repeat * p + stage) * per_chunk
-            return gpt.apply_block_stack(
-                block_graphdef, chunk, h, keys_of(micro), remat, first_layer=first_layer
-            )
+            return stage_fns.apply_blocks(chunk, h, keys_of(micro), first_layer, stage_fns.remat)
 
         def embedded(shared, micro):
-            view = gpt.merge(graphdef, {**shared, 'blocks': blocks})
-            return view.embed(tokens[micro, :, :-1], keys_of(micro))
+            return stage_fns.embed(shared, tokens[micro, :, :-1], keys_of(micro))
 
         def token_loss(shared, h, micro):
-            view = gpt.merge(graphdef, {**shared, 'blocks': blocks})
-            return view.token_loss_sum(view.final_norm(h), tokens[micro, :, 1:])
+            return stage_fns.head_loss_sum(shared, h, tokens[micro, :, 1:])
 
         def chunk_at(repeat):
             return jax.tree.map(lambda a: a[repeat], chunks)
@@ -243,7 +238,7 @@ def run_schedule(graphdef, params, tokens, row_keys, table, with_grads, bubble_f
             return run
 
         def forward_with_residuals(kind, x, micro, repeat):
-            """(y, what the chunk's backward needs under model.remat, its layout): the VJP's
+            """(y, what the chunk's backward needs under stage_fns.remat, its layout): the VJP's
             residuals without the parameters (residuals.split_vjp), kept instead of
             recomputed."""
             return split_vjp(chunk_fn(kind, micro, repeat), (chunk_at(repeat), shared), x)

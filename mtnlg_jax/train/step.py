@@ -104,8 +104,9 @@ def _replica_sums(config, setup, compute_params, tokens, row_ids, step):
     (micro_steps, local rows, seq + 1). Runs inside the region manual over 'data'."""
     if config.mesh.stage > 1:
         row_keys = _row_keys(config, step, row_ids)
+        stage_fns = gpt.stage_functions(setup.graphdef)
         return pipeline.loss_and_grads(
-            setup.graphdef, compute_params, tokens, row_keys, **pipeline.options(config)
+            stage_fns, compute_params, tokens, row_keys, **pipeline.options(config)
         )
 
     def micro_step(carry, micro_batch):
@@ -176,9 +177,8 @@ def make_eval_step(config, setup):
         tokens = rules.constrain(tokens, BATCH_AXES)
         compute_params = compute_copy(config, setup, params)
         if config.mesh.stage > 1:
-            return pipeline.loss_sum(
-                setup.graphdef, compute_params, tokens, **pipeline.options(config)
-            )
+            stage_fns = gpt.stage_functions(setup.graphdef)
+            return pipeline.loss_sum(stage_fns, compute_params, tokens, **pipeline.options(config))
         model = gpt.merge(setup.graphdef, compute_params)
 
         def add_micro_batch(total, micro_tokens):
