@@ -190,12 +190,10 @@ def show(plan, json_path):
 
 
 def check_target(args):
-    """--target: a known GPU, the compiler installed, one process; --cluster defaults to it."""
+    """--target: a known GPU, one process; --cluster defaults to it. Whether the compiler is
+    installed is checked once the layout is (plan_for_gpu), so bad input is named first."""
     if args.target not in gpu_compile.TARGETS:
         fail(f'--target {args.target!r} is not one of {", ".join(gpu_compile.TARGETS)}')
-    missing = gpu_compile.missing()
-    if missing:
-        fail(f'--target {args.target}: {missing}')
     if distributed.requested_process_count(args) > 1:
         fail('--target compiles the whole layout in one process: leave out --num_processes')
     args.compile = True
@@ -217,6 +215,9 @@ def plan_for_gpu(args, config):
             f'mesh.tensor {mesh.tensor} with {total} devices: {args.target} nodes hold '
             f'{per_node} GPUs; tensor groups must stay inside a node and the devices fill nodes'
         )
+    missing = gpu_compile.missing()
+    if missing:
+        fail(f'--target {args.target}: {missing}')
     from mtnlg_jax.plan import compile as compile_lib  # noqa: PLC0415 (imports JAX)
     from mtnlg_jax.plan import report  # noqa: PLC0415
 
