@@ -157,6 +157,25 @@ def assert_gradients_close(actual, expected, atol=1e-5, relative=1e-5):
     assert_within_leaf_scale(actual, expected, relative, what='gradient')
 
 
+def assert_dropout_does_not_depend_on_the_layout(layout, dropout, **model):
+    """With `dropout` (model keys), `layout` (small_config keys) computes one device's loss and
+    gradients of one step, and dropout moves the gradients far beyond that tolerance (so the
+    masks are drawn, and drawn alike)."""
+    batch = random_batches(1)[0]
+    _, loss_one, grads_one = gradients(
+        small_config(data=1, micro_steps=1, **model, **dropout), batch, step=5
+    )
+    _, loss_many, grads_many = gradients(small_config(**layout, **model, **dropout), batch, step=5)
+    _, _, grads_no_dropout = gradients(small_config(data=1, **model), batch, step=5)
+    change = max(
+        np.abs(a - b).max()
+        for a, b in zip(jax.tree.leaves(grads_one), jax.tree.leaves(grads_no_dropout))
+    )
+    assert change > 1e-3, 'dropout should change the gradients far beyond the tolerance'
+    np.testing.assert_allclose(loss_many, loss_one, rtol=1e-6)
+    assert_gradients_close(grads_many, grads_one)
+
+
 def assert_updates_close(actual, expected, initial, relative=1e-2):
     """Parameters after the same optimizer steps from the same `initial` ones: per leaf, max
     |actual - expected| within `relative` x the leaf's largest update |expected - initial|.
