@@ -1,6 +1,7 @@
 """What the benchmarks that drive launch/plan.py share: one plan per subprocess (each needs its own
 device count and compiler set up before JAX starts), and the markdown tables they print."""
 
+import argparse
 import json
 import pathlib
 import subprocess
@@ -11,12 +12,27 @@ from tqdm import tqdm
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def argument_parser(doc, results):
+    """The command line these benchmarks share: --results (the folder of the JSON plans,
+    default `results`) and --reuse."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument(
+        '--results',
+        type=pathlib.Path,
+        default=pathlib.Path(results),
+        help='folder of the JSON plans',
+    )
+    parser.add_argument('--reuse', action='store_true', help='keep JSON plans already there')
+    return parser
+
+
 def run_plans(jobs, reuse, desc):
     """Run each (name, command, JSON path) whose JSON is missing (or every one unless `reuse`),
     with a progress bar; the first failure ends the benchmark with its stderr."""
     for name, command, path in tqdm(jobs, desc=desc, unit='compile'):
         if reuse and path.exists():
             continue
+        path.parent.mkdir(parents=True, exist_ok=True)
         tqdm.write(' '.join(str(part) for part in command[1:]))
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
         if done.returncode != 0:

@@ -18,13 +18,11 @@ one schedule only. Exposed is the communication the replay waits for. The winner
 default of configs/mtnlg_530b.py; the paper's recipe is `paper` (remat full, 1F1B).
 """
 
-import argparse
-import pathlib
 import sys
 
 
 from mtnlg_jax import gpu_compile
-from plan_runs import ROOT, print_markdown, read_plan, run_plans
+from plan_runs import ROOT, argument_parser, print_markdown, read_plan, run_plans
 
 PAPER = ['--config.model.remat=full', '--config.pipeline.repeats=1']
 RECIPES = {  # name: overrides of configs/mtnlg_530b.py
@@ -101,16 +99,13 @@ HEADER = [
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument('--results', default='runs/recipes', help='folder of the JSON plans')
-    parser.add_argument('--reuse', action='store_true', help='keep JSON plans already there')
+    parser = argument_parser(__doc__, 'runs/recipes')
     parser.add_argument('--targets', nargs='*', default=['a100-80gb', 'h100-80gb'])
     args = parser.parse_args()
     missing = gpu_compile.missing()
     if missing:
         sys.exit(f'error: {missing}')
-    results = pathlib.Path(args.results)
-    results.mkdir(parents=True, exist_ok=True)
+    results = args.results
     todo = [
         (name, target)
         for target in args.targets

@@ -28,14 +28,12 @@ FLOPs ratio: matmul FLOPs of the compiled step x devices / model FLOPs (6N + 12L
 token): recompute and pipeline bubble make it exceed 1.
 """
 
-import argparse
 import os
-import pathlib
 import sys
 
 
 from mtnlg_jax import gpu_compile
-from plan_runs import ROOT, print_markdown, read_plan, run_plans
+from plan_runs import ROOT, argument_parser, print_markdown, read_plan, run_plans
 from mtnlg_jax.plan.comm import by_axis
 
 RUNS = {  # name: launch/plan.py arguments after --config
@@ -161,13 +159,10 @@ GPU_HEADER = [
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument('--results', default='runs/scale', help='folder of the JSON plans')
-    parser.add_argument('--reuse', action='store_true', help='keep JSON plans already there')
+    parser = argument_parser(__doc__, 'runs/scale')
     parser.add_argument('--only', nargs='*', choices=list(RUNS), default=list(RUNS))
     args = parser.parse_args()
-    results = pathlib.Path(args.results)
-    results.mkdir(parents=True, exist_ok=True)
+    results = args.results
     missing = gpu_compile.missing()
     todo = runs(args.only, with_gpu=missing is None)
     jobs = [

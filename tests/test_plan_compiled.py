@@ -15,7 +15,7 @@ import jax
 import pytest
 
 import support
-from mtnlg_jax.parallel import pipeline
+from mtnlg_jax.parallel import branches, pipeline
 from mtnlg_jax.plan import compile as compile_lib
 from mtnlg_jax.plan import hlo, hlo_module, report
 
@@ -164,12 +164,12 @@ def test_conditional_branches_weighted_by_their_scope():
     path in the conditional's op_name, as often as the table takes it."""
     (taken,) = hlo.collective_inventory(CONDITIONAL, MESH)
     assert taken['name'] == 'ar' and taken['count'] == 1
-    weights = {(pipeline.FORWARD,): [0.25, 0.75], (pipeline.FORWARD, pipeline.FIRST): [1, 0]}
+    weights = {(branches.FORWARD,): [0.25, 0.75], (branches.FORWARD, branches.FIRST): [1, 0]}
     (weighted,) = hlo.collective_inventory(CONDITIONAL, MESH, weights)
     assert weighted['count'] == 0.25
-    scopes = {pipeline.BACKWARD, pipeline.FIRST}
+    scopes = {branches.BACKWARD, branches.FIRST}
     path = 'a/pipeline_backward/cond/branch_0_fun/transpose(jvp(pipeline_first))/cond'
-    assert hlo_module.scope_path(path, scopes) == (pipeline.BACKWARD, pipeline.FIRST)
+    assert hlo_module.scope_path(path, scopes) == (branches.BACKWARD, branches.FIRST)
 
 
 def test_replica_groups_map_to_mesh_axes_of_a_jax_mesh():

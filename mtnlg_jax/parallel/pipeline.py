@@ -8,8 +8,8 @@ nothing from the model). `pipeline.schedule`:
                       inside `jax.shard_map` manual over 'stage' runs it. Memory is flat in m.
   gpipe               autodiff of a forward scan (parallel/gpipe.py), kept for comparison.
 
-One tick on one stage (every stage runs the same program; `lax.cond` on the table picks what
-each one computes, so an idle slot costs nothing):
+One tick on one stage (every stage runs the same program; `lax.cond` on each slot's kind,
+parallel/branches.py, picks what it computes, so an idle slot costs nothing):
 
     arrivals -> stash[recv_act_slot], grads[recv_grad_slot]        (last tick's ppermute)
     forward  y, vjp = jax.vjp(chunk, stash[fwd_slot])   chunk 0: chunk(embed(tokens))
@@ -42,6 +42,17 @@ from jax.sharding import PartitionSpec
 
 from mtnlg_jax.parallel import gpipe
 from mtnlg_jax.parallel import schedule as schedule_lib
+from mtnlg_jax.parallel.branches import (
+    BACKWARD,
+    EVAL,
+    FIRST,
+    FORWARD,
+    LAST,
+    SLOT_FIRST,
+    SLOT_IDLE,
+    SLOT_LAST,
+    slot_kinds,
+)
 from mtnlg_jax.parallel.residuals import join_vjp, split_vjp
 from mtnlg_jax.parallel.rules import constrain
 from mtnlg_jax.parallel.stage_functions import shared_params
@@ -50,17 +61,6 @@ STAGE_AXIS = gpipe.STAGE_AXIS
 SCHEDULES = ('gpipe', '1f1b', 'interleaved')
 HANDOFF_AXES = ('batch', 'handoff_seq', 'embed')  # split over 'tensor' along the sequence
 ACTIVATION_AXES = ('batch', 'residual_seq', 'embed')  # gathered, unless sequence parallel
-
-# What a tick's slot runs: nothing, chunk 0 (embedding first), a middle chunk, the last chunk
-# (its forward is empty: its backward recomputes it with the head and the loss).
-_IDLE, _FIRST, _MIDDLE, _LAST = range(4)
-
-# Named scopes around the engine's conditionals. XLA keeps them in each conditional's op_name,
-# so the plan's HLO inventory weighs a branch by how often the table takes it
-# (`branch_fractions`) instead of counting every branch as taken.
-FORWARD, BACKWARD, EVAL, FIRST, LAST = (
-    'pipeline_forward', 'pipeline_backward', 'pipeline_eval', 'pipeline_first', 'pipeline_last'
-)  # fmt: skip
 
 
 def options(config):
@@ -134,44 +134,6 @@ def loss_sum(stage_fns, params, tokens, *, stages, repeats, schedule='1f1b', max
     return loss, count
 
 
-def branch_fractions(table):
-    """{scope path: [fraction of its runs each branch takes]} of the engine's conditionals, the
-    mean over stages, for the HLO inventory (plan/hlo.py). `lax.cond(pred, a, b)` lowers to
-    branches [b, a]: branch 1 is the predicate's. Paths are the scopes enclosing a
-    conditional, outermost first; a branch's fraction is of the runs of its enclosing code."""
-    fwd, bwd = _slot_kinds(table)
-    slots = fwd.size
-
-    def share(kinds, kind, of=None):
-        base = (kinds != _IDLE).sum() if of is None else of
-        return float((kinds == kind).sum() / base) if base else 0.0
-
-    fwd_idle, bwd_idle = share(fwd, _IDLE, slots), share(bwd, _IDLE, slots)
-    first_f, first_b, last_b = share(fwd, _FIRST), share(bwd, _FIRST), share(bwd, _LAST)
-    return {
-        (FORWARD,): [1.0 - fwd_idle, fwd_idle],  # cond(idle, fill, run)
-        (FORWARD, FIRST): [1.0 - first_f, first_f],  # cond(first, embed, hand-off)
-        (BACKWARD,): [1.0 - bwd_idle, bwd_idle],
-        (BACKWARD, FIRST): [1.0 - first_b, first_b],
-        (BACKWARD, LAST): [1.0 - last_b, last_b],  # cond(last, head, gradient in)
-        (EVAL, LAST): [1.0 - share(bwd, _LAST, slots), share(bwd, _LAST, slots)],
-    }
-
-
-def _slot_kinds(table):
-    """(fwd kinds, bwd kinds), each (ticks, stages) of _IDLE, _FIRST, _MIDDLE, _LAST."""
-    stage = np.arange(table.stages)[None, :]
-
-    def kinds(micro, repeat):
-        first = (stage == 0) & (repeat == 0)
-        last = (stage == table.stages - 1) & (repeat == table.repeats - 1)
-        kind = np.where(first, _FIRST, np.where(last, _LAST, _MIDDLE))
-        return np.where(micro == schedule_lib.IDLE, _IDLE, kind).astype(np.int32)
-
-    fwd = kinds(table.fwd_micro, table.fwd_repeat)
-    return np.where(fwd == _LAST, _IDLE, fwd), kinds(table.bwd_micro, table.bwd_repeat)
-
-
 def run_schedule(stage_fns, params, tokens, row_keys, table, with_grads, bubble_fill=0.0):
     """Run `table` (schedule.Schedule); returns (loss sum, token count, fp32 grads or None).
     bubble_fill: what empty slots and idle outputs hold (tests fill NaN: it never leaks)."""
@@ -179,7 +141,7 @@ def run_schedule(stage_fns, params, tokens, row_keys, table, with_grads, bubble_
     p, v, m = table.stages, table.repeats, table.micro_batches
     num_layers = jax.tree.leaves(params['blocks'])[0].shape[0]
     per_chunk = num_layers // (p * v)
-    fwd_kind, bwd_kind = _slot_kinds(table)
+    fwd_kind, bwd_kind = slot_kinds(table)
     columns = dict(
         fwd_kind=fwd_kind,
         bwd_kind=bwd_kind,
@@ -222,7 +184,7 @@ def run_schedule(stage_fns, params, tokens, row_keys, table, with_grads, bubble_
             stashed hand-off, gathered over 'tensor'."""
             with jax.named_scope(FIRST):
                 return jax.lax.cond(  # both branches laid out alike: XLA insists
-                    kind == _FIRST,
+                    kind == SLOT_FIRST,
                     lambda: constrain(embedded(shared, micro), ACTIVATION_AXES),
                     lambda: constrain(h, ACTIVATION_AXES),
                 )
@@ -271,8 +233,8 @@ def run_schedule(stage_fns, params, tokens, row_keys, table, with_grads, bubble_
                 return fill, [jnp.zeros(b.shape[1:], b.dtype) for b in resids]
 
             with jax.named_scope(FORWARD):
-                y, kept = jax.lax.cond(kind == _IDLE, idle, run)
-            ran = (kind != _IDLE) & (kind != _LAST)
+                y, kept = jax.lax.cond(kind == SLOT_IDLE, idle, run)
+            ran = (kind != SLOT_IDLE) & (kind != SLOT_LAST)
             return y, [write(b, resid_slot, ran, r) for b, r in zip(resids, kept)]
 
         def add(acc, grads):
@@ -311,18 +273,18 @@ def run_schedule(stage_fns, params, tokens, row_keys, table, with_grads, bubble_
 
             def run():
                 with jax.named_scope(LAST):
-                    kept, d_y, acc, total = jax.lax.cond(kind == _LAST, head, stashed)
+                    kept, d_y, acc, total = jax.lax.cond(kind == SLOT_LAST, head, stashed)
                 pullback = join_vjp(layout_of[0], kept, (chunk_at(repeat), shared))
                 (d_chunk, d_shared), d_h = pullback(d_y)
                 with jax.named_scope(FIRST):  # the embedding's half of the tied gradient
-                    acc = jax.lax.cond(kind == _FIRST, lambda: add(acc, d_shared), lambda: acc)
+                    acc = jax.lax.cond(kind == SLOT_FIRST, lambda: add(acc, d_shared), lambda: acc)
                 return (add_chunk(acc_blocks, repeat, d_chunk), acc, total), d_h
 
             if not with_grads:
                 with jax.named_scope(EVAL), jax.named_scope(LAST):
-                    return jax.lax.cond(kind == _LAST, loss_only, lambda: (sums, fill))
+                    return jax.lax.cond(kind == SLOT_LAST, loss_only, lambda: (sums, fill))
             with jax.named_scope(BACKWARD):
-                return jax.lax.cond(kind == _IDLE, lambda: (sums, fill), run)
+                return jax.lax.cond(kind == SLOT_IDLE, lambda: (sums, fill), run)
 
         def handoff(x, ring):
             return jax.lax.ppermute(constrain(x, handoff_axes), STAGE_AXIS, ring)

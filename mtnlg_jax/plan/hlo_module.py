@@ -10,7 +10,7 @@ backend config, else the constant its condition compares the induction variable 
 computation reached from several call sites sums them. Conditional branches count as if taken,
 unless `branch_weights` says how often each is: {scope path: [fraction per branch]}, the path
 being the named scopes of the weights' keys found in the conditional's op_name, outermost
-first (the pipeline engine's `branch_fractions`: which slots of its table run a chunk, the
+first (`parallel/branches.py`'s `branch_fractions`: which slots of its table run a chunk, the
 embedding, the head).
 """
 

@@ -6,7 +6,7 @@ and the readable table launch/plan.py prints.
     print('\\n'.join(lines(plan)))
 """
 
-from mtnlg_jax.parallel import pipeline
+from mtnlg_jax.parallel import branches
 from mtnlg_jax.plan import arithmetic, clusters, comm, hlo, hlo_module, overlap, predict
 
 # Keys other tools read (README, bench/scale.py, the pipeline and communication tests).
@@ -176,7 +176,7 @@ def branch_weights(config, micro_steps=None):
     """How often the 1F1B engine's conditionals take each branch, from its table (mean over
     stages), for the HLO inventory; None without one (no pipeline, or GPipe's scan)."""
     table = arithmetic.engine_table(config, micro_steps)
-    return None if table is None else pipeline.branch_fractions(table)
+    return None if table is None else branches.branch_fractions(table)
 
 
 def per_iteration_arrays(hlo_text, config, top=3):
