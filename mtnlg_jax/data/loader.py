@@ -138,12 +138,6 @@ def abstract_train_batch(config, mesh, micro_steps):
     )
 
 
-def place_eval_batch(dataset, mesh, first, rows):
-    """Validation samples first .. first + rows - 1 as a (rows, seq + 1) array on the mesh."""
-    sharding = NamedSharding(mesh, rules.logical_to_spec(BATCH_AXES[1:]))
-    return place_rows(lambda k: dataset.read(first + k), (rows, dataset.seq_len + 1), sharding)
-
-
 class TrainBatches:
     """The run's batches from `samples_consumed` on, read and placed ahead by a thread.
 

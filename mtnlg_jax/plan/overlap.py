@@ -65,10 +65,6 @@ def _operand_names(instruction):
     return _OPERANDS.findall(instruction.rest[:end])
 
 
-def _done_opcode(opcode):
-    return opcode[: -len('-start')] + '-done'
-
-
 class _Replay:
     def __init__(self, computations, entry, inventory, target, branch_weights):
         self.computations, self.entry, self.target = computations, entry, target
