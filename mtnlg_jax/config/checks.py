@@ -16,6 +16,11 @@ COMPUTE_DTYPES = ('float32', 'bfloat16', 'float16')
 VOCAB_PAD_MULTIPLE = 128
 DATA_ORDERS = ('layout_independent', 'megatron')
 SAVE_ERROR_ACTIONS = ('stop', 'continue')
+POSITIONS = ('learned', 'rope')
+NORMS = ('layernorm', 'rmsnorm')  # model/layers.py
+MLPS = ('gelu', 'swiglu')
+ROPE_SCALINGS = ('none', 'llama3')  # model/rope.py
+ROPE_THETA = 10000.0  # the default model.rope_theta
 
 
 class ConfigError(ValueError):
@@ -79,18 +84,21 @@ def check_model(config):
         'model.ffn_hidden',
         f'must be 0 (4 x hidden) or a positive integer, got {model.ffn_hidden!r}',
     )
-    if model.ffn_hidden == 0:
-        model.ffn_hidden = 4 * model.hidden
     tensor = mesh.tensor
-    _require(
-        model.hidden % model.heads == 0,
-        'model.hidden',
-        f'{model.hidden} is not divisible by model.heads={model.heads}',
-    )
+    check_block(model, tensor)
+    if model.ffn_hidden == 0:
+        model.ffn_hidden = default_ffn_hidden(model)
     _require(
         model.heads % tensor == 0,
         'model.heads',
         f'{model.heads} heads are not divisible by mesh.tensor={tensor}',
+    )
+    _require(
+        model.kv_heads == 0 or model.kv_heads % tensor == 0,
+        'model.kv_heads',
+        f'{model.kv_heads} key/value heads are not divisible by mesh.tensor={tensor}: each '
+        f'tensor rank holds whole key/value heads (replicating them, as MaxText does, is not '
+        f'supported)',
     )
     _require(
         model.ffn_hidden % tensor == 0,
@@ -149,6 +157,93 @@ def check_model(config):
         _require(0.0 <= model[key] < 1.0, f'model.{key}', f'must be in [0, 1), got {model[key]}')
     _require(model.init_std > 0, 'model.init_std', f'must be positive, got {model.init_std}')
     model.padded_vocab = padded_vocab_size(model.vocab_size, tensor)
+
+
+def default_ffn_hidden(model):
+    """model.ffn_hidden 0: 4 x hidden for GeLU; for SwiGLU Llama's int(8 hidden / 3) rounded
+    up to a multiple of model.ffn_multiple (same parameters as a 4 x hidden GeLU MLP)."""
+    if model.mlp == 'gelu':
+        return 4 * model.hidden
+    multiple = model.ffn_multiple
+    return -(-int(8 * model.hidden / 3) // multiple) * multiple
+
+
+def check_block(model, tensor=1):
+    """The block options (position, rope, norm, mlp, GQA, head_dim, tie, bias): each a
+    ConfigError naming the key, before anything is built."""
+    for key, allowed in (('position', POSITIONS), ('norm', NORMS), ('mlp', MLPS)):
+        _require(
+            model[key] in allowed,
+            f'model.{key}',
+            f'{model[key]!r} is not one of {", ".join(allowed)}',
+        )
+    for key in ('tie_embeddings', 'bias'):
+        _require(isinstance(model[key], bool), f'model.{key}', 'must be True or False')
+    for key in ('kv_heads', 'head_dim'):
+        _require(
+            isinstance(model[key], int) and model[key] >= 0,
+            f'model.{key}',
+            f'must be 0 (the default) or a positive integer, got {model[key]!r}',
+        )
+    _require(
+        isinstance(model.ffn_multiple, int) and model.ffn_multiple > 0,
+        'model.ffn_multiple',
+        f'must be a positive integer, got {model.ffn_multiple!r}',
+    )
+    _require(
+        model.head_dim > 0 or model.hidden % model.heads == 0,
+        'model.hidden',
+        f'{model.hidden} is not divisible by model.heads={model.heads} (or set model.head_dim)',
+    )
+    _require(
+        model.kv_heads == 0 or model.heads % model.kv_heads == 0,
+        'model.kv_heads',
+        f'{model.kv_heads} key/value heads do not divide model.heads={model.heads}',
+    )
+    _check_rope(model)
+
+
+def _check_rope(model):
+    scaling = model.rope_scaling
+    if model.position == 'learned':
+        for key, value, default in (
+            ('rope_theta', model.rope_theta, ROPE_THETA),
+            ('rope_scaling.type', scaling.type, 'none'),
+        ):
+            _require(
+                value == default,
+                f'model.{key}',
+                f'{value!r} sets rotary positions, but model.position is learned (set '
+                f"model.position='rope')",
+            )
+        return
+    head_dim = model.head_dim or model.hidden // model.heads
+    _require(
+        head_dim % 2 == 0,
+        'model.head_dim',
+        f'rope rotates pairs of channels: head dim {head_dim} must be even',
+    )
+    _require(model.rope_theta > 0, 'model.rope_theta', f'must be positive, got {model.rope_theta}')
+    _require(
+        scaling.type in ROPE_SCALINGS,
+        'model.rope_scaling.type',
+        f'{scaling.type!r} is not one of {", ".join(ROPE_SCALINGS)}',
+    )
+    if scaling.type == 'llama3':
+        _require(
+            scaling.factor >= 1, 'model.rope_scaling.factor', f'must be >= 1, got {scaling.factor}'
+        )
+        _require(
+            0 < scaling.low_freq_factor < scaling.high_freq_factor,
+            'model.rope_scaling.low_freq_factor',
+            f'must be positive and below high_freq_factor={scaling.high_freq_factor}, got '
+            f'{scaling.low_freq_factor}',
+        )
+        _require(
+            isinstance(scaling.original_context, int) and scaling.original_context > 0,
+            'model.rope_scaling.original_context',
+            f'must be a positive integer, got {scaling.original_context!r}',
+        )
 
 
 def check_train(config):

@@ -7,7 +7,8 @@ takes a config accepts any key on the command line as `--config.KEY=VALUE` (mtnl
 what follows from the inputs:
 
   mesh.{data,stage,tensor}  -1 filled with the devices the other axes leave
-  model.ffn_hidden          0 -> 4 x hidden
+  model.ffn_hidden          0 -> 4 x hidden (GeLU), 8/3 x hidden up to model.ffn_multiple
+                            (SwiGLU, Llama's rule)
   model.padded_vocab        vocab_size rounded up to a multiple of 128 x tensor (Megatron's rule)
   model.loss_chunks         0 -> the largest of 4, 3, 2, 1 that divides seq_len
   train.micro_steps         global_batch / (micro_batch x data), accumulated inside one step
@@ -52,11 +53,34 @@ def defaults():
             num_layers=12,
             hidden=768,
             heads=12,
-            ffn_hidden=0,  # 0: 4 x hidden
+            ffn_hidden=0,  # 0: 4 x hidden (gelu); 8/3 x hidden rounded up (swiglu)
+            ffn_multiple=256,  # swiglu's ffn_hidden 0 rounds up to a multiple of this
             seq_len=1024,
             vocab_size=50257,
             init_std=0.02,
-            layer_norm_epsilon=1e-5,
+            layer_norm_epsilon=1e-5,  # the epsilon of either norm
+            # The block (model/block.py, layers.py, rope.py); the defaults are GPT-3's, Llama's
+            # is position='rope', norm='rmsnorm', mlp='swiglu', kv_heads < heads,
+            # tie_embeddings=False, bias=False (configs/llama3_8b.py).
+            position='learned',  # learned | rope (rotary, on queries and keys)
+            rope_theta=10000.0,  # rope's base (Llama 3: 500000)
+            # rope frequency scaling: type none | llama3 (Llama 3.1's: low frequencies / factor,
+            # high ones kept, blended between; original_context: the pre-training context)
+            rope_scaling=ml_collections.ConfigDict(
+                dict(
+                    type='none',
+                    factor=8.0,
+                    low_freq_factor=1.0,
+                    high_freq_factor=4.0,
+                    original_context=8192,
+                )
+            ),
+            norm='layernorm',  # layernorm | rmsnorm
+            mlp='gelu',  # gelu | swiglu
+            kv_heads=0,  # key/value heads; 0: heads (multi-head), fewer: GQA, 1: MQA
+            head_dim=0,  # 0: hidden / heads
+            tie_embeddings=True,  # False: a separate output layer (output_embed)
+            bias=True,  # biases of the attention and MLP projections
             attention_dropout=0.1,
             hidden_dropout=0.1,
             compute_dtype='bfloat16',  # parameters and optimizer state are always fp32

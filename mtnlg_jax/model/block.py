@@ -147,8 +147,7 @@ class Attention(nnx.Module):
         self.grouped = kv_heads != heads
         self.inv_freq = None  # static: a tuple of floats, folded into the compiled step
         if cfg.get('position', 'learned') == 'rope':
-            scaling = cfg.get('rope_scaling', None)
-            freqs = rope.inverse_frequencies(head_dim, cfg.rope_theta, scaling)
+            freqs = rope.inverse_frequencies(head_dim, cfg.rope_theta, cfg.rope_scaling)
             self.inv_freq = tuple(float(f) for f in freqs)
         self.dropout_rate = cfg.attention_dropout
         self.dtype = cfg.compute_dtype
@@ -162,7 +161,8 @@ class Attention(nnx.Module):
         if not self.grouped:
             qkv = jnp.einsum('bse,ethd->bsthd', x, use(self.qkv_kernel, self.dtype))
             qkv = add_bias(qkv, self.qkv_bias, self.dtype)
-            qkv = checkpoint_name(constrain(qkv, ('batch', 'seq', 'qkv', 'heads', 'head_dim')), 'qkv')
+            qkv = constrain(qkv, ('batch', 'seq', 'qkv', 'heads', 'head_dim'))
+            qkv = checkpoint_name(qkv, 'qkv')
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         else:
             q = jnp.einsum('bse,ehd->bshd', x, use(self.q_kernel, self.dtype))

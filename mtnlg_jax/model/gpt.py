@@ -68,17 +68,19 @@ class GPT(nnx.Module):
         self.token_embed = param(
             rngs, (cfg.padded_vocab, cfg.hidden), ('vocab', 'embed'), cfg.init_std
         )
-        self.position_embed = None
-        if cfg.get('position', 'learned') == 'learned':
-            self.position_embed = param(
-                rngs, (cfg.seq_len, cfg.hidden), ('position', 'embed'), cfg.init_std
-            )
+        learned = cfg.get('position', 'learned') == 'learned'
+        self.position_embed = (  # rope: None, the blocks rotate queries and keys
+            param(rngs, (cfg.seq_len, cfg.hidden), ('position', 'embed'), cfg.init_std)
+            if learned
+            else None
+        )
         layer_keys = jax.random.split(rngs.params(), cfg.num_layers)
-        self.output_embed = None
-        if not cfg.get('tie_embeddings', True):
-            self.output_embed = param(
-                rngs, (cfg.padded_vocab, cfg.hidden), ('vocab', 'embed'), cfg.init_std
-            )
+        tied = cfg.get('tie_embeddings', True)
+        self.output_embed = (
+            None
+            if tied
+            else param(rngs, (cfg.padded_vocab, cfg.hidden), ('vocab', 'embed'), cfg.init_std)
+        )
         kernel = attention_kernel(cfg, device)
         make_blocks = nnx.vmap(
             lambda key: Block(cfg, nnx.Rngs(params=key), kernel),
@@ -132,9 +134,7 @@ class GPT(nnx.Module):
         return loss.head_loss_sum(hidden, embed, labels, self.vocab_size, self.loss_chunks)
 
 
-def apply_block_stack(
-    graphdef, stacked, x, row_keys, remat='none', first_layer=0, positions=None
-):
+def apply_block_stack(graphdef, stacked, x, row_keys, remat='none', first_layer=0, positions=None):
     """Run blocks whose parameters are stacked on a leading axis over x, with lax.scan.
     graphdef: one Block's graph; first_layer: the global index of the first (for dropout);
     positions: the tokens' positions for rope (None: 0 .. seq - 1)."""

@@ -15,9 +15,6 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mtnlg_jax.parallel.rules import constrain
 
-NORMS = ('layernorm', 'rmsnorm')
-MLPS = ('gelu', 'swiglu')
-
 
 def param(rngs, shape, logical_axes, std=None):
     """A parameter drawn from normal(0, std), or zeros when std is None."""
