@@ -162,9 +162,9 @@ def check_model(config):
 def default_ffn_hidden(model):
     """model.ffn_hidden 0: 4 x hidden for GeLU; for SwiGLU Llama's int(8 hidden / 3) rounded
     up to a multiple of model.ffn_multiple (same parameters as a 4 x hidden GeLU MLP)."""
-    if model.mlp == 'gelu':
+    if model.get('mlp', 'gelu') == 'gelu':
         return 4 * model.hidden
-    multiple = model.ffn_multiple
+    multiple = model.get('ffn_multiple', 256)
     return -(-int(8 * model.hidden / 3) // multiple) * multiple
 
 
