@@ -10,10 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import support
 from mtnlg_jax import config as config_lib
-from mtnlg_jax.model import gpt, rope
+from mtnlg_jax.model import counts, gpt, rope
 from mtnlg_jax.model.decode import forward_cached, init_cache
 
 
@@ -95,6 +96,22 @@ def test_parameters_are_named_as_documented():
         'kv_heads',
         'head_dim',
     )
+
+
+@pytest.mark.parametrize(
+    'overrides',
+    [
+        {},
+        support.LLAMA_BLOCK,
+        dict(norm='rmsnorm', bias=False),
+        dict(mlp='swiglu', kv_heads=2, head_dim=16, tie_embeddings=False),
+        dict(position='rope', kv_heads=1, ffn_hidden=100),
+    ],
+)
+def test_the_planners_parameter_count_is_the_models(overrides):
+    cfg = support.small_config(**overrides).model
+    abstract = nnx.eval_shape(lambda: gpt.create(cfg, 0))
+    assert counts.param_count(cfg) == counts.count_params(gpt.split(abstract)[1])
 
 
 def _loss_and_grads(cfg):
