@@ -15,7 +15,10 @@ from flax import nnx
 import support
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.model import counts, gpt, rope
+from mtnlg_jax.checkpoint import store as checkpoint_lib
 from mtnlg_jax.model.decode import forward_cached, init_cache
+from mtnlg_jax.train import resume
+from mtnlg_jax.train import state as state_lib
 
 
 def _meta_llama3_scaling(freqs, factor, low, high, context):
@@ -215,3 +218,54 @@ def test_a_bad_block_is_one_error_line_on_the_command_line(tmp_path):
     assert len(lines) == 1 and lines[0].startswith(
         'error: config key model.kv_heads: 3 key/value heads do not divide model.heads=8'
     ), lines
+
+
+# (data, stage, tensor, micro-batches, repeats, schedule, model overrides): 4 layers of
+# Llama's block; tensor 2 leaves each rank 2 of the 4 key/value heads.
+PIPELINED = [
+    (2, 2, 2, 4, 1, '1f1b', dict(remat='full')),
+    (1, 2, 2, 4, 2, 'interleaved', dict(sequence_parallel=True, remat='selective')),
+]
+
+
+@pytest.fixture(scope='module')
+def four_layers_one_device():
+    config = support.small_config(num_layers=4, **support.LLAMA_BLOCK)
+    params, loss, grads = support.gradients(config, support.random_batches(1)[0], step=5)
+    return dict(params=params, loss=loss, grads=grads)
+
+
+@pytest.mark.parametrize('layout', PIPELINED, ids=lambda layout: layout[5])
+def test_a_pipelined_llama_with_recompute_equals_one_device(four_layers_one_device, layout):
+    """1F1B (full recompute) and interleaved 1F1B (sequence parallel, selective recompute):
+    the loss and per-leaf gradients of one device without recompute."""
+    *mesh, model = layout
+    config = support.small_config(*mesh, num_layers=4, **support.LLAMA_BLOCK, **model)
+    params, loss, grads = support.gradients(config, support.random_batches(1)[0], step=5)
+    expected = four_layers_one_device
+    support.assert_trees_close(params, expected['params'], atol=0.0)
+    np.testing.assert_allclose(loss, expected['loss'], rtol=1e-6)
+    support.assert_gradients_close(grads, expected['grads'])
+
+
+def test_a_llama_checkpoint_restores_under_another_layout(tmp_path):
+    """Saved under data 4 x tensor 2, restored into a pipeline (data 2 x stage 2 x tensor 2,
+    2 repeats): the same parameters, leaf by leaf, in layer order."""
+    from test_checkpoint import restore_into  # noqa: PLC0415
+
+    model = dict(num_layers=4, **support.LLAMA_BLOCK)
+    saved_config = support.small_config(4, 1, 2, **model)
+    _, setup = support.layout(saved_config)
+    state = state_lib.init_state(saved_config, setup)
+    checkpoints = checkpoint_lib.Checkpoints(tmp_path)
+    meta = resume.checkpoint_meta(saved_config, resume.fresh_counters())
+    checkpoints.save(1, state, meta)
+    checkpoints.wait()
+    checkpoints.close()
+    config = support.small_config(2, 2, 2, 2, 2, **model)
+    restored, _, lines = restore_into(tmp_path, config)
+    assert 'from step 1' in lines[0]
+    expected = jax.device_get(state['params'])
+    assert set(expected) == {'token_embed', 'output_embed', 'final_norm', 'blocks'}
+    actual = support.in_layer_order(config, restored['params'])
+    support.assert_trees_close(actual, expected, atol=0.0)
