@@ -37,6 +37,7 @@ from mtnlg_jax.config_checks import (  # noqa: F401 (the names config users impo
     _require,
     check_checkpoint,
     check_data,
+    check_packing,
     check_model,
     check_optimizer,
     check_train,
@@ -167,12 +168,20 @@ def defaults():
     # order: layout_independent (sample i depends on i alone, not on the run's length) or
     # megatron (Megatron-LM's GPTDataset and BlendedDataset order exactly, sized by the run's
     # samples as its --train-samples; to continue or compare a Megatron-LM run).
+    # Packed documents (data/packing.py), Megatron's keys and meanings: reset_position_ids
+    # restarts positions after each end-of-document token, reset_attention_mask keeps
+    # attention inside each document, eod_mask_loss leaves the predictions made from an EOD
+    # out of the loss. eod_id: the end-of-document id (-1: the tokenizer's).
     config.data = ml_collections.ConfigDict(
         dict(
             sources=((0.5, 'data/default/kjv'), (0.5, 'data/default/python_stdlib')),
             split='969,30,1',
             tokenizer='data/default/tokenizer.model',
             order='layout_independent',
+            reset_position_ids=False,
+            reset_attention_mask=False,
+            eod_mask_loss=False,
+            eod_id=-1,
         )
     )
     # Several processes (mtnlg_jax/distributed.py): one that sends no heartbeat for
@@ -263,6 +272,7 @@ def resolve(config, num_devices):
     check_model(config)
     check_train(config)
     check_data(config.data)
+    check_packing(config)
     check_checkpoint(config.checkpoint)
     check_optimizer(config)
     derived = {}

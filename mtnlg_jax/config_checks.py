@@ -371,3 +371,27 @@ def check_data(data):
         'data.order',
         f'must be one of {", ".join(DATA_ORDERS)}, got {data.order!r}',
     )
+
+
+PACKING_KEYS = ('reset_position_ids', 'reset_attention_mask', 'eod_mask_loss')
+
+
+def check_packing(config):
+    """data.reset_position_ids, .reset_attention_mask, .eod_mask_loss (booleans) and
+    data.eod_id (-1: the tokenizer's, else a token id of the vocabulary)."""
+    data = config.data
+    for name in PACKING_KEYS:
+        _require(
+            isinstance(data[name], bool), f'data.{name}', f'must be true or false, got {data[name]!r}'
+        )
+    eod, vocab = data.eod_id, config.model.vocab_size
+    _require(
+        isinstance(eod, int) and -1 <= eod < vocab,
+        'data.eod_id',
+        f'must be -1 (the tokenizer\'s) or a token id below model.vocab_size={vocab}, got {eod!r}',
+    )
+    _require(
+        config.mesh.stage == 1 or not any(data[name] for name in PACKING_KEYS),
+        'data.' + next((name for name in PACKING_KEYS if data[name]), PACKING_KEYS[0]),
+        f'packed documents run without pipeline stages so far (mesh.stage={config.mesh.stage})',
+    )
