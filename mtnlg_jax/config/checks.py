@@ -382,7 +382,9 @@ def check_packing(config):
     data = config.data
     for name in PACKING_KEYS:
         _require(
-            isinstance(data[name], bool), f'data.{name}', f'must be true or false, got {data[name]!r}'
+            isinstance(data[name], bool),
+            f'data.{name}',
+            f'must be true or false, got {data[name]!r}',
         )
     eod, vocab = data.eod_id, config.model.vocab_size
     _require(
