@@ -162,7 +162,7 @@ def test_a_packed_layout_equals_one_device():
     'key, value, words',
     [
         ('data.eod_id', 5000, 'below model.vocab_size'),
-        ('data.eod_id', -2, 'must be -1'),
+        ('data.eod_id', -2, 'must be -1 or'),
         ('mesh.stage', 2, 'without pipeline stages'),
     ],
 )
