@@ -95,12 +95,15 @@ class GPT(nnx.Module):
         self.loss_chunks = cfg.loss_chunks
         self.dtype = cfg.compute_dtype
 
-    def __call__(self, tokens, row_keys=None, positions=None):
+    def __call__(self, tokens, row_keys=None, positions=None, segment_ids=None):
         """Final hidden states (batch, seq, embed). row_keys: one PRNG key per sequence, or
-        None for no dropout; positions (batch, seq) or None for 0 .. seq - 1."""
+        None for no dropout; positions, segment_ids (batch, seq): packed documents'
+        (data/packing.py), or None for 0 .. seq - 1 and one segment."""
         graphdef, stacked = nnx.split(self.blocks)
         x = self.embed(tokens, row_keys, positions)
-        x = apply_block_stack(graphdef, stacked, x, row_keys, self.remat, positions=positions)
+        x = apply_block_stack(
+            graphdef, stacked, x, row_keys, self.remat, positions=positions, segment_ids=segment_ids
+        )
         return self.final_norm(x)
 
     def embed(self, tokens, row_keys=None, positions=None):
@@ -126,23 +129,30 @@ class GPT(nnx.Module):
         table = self.token_embed if self.output_embed is None else self.output_embed
         return use(table, self.dtype)
 
-    def token_loss_sum(self, hidden, labels):
+    def token_loss_sum(self, hidden, labels, loss_mask=None):
         """Summed cross-entropy of `labels` (batch, seq) under the logits of final hidden
-        states (batch, seq, embed): the output layer and the loss fused (model/loss.py), in
-        `loss_chunks` pieces of the sequence."""
+        states (batch, seq, embed), each token's weighted by loss_mask (batch, seq) if given:
+        the output layer and the loss fused (model/loss.py), in `loss_chunks` pieces of the
+        sequence."""
         embed = self.output_table()
-        return loss.head_loss_sum(hidden, embed, labels, self.vocab_size, self.loss_chunks)
+        return loss.head_loss_sum(
+            hidden, embed, labels, self.vocab_size, self.loss_chunks, loss_mask
+        )
 
 
-def apply_block_stack(graphdef, stacked, x, row_keys, remat='none', first_layer=0, positions=None):
+def apply_block_stack(
+    graphdef, stacked, x, row_keys, remat='none', first_layer=0, positions=None, segment_ids=None
+):
     """Run blocks whose parameters are stacked on a leading axis over x, with lax.scan.
     graphdef: one Block's graph; first_layer: the global index of the first (for dropout);
-    positions: the tokens' positions for rope (None: 0 .. seq - 1)."""
+    positions: the tokens' positions for rope (None: 0 .. seq - 1); segment_ids: (batch,
+    seq) packed documents' ids, or None."""
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
 
     def one_block(x, layer_and_params):
         layer, params = layer_and_params
-        return nnx.merge(graphdef, params)(x, row_keys, layer, positions), None
+        block = nnx.merge(graphdef, params)
+        return block(x, row_keys, layer, positions, segment_ids), None
 
     if remat != 'none':
         one_block = jax.checkpoint(one_block, policy=REMAT_POLICIES[remat], prevent_cse=False)
@@ -156,11 +166,16 @@ def cast_params(params, dtype):
     return jax.tree.map(lambda p: p.astype(dtype), params)
 
 
-def loss_sum(model, batch, row_keys=None):
-    """Summed next-token loss and token count of `batch` (batch, seq + 1)."""
+def loss_sum(model, batch, row_keys=None, packed=None):
+    """Summed next-token loss and token count of `batch` (batch, seq + 1). packed: the
+    inputs' positions, segment ids and loss mask (data/packing.py's Packed, each may be
+    None), or None; with a loss mask the sum and the count are of the tokens it weighs."""
     inputs, labels = batch[:, :-1], batch[:, 1:]
-    total = model.token_loss_sum(model(inputs, row_keys), labels)
-    return total, jnp.asarray(labels.size, jnp.float32)
+    positions, segment_ids, loss_mask = (None,) * 3 if packed is None else packed
+    hidden = model(inputs, row_keys, positions, segment_ids)
+    total = model.token_loss_sum(hidden, labels, loss_mask)
+    count = labels.size if loss_mask is None else loss_mask.sum()
+    return total, jnp.asarray(count, jnp.float32)
 
 
 def create(cfg, seed, device=None):
