@@ -12,7 +12,7 @@ own process (each needs its own forced CPU device count), at the layout of its p
                    replica, 280 CPU devices, at its real 240 micro-batches (XLA:CPU allows
                    2,048 devices per process)
     tiny_llama     data 2 x stage 2 x tensor 2, Llama's block (8 devices, as configured)
-    llama3_70b     data 2 x stage 4 x tensor 8 (64 H100s)
+    llama3_70b     data 2 x stage 8 x tensor 8 (128 H100s)
     llama3_405b    data 64 x stage 16 x tensor 8 (8,192 H100s, Meta's layout)
 
 Then, where the XLA:GPU compiler is installed (make gpu-compile), each config again with
@@ -45,7 +45,7 @@ RUNS = {  # name: launch/plan.py arguments after --config
     'megatron_8_3b': ['--devices', '512'],
     'mtnlg_530b': ['--devices', '2240'],
     'tiny_llama': [],
-    'llama3_70b': ['--devices', '64'],
+    'llama3_70b': ['--devices', '128'],
     'llama3_405b': ['--devices', '8192'],
 }
 GPU_TARGETS = {  # others: A100 80 GB, the papers'
