@@ -14,7 +14,7 @@ from mtnlg_jax.data import tokenizer as tokenizer_lib
 from mtnlg_jax.data.indexed import IndexedDataset
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TOKENIZER_JSON = ROOT / 'tests/fixtures/hf_llama/tokenizer.json'
+TOKENIZER_JSON = ROOT / 'tests/fixtures/hf_llama/llama/tokenizer.json'
 SENTENCEPIECE = ROOT / 'tests/fixtures/curation/planted.tokenizer.model'
 TEXT = 'In the beginning God created the heaven.\n    def main(argv):  # ünïcode 12345'
 
@@ -81,10 +81,23 @@ def test_preprocess_refuses_to_train_a_tokenizer_json(tmp_path, capsys):
     ],
 )
 def test_an_export_writes_the_tokenizer_with_its_config(tmp_path, source, files, tokenizer_class):
-    tok = tokenizer_lib.load(str(source))
+    alone = tmp_path / 'source' / source.name  # without the tokenizer config beside it
+    alone.parent.mkdir()
+    shutil.copy(source, alone)
+    tmp_path = tmp_path / 'out'
+    tmp_path.mkdir()
+    tok = tokenizer_lib.load(str(alone))
     written = tok.export(str(tmp_path), 64)
     assert written == files + ['tokenizer_config.json', 'special_tokens_map.json']
     config = json.loads((tmp_path / 'tokenizer_config.json').read_text())
     assert config['tokenizer_class'] == tokenizer_class and config['model_max_length'] == 64
     assert config['eos_token'] == tok.id_to_piece(tok.eod_id)
     assert tokenizer_lib.load(str(tmp_path / files[0])).encode(TEXT) == tok.encode(TEXT)
+
+
+def test_an_export_keeps_the_tokenizer_config_that_came_with_the_tokenizer(tmp_path):
+    tok = tokenizer_lib.load(str(TOKENIZER_JSON))
+    tok.export(str(tmp_path), 64)
+    assert (tmp_path / 'tokenizer_config.json').read_text() == json.dumps(
+        json.loads((TOKENIZER_JSON.parent / 'tokenizer_config.json').read_text()), indent=2
+    )
