@@ -154,10 +154,6 @@ def test_a_devices_slice_reads_as_that_slice_of_the_whole_leaf(path):
 
 # ---- the fixture imported into our model (launch/convert.py), against transformers' logits
 
-needs_llama = pytest.mark.skipif(
-    'position' not in config_lib.defaults().model, reason='the Llama block is not on main yet'
-)
-
 
 def import_config(data=4, stage=1, tensor=2, repeats=1, seq_len=None):
     config = config_lib.load(str(ROOT / 'configs/gpt2_124m.py'))
@@ -202,14 +198,12 @@ def assert_same_parameters(workdir_a, workdir_b):
     jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
-@needs_llama
 def test_imported_logits_equal_transformers_under_tensor_2(imported):
     logits, loaded = our_logits(imported, SAVED['tokens'])
     assert (loaded.config.model.kv_heads, loaded.config.model.position) == (2, 'rope')
     np.testing.assert_allclose(logits, SAVED['logits'][0], atol=1e-4, rtol=0)
 
 
-@needs_llama
 @pytest.mark.parametrize('layout', ['llama31_config', 'sharded'])
 def test_the_other_file_layouts_import_into_the_same_parameters(imported, tmp_path, layout):
     hf_dir = llama31_dir(tmp_path) if layout == 'llama31_config' else FIXTURE / 'llama_sharded'
@@ -218,7 +212,6 @@ def test_the_other_file_layouts_import_into_the_same_parameters(imported, tmp_pa
     )
 
 
-@needs_llama
 def test_the_loss_under_an_interleaved_pipeline_equals_transformers(tmp_path):
     """data 2 x stage 2 x tensor 2, two chunks a stage: the eval step's pipelined loss of the
     fixture's tokens is the cross-entropy of transformers' logits."""
@@ -247,7 +240,6 @@ def test_the_loss_under_an_interleaved_pipeline_equals_transformers(tmp_path):
     assert float(loss_sum) / float(count) == pytest.approx(theirs, abs=1e-5)
 
 
-@needs_llama
 def test_export_then_import_is_bit_exact_and_transformers_reloads_it(imported, tmp_path):
     """Export (fp32 shards of at most 60 KB and their index, the run's tokenizer beside them)
     reads back into the same parameters; the same directory loads in transformers into the
