@@ -18,6 +18,8 @@ from mtnlg_jax.checkpoint import store as checkpoint_lib
 from mtnlg_jax.data import batch as batch_lib
 from mtnlg_jax.data import tokenizer as tokenizer_lib
 from mtnlg_jax.eval import workdir as workdir_lib
+from mtnlg_jax.eval.completion import Settings, complete
+from mtnlg_jax.eval.generation import Generator
 from mtnlg_jax.interop import hf_llama
 from mtnlg_jax.interop import safetensors_files as st
 from mtnlg_jax.model import gpt
@@ -263,20 +265,18 @@ def test_export_then_import_is_bit_exact_and_transformers_reloads_it(imported, t
     assert_same_parameters(imported, import_fixture(out, tmp_path / 'again', import_config()))
 
 
-def test_generate_runs_the_imported_llama_with_its_tokenizer_json(imported):
-    """launch/generate.py on the import: the prompt starts with Llama 3's BOS (as its
-    documents did), the greedy continuation is transformers' argmax (the fixture's tokens are
-    the prompt, so the first new token is the fixture logits' argmax at the prompt's end)."""
+def test_generation_from_the_import_starts_with_bos_and_gives_transformers_argmax(imported):
+    """KV-cache generation on the import with its tokenizer.json: the prompt starts with Llama
+    3's BOS (as its documents did), and the greedy continuation is transformers' argmax (the
+    prompt is the fixture's first 20 tokens, so the new token is the argmax of the fixture's
+    logits at position 19)."""
     tok = tokenizer_lib.load(str(FIXTURE / 'llama' / 'tokenizer.json'))
     prompt = tok.decode(SAVED['tokens'][0, 1:20])  # the fixture's text after its BOS
     assert tok.encode_prompt(prompt) == SAVED['tokens'][0, :20].tolist()
-    result = support.run_launch(
-        'generate.py', '--workdir', imported, '--prompt', prompt, '--max_new_tokens', 1,
-        '--data_parallel', 1, '--tensor', 2, '--output', imported / 'generated.json',
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
-    generated = json.loads((imported / 'generated.json').read_text())['completions'][0]
-    assert generated['tokens'] == [int(SAVED['logits'][0, 19].argmax())]
+    loaded = workdir_lib.load(str(imported), data=1, tensor=2, dtype='float32')
+    generator = Generator(loaded.graphdef, loaded.params, loaded.config.model, loaded.mesh)
+    [[completion]] = complete(generator, tok, [prompt], Settings(max_new_tokens=1))
+    assert completion.tokens == [int(SAVED['logits'][0, 19].argmax())]
 
 
 def convert_main(capsys, *args):
