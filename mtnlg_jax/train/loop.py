@@ -118,7 +118,7 @@ def train(config, workdir):
     mesh = mesh_from_config(config)
     setup = make_setup(config, mesh)
     train_cfg, seq_len = config.train, config.model.seq_len
-    num_params = counts.count_params(setup.abstract_state['params'])
+    num_params = counts.count_params(setup.layer_abstract_state['params'])
     flops_per_token = counts.model_flops_per_token(config.model, num_params)
     peak = devices.device_peak_tflops(jax.devices()[0], config.model.compute_dtype)
     run_dir = RunDir(workdir)
