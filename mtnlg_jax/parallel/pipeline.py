@@ -113,9 +113,10 @@ def loss_and_grads(
 
     stage_fns: the model's pieces (stage_functions.StageFunctions); params: its compute-dtype
     parameters (blocks stage-major); row_keys: one dropout key per sequence (m, rows), or
-    None; stage_layers: stage_order.StageLayers (None: equal stages). Called by the train step inside its region manual over 'data' (one replica's rows);
-    at top level with both 'data' and 'tensor' larger than 1, XLA's SPMD partitioner aborts on
-    the embedding's scatter-add."""
+    None; stage_layers: stage_order.StageLayers (None: equal stages). Called by the train
+    step inside its region manual over 'data' (one replica's rows); at top level with both
+    'data' and 'tensor' larger than 1, XLA's SPMD partitioner aborts on the embedding's
+    scatter-add."""
     if schedule == 'gpipe':
         # Differentiated in fp32 (the model casts each parameter to the compute dtype where
         # it uses it), so the scans' transposes sum every iteration's gradient in fp32.
