@@ -11,6 +11,8 @@ import support
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.checkpoint import store as checkpoint_lib
 from mtnlg_jax.parallel import stage_order
+from mtnlg_jax.plan import compile as compile_lib
+from mtnlg_jax.plan import report
 from mtnlg_jax.train import resume
 from mtnlg_jax.train import state as state_lib
 
@@ -123,3 +125,19 @@ def test_bad_stage_layers_are_one_error_naming_the_key(overrides, words):
     with pytest.raises(config_lib.ConfigError, match=words) as error:
         _config(4, **overrides)
     assert error.value.key == 'pipeline.first_stage_layers'
+
+
+def test_padding_slots_cost_no_matmul_flops():
+    """Compiled by XLA:CPU, conditionals weighted as the plan weighs them: 1, 2, 2, 1 layers
+    on 4 stages do the matmul FLOPs of the 6-layer model unpipelined (compiled / model FLOPs
+    alike), where counting the 2 padding slots as run would add a third of a layer's per
+    stage."""
+    plain = _flops_vs_model(support.small_config(num_layers=LAYERS, hidden=128))
+    unequal = _flops_vs_model(_config(4, hidden=128))
+    assert unequal == pytest.approx(plain, rel=0.02), (unequal, plain)
+
+
+def _flops_vs_model(config):
+    compiled, _, info = compile_lib.compile_train_step(config)
+    plan = report.add_compiled(report.make_plan(config), config, compiled, info)
+    return plan['compiled']['flops_vs_model']
