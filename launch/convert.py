@@ -94,11 +94,11 @@ def import_hf(hf_dir, workdir, config, at_step=0, samples_consumed=0):
         fail(f'--workdir {workdir} already holds checkpoints; import into a new workdir')
     mesh = mesh_from_config(config)
     setup = make_setup(config, mesh)
-    expected = jax.tree.map(lambda a: a.shape, setup.abstract_state['params'])
+    expected = jax.tree.map(lambda a: a.shape, setup.layer_abstract_state['params'])
     if jax.tree.map(lambda a: a.shape, params) != expected:
         fail(f'--import_hf {hf_dir}: parameter shapes do not match the config')
 
-    shardings = setup.state_shardings
+    shardings = setup.layer_state_shardings  # checkpoints hold the layers in layer order
     with jax.set_mesh(mesh):
         params = jax.device_put(params, shardings['params'])
         init_opt = jax.jit(setup.optimizer.init, out_shardings=shardings['opt_state'])

@@ -7,6 +7,7 @@ Megatron's --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-lay
 and the last stage hold what they are given, the other stages share the rest evenly, and with
 v chunks a stage (pipeline.repeats) every stage's layers split into v equal chunks. Pure
 arithmetic: the config's checks and the engines' layout (parallel/stage_order.py) both use it.
+With one stage the two keys have nothing to split and change nothing.
 """
 
 
@@ -19,8 +20,8 @@ def per_stage(num_layers, stages, repeats=1, first=0, last=0):
                 f'{num_layers} layers do not divide over {stages} stages x {repeats} chunks'
             )
         return (num_layers // stages,) * stages
-    if stages < 2:
-        raise ValueError('first / last stage layers need 2 or more pipeline stages')
+    if stages == 1:  # no pipeline: nothing to split (evaluation, a one-stage layout)
+        return (num_layers,)
     others, rest = stages - len(given), num_layers - sum(given)
     if others == 0 and rest:
         raise ValueError(f'{first} + {last} layers on the two stages are not {num_layers}')
