@@ -59,9 +59,11 @@ def parse_args(argv):
 
 
 def read_task_data(args, tokenizer, config):
-    """The task's input, read and checked before any model is loaded."""
+    """The task's input, read and checked before any model is loaded. tokenizer: (the run's
+    tokenizer or None, its identity record or None)."""
     import numpy as np
 
+    from mtnlg_jax.data import identity
     from mtnlg_jax.data.gpt_dataset import split_tokens
     from mtnlg_jax.data.indexed import DataError, IndexedDataset
     from mtnlg_jax.eval import tasks
@@ -79,12 +81,14 @@ def read_task_data(args, tokenizer, config):
             if indexed:
                 if args.count_words:
                     fail('--count_words needs a text file; give --num_words for a token file')
-                tokens = split_tokens(IndexedDataset(args.data), args.split, config.data.split)
+                data = IndexedDataset(args.data)
+                identity.check(args.data, tokenizer[1], f"{args.workdir}'s tokenizer")
+                tokens = split_tokens(data, args.split, config.data.split)
                 num_words = args.num_words
             else:
                 with open(args.data, encoding='utf-8') as f:
                     text = f.read()
-                tokens = tokenizer().encode(text)
+                tokens = tokenizer[0].encode(text)
                 num_words = tasks.count_words(text) if args.count_words else args.num_words
             tokens = np.asarray(tokens[: args.max_tokens])
             if tokens.size and int(tokens.max()) >= vocab_size:
@@ -151,16 +155,13 @@ def main(argv):
     except (workdir_lib.WorkdirError, config_lib.ConfigError) as e:
         fail(str(e))
 
-    def tokenizer():
-        try:
-            return workdir_lib.open_tokenizer(
-                args.tokenizer or config.data.tokenizer,
-                config.model,
-                '--tokenizer' if args.tokenizer else "the run's data.tokenizer (or --tokenizer)",
-            )
-        except workdir_lib.WorkdirError as e:
-            fail(str(e))
-
+    token_file = args.task == 'perplexity' and os.path.isfile(args.data + '.idx')
+    try:
+        tokenizer = workdir_lib.run_tokenizer(
+            args.workdir, config, args.tokenizer, needed=not token_file
+        )
+    except workdir_lib.WorkdirError as e:
+        fail(str(e))
     task_data, num_words = read_task_data(args, tokenizer, config)
     if num_words is not None and num_words < 2:
         fail(f'word-normalised perplexity needs at least 2 words, got {num_words}')
@@ -180,11 +181,11 @@ def main(argv):
         result = tasks.perplexity(score, task_data, seq_len, args.overlap, num_words)
     elif args.task == 'lambada':
         result, _ = tasks.lambada(
-            score, tokenizer().encode, [r['text'] for r in task_data], seq_len
+            score, tokenizer[0].encode, [r['text'] for r in task_data], seq_len
         )
     else:
         result, _ = tasks.multiple_choice(
-            score, tokenizer().encode, task_data, seq_len, args.shots, args.seed
+            score, tokenizer[0].encode, task_data, seq_len, args.shots, args.seed
         )
     mesh = loaded.config.mesh
     record = dict(

@@ -124,11 +124,7 @@ def main(argv):
     try:
         saved = workdir_lib.read_saved_config(args.workdir)
         config = workdir_lib.inference_config(saved, args.data_parallel, args.tensor)
-        tokenizer = workdir_lib.open_tokenizer(
-            args.tokenizer or config.data.tokenizer,
-            config.model,
-            '--tokenizer' if args.tokenizer else "the run's data.tokenizer (or --tokenizer)",
-        )
+        tokenizer, _ = workdir_lib.run_tokenizer(args.workdir, config, args.tokenizer)
     except (workdir_lib.WorkdirError, config_lib.ConfigError) as e:
         fail(str(e))
     try:

@@ -78,11 +78,7 @@ def check(args):
     try:
         saved = workdir_lib.read_saved_config(args.workdir)
         config = workdir_lib.inference_config(saved, args.data_parallel, args.tensor)
-        workdir_lib.open_tokenizer(
-            args.tokenizer or config.data.tokenizer,
-            config.model,
-            '--tokenizer' if args.tokenizer else "the run's data.tokenizer (or --tokenizer)",
-        )
+        workdir_lib.run_tokenizer(args.workdir, config, args.tokenizer)
     except (workdir_lib.WorkdirError, config_lib.ConfigError) as e:
         fail(str(e))
 

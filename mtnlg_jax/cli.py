@@ -18,6 +18,7 @@ import ast
 import difflib
 import os
 import sys
+import tempfile
 
 CONFIG_PREFIX = '--config.'
 DEVICE_COUNT_FLAG = '--xla_force_host_platform_device_count'
@@ -250,12 +251,45 @@ def workdir_config(workdir):
         fail(str(e))
 
 
+def output_problem(path, directory=False):
+    """Why `path` cannot be written (as a file; directory=True: as a folder to write into), or
+    None: a file that is a folder (or the reverse), a folder that cannot be made, or one
+    (or a file) this process may not write. Probes by creating a nameless file, so it holds
+    for root without CAP_DAC_OVERRIDE and on read-only mounts alike."""
+    path = os.path.abspath(path)
+    if directory and os.path.exists(path) and not os.path.isdir(path):
+        return 'exists and is not a folder'
+    if not directory and os.path.isdir(path):
+        return 'is a folder; give a file name'
+    existing = path if directory else os.path.dirname(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f'{existing} is not a folder'
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        return f'cannot be written under {existing} ({e.strerror})'
+    if not directory and os.path.exists(path) and not os.access(path, os.W_OK):
+        return 'is not writable'
+    return None
+
+
+def check_output(path, flag='--output', directory=False, make=False):
+    """Error line naming `flag` unless `path` can be written (output_problem); make: create
+    its folder (the folder itself with directory=True) now, before the work."""
+    problem = output_problem(path, directory)
+    if problem:
+        fail(f'{flag} {path}: {problem}')
+    if make:
+        folder = path if directory else os.path.dirname(os.path.abspath(path))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            fail(f'{flag} {path}: cannot make {folder} ({e.strerror})')
+
+
 def check_output_file(path, flag='--output'):
     """Error unless `path` can be written as a file (not a folder, its folder creatable)."""
-    if os.path.isdir(path):
-        fail(f'{flag} {path}: is a directory; give a file name')
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        fail(f'{flag} {path}: cannot be written under {parent}')
+    check_output(path, flag)

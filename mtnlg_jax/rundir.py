@@ -4,6 +4,9 @@
                                      "derived" (what resolve() computed from them) and the
                                      resolved sections, which evaluation reads
     WORKDIR/checkpoints/<step>/      orbax checkpoints (mtnlg_jax/checkpoint.py writes them)
+    WORKDIR/identity.json            what the run reads: its tokenizer's identity and vocabulary,
+                                     and its data stream's fingerprint (data/identity.py);
+                                     checked on every resume and every read of the run
     WORKDIR/metrics.jsonl            one record per logged step (train/metrics.py)
     WORKDIR/tensorboard/, loss.png   the same numbers for people
     WORKDIR/eval/<name>.json         evaluation results (launch/evaluate.py), one per task,
@@ -19,12 +22,88 @@ import json
 import os
 
 CONFIG = 'config.json'
+IDENTITY = 'identity.json'
 CHECKPOINTS = 'checkpoints'
 METRICS = 'metrics.jsonl'
 TENSORBOARD = 'tensorboard'
 LOSS_PNG = 'loss.png'
 EVAL = 'eval'
 LOGS = 'logs'
+
+
+# What a resumed run may change, per config key (the most specific entry of a key's dotted
+# prefixes decides; docs/checkpoints.md lists them):
+#   free      the layout, speed and bookkeeping: the run computes the same thing
+#   explicit  the recipe and the data stream: said, and refused without --accept_changes
+#   never     what the checkpoint or its token ids mean: start a new workdir (init_from takes
+#             its parameters)
+# data.tokenizer is compared by the tokenizer's identity, not its path (a moved file is the
+# same tokenizer). Keys of a section not listed take the section's rule; unknown sections are
+# explicit.
+RESUME_RULES = {
+    'mesh': 'free',
+    'pipeline': 'free',
+    'distributed': 'free',
+    'checkpoint': 'free',
+    'model': 'never',
+    'model.init_std': 'free',  # read only by a fresh start
+    'model.remat': 'free',
+    'model.attention': 'free',
+    'model.sequence_parallel': 'free',
+    'model.loss_chunks': 'free',
+    'model.compute_dtype': 'explicit',
+    'model.attention_dropout': 'explicit',
+    'model.hidden_dropout': 'explicit',
+    'train': 'explicit',
+    'train.micro_batch': 'free',
+    'train.steps': 'free',
+    'train.log_every': 'free',
+    'train.eval_every': 'free',
+    'train.eval_batches': 'free',
+    'train.max_consecutive_skips': 'free',
+    'train.spike_factor': 'free',
+    'train.spike_window': 'free',
+    'train.spike_skip_batches': 'free',
+    'train.hang_timeout_s': 'free',
+    'train.hang_floor_s': 'free',
+    'train.inject_nan_at_step': 'free',
+    'train.inject_nan_steps': 'free',
+    'train.inject_spike_at_step': 'free',
+    'train.inject_kill_at_step': 'free',
+    'train.inject_kill_process': 'free',
+    'train.inject_hang_at_step': 'free',
+    'train.inject_hang_process': 'free',
+    'optimizer': 'explicit',
+    'data': 'explicit',
+    'data.tokenizer': 'never',
+}
+RESUME_KINDS = ('free', 'explicit', 'never')
+
+
+def resume_rule(key):
+    """RESUME_RULES' rule of a dotted config key."""
+    parts = key.split('.')
+    for depth in range(len(parts), 0, -1):
+        rule = RESUME_RULES.get('.'.join(parts[:depth]))
+        if rule is not None:
+            return rule
+    return 'explicit'
+
+
+def changed_inputs(before, after, prefix=''):
+    """[(dotted key, old, new), ...] between two input dicts (lists and tuples alike)."""
+    changes = []
+    for key in sorted(set(before) | set(after)):
+        old, new = before.get(key), after.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            changes += changed_inputs(old, new, f'{prefix}{key}.')
+        elif _tuple(old) != _tuple(new):
+            changes.append((f'{prefix}{key}', _tuple(old), _tuple(new)))
+    return changes
+
+
+def _tuple(value):
+    return tuple(map(_tuple, value)) if isinstance(value, (list, tuple)) else value
 
 
 class RunDirError(ValueError):
@@ -37,6 +116,7 @@ class RunDir:
     def __init__(self, path):
         self.path = str(path)
         self.config_path = self.join(CONFIG)
+        self.identity_path = self.join(IDENTITY)
         self.checkpoints = self.join(CHECKPOINTS)
         self.metrics = self.join(METRICS)
         self.tensorboard = self.join(TENSORBOARD)
@@ -60,7 +140,7 @@ class RunDir:
             parent = os.path.dirname(parent)
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
             raise RunDirError(f'{flag} {self.path}: cannot be created under {parent}')
-        for name in (CONFIG, METRICS, CHECKPOINTS):
+        for name in (CONFIG, IDENTITY, METRICS, CHECKPOINTS):
             path = self.join(name)
             if os.path.exists(path) and not os.access(path, os.W_OK):
                 raise RunDirError(f'{flag} {self.path}: {path} is not writable')
@@ -101,8 +181,35 @@ class RunDir:
 
     def write_config(self, config_dict):
         """config.json (atomically: a killed write leaves the old one)."""
-        os.makedirs(self.path, exist_ok=True)
-        tmp = self.config_path + '.tmp'
+        _write_json(self.config_path, config_dict)
+
+    def read_identity(self):
+        """identity.json as a dict ({} for a run from before it was kept, or an import);
+        RunDirError if it is not JSON."""
+        if not os.path.isfile(self.identity_path):
+            return {}
+        try:
+            with open(self.identity_path) as f:
+                found = json.load(f)
+        except (OSError, ValueError) as e:
+            raise RunDirError(f'{self.identity_path}: not readable JSON ({e})') from None
+        if not isinstance(found, dict):
+            raise RunDirError(f'{self.identity_path}: not the identity of a run')
+        return found
+
+    def write_identity(self, identity):
+        """identity.json (atomically)."""
+        _write_json(self.identity_path, identity)
+
+
+def _write_json(path, value):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + '.tmp'
+    try:
         with open(tmp, 'w') as f:
-            json.dump(config_dict, f, indent=2)
-        os.replace(tmp, self.config_path)
+            json.dump(value, f, indent=2)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: the old file stays, no half-written one beside it
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise

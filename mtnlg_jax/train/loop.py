@@ -104,12 +104,13 @@ def due(every, step, last_step):
     return bool(every and step % every == 0) or step == last_step
 
 
-def train(config, workdir):
+def train(config, workdir, identity=None):
     """Train a resolved config in workdir, resuming from its newest checkpoint if it has one.
     Raises DataError or CheckpointError before anything is written, NonFiniteError after
     train.max_consecutive_skips non-finite steps, SaveFailedError after a failed save
     (checkpoint.on_save_error=stop). A stalled phase ends the process (train/watchdog.py).
-    Returns the final state."""
+    identity: what the workdir records of the run (identity.json; launch/train.py checks it
+    against the workdir's before). Returns the final state."""
     train_data, valid_data = open_data(config)
     mesh = mesh_from_config(config)
     setup = make_setup(config, mesh)
@@ -130,6 +131,8 @@ def train(config, workdir):
         os.makedirs(workdir, exist_ok=True)  # every process: checkpoints go under it
         if primary:
             run_dir.write_config(config.to_dict())
+            if identity is not None:
+                run_dir.write_identity(identity)
         first_step = position.step
         compiled = CompiledSteps(config, setup, mesh, position.state)
         start = time.perf_counter()
