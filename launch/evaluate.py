@@ -24,8 +24,8 @@ import json
 import os
 import sys
 
-from mtnlg_jax import distributed
-from mtnlg_jax.cli import ArgumentParser, check_output_file, cpu_devices, fail, workdir_config
+from mtnlg_jax.run import distributed
+from mtnlg_jax.run.cli import ArgumentParser, check_output_file, cpu_devices, fail, workdir_config
 
 TASKS = ('perplexity', 'lambada', 'multiple_choice')
 
@@ -147,7 +147,7 @@ def main(argv):
     from mtnlg_jax.eval import tasks
     from mtnlg_jax.eval import workdir as workdir_lib
     from mtnlg_jax.eval.scoring import Scorer
-    from mtnlg_jax.rundir import RunDir
+    from mtnlg_jax.run.rundir import RunDir
 
     try:
         saved = workdir_lib.read_saved_config(args.workdir)

@@ -23,8 +23,8 @@ import json
 import os
 import sys
 
-from mtnlg_jax import distributed
-from mtnlg_jax.cli import ArgumentParser, check_output_file, cpu_devices, fail, workdir_config
+from mtnlg_jax.run import distributed
+from mtnlg_jax.run.cli import ArgumentParser, check_output_file, cpu_devices, fail, workdir_config
 
 
 def parse_args(argv):

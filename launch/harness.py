@@ -21,7 +21,7 @@ import functools
 import os
 import sys
 
-from mtnlg_jax.cli import ArgumentParser, cpu_devices, fail, workdir_config
+from mtnlg_jax.run.cli import ArgumentParser, cpu_devices, fail, workdir_config
 
 OUR_FLAGS = ('step', 'data_parallel', 'tensor', 'tokenizer', 'max_gen_toks')  # model_args
 MODEL_ARG_NAMES = dict(data_parallel='data')  # our flag -> the model class's argument

@@ -3,7 +3,7 @@
     WORKDIR/config.json              the run's config: "inputs" (as given, paths absolute),
                                      "derived" (what resolve() computed from them) and the
                                      resolved sections, which evaluation reads
-    WORKDIR/checkpoints/<step>/      orbax checkpoints (mtnlg_jax/checkpoint.py writes them)
+    WORKDIR/checkpoints/<step>/      orbax checkpoints (mtnlg_jax/checkpoint/store.py writes them)
     WORKDIR/identity.json            what the run reads: its tokenizer's identity and vocabulary,
                                      and its data stream's fingerprint (data/identity.py);
                                      checked on every resume and every read of the run
