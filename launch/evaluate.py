@@ -20,12 +20,18 @@ any layout reads the checkpoint, parameters only. Bad input prints one line `err
 exits with status 2 before anything is compiled or written.
 """
 
-import json
 import os
 import sys
 
 from mtnlg_jax.run import distributed
-from mtnlg_jax.run.cli import ArgumentParser, check_output_file, cpu_devices, fail, workdir_config
+from mtnlg_jax.run.cli import (
+    ArgumentParser,
+    check_output,
+    cpu_devices,
+    fail,
+    workdir_config,
+    write_json,
+)
 
 TASKS = ('perplexity', 'lambada', 'multiple_choice')
 
@@ -106,14 +112,38 @@ def read_task_data(args, tokenizer, config):
 
 
 def result_name(args, step):
-    """<task>_<data>[_<split>][_shots<N>]_step<N>: one file per task, data, shots and step."""
+    """<task>_<data>[_<split>][_shots<N>][_tokens<N>][_limit<N>]_step<N>: one file per task,
+    data, shots, part of the data and step (a quick partial evaluation never overwrites the
+    full one)."""
     data = os.path.basename(args.data.rstrip('/')).rsplit('.', 1)[0] or 'data'
     parts = [args.task, data]
     if args.split:
         parts.append(args.split)
     if args.task == 'multiple_choice':
         parts.append(f'shots{args.shots}')
+    if args.max_tokens:
+        parts.append(f'tokens{args.max_tokens}')
+    if args.limit:
+        parts.append(f'limit{args.limit}')
     return '_'.join(parts + [f'step{step}'])
+
+
+def output_path(args):
+    """Where the result goes, checked writable before anything is computed: --output, or
+    WORKDIR/eval/<result_name>.json of the step that will be read (None if the workdir has no
+    such checkpoint: loading it is the error then)."""
+    from mtnlg_jax.run.rundir import RunDir
+
+    if args.output:
+        check_output(args.output)
+        return args.output
+    steps = RunDir(args.workdir).saved_steps()
+    step = args.step if args.step is not None else (steps[-1] if steps else None)
+    if step not in steps:
+        return None
+    path = RunDir(args.workdir).eval_output(result_name(args, step))
+    check_output(path, '--workdir', make=False)
+    return path
 
 
 def print_table(title, result):
@@ -133,8 +163,7 @@ def main(argv):
             fail(f'--{name} must be a positive integer, got {value}')
     if args.max_tokens and (args.num_words or args.count_words):
         fail('--max_tokens cuts the text, so the word count would not match: drop one of them')
-    if args.output:
-        check_output_file(args.output)
+    output = output_path(args)
     run_mesh = workdir_config(args.workdir)['mesh']
     devices = (args.data_parallel or run_mesh['data']) * (args.tensor or run_mesh['tensor'])
     cpu_devices(max(1, devices // distributed.requested_process_count(args)))
@@ -203,10 +232,8 @@ def main(argv):
     if not distributed.is_primary():
         return
     print_table(f'{args.task} of {args.workdir} at step {loaded.step}', result)
-    output = args.output or RunDir(args.workdir).eval_output(result_name(args, loaded.step))
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    with open(output, 'w') as f:
-        json.dump(record, f, indent=2)
+    output = output or RunDir(args.workdir).eval_output(result_name(args, loaded.step))
+    write_json(output, record, '--output' if args.output else '--workdir')
     print(f'wrote {output}')
 
 

@@ -19,12 +19,18 @@ completions as JSON with the sampling settings that made them. Bad input prints 
 `error: ...` and exits with status 2 before anything is compiled or written.
 """
 
-import json
 import os
 import sys
 
 from mtnlg_jax.run import distributed
-from mtnlg_jax.run.cli import ArgumentParser, check_output_file, cpu_devices, fail, workdir_config
+from mtnlg_jax.run.cli import (
+    ArgumentParser,
+    check_output_file,
+    cpu_devices,
+    fail,
+    workdir_config,
+    write_json,
+)
 
 
 def parse_args(argv):
@@ -161,17 +167,13 @@ def main(argv):
             for prompt, sequences in zip(prompts, completions)
             for j, sequence in enumerate(sequences)
         ]
-        with open(args.output, 'w') as f:
-            json.dump(
-                dict(
-                    workdir=os.path.abspath(args.workdir),
-                    step=loaded.step,
-                    settings=dict(settings.to_dict(), use_cache=not args.no_cache),
-                    completions=records,
-                ),
-                f,
-                indent=2,
-            )
+        result = dict(
+            workdir=os.path.abspath(args.workdir),
+            step=loaded.step,
+            settings=dict(settings.to_dict(), use_cache=not args.no_cache),
+            completions=records,
+        )
+        write_json(args.output, result)
 
 
 if __name__ == '__main__':

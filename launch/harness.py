@@ -21,7 +21,7 @@ import functools
 import os
 import sys
 
-from mtnlg_jax.run.cli import ArgumentParser, cpu_devices, fail, workdir_config
+from mtnlg_jax.run.cli import ArgumentParser, check_output, cpu_devices, fail, workdir_config
 
 OUR_FLAGS = ('step', 'data_parallel', 'tensor', 'tokenizer', 'max_gen_toks')  # model_args
 MODEL_ARG_NAMES = dict(data_parallel='data')  # our flag -> the model class's argument
@@ -93,6 +93,8 @@ def main(argv):
         path = harness_args[index + 1]
         if arg == '--include_path' and not os.path.isdir(path) and not os.path.isfile(path):
             fail(f'--include_path {path}: no such folder')
+        if arg in ('--output_path', '-o'):  # lm_eval writes a .json file or into a folder
+            check_output(path, arg, directory=not path.endswith('.json'))
     os.environ.setdefault('HF_DATASETS_OFFLINE', '1')
     os.environ.setdefault('HF_HUB_OFFLINE', '1')
     # The harness bootstraps stderrs in a forked process pool unless told not to; forking a

@@ -26,7 +26,7 @@ import sys
 
 from mtnlg_jax.data import gpt2_bpe
 from mtnlg_jax.data import tokenizer as tokenizer_lib
-from mtnlg_jax.data.indexed import DataError
+from mtnlg_jax.data.indexed import DataError, IndexedDataset
 
 SUFFIX = '.identity.json'
 FORMAT = 'mtnlg_jax.tokenizer_identity/1'
@@ -167,9 +167,10 @@ def check_sources(config):
     DataError if one is missing, or was made by a tokenizer other than data.tokenizer (with
     none: than the others). Training and the Megatron-order path read through this check."""
     for _, prefix in config.data.sources:
-        _file_sizes(prefix)  # a missing file is named before any warning about its sidecar
-    try:
-        expected = of_path(config.data.tokenizer)
+        IndexedDataset(prefix)  # a missing or bad file is named before any sidecar warning
+    path = config.data.tokenizer
+    try:  # a tokenizer file that is missing is launch/train.py's error, not the loader's
+        expected = of_path(path) if path and os.path.exists(path) else None
     except tokenizer_lib.TokenizerError as e:
         raise DataError(f'data.tokenizer: {e}') from None
     against = f'data.tokenizer={config.data.tokenizer}'

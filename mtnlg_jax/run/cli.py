@@ -16,6 +16,7 @@ then sets the CPU device count it needs (`cpu_devices`), and only then imports J
 import argparse
 import ast
 import difflib
+import json
 import os
 import sys
 import tempfile
@@ -50,7 +51,23 @@ class ArgumentParser(argparse.ArgumentParser):
         self._config_flag = None
 
     def error(self, message):
-        fail(message)
+        fail(self._typo(message) or message)
+
+    def _typo(self, message):
+        """For a missing or unrecognized flag: the flag given that looks like a typo of a known
+        one ('unrecognized argument --workdri; did you mean --workdir?'), else None."""
+        if 'required' not in message and 'unrecognized' not in message:
+            return None
+        known = [flag for flag in self._option_string_actions if flag.startswith('--')]
+        for arg in getattr(self, '_argv', []):
+            flag = arg.split('=', 1)[0]
+            if flag == '--':
+                break
+            if flag.startswith('--') and flag not in known:
+                close = difflib.get_close_matches(flag, known, n=1)
+                if close:
+                    return f'unrecognized argument {flag}; did you mean {close[0]}?'
+        return None
 
     def add_config(self, default=None, help='an ml_collections file with get_config()'):
         self._config_flag = dict(default=default)
@@ -70,6 +87,7 @@ class ArgumentParser(argparse.ArgumentParser):
             overrides, rest = split_overrides(argv)
         else:
             rest = argv
+        self._argv = rest
         args = super().parse_args(rest)
         if self._config_flag is not None:
             args.config_path = args.config
@@ -137,8 +155,10 @@ def apply_overrides(config, overrides):
         parent, name = _parent_of(config, key)
         current = parent[name]
         if hasattr(current, 'items'):
-            fail(f'--config.{key}: is a section; set one of its keys, e.g. --config.{key}.'
-                 f'{next(iter(current.keys()))}=...')
+            fail(
+                f'--config.{key}: is a section; set one of its keys, e.g. --config.{key}.'
+                f'{next(iter(current.keys()))}=...'
+            )
         value = parse_value(key, text, current)
         try:
             parent[name] = value
@@ -288,6 +308,22 @@ def check_output(path, flag='--output', directory=False, make=False):
             os.makedirs(folder, exist_ok=True)
         except OSError as e:
             fail(f'{flag} {path}: cannot make {folder} ({e.strerror})')
+
+
+def write_json(path, value, flag='--output'):
+    """`value` as JSON at `path`, atomically: a failure at the end (a full disk, a folder made
+    read-only meanwhile) is one error line naming `flag`, and leaves the old file, or none,
+    never a half-written one."""
+    tmp = f'{path}.tmp{os.getpid()}'
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(tmp, 'w') as f:
+            json.dump(value, f, indent=2)
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        fail(f'{flag} {path}: not written ({e.strerror or e})')
 
 
 def check_output_file(path, flag='--output'):
