@@ -180,7 +180,7 @@ TOUR_TRAIN = [
     f'--config.model.vocab_size={TOUR_VOCAB}',
     *('--config.mesh.data=4', '--config.mesh.stage=1', '--config.mesh.tensor=2'),
     *('--config.pipeline.repeats=1', '--config.model.remat=none'),
-    *('--config.model.num_layers=2', '--config.model.hidden=64', '--config.model.seq_len=32'),
+    *('--config.model.num_layers=2', '--config.model.hidden=64', '--config.model.seq_len=64'),
     *('--config.train.steps=2', '--config.train.eval_every=0', '--config.train.micro_batch=2'),
 ]
 
@@ -202,7 +202,7 @@ def as_run(words):
     return words
 
 
-def run_in(folder, words, timeout=300):
+def run_in(folder, words, timeout=600):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop('XLA_FLAGS', None)  # the tools make their own devices, as for a user
     return subprocess.run(

@@ -98,6 +98,11 @@ CASES = {  # tool: (arguments, the flag its error names); {locked}, {workdir}, {
         '--output',
     ),
     'export_corpus --out': ('export_corpus.py', ['--out', '{locked}/corpus'], '--out'),
+    'convert --export_hf': (
+        'convert.py',
+        ['--workdir', '{workdir}', '--export_hf', '{locked}/hf'],
+        '--export_hf',
+    ),
     'train --workdir': (
         'train.py',
         ['--config', 'configs/tiny.py', '--workdir', '{locked}/run'],
