@@ -66,9 +66,11 @@ def run_identity(config):
 
 def check_continuation(args, run_dir, config, now):
     """The identity to record when this command continues run_dir: what changed is printed;
-    a change RESUME_RULES (rundir.py) forbids is refused, one it calls explicit (or another
-    data stream) is refused without --accept_changes. Rules hold once the workdir has a
-    checkpoint of a run that recorded its identity (not an import, not a run from before)."""
+    a change the key table's resume column (config/keys.py) calls never is refused, one it
+    calls explicit (or another data stream) is refused without --accept_changes. The rules
+    hold once the workdir has a checkpoint of a run that recorded its identity (not an
+    import, not a run from before)."""
+    from mtnlg_jax.config import keys
     from mtnlg_jax.data import identity
 
     try:
@@ -92,8 +94,8 @@ def check_continuation(args, run_dir, config, now):
         new = identity.describe(tokenizer) if tokenizer else 'none known (data.tokenizer empty)'
         refused.append(f'the tokenizer {identity.describe(then_tokenizer)} -> {new}')
     for key, old, new in changes:
-        rule = rundir.resume_rule(key)
-        if key != 'data.tokenizer' and rule != 'free':
+        rule = keys.BY_NAME[key].resume if key in keys.BY_NAME else 'explicit'
+        if key != 'data.tokenizer' and rule != 'free':  # the tokenizer: by identity, above
             (refused if rule == 'never' else asked).append(f'{key}: {old!r} -> {new!r}')
     asked += identity.stream_changes(recorded.get('data', {}), now['data'])
     if refused:
@@ -104,7 +106,7 @@ def check_continuation(args, run_dir, config, now):
         )
     if asked and not args.accept_changes:
         fail(
-            f'--workdir {args.workdir} would continue with another recipe or data stream: '
+            f'--workdir {args.workdir} would continue with another data stream: '
             f'{"; ".join(asked)} (give the run\'s own values, or --accept_changes to continue '
             'with these: docs/checkpoints.md)'
         )

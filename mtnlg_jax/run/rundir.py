@@ -31,65 +31,6 @@ EVAL = 'eval'
 LOGS = 'logs'
 
 
-# What a resumed run may change, per config key (the most specific entry of a key's dotted
-# prefixes decides; docs/checkpoints.md lists them):
-#   free      the layout, speed and bookkeeping: the run computes the same thing
-#   explicit  the recipe and the data stream: said, and refused without --accept_changes
-#   never     what the checkpoint or its token ids mean: start a new workdir (init_from takes
-#             its parameters)
-# data.tokenizer is compared by the tokenizer's identity, not its path (a moved file is the
-# same tokenizer). Keys of a section not listed take the section's rule; unknown sections are
-# explicit.
-RESUME_RULES = {
-    'mesh': 'free',
-    'pipeline': 'free',
-    'distributed': 'free',
-    'checkpoint': 'free',
-    'model': 'never',
-    'model.init_std': 'free',  # read only by a fresh start
-    'model.remat': 'free',
-    'model.attention': 'free',
-    'model.sequence_parallel': 'free',
-    'model.loss_chunks': 'free',
-    'model.compute_dtype': 'explicit',
-    'model.attention_dropout': 'explicit',
-    'model.hidden_dropout': 'explicit',
-    'train': 'explicit',
-    'train.micro_batch': 'free',
-    'train.steps': 'free',
-    'train.log_every': 'free',
-    'train.eval_every': 'free',
-    'train.eval_batches': 'free',
-    'train.max_consecutive_skips': 'free',
-    'train.spike_factor': 'free',
-    'train.spike_window': 'free',
-    'train.spike_skip_batches': 'free',
-    'train.hang_timeout_s': 'free',
-    'train.hang_floor_s': 'free',
-    'train.inject_nan_at_step': 'free',
-    'train.inject_nan_steps': 'free',
-    'train.inject_spike_at_step': 'free',
-    'train.inject_kill_at_step': 'free',
-    'train.inject_kill_process': 'free',
-    'train.inject_hang_at_step': 'free',
-    'train.inject_hang_process': 'free',
-    'optimizer': 'explicit',
-    'data': 'explicit',
-    'data.tokenizer': 'never',
-}
-RESUME_KINDS = ('free', 'explicit', 'never')
-
-
-def resume_rule(key):
-    """RESUME_RULES' rule of a dotted config key."""
-    parts = key.split('.')
-    for depth in range(len(parts), 0, -1):
-        rule = RESUME_RULES.get('.'.join(parts[:depth]))
-        if rule is not None:
-            return rule
-    return 'explicit'
-
-
 def changed_inputs(before, after, prefix=''):
     """[(dotted key, old, new), ...] between two input dicts (lists and tuples alike)."""
     changes = []
@@ -172,12 +113,13 @@ class RunDir:
         return saved
 
     def read_inputs(self):
-        """The config as its run was given it (derived values left to be recomputed)."""
+        """The config as its run was given it (derived values left to be recomputed), its
+        sequences as tuples, as a config holds them (JSON has only lists)."""
         saved = self.read_config()
         inputs = saved.get('inputs')
         if inputs is None:  # written before inputs were kept apart: drop what is derived
             inputs = {k: v for k, v in saved.items() if k != 'derived'}
-        return inputs
+        return _tuples(inputs)
 
     def write_config(self, config_dict):
         """config.json (atomically: a killed write leaves the old one)."""
@@ -213,3 +155,11 @@ def _write_json(path, value):
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def _tuples(value):
+    if isinstance(value, dict):
+        return {key: _tuples(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return tuple(_tuples(item) for item in value)
+    return value
