@@ -88,7 +88,7 @@ def read_task_data(args, tokenizer, config):
                 if args.count_words:
                     fail('--count_words needs a text file; give --num_words for a token file')
                 data = IndexedDataset(args.data)
-                identity.check(args.data, tokenizer[1], f"{args.workdir}'s tokenizer")
+                identity.check(args.data, tokenizer[1], f"{args.workdir}'s tokenizer", warn=False)
                 tokens = split_tokens(data, args.split, config.data.split)
                 num_words = args.num_words
             else:
@@ -173,6 +173,7 @@ def main(argv):
     import jax
 
     from mtnlg_jax import config as config_lib
+    from mtnlg_jax.data import identity
     from mtnlg_jax.eval import tasks
     from mtnlg_jax.eval import workdir as workdir_lib
     from mtnlg_jax.eval.scoring import Scorer
@@ -204,6 +205,8 @@ def main(argv):
         loaded = workdir_lib.load(args.workdir, args.step, args.data_parallel, args.tensor)
     except (workdir_lib.WorkdirError, config_lib.ConfigError) as e:
         fail(str(e))
+    if token_file and identity.read(args.data) is None:  # every check passed: now the warning
+        identity.warn_once(args.data)
     score = Scorer(loaded, args.batch_size)
     seq_len = loaded.config.model.seq_len
     if args.task == 'perplexity':

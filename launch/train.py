@@ -64,6 +64,15 @@ def run_identity(config):
         fail(str(e))
 
 
+def warn_unchecked(record):
+    """Once every check has passed: a warning per source whose files name no tokenizer."""
+    from mtnlg_jax.data import identity
+
+    for source in record['data']['sources']:
+        if source['tokenizer'] is None:
+            identity.warn_once(source['prefix'])
+
+
 def check_continuation(args, run_dir, config, now):
     """The identity to record when this command continues run_dir: what changed is printed;
     a change the key table's resume column (config/keys.py) calls never is refused, one it
@@ -152,6 +161,7 @@ def main(argv):
     record = run_identity(config)
     if run_dir.has_config():
         record = check_continuation(args, run_dir, config, record)
+    warn_unchecked(record)
     try:
         loop.train(config, args.workdir, identity=record)
     except (DataError, CheckpointError, config_lib.ConfigError) as e:

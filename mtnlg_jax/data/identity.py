@@ -120,13 +120,15 @@ def read(prefix):
     return found
 
 
-def check(prefix, expected, against):
-    """The tokenizer record of PREFIX's files (None without a sidecar, after a warning once);
+def check(prefix, expected, against, warn=True):
+    """The tokenizer record of PREFIX's files (None without a sidecar: warn_once, unless
+    warn=False, for a tool that warns only once its other checks have passed);
     DataError naming both tokenizers if it is not `expected` (a record; None: nothing to
     compare with). `against` says where `expected` came from ('data.tokenizer', ...)."""
     found = read(prefix)
     if found is None:
-        warn_once(prefix)
+        if warn:
+            warn_once(prefix)
         return None
     if expected is not None and not same(found, expected):
         raise DataError(
@@ -138,6 +140,7 @@ def check(prefix, expected, against):
 
 
 def warn_once(prefix):
+    """The warning for PREFIX's files having no sidecar, once per process."""
     if prefix in _warned:
         return
     _warned.add(prefix)
@@ -162,7 +165,7 @@ def agreed(records, what):
     return known[0][1] if known else None
 
 
-def check_sources(config):
+def check_sources(config, warn=True):
     """prefix -> the tokenizer record of each data.sources file (None without a sidecar);
     DataError if one is missing, or was made by a tokenizer other than data.tokenizer (with
     none: than the others). Training and the Megatron-order path read through this check."""
@@ -174,7 +177,7 @@ def check_sources(config):
     except tokenizer_lib.TokenizerError as e:
         raise DataError(f'data.tokenizer: {e}') from None
     against = f'data.tokenizer={config.data.tokenizer}'
-    found = {prefix: check(prefix, expected, against) for _, prefix in config.data.sources}
+    found = {prefix: check(prefix, expected, against, warn) for _, prefix in config.data.sources}
     agreed(found, 'data.sources')
     return found
 
@@ -183,7 +186,7 @@ def run_record(config):
     """What a workdir records of a run (rundir.py's identity.json): its tokenizer (data.tokenizer's,
     or with none the one its data files name), its vocabulary and its stream fingerprint;
     DataError if the data cannot be read or its tokenizers disagree."""
-    files = check_sources(config)
+    files = check_sources(config, warn=False)  # launch/train.py warns once all checks pass
     tokenizer = of_path(config.data.tokenizer) or agreed(files, 'data.sources')
     return dict(tokenizer=tokenizer, vocab_size=config.model.vocab_size, data=stream(config, files))
 
