@@ -226,6 +226,36 @@ KEYS = (
         'explicit',
     ),
     Key(
+        'data.reset_position_ids',
+        False,
+        'bool',
+        "positions restart after each end-of-document token (Megatron's --reset-position-ids; "
+        '[packed documents](data.md#packed-documents))',
+        'explicit',
+    ),
+    Key(
+        'data.reset_attention_mask',
+        False,
+        'bool',
+        "a token attends only within its own document (Megatron's --reset-attention-mask)",
+        'explicit',
+    ),
+    Key(
+        'data.eod_mask_loss',
+        False,
+        'bool',
+        "predictions made from an end-of-document token are left out of the loss (Megatron's "
+        '--eod-mask-loss)',
+        'explicit',
+    ),
+    Key(
+        'data.eod_id',
+        -1,
+        'int>=-1',
+        "the end-of-document id the three keys above cut at; -1: the tokenizer's",
+        'never',
+    ),
+    Key(
         'distributed.heartbeat_timeout_s',
         30,
         'int>0',
@@ -257,6 +287,7 @@ def _is_number(value):
 _RULES = {
     'int>0': (lambda v: _is_int(v) and v > 0, 'must be a positive integer'),
     'int>=0': (lambda v: _is_int(v) and v >= 0, 'must be an integer >= 0'),
+    'int>=-1': (lambda v: _is_int(v) and v >= -1, 'must be -1 or an integer >= 0'),
     'num>0': (lambda v: _is_number(v) and v > 0, 'must be positive'),
     'num>=0': (lambda v: _is_number(v) and v >= 0, 'must be >= 0'),
     '[0,1)': (lambda v: _is_number(v) and 0 <= v < 1, 'must be in [0, 1)'),

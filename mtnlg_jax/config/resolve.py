@@ -31,6 +31,7 @@ from mtnlg_jax.config import keys
 from mtnlg_jax.config.checks import (
     _require,
     check_data,
+    check_packing,
     check_model,
     check_optimizer,
     check_train,
@@ -121,6 +122,7 @@ def resolve(config, num_devices):
     check_model(config)
     check_train(config)
     check_data(config.data)
+    check_packing(config)
     keys.check_values(config, ('checkpoint', 'distributed'))
     check_optimizer(config)
     derived = {}

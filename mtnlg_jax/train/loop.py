@@ -33,6 +33,7 @@ from mtnlg_jax.run import distributed
 from mtnlg_jax.model import counts
 from mtnlg_jax.xla import devices
 from mtnlg_jax.data import loader as loader_lib
+from mtnlg_jax.data import packing
 from mtnlg_jax.config import rampup
 from mtnlg_jax.parallel.mesh import mesh_from_config
 from mtnlg_jax.run.rundir import RunDir
@@ -108,11 +109,13 @@ def due(every, step, last_step):
 
 def train(config, workdir, identity=None):
     """Train a resolved config in workdir, resuming from its newest checkpoint if it has one.
-    Raises DataError or CheckpointError before anything is written, NonFiniteError after
-    train.max_consecutive_skips non-finite steps, SaveFailedError after a failed save
-    (checkpoint.on_save_error=stop). A stalled phase ends the process (train/watchdog.py).
-    identity: what the workdir records of the run (identity.json; launch/train.py checks it
-    against the workdir's before). Returns the final state."""
+    Raises DataError, CheckpointError or ConfigError (data.eod_id with no tokenizer to take
+    it from) before anything is written, NonFiniteError after train.max_consecutive_skips
+    non-finite steps, SaveFailedError after a failed save (checkpoint.on_save_error=stop). A
+    stalled phase ends the process (train/watchdog.py). identity: what the workdir records of
+    the run (identity.json; launch/train.py checks it against the workdir's before). Returns
+    the final state."""
+    config = packing.resolve_eod_id(config)
     train_data, valid_data = open_data(config)
     mesh = mesh_from_config(config)
     setup = make_setup(config, mesh)
