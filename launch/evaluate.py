@@ -13,11 +13,12 @@ the run's data.split) or a text file (any other name, tokenised with the run's t
 with --count_words (text) or --num_words N the word-normalised perplexity of Megatron's
 WikiText-103 protocol is reported as well. Results
 print as a table and are written as JSON, by default to
-WORKDIR/eval/<task>_<data>[_<split>][_shots<N>]_step<N>.json, so results of different data,
-shots or steps never overwrite each other. The mesh is the run's unless --data_parallel /
---tensor say otherwise (on a CPU-only machine the tool makes that many CPU devices itself);
-any layout reads the checkpoint, parameters only. Bad input prints one line `error: ...` and
-exits with status 2 before anything is compiled or written.
+WORKDIR/eval/<task>_<data>[_<split>][_shots<N>][_tokens<N>][_limit<N>]_step<N>.json, so
+results of different data, shots, parts (--max_tokens, --limit) or steps never overwrite each
+other; the output is checked writable before anything is computed. The mesh is the run's
+unless --data_parallel / --tensor say otherwise (on a CPU-only machine the tool makes that
+many CPU devices itself); any layout reads the checkpoint, parameters only. Bad input prints
+one line `error: ...` and exits with status 2 before anything is compiled or written.
 """
 
 import os
