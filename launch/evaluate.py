@@ -21,6 +21,7 @@ many CPU devices itself); any layout reads the checkpoint, parameters only. Bad 
 one line `error: ...` and exits with status 2 before anything is compiled or written.
 """
 
+import functools
 import os
 import sys
 
@@ -66,8 +67,8 @@ def parse_args(argv):
 
 
 def read_task_data(args, tokenizer, config):
-    """The task's input, read and checked before any model is loaded. tokenizer: (the run's
-    tokenizer or None, its identity record or None)."""
+    """The task's input, read and checked before any model is loaded. tokenizer(needed):
+    (the run's tokenizer or None, its identity record or None)."""
     import numpy as np
 
     from mtnlg_jax.data import identity
@@ -89,13 +90,14 @@ def read_task_data(args, tokenizer, config):
                 if args.count_words:
                     fail('--count_words needs a text file; give --num_words for a token file')
                 data = IndexedDataset(args.data)
-                identity.check(args.data, tokenizer[1], f"{args.workdir}'s tokenizer", warn=False)
+                trained = tokenizer(needed=False)[1]
+                identity.check(args.data, trained, f"{args.workdir}'s tokenizer", warn=False)
                 tokens = split_tokens(data, args.split, config.data.split)
                 num_words = args.num_words
             else:
                 with open(args.data, encoding='utf-8') as f:
                     text = f.read()
-                tokens = tokenizer[0].encode(text)
+                tokens = tokenizer()[0].encode(text)
                 num_words = tasks.count_words(text) if args.count_words else args.num_words
             tokens = np.asarray(tokens[: args.max_tokens])
             if tokens.size and int(tokens.max()) >= vocab_size:
@@ -187,13 +189,18 @@ def main(argv):
         fail(str(e))
 
     token_file = args.task == 'perplexity' and os.path.isfile(args.data + '.idx')
-    try:
-        tokenizer = workdir_lib.run_tokenizer(
-            args.workdir, config, args.tokenizer, needed=not token_file
-        )
-    except workdir_lib.WorkdirError as e:
-        fail(str(e))
+
+    @functools.cache
+    def tokenizer(needed=True):
+        """(the run's tokenizer, its identity record), read when the data asks for it (so a
+        bad --data is named first); needed=False: token files only need the record."""
+        try:
+            return workdir_lib.run_tokenizer(args.workdir, config, args.tokenizer, needed)
+        except workdir_lib.WorkdirError as e:
+            fail(str(e))
+
     task_data, num_words = read_task_data(args, tokenizer, config)
+    tokenizer(needed=not token_file)  # checked against the run's before the model is read
     if num_words is not None and num_words < 2:
         fail(f'word-normalised perplexity needs at least 2 words, got {num_words}')
     if args.task == 'perplexity' and not 0 <= args.overlap < config.model.seq_len:
@@ -214,11 +221,11 @@ def main(argv):
         result = tasks.perplexity(score, task_data, seq_len, args.overlap, num_words)
     elif args.task == 'lambada':
         result, _ = tasks.lambada(
-            score, tokenizer[0].encode, [r['text'] for r in task_data], seq_len
+            score, tokenizer()[0].encode, [r['text'] for r in task_data], seq_len
         )
     else:
         result, _ = tasks.multiple_choice(
-            score, tokenizer[0].encode, task_data, seq_len, args.shots, args.seed
+            score, tokenizer()[0].encode, task_data, seq_len, args.shots, args.seed
         )
     mesh = loaded.config.mesh
     record = dict(
