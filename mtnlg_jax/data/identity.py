@@ -49,8 +49,8 @@ def of_path(path):
     token ids alone); TokenizerError if it cannot be opened. Cached per path and file times."""
     if not path:
         return None
-    files = gpt2_bpe.files_of(path) or (path,)
-    return _of_path(path, tuple(os.stat(f).st_mtime_ns for f in files if os.path.exists(f)))
+    files = (*(gpt2_bpe.files_of(path) or ()), path, os.path.join(path, tokenizer_lib.HF_FILE))
+    return _of_path(path, tuple(os.stat(f).st_mtime_ns for f in files if os.path.isfile(f)))
 
 
 @functools.lru_cache(maxsize=8)
