@@ -23,7 +23,8 @@ from mtnlg_jax.parallel.rules import constrain, local_call
 # Names of the values `model.remat = 'selective'` keeps: every matmul output. The attention
 # core (scores, softmax, dropout) is recomputed in the backward pass, as in Megatron's
 # selective recompute (arXiv 2205.05198): cheap FLOPs, large memory.
-SELECTIVE_SAVED = ('qkv', 'context', 'attn_out', 'mlp_in', 'mlp_out')
+# The flash kernel's own out and log-sum-exp are kept too, so its forward does not run again.
+SELECTIVE_SAVED = ('qkv', 'context', 'attn_out', 'mlp_in', 'mlp_out', *flash_attention.SAVED_NAMES)
 
 # The largest head dimension of cuDNN's flash attention by compute capability major (JAX 0.10:
 # 128 before Hopper, 256 from it); MT-NLG's 160 fits H100's, not A100's. The Pallas flash
@@ -49,7 +50,7 @@ def attention_kernel(cfg, device=None):
     choice = cfg.get('attention', 'plain')
     on_gpu = device is not None and device.platform == 'gpu'
     head_dim = cfg.hidden // cfg.heads
-    flash_refuses = flash_attention.refusal(cfg.seq_len, head_dim)
+    flash_refuses = flash_attention.refusal(cfg.seq_len, head_dim, gpu_generation(device))
     if choice == 'plain':
         return choice
     if choice == 'flash' and flash_refuses:
@@ -60,7 +61,7 @@ def attention_kernel(cfg, device=None):
         if choice == 'auto':
             return 'plain'
         return 'flash_interpreted' if cfg.attention_dropout > 0 else 'xla'
-    major = int(str(getattr(device, 'compute_capability', '8.0')).split('.')[0])
+    major = gpu_generation(device)
     half = cfg.compute_dtype in ('bfloat16', 'float16')
     limit = CUDNN_MAX_HEAD_DIM.get(major, 256 if major > 9 else 0)
     cudnn_refuses = [
@@ -86,6 +87,13 @@ def attention_kernel(cfg, device=None):
     return 'plain'
 
 
+def gpu_generation(device):
+    """The compute capability major of a GPU device (8: A100, 9: H100), else None."""
+    if device is None or device.platform != 'gpu':
+        return None
+    return int(str(getattr(device, 'compute_capability', '8.0')).split('.')[0])
+
+
 # Dropout sites of one block, told apart in the per-sequence keys.
 _ATTN_PROBS, _ATTN_RESIDUAL, _MLP_RESIDUAL = range(3)
 SITES_PER_BLOCK = 3
@@ -94,7 +102,7 @@ SITES_PER_BLOCK = 3
 class Attention(nnx.Module):
     """Causal multi-head self-attention; softmax in fp32."""
 
-    def __init__(self, cfg, rngs, kernel='plain'):
+    def __init__(self, cfg, rngs, kernel='plain', gpu_generation=None):
         heads, hidden = cfg.heads, cfg.hidden
         head_dim = hidden // heads
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
@@ -109,6 +117,7 @@ class Attention(nnx.Module):
         self.dropout_rate = cfg.attention_dropout
         self.dtype = cfg.compute_dtype
         self.kernel = kernel  # attention_kernel()'s choice
+        self.gpu_generation = gpu_generation  # the flash kernel's blocks are chosen for it
 
     def project_qkv(self, x):
         """(batch, seq, embed) -> (batch, seq, 3, heads, head_dim), split over heads."""
@@ -145,7 +154,7 @@ class Attention(nnx.Module):
             interpret = self.kernel == 'flash_interpreted'  # decided by the mesh's device
             context = local_call(
                 lambda q, k, v, seeds: flash_attention.flash_attention(
-                    q, k, v, seeds, rate, interpret
+                    q, k, v, seeds, rate, interpret=interpret, generation=self.gpu_generation
                 ),
                 (q, k, v, constrain(seeds, SEED_AXES)),
                 CONTEXT_AXES,
@@ -236,9 +245,9 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg, rngs, attention_kernel='plain'):
+    def __init__(self, cfg, rngs, attention_kernel='plain', gpu_generation=None):
         self.ln_attn = LayerNorm(cfg.hidden, cfg.layer_norm_epsilon)
-        self.attention = Attention(cfg, rngs, attention_kernel)
+        self.attention = Attention(cfg, rngs, attention_kernel, gpu_generation)
         self.ln_mlp = LayerNorm(cfg.hidden, cfg.layer_norm_epsilon)
         self.mlp = MLP(cfg, rngs)
         self.hidden_dropout = cfg.hidden_dropout

@@ -18,7 +18,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtnlg_jax.model.block import SELECTIVE_SAVED, SITES_PER_BLOCK, Block, attention_kernel
+from mtnlg_jax.model.block import (
+    SELECTIVE_SAVED,
+    SITES_PER_BLOCK,
+    Block,
+    attention_kernel,
+    gpu_generation,
+)
 from mtnlg_jax.model.layers import LayerNorm, dropout, param, use
 from mtnlg_jax.model import loss
 from mtnlg_jax.model.loss import cross_entropy  # also the callers' name: gpt.cross_entropy
@@ -44,7 +50,7 @@ class GPT(nnx.Module):
         layer_keys = jax.random.split(rngs.params(), cfg.num_layers)
         kernel = attention_kernel(cfg, device)
         make_blocks = nnx.vmap(
-            lambda key: Block(cfg, nnx.Rngs(params=key), kernel),
+            lambda key: Block(cfg, nnx.Rngs(params=key), kernel, gpu_generation(device)),
             transform_metadata={nnx.PARTITION_NAME: 'layers', 'logical_axes': 'layers'},
         )
         self.blocks = make_blocks(layer_keys)
