@@ -12,7 +12,7 @@ from these devices), prints what changed, and any key can still be overridden.
 
 import ml_collections
 
-from mtnlg_jax.rundir import RunDir
+from mtnlg_jax.run.rundir import RunDir
 
 
 def _tuples(value):

@@ -11,7 +11,7 @@ import pytest
 
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.data.tokenizer import Tokenizer
-from mtnlg_jax.rundir import RunDir
+from mtnlg_jax.run.rundir import RunDir
 from support import ROOT, SMALL_MODEL, TRAIN_ENV, small_config
 
 SCRIPTS = ('train.py', 'evaluate.py', 'generate.py', 'convert.py', 'preprocess.py')

@@ -8,7 +8,9 @@ import pytest
 from flax import nnx
 
 from mtnlg_jax import config as config_lib
-from mtnlg_jax import plan
+from mtnlg_jax.plan import arithmetic
+from mtnlg_jax.model import counts
+from mtnlg_jax.xla import devices
 from mtnlg_jax.model import gpt
 
 
@@ -21,7 +23,7 @@ def _param_count(path):
     config.train.rampup.start = 0  # one sequence per step: no room for a ramp
     config = config_lib.resolve(config, config.mesh.tensor)
     abstract = nnx.eval_shape(lambda: gpt.create(config.model, 0))
-    return plan.count_params(gpt.split(abstract)[1]), config
+    return counts.count_params(gpt.split(abstract)[1]), config
 
 
 @pytest.mark.parametrize(
@@ -48,7 +50,7 @@ def test_mtnlg_vocabulary_pads_to_51200_under_tensor_8():
 )
 def test_megatron_flops_formula_reproduces_the_mtnlg_table(nodes, iteration_s, tflops):
     _, config = _param_count('configs/mtnlg_530b.py')
-    flops = plan.megatron_flops_per_step(config.model, global_batch=1920, recompute=True)
+    flops = arithmetic.megatron_flops_per_step(config.model, global_batch=1920, recompute=True)
     assert flops / (iteration_s * nodes * 8) / 1e12 == pytest.approx(tflops, abs=0.1)
 
 
@@ -73,12 +75,12 @@ def test_tiny_config_resolves_on_eight_devices():
 
 def test_device_peak_table():
     cpu = jax.devices()[0]
-    assert plan.device_peak_tflops(cpu, 'bfloat16') is None
+    assert devices.device_peak_tflops(cpu, 'bfloat16') is None
 
     class FakeDevice:
         device_kind = 'NVIDIA H100 80GB HBM3'
 
-    assert plan.device_peak_tflops(FakeDevice(), 'bfloat16') == 989.0
+    assert devices.device_peak_tflops(FakeDevice(), 'bfloat16') == 989.0
 
 
 def test_minus_one_fills_the_mesh_with_the_remaining_devices():

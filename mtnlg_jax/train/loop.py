@@ -28,12 +28,14 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from mtnlg_jax import checkpoint as checkpoint_lib
-from mtnlg_jax import distributed, plan
+from mtnlg_jax.checkpoint import store as checkpoint_lib
+from mtnlg_jax.run import distributed
+from mtnlg_jax.model import counts
+from mtnlg_jax.xla import devices
 from mtnlg_jax.data import loader as loader_lib
-from mtnlg_jax import rampup
+from mtnlg_jax.config import rampup
 from mtnlg_jax.parallel.mesh import mesh_from_config
-from mtnlg_jax.rundir import RunDir
+from mtnlg_jax.run.rundir import RunDir
 from mtnlg_jax.train import banner, faults, resume
 from mtnlg_jax.train import metrics as metrics_lib
 from mtnlg_jax.train.state import make_setup, pipeline_order
@@ -114,9 +116,9 @@ def train(config, workdir):
     mesh = mesh_from_config(config)
     setup = make_setup(config, mesh)
     train_cfg, seq_len = config.train, config.model.seq_len
-    num_params = plan.count_params(setup.abstract_state['params'])
-    flops_per_token = plan.model_flops_per_token(config.model, num_params)
-    peak = plan.device_peak_tflops(jax.devices()[0], config.model.compute_dtype)
+    num_params = counts.count_params(setup.abstract_state['params'])
+    flops_per_token = counts.model_flops_per_token(config.model, num_params)
+    peak = devices.device_peak_tflops(jax.devices()[0], config.model.compute_dtype)
     run_dir = RunDir(workdir)
     checkpoints = checkpoint_lib.Checkpoints(workdir, keep=config.checkpoint.keep)
     checkpoints.fail_save_at = config.checkpoint.inject_save_error_at_step  # a drill

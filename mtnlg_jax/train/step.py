@@ -33,13 +33,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
 
-from mtnlg_jax.data.batch import (  # noqa: F401  (re-exported: the batch layout's old home)
-    BATCH_AXES,
-    micro_step_row_ids,
-    place_batch,
-    place_row_ids,
-    to_micro_steps,
-)
+from mtnlg_jax.data.batch import BATCH_AXES
 from mtnlg_jax.model import gpt
 from mtnlg_jax.parallel import pipeline, rules, zero
 from mtnlg_jax.train.optimizer import learning_rate_schedule

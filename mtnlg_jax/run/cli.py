@@ -242,7 +242,7 @@ def mesh_device_count(mesh, fill=8):
 
 def workdir_config(workdir):
     """A workdir's config.json (a dict), read without JAX; the error line names the file."""
-    from mtnlg_jax.rundir import RunDir, RunDirError
+    from mtnlg_jax.run.rundir import RunDir, RunDirError
 
     try:
         return RunDir(workdir).read_config()

@@ -1,8 +1,8 @@
 """The config: every input key with its default, what is derived, and resolve() that runs
-the check of each section (config_checks.py).
+the check of each section (checks.py).
 
 Experiment files (configs/*.py) start from `defaults()` and change a few keys; every tool that
-takes a config accepts any key on the command line as `--config.KEY=VALUE` (mtnlg_jax/cli.py).
+takes a config accepts any key on the command line as `--config.KEY=VALUE` (mtnlg_jax/run/cli.py).
 `resolve()` checks each section against the device count before anything is built and derives
 what follows from the inputs:
 
@@ -27,20 +27,13 @@ import os
 
 import ml_collections
 
-from mtnlg_jax.config_checks import (  # noqa: F401 (the names config users import from here)
-    COMPUTE_DTYPES,
-    DATA_ORDERS,
-    PIPELINE_SCHEDULES,
-    REMAT_POLICIES,
-    VOCAB_PAD_MULTIPLE,
-    ConfigError,
+from mtnlg_jax.config.checks import (
     _require,
     check_checkpoint,
     check_data,
     check_model,
     check_optimizer,
     check_train,
-    padded_vocab_size,
 )
 
 
@@ -175,7 +168,7 @@ def defaults():
             order='layout_independent',
         )
     )
-    # Several processes (mtnlg_jax/distributed.py): one that sends no heartbeat for
+    # Several processes (mtnlg_jax/run/distributed.py): one that sends no heartbeat for
     # heartbeat_timeout_s ends them all (JAX's default of 100 s leaves survivors hanging);
     # the others wait up to initialization_timeout_s for process 0 to start.
     config.distributed = ml_collections.ConfigDict(

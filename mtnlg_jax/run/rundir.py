@@ -3,7 +3,7 @@
     WORKDIR/config.json              the run's config: "inputs" (as given, paths absolute),
                                      "derived" (what resolve() computed from them) and the
                                      resolved sections, which evaluation reads
-    WORKDIR/checkpoints/<step>/      orbax checkpoints (mtnlg_jax/checkpoint.py writes them)
+    WORKDIR/checkpoints/<step>/      orbax checkpoints (mtnlg_jax/checkpoint/store.py writes them)
     WORKDIR/metrics.jsonl            one record per logged step (train/metrics.py)
     WORKDIR/tensorboard/, loss.png   the same numbers for people
     WORKDIR/eval/<name>.json         evaluation results (launch/evaluate.py), one per task,

@@ -7,7 +7,7 @@ optimizer.decay_tokens), which resolve() then records under `derived`.
 
 import math
 
-from mtnlg_jax import rampup
+from mtnlg_jax.config import rampup
 
 REMAT_POLICIES = ('none', 'full', 'selective')
 ATTENTION = ('auto', 'fused', 'flash', 'plain')
