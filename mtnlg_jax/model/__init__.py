@@ -2,7 +2,8 @@
 
 layers.py            embeddings, norms, dense layers with logical axes
 block.py             attention, MLP, the pre-norm block; which attention kernel runs
-flash_attention.py   the Pallas flash attention kernel with dropout
+flash_attention.py   the Pallas flash attention kernel (dropout, GQA, segment ids): its API
+flash_kernels.py     the flash kernel's Pallas bodies: forward, dK/dV, dQ
 gpt.py               the decoder: blocks stacked by layer, its pieces for the engines
 loss.py              the vocabulary-parallel output layer and cross-entropy, fused
 decode.py            the forward with a KV cache
