@@ -2,7 +2,7 @@
 Pallas (Triton on NVIDIA GPUs).
 
     flash_attention(q, k, v, seeds=None, rate=0.0, *, segment_ids=None, interpret=False,
-                    generation=None) -> context
+                    generation=None, tiles=None) -> context
 
     q            (batch, seq, heads, head_dim)       bf16 / fp16 on a GPU; any float interpreted
     k, v         (batch, seq, kv_heads, head_dim)    kv_heads divides heads: query head h reads
@@ -14,6 +14,7 @@ Pallas (Triton on NVIDIA GPUs).
                  (seq x seq) mask is ever made
     generation   the GPU's compute capability major (8: A100, 9: H100) for the block sizes,
                  None: the A100's (they fit every GPU since)
+    tiles        a Blocks to use instead (bench/gpu_check.py's sweep)
     context      (batch, seq, heads, head_dim) in q's dtype
 
 Why by hand: cuDNN's flash attention (jax.nn.dot_product_attention) takes head dimensions of at
@@ -153,16 +154,18 @@ class _Static(NamedTuple):
     interpret: bool
     generation: int | None
     segments: bool
+    tiles: Blocks | None = None
 
 
 def _common(q, static):
     batch, seq, heads, head_dim = q.shape
+    chosen = static.tiles or blocks(seq, head_dim, static.generation)
     return dict(
         head_dim=head_dim,
         pieces=lane_pieces(head_dim),
         rate=static.rate,
         segments=static.segments,
-    ), blocks(seq, head_dim, static.generation)
+    ), chosen
 
 
 def _forward(q, k, v, seeds, segment_ids, static):
@@ -276,8 +279,9 @@ _attention.defvjp(_attention_forward, _attention_backward)
 
 
 def flash_attention(
-    q, k, v, seeds=None, rate=0.0, *, segment_ids=None, interpret=False, generation=None
-):
+    q, k, v, seeds=None, rate=0.0, *, segment_ids=None, interpret=False, generation=None,
+    tiles=None,
+):  # fmt: skip
     """Causal attention context of q over k, v; see the module docstring for the shapes."""
     batch, seq, heads, head_dim = q.shape
     if k.shape != v.shape or k.shape[:2] != (batch, seq) or heads % k.shape[2]:
@@ -286,7 +290,7 @@ def flash_attention(
         raise ValueError(f'flash_attention cannot take {refusal(seq, head_dim, generation)}')
     if seeds is None or not rate:
         seeds = jnp.zeros((batch, heads), jnp.uint32)
-    static = _Static(float(rate), bool(interpret), generation, segment_ids is not None)
+    static = _Static(float(rate), bool(interpret), generation, segment_ids is not None, tiles)
     if segment_ids is not None:
         segment_ids = segment_ids.astype(jnp.int32)
     return _attention(q, k, v, seeds.astype(jnp.uint32), segment_ids, static)
