@@ -15,15 +15,5 @@ import ml_collections
 from mtnlg_jax.run.rundir import RunDir
 
 
-def _tuples(value):
-    """JSON has only lists; the config's sequences are tuples (and only tuples can be
-    overridden on the command line)."""
-    if isinstance(value, dict):
-        return {key: _tuples(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return tuple(_tuples(item) for item in value)
-    return value
-
-
 def get_config(workdir):
-    return ml_collections.ConfigDict(_tuples(RunDir(workdir).read_inputs()))
+    return ml_collections.ConfigDict(RunDir(workdir).read_inputs())

@@ -54,13 +54,9 @@ def changed_inputs(before, after, prefix=''):
         old, new = before.get(key), after.get(key)
         if isinstance(old, dict) and isinstance(new, dict):
             lines += changed_inputs(old, new, f'{prefix}{key}.')
-        elif old != new and not (isinstance(old, list) and tuple(map(_tuple, old)) == new):
+        elif old != new:
             lines.append(f'{prefix}{key}: {old!r} -> {new!r}')
     return lines
-
-
-def _tuple(value):
-    return tuple(map(_tuple, value)) if isinstance(value, list) else value
 
 
 def main(argv):

@@ -9,6 +9,7 @@ gpt_dataset.py        splits and samples (Megatron's GPTDataset)
 blend.py              weighted blends of datasets
 megatron_order.py     Megatron-LM's own sample order, index for index
 batch.py              the batch layout on the mesh
+packing.py            positions, segment ids and loss mask of packed documents
 loader.py             batches on the mesh, step by step
 corpus.py             the default corpus (King James Bible, Python standard library)
 curate/               exact and fuzzy deduplication, quality, decontamination

@@ -122,7 +122,7 @@ def engine_table(config, micro_steps=None):
         config.mesh.stage,
         pipeline.repeats,
         micro_steps or config.train.micro_steps,
-        pipeline.get('max_in_flight', 0) or None,
+        pipeline.max_in_flight or None,
     )
 
 
