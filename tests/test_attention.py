@@ -236,6 +236,15 @@ def test_the_flash_path_gives_the_plain_loss_and_gradients():
     support.assert_within_leaf_scale(flash, plain, 1e-5, what='gradient')
 
 
+def test_the_flash_path_with_grouped_heads_gives_the_plain_loss_and_gradients():
+    """Grouped-query attention (8 query heads over 2 key/value heads) through the whole GPT:
+    the kernel reads each group's key/value head, never a repeated copy."""
+    flash_loss, flash = _loss_and_grads(_model_cfg('flash', kv_heads=2))
+    plain_loss, plain = _loss_and_grads(_model_cfg('plain', kv_heads=2))
+    np.testing.assert_allclose(flash_loss, plain_loss, rtol=1e-5)
+    support.assert_within_leaf_scale(flash, plain, 1e-5, what='gradient')
+
+
 def test_flash_dropout_does_not_depend_on_the_layout():
     """The flash kernel's masks come from (sequence key, site, global head): data 2 x tensor 4
     with two micro-steps computes one device's loss and gradients, and dropout changes them."""
