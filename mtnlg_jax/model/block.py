@@ -249,7 +249,9 @@ class Attention(nnx.Module):
             if segment_ids is not None:
                 args, axes = args + (segment_ids,), axes + (SEGMENT_AXES,)
             context = local_call(flash, args, CONTEXT_AXES, args_axes=axes)
-            return checkpoint_name(constrain(context, CONTEXT_AXES), 'context')
+            # not named 'context': selective recompute keeps the kernel's own out (and its
+            # log-sum-exp) by name, and the same values twice would cost a context per layer
+            return constrain(context, CONTEXT_AXES)
 
         def kernel(q, k, v, *segments_or_visible):
             lengths = mask = None
