@@ -305,9 +305,11 @@ def main(argv):
         value = getattr(args, name)
         if value < 0 or (value and not args.import_hf):
             fail(f'--{name} must be >= 0 and goes with --import_hf')
-    for name in ('tokenizer', 'dtype', 'shard_size', 'tensor'):
+    if args.tokenizer and not args.export_hf:
+        fail('--tokenizer goes with --export_hf (an import takes the HF directory\'s own)')
+    for name in ('dtype', 'shard_size', 'tensor'):
         if getattr(args, name) is not None and not args.export_hf:
-            fail(f'--{name} goes with --export_hf (an import takes the HF directory\'s own)')
+            fail(f'--{name} goes with --export_hf')
     shard_bytes = None
     if args.shard_size is not None:
         shard_bytes = parse_size(args.shard_size)

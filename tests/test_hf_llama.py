@@ -16,7 +16,10 @@ import support
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.checkpoint import store as checkpoint_lib
 from mtnlg_jax.data import batch as batch_lib
+from mtnlg_jax.data import tokenizer as tokenizer_lib
 from mtnlg_jax.eval import workdir as workdir_lib
+from mtnlg_jax.eval.completion import Settings, complete
+from mtnlg_jax.eval.generation import Generator
 from mtnlg_jax.interop import hf_llama
 from mtnlg_jax.interop import safetensors_files as st
 from mtnlg_jax.model import gpt
@@ -260,3 +263,104 @@ def test_export_then_import_is_bit_exact_and_transformers_reloads_it(imported, t
         for name in reader.names():
             np.testing.assert_array_equal(reader.read(name), original.read(name).astype(np.float32))
     assert_same_parameters(imported, import_fixture(out, tmp_path / 'again', import_config()))
+
+
+def test_generation_from_the_import_starts_with_bos_and_gives_transformers_argmax(imported):
+    """KV-cache generation on the import with its tokenizer.json: the prompt starts with Llama
+    3's BOS (as its documents did), and the greedy continuation is transformers' argmax (the
+    prompt is the fixture's first 20 tokens, so the new token is the argmax of the fixture's
+    logits at position 19)."""
+    tok = tokenizer_lib.load(str(FIXTURE / 'llama' / 'tokenizer.json'))
+    prompt = tok.decode(SAVED['tokens'][0, 1:20])  # the fixture's text after its BOS
+    assert tok.encode_prompt(prompt) == SAVED['tokens'][0, :20].tolist()
+    loaded = workdir_lib.load(str(imported), data=1, tensor=2, dtype='float32')
+    generator = Generator(loaded.graphdef, loaded.params, loaded.config.model, loaded.mesh)
+    [[completion]] = complete(generator, tok, [prompt], Settings(max_new_tokens=1))
+    assert completion.tokens == [int(SAVED['logits'][0, 19].argmax())]
+
+
+def convert_main(capsys, *args):
+    """launch/convert.py's main in this process: (exit status, stderr lines)."""
+    try:
+        convert.main([str(a) for a in args])
+        status = 0
+    except SystemExit as e:
+        status = e.code
+    return status, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize(
+    'override, message',
+    [
+        ('--config.model.kv_heads=4', 'config.json gives model.kv_heads = 2'),
+        ('--config.model.rope_scaling.factor=4.0', 'config.json gives model.rope_scaling = {'),
+        ('--config.model.tie_embeddings=true', 'config.json gives model.tie_embeddings = False'),
+        ('--config.model.seq_len=128', 'has max_position_embeddings 64'),
+    ],
+)
+def test_an_import_refuses_overrides_its_config_json_contradicts(tmp_path, capsys, override,
+                                                                 message):  # fmt: skip
+    status, err = convert_main(
+        capsys, '--import_hf', FIXTURE / 'llama', '--workdir', tmp_path / 'w', override
+    )
+    assert status == 2 and len(err) == 1, err
+    assert err[0].startswith(f'error: {override}') and message in err[0], err
+    assert not (tmp_path / 'w').exists()
+
+
+def broken_copies(tmp_path):
+    """HF directories each broken one way: (directory, what the error line must say)."""
+    cases = []
+
+    def copy(name, config=None, drop=(), add=()):
+        directory = tmp_path / name
+        shutil.copytree(FIXTURE / 'llama', directory)
+        if config:
+            (directory / 'config.json').write_text(json.dumps(dict(TRANSFORMERS_CONFIG, **config)))
+        if drop or add:
+            with st.Reader(directory) as reader:
+                tensors = {n: reader.read(n) for n in reader.names() if n not in drop}
+            (directory / st.SINGLE).unlink()
+            st.write(directory, list(tensors.items()) + list(add))
+        return directory
+
+    up = 'model.layers.3.mlp.up_proj.weight'
+    cases.append((copy('missing', drop=[up]), f'no tensor {up}'))
+    wider = copy('shape', config=dict(intermediate_size=96))
+    cases.append((wider, 'is (64, 32), config.json says'))
+    q_norm = ('model.layers.0.self_attn.q_norm.weight', np.ones(8, np.float32))
+    cases.append((copy('extra', add=[q_norm]), 'have no place in this Llama'))
+    index = copy('index')
+    with st.Reader(index) as reader:
+        weight_map = {name: st.SINGLE for name in reader.names()}
+    weight_map['lm_head.weight'] = 'gone.safetensors'
+    (index / st.INDEX).write_text(json.dumps({'weight_map': weight_map}))
+    cases.append((index, 'gone.safetensors: no such file'))
+    cases.append((copy('rope', config=dict(rope_parameters=dict(rope_type='yarn', rope_theta=1.0))),
+                  "rope type 'yarn'"))  # fmt: skip
+    return cases
+
+
+def test_bad_model_directories_are_one_error_line_and_nothing_written(tmp_path, capsys):
+    for directory, message in broken_copies(tmp_path):
+        workdir = tmp_path / f'w_{directory.name}'
+        status, err = convert_main(capsys, '--import_hf', directory, '--workdir', workdir)
+        assert status == 2 and len(err) == 1, (directory.name, err)
+        assert err[0].startswith(f'error: --import_hf {directory}') and message in err[0], err
+        assert not workdir.exists()
+
+
+@pytest.mark.parametrize(
+    'flags, message',
+    [
+        (['--import_hf', FIXTURE / 'llama', '--dtype', 'bfloat16'], '--dtype goes with'),
+        (['--export_hf', 'OUT', '--shard_size', '5XB'], '--shard_size 5XB: give bytes'),
+        (['--export_hf', 'OUT', '--tensor', '0'], '--tensor 0: must be at least 1'),
+        (['--import_hf', FIXTURE], f'--import_hf {FIXTURE}: no config.json in it'),
+    ],
+)
+def test_bad_convert_flags_are_one_error_line(tmp_path, capsys, flags, message):
+    flags = [tmp_path / 'out' if f == 'OUT' else f for f in flags]
+    status, err = convert_main(capsys, *flags, '--workdir', tmp_path / 'w')
+    assert status == 2 and len(err) == 1 and err[0].startswith(f'error: {message}'), err
+    assert not (tmp_path / 'w').exists() and not (tmp_path / 'out').exists()

@@ -262,8 +262,9 @@ KEYS = (
         'data.tokenizer',
         'data/default/tokenizer.model',
         'str',
-        'sentencepiece `.model`, or GPT-2 BPE files (a folder with vocab.json and merges.txt); '
-        "checked against model.vocab_size before training; '' for none",
+        'sentencepiece `.model`, GPT-2 BPE files (a folder with vocab.json and merges.txt), or '
+        "a Hugging Face tokenizer.json (Llama 3's; the file or its folder); checked against "
+        "model.vocab_size before training; '' for none",
         'never',
     ),
     Key(

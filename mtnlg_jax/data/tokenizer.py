@@ -222,6 +222,10 @@ class Tokenizer:
         ids.append(EOD_ID)
         return ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """Ids of ``text`` as the start of a document (no bos in this model)."""
+        return self._sp.encode(text)
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``; eod tokens are dropped."""
         return self._sp.decode([int(i) for i in ids if int(i) != EOD_ID])
@@ -266,10 +270,11 @@ class HFTokenizer:
     HuggingFaceTokenizer), as Llama 3 ships its byte-level BPE.
 
     The end-of-document token is the eos_token of a tokenizer_config.json beside the file,
-    else the first of EOD_NAMES the vocabulary holds. `encode` gives the text's ids alone;
-    `encode_document` runs the tokenizer's own post-processor (Llama 3's puts
-    <|begin_of_text|> first) and appends the eod, as Megatron's preprocessing does with
-    --append-eod, so each document starts with its BOS; `bos_id` is that token, or None."""
+    else the first of EOD_NAMES the vocabulary holds. `encode` gives the text's ids alone
+    (a continuation to score); `encode_prompt` runs the tokenizer's own post-processor
+    (Llama 3's puts <|begin_of_text|> first) and `encode_document` appends the eod to that,
+    as Megatron's preprocessing does with --append-eod, so each document, prompt and scored
+    text starts with its BOS; `bos_id` is that token, or None."""
 
     kind = "HuggingFaceTokenizer"
     EOD_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eot_id|>")
@@ -313,7 +318,13 @@ class HFTokenizer:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_document(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=True).ids + [self._eod]
+        return self.encode_prompt(text) + [self._eod]
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Ids of `text` as the start of a document (a prompt, a text to score): after the
+        tokenizer's own post-processor, so a Llama 3 prompt starts with its BOS as the
+        documents it was trained on did."""
+        return self._tok.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`; special tokens (eod, bos) are dropped."""

@@ -258,7 +258,7 @@ def check_shapes(reader, path, leaf, model_cfg):
         for i in layers:
             full = name.format(i=i)
             if full not in reader:
-                raise HFFormatError(f'{reader.directory}: no tensor {full}')
+                raise HFFormatError(f'no tensor {full} in its safetensors')
             try:
                 shape = reader.shape(full)
             except SafetensorsError as e:
