@@ -132,12 +132,13 @@ def merge(graphdef, params):
     return nnx.merge(graphdef, nnx.State(params))
 
 
-def stage_functions(graphdef):
-    """The GPT's pieces as the pipeline engines run them (parallel/stage_functions.py says
-    what each takes), from its graphdef alone. The settings and the blocks' graph come from a
-    skeleton: the graph with a placeholder for every array. The embedding, final norm and head
-    run on a view of the caller's shared parameters whose blocks are those placeholders,
-    which they never read."""
+def stage_functions(graphdef, param_axes=None):
+    """The GPT's pieces as the engines run them (parallel/stage_functions.py says what each
+    takes), from its graphdef alone; param_axes: the parameters' logical axes (split's third).
+    The settings and the blocks' graph come from a skeleton: the graph with a placeholder for
+    every array. The embedding, final norm and head run on a view of the caller's shared
+    parameters whose blocks are those placeholders, which they never read. GPT-3's blocks
+    take a micro-batch's default positions, one document a row and every label."""
     placeholder = jax.ShapeDtypeStruct((), jnp.float32)
     skeleton = nnx.merge(graphdef, [placeholder] * graphdef.num_leaves)
     block_graphdef, placeholder_blocks = nnx.split(skeleton.blocks)
@@ -146,19 +147,21 @@ def stage_functions(graphdef):
     def view(shared):
         return merge(graphdef, {**shared, 'blocks': placeholder_blocks})
 
-    def embed(shared, tokens, row_keys):
-        return view(shared).embed(tokens, row_keys)
+    def embed(shared, batch):
+        _defaults_only(batch)
+        return view(shared).embed(batch.tokens, batch.row_keys)
 
-    def apply_blocks(chunk, hidden, row_keys, first_layer, remat):
-        return apply_block_stack(block_graphdef, chunk, hidden, row_keys, remat, first_layer)
+    def apply_blocks(chunk, hidden, batch, first_layer, remat):
+        keys = batch.row_keys
+        return apply_block_stack(block_graphdef, chunk, hidden, keys, remat, first_layer)
 
-    def head_loss_sum(shared, hidden, labels):
+    def head_loss_sum(shared, hidden, batch):
         model = view(shared)
-        return model.token_loss_sum(model.final_norm(hidden), labels)
+        return model.token_loss_sum(model.final_norm(hidden), batch.labels)
 
-    def logits_loss_sum(shared, hidden, labels):
+    def logits_loss_sum(shared, hidden, batch):
         model = view(shared)
-        return cross_entropy(model.logits(model.final_norm(hidden)), labels).sum()
+        return cross_entropy(model.logits(model.final_norm(hidden)), batch.labels).sum()
 
     return StageFunctions(
         embed=embed,
@@ -168,4 +171,13 @@ def stage_functions(graphdef):
         remat=skeleton.remat,
         remat_policy=REMAT_POLICIES.get(skeleton.remat),
         dtype=jnp.dtype(skeleton.dtype),
+        param_axes=param_axes,
     )
+
+
+def _defaults_only(batch):
+    """GPT-3's blocks have no use for positions other than 0 .. seq - 1, packed documents or a
+    loss mask: refuse a micro-batch that sets them rather than ignore them."""
+    given = [k for k in ('positions', 'segment_ids', 'loss_mask') if getattr(batch, k) is not None]
+    if given:
+        raise ValueError(f'the GPT-3 decoder takes no {", ".join(given)} (leave them None)')

@@ -15,8 +15,8 @@ import numpy as np
 from flax import nnx
 
 from mtnlg_jax.model import gpt
-from mtnlg_jax.parallel import gpipe, rules
-from mtnlg_jax.parallel import schedule as schedule_lib
+from mtnlg_jax.parallel import engine as engine_lib
+from mtnlg_jax.parallel import rules
 
 # Dense peak TFLOP/s by device kind (substring of jax.Device.device_kind) and compute dtype.
 # Unknown devices (and every CPU) have no peak: MFU is then reported as null.
@@ -175,17 +175,9 @@ def state_bytes(config):
 
 
 def engine_table(config, micro_steps=None):
-    """The 1F1B engine's schedule table of a config (parallel/schedule.py); None without a
-    pipeline or with GPipe's scan (a run saved before pipeline.schedule existed is GPipe)."""
-    pipeline = config.pipeline
-    if config.mesh.stage == 1 or pipeline.get('schedule', 'gpipe') == 'gpipe':
-        return None
-    return schedule_lib.build(
-        config.mesh.stage,
-        pipeline.repeats,
-        micro_steps or config.train.micro_steps,
-        pipeline.get('max_in_flight', 0) or None,
-    )
+    """The 1F1B engine's schedule table of a config (parallel/schedule.py); None for the
+    engines without one (no pipeline, GPipe's scan)."""
+    return engine_lib.engine(config).table(micro_steps or config.train.micro_steps)
 
 
 def layer_activation_bytes(model_cfg, rows, tensor, remat):
@@ -250,7 +242,7 @@ def activation_bytes(config):
     boundary = model.seq_len * rows * model.hidden * e
     logits = loss_bytes(model, rows, tensor)
     full_layer = layer_activation_bytes(model, rows, tensor, 'none')
-    if stages == 1:
+    if not engine_lib.engine(config).pipelined:
         kept = model.num_layers * layer_activation_bytes(model, rows, tensor, model.remat)
         recomputed = full_layer if model.remat != 'none' else 0
         return dict(layers=kept, recomputed=recomputed, pipeline_buffers=0, logits=logits)
@@ -265,7 +257,7 @@ def activation_bytes(config):
             pipeline_buffers=(table.stash_slots + table.grad_slots + 2) * handoff,
             logits=logits,
         )
-    iterations = gpipe.num_iterations(stages, repeats, micro)
+    iterations = engine_lib.engine(config).ticks(micro)
     if model.remat == 'none':
         per_iteration = chunk_layers * full_layer
         recomputed = 0
