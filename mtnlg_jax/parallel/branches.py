@@ -63,6 +63,7 @@ def branch_fractions(table):
         (FORWARD, FIRST): [1.0 - first_f, first_f],  # cond(first, embed, hand-off)
         (BACKWARD,): [1.0 - bwd_idle, bwd_idle],
         (BACKWARD, FIRST): [1.0 - first_b, first_b],
+        (BACKWARD, LAST, FIRST): [1.0 - first_b, first_b],  # the VJP inside cond(last, ...)
         (BACKWARD, LAST): [1.0 - last_b, last_b],  # cond(last, head, gradient in)
         (EVAL, LAST): [1.0 - share(bwd, SLOT_LAST, slots), share(bwd, SLOT_LAST, slots)],
     }

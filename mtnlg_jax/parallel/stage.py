@@ -13,6 +13,8 @@ this stage's row of them). Every stage runs the same program; `lax.cond` on each
              last chunk: y, vjp = jax.vjp(chunk, stash[slot]), then final norm, head, loss;
              the loss's gradient is the cotangent
              fp32 accumulators += parameter gradients;   dx = gradient of the stage input
+             (the conditionals return gradients; the accumulators are updated after them, in
+             place: a conditional that hands a buffer through has XLA copy it in its branches)
     y -> stage s + 1, dx -> stage s - 1 (rings), split over 'tensor' along the sequence
 
 The carry of the scan: (act_in, grad_in, stash, resids, grad_buf, sums), sums = (fp32 block
@@ -141,12 +143,23 @@ class Stage:
                     lambda: self.loss_only(bwd, sums, h),
                     lambda: (sums, self.fill),
                 )
+        # The conditional returns this tick's gradients, never the accumulators: handed
+        # through one, XLA:GPU copies every fp32 accumulator in both branches, every tick.
+        acc_blocks, acc_shared, loss = sums
         with jax.named_scope(BACKWARD):
-            return jax.lax.cond(
+            d_chunk, d_shared, value, dx = jax.lax.cond(
                 bwd.kind == SLOT_IDLE,
-                lambda: (sums, self.fill),
-                lambda: self.pull_back(bwd, sums, h, g, kept),
+                self.no_gradients,
+                lambda: self.pull_back(bwd, h, g, kept),
             )
+        acc_blocks = add_chunk(acc_blocks, bwd.repeat, d_chunk)
+        return (acc_blocks, add(acc_shared, d_shared), loss + value), dx
+
+    def no_gradients(self):
+        """An idle backward's: zero gradients, no loss, the fill as the input's gradient."""
+        zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
+        d_chunk = zeros(self.chunk_at(0))
+        return d_chunk, zeros32(self.shared), jnp.zeros((), jnp.float32), self.fill
 
     def loss_only(self, bwd, sums, h):
         """The last chunk's loss added to sums (evaluation)."""
@@ -160,27 +173,33 @@ class Stage:
             loss + self.token_loss(self.shared, x, bwd.micro),
         ), self.fill
 
-    def pull_back(self, bwd, sums, h, g, kept_earlier):
-        """(sums with this chunk's gradients added, the stage input's gradient)."""
-        acc_blocks, acc_shared, loss = sums
+    def pull_back(self, bwd, h, g, kept_earlier):
+        """(the chunk's gradients, the shared parameters' in fp32, the loss (0 but for the
+        last chunk), the stage input's gradient). Each branch applies its own VJP: a branch
+        that handed the stashed residuals through would have XLA copy them in both."""
+        params = (self.chunk_at(bwd.repeat), self.shared)
+
+        def pullback(kept, d_y, d_head):
+            # d_shared: the embedding's half of the tied gradient (zeros but for chunk 0)
+            (d_chunk, d_shared), d_h = join_vjp(self.layout, kept, params)(d_y)
+            return d_chunk, add(d_head, d_shared), d_h
 
         def head():  # the last chunk: its forward, the loss and the loss's gradient
             y, kept, _ = self.forward_with_residuals(bwd.kind, h, bwd.micro, bwd.repeat)
             value, (d_shared, d_y) = jax.value_and_grad(self.token_loss, argnums=(0, 1))(
                 self.shared, y, bwd.micro
             )
-            return kept, d_y.astype(y.dtype), add(acc_shared, d_shared), loss + value
+            d_head = add(zeros32(self.shared), d_shared)
+            d_chunk, d_shared, d_h = pullback(kept, d_y.astype(y.dtype), d_head)
+            return d_chunk, d_shared, value, d_h
 
         def stashed():  # the forward ran in an earlier tick: its residuals, the gradient
-            return kept_earlier, constrain(g, ACTIVATION_AXES), acc_shared, loss
+            d_y = constrain(g, ACTIVATION_AXES)
+            d_chunk, d_shared, d_h = pullback(kept_earlier, d_y, zeros32(self.shared))
+            return d_chunk, d_shared, jnp.zeros((), jnp.float32), d_h
 
         with jax.named_scope(LAST):
-            kept, d_y, acc, total = jax.lax.cond(bwd.kind == SLOT_LAST, head, stashed)
-        params = (self.chunk_at(bwd.repeat), self.shared)
-        (d_chunk, d_shared), d_h = join_vjp(self.layout, kept, params)(d_y)
-        with jax.named_scope(FIRST):  # the embedding's half of the tied gradient
-            acc = jax.lax.cond(bwd.kind == SLOT_FIRST, lambda: add(acc, d_shared), lambda: acc)
-        return (add_chunk(acc_blocks, bwd.repeat, d_chunk), acc, total), d_h
+            return jax.lax.cond(bwd.kind == SLOT_LAST, head, stashed)
 
     def handoff(self, x, ring):
         return jax.lax.ppermute(constrain(x, self.handoff_axes), STAGE_AXIS, ring)
@@ -204,6 +223,10 @@ def write(buffer, slot, arrived, value):
     """buffer[slot] = value where `arrived`, else as it was."""
     kept = jnp.where(arrived, value, jax.lax.dynamic_index_in_dim(buffer, slot, 0, False))
     return jax.lax.dynamic_update_index_in_dim(buffer, kept, slot, 0)
+
+
+def zeros32(tree):
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
 
 
 def add(acc, grads):
