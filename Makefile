@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 # Eight simulated CPU devices: the mesh of the tiny config (data 2 x stage 2 x tensor 2).
 DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=8
 CONFIG ?= configs/tiny.py
-WORKDIR ?= runs/tiny
+# Each config its own workdir: runs/tiny, runs/tiny_llama, ...
+WORKDIR ?= runs/$(basename $(notdir $(CONFIG)))
 DATA := data/default
 SOURCES := kjv python_stdlib
 
@@ -27,7 +28,7 @@ $(VENV)/.dev-installed: $(VENV)/.installed requirements-dev.txt
 
 # The XLA:GPU compiler, to compile GPU steps on a machine without a GPU (launch/plan.py
 # --target a100-80gb | h100-80gb): requirements-gpu-compile.txt, about 2.3 GB, in a folder of
-# its own (mtnlg_jax/gpu_compile.py says why). With it, make test also runs
+# its own (mtnlg_jax/xla/gpu_compile.py says why). With it, make test also runs
 # tests/test_gpu_compile.py (skipped without it).
 gpu-compile: .gpu-compile/.installed
 

@@ -26,7 +26,7 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mtnlg_jax.cli import ArgumentParser
+from mtnlg_jax.run.cli import ArgumentParser
 from mtnlg_jax.data.curate import decontaminate, pipeline, quality
 from mtnlg_jax.data.curate.report import report_path, table
 from mtnlg_jax.data.preprocess import InputError, documents, input_files

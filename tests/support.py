@@ -16,11 +16,29 @@ from mtnlg_jax import config as config_lib
 from mtnlg_jax.parallel import stage_order
 from mtnlg_jax.parallel.mesh import make_mesh
 from mtnlg_jax.train import state as state_lib
+from mtnlg_jax.data import batch as batch_lib
 from mtnlg_jax.train import step as step_lib
 
 GLOBAL_BATCH = 16
 SEQ_LEN = 32
 VOCAB = 1000  # padded to 1024 for tensor 1, 2, 4 and 8 alike
+
+
+# Llama's block on small_config's shapes: rope with llama3 scaling (an original context of 16
+# of the 32 positions, so every regime of the scaling is used), RMSNorm, SwiGLU, 8 query heads
+# over 4 key/value heads (tensor 2 and 4 divide them), untied output, no biases.
+LLAMA_BLOCK = dict(
+    position='rope',
+    rope_theta=500000.0,
+    rope_scaling=dict(
+        type='llama3', factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_context=16
+    ),
+    norm='rmsnorm',
+    mlp='swiglu',
+    kv_heads=4,
+    tie_embeddings=False,
+    bias=False,
+)
 
 
 def small_config(
@@ -89,8 +107,8 @@ def gradients(config, batch, step=0):
     mesh, setup = layout(config)
     with jax.set_mesh(mesh):
         state = state_lib.init_state(config, setup)
-        tokens, rows = step_lib.place_batch(
-            *step_lib.to_micro_steps(batch.astype(np.int32), config.train.micro_steps), mesh
+        tokens, rows = batch_lib.place_batch(
+            *batch_lib.to_micro_steps(batch.astype(np.int32), config.train.micro_steps), mesh
         )
         grad_fn = jax.jit(
             lambda params, tokens, rows: step_lib.accumulate_gradients(
@@ -118,8 +136,8 @@ def train_losses(config, batches):
     with jax.set_mesh(mesh):
         state = state_lib.init_state(config, setup)
         for i, batch in enumerate(batches):
-            tokens, rows = step_lib.place_batch(
-                *step_lib.to_micro_steps(batch.astype(np.int32), config.train.micro_steps), mesh
+            tokens, rows = batch_lib.place_batch(
+                *batch_lib.to_micro_steps(batch.astype(np.int32), config.train.micro_steps), mesh
             )
             state, metrics = train_step(state, tokens, rows, jnp.float32((i + 1) * tokens_per_step))
             losses.append(float(metrics['loss']))

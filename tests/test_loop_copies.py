@@ -6,7 +6,7 @@ terabytes a step. Skipped without the gpu-compile compiler (make gpu-compile).""
 import pytest
 
 import support
-from mtnlg_jax import gpu_compile
+from mtnlg_jax.xla import gpu_compile
 from mtnlg_jax.plan import compile as compile_lib
 from mtnlg_jax.plan import gpu_target
 from mtnlg_jax.plan.loop_copies import loop_copies

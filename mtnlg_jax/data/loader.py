@@ -30,7 +30,7 @@ from mtnlg_jax.data.blend import BlendedDataset
 from mtnlg_jax.data.gpt_dataset import GPTDataset, split_ranges
 from mtnlg_jax.data.indexed import DataError, IndexedDataset
 from mtnlg_jax.parallel import rules
-from mtnlg_jax import rampup
+from mtnlg_jax.config import rampup
 from mtnlg_jax.data.batch import BATCH_AXES, micro_step_row_ids, place_row_ids
 
 # Token ids are checked against the vocabulary on this many leading tokens of each source: a
@@ -152,6 +152,11 @@ class TrainBatches:
             target=self._produce, args=(samples_consumed,), name='batches', daemon=True
         )
         self._thread.start()
+
+    def reopened_at(self, samples_consumed):
+        """A reader of the same data from another position; this one is closed."""
+        self.close()
+        return TrainBatches(self._config, self._dataset, self._mesh, samples_consumed)
 
     def batch_at(self, samples_consumed):
         train_cfg = self._config.train

@@ -1,11 +1,41 @@
-"""The GPT decoder of Megatron-LM and MT-NLG, readable top to bottom.
+"""The decoder of Megatron-LM and MT-NLG (GPT-3's block) and of Llama, readable top to bottom.
 
     tokens (batch, seq)
-      -> token embedding (vocab-parallel) + learned position embedding, dropout
-      -> num_layers pre-LN blocks, stacked on a leading `layers` axis and scanned
+      -> token embedding (vocab-parallel) [+ learned position embedding], dropout
+      -> num_layers pre-norm blocks, stacked on a leading `layers` axis and scanned
          (compile time does not grow with depth; `remat` picks what the backward recomputes)
-      -> final layer norm
-      -> logits = hidden @ token_embedding.T   (tied output layer, still vocab-parallel)
+      -> final norm
+      -> logits = hidden @ token_embedding.T   (tied output layer, still vocab-parallel; with
+         model.tie_embeddings = False a separate output_embed of the same shape)
+
+The block options (model/block.py, model/layers.py, model/rope.py) come from config keys; the
+defaults are GPT-3's block, and Llama's is
+
+    model.position = 'rope' (rope_theta, rope_scaling), norm = 'rmsnorm', mlp = 'swiglu',
+    kv_heads < heads (GQA), tie_embeddings = False, bias = False
+
+Parameter names (the tree `split` returns; L = layers, E = hidden, V = padded vocab, H =
+heads, K = kv_heads, D = head_dim, F = ffn_hidden; [..] only under the option named):
+
+    token_embed                     (V, E)
+    [position_embed]                (seq_len, E)         position = 'learned'
+    [output_embed]                  (V, E)               tie_embeddings = False
+    final_norm.scale [.bias]        (E,)                 bias: layernorm only
+    blocks.ln_attn / ln_mlp .scale [.bias]   (L, E)
+    blocks.attention.qkv_kernel     (L, E, 3, H, D)      K = H  [qkv_bias (L, 3, H, D)]
+    blocks.attention.q_kernel       (L, E, H, D)         K < H  [q_bias (L, H, D)]
+    blocks.attention.kv_kernel      (L, E, 2, K, D)      K < H  [kv_bias (L, 2, K, D)]
+    blocks.attention.out_kernel     (L, H, D, E)                [out_bias (L, E)]
+    blocks.mlp.gate_kernel          (L, E, F)            mlp = 'swiglu' [gate_bias (L, F)]
+    blocks.mlp.in_kernel            (L, E, F)                   [in_bias (L, F)]
+    blocks.mlp.out_kernel           (L, F, E)                   [out_bias (L, E)]
+
+Biases of the projections exist only with model.bias (default True). Hugging Face Llama:
+embed_tokens = token_embed, lm_head = output_embed, q_proj = q_kernel (E, H, D) transposed,
+k_proj / v_proj = kv_kernel[:, 0] / [:, 1], o_proj = out_kernel, gate_proj / up_proj /
+down_proj = gate_kernel / in_kernel / out_kernel, input_layernorm = ln_attn,
+post_attention_layernorm = ln_mlp, norm = final_norm; rope pairs channel i with i + D / 2 as
+Hugging Face does (no row permutation).
 
 Parameters live in fp32; `cast_params` makes the compute-dtype copy the forward runs on (each
 module also casts a parameter to `model.compute_dtype` where it uses it, so fp32 parameters
@@ -19,7 +49,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtnlg_jax.model.block import SELECTIVE_SAVED, SITES_PER_BLOCK, Block, attention_kernel
-from mtnlg_jax.model.layers import LayerNorm, dropout, param, use
+from mtnlg_jax.model.layers import dropout, norm, param, use
 from mtnlg_jax.model import loss
 from mtnlg_jax.model.loss import cross_entropy  # also the callers' name: gpt.cross_entropy
 from mtnlg_jax.parallel.rules import constrain
@@ -38,17 +68,26 @@ class GPT(nnx.Module):
         self.token_embed = param(
             rngs, (cfg.padded_vocab, cfg.hidden), ('vocab', 'embed'), cfg.init_std
         )
-        self.position_embed = param(
-            rngs, (cfg.seq_len, cfg.hidden), ('position', 'embed'), cfg.init_std
+        learned = cfg.get('position', 'learned') == 'learned'
+        self.position_embed = (  # rope: None, the blocks rotate queries and keys
+            param(rngs, (cfg.seq_len, cfg.hidden), ('position', 'embed'), cfg.init_std)
+            if learned
+            else None
         )
         layer_keys = jax.random.split(rngs.params(), cfg.num_layers)
+        tied = cfg.get('tie_embeddings', True)
+        self.output_embed = (
+            None
+            if tied
+            else param(rngs, (cfg.padded_vocab, cfg.hidden), ('vocab', 'embed'), cfg.init_std)
+        )
         kernel = attention_kernel(cfg, device)
         make_blocks = nnx.vmap(
             lambda key: Block(cfg, nnx.Rngs(params=key), kernel),
             transform_metadata={nnx.PARTITION_NAME: 'layers', 'logical_axes': 'layers'},
         )
         self.blocks = make_blocks(layer_keys)
-        self.final_norm = LayerNorm(cfg.hidden, cfg.layer_norm_epsilon)
+        self.final_norm = norm(cfg)
         self.num_layers = cfg.num_layers
         self.vocab_size = cfg.vocab_size
         self.hidden_dropout = cfg.hidden_dropout
@@ -56,40 +95,64 @@ class GPT(nnx.Module):
         self.loss_chunks = cfg.loss_chunks
         self.dtype = cfg.compute_dtype
 
-    def __call__(self, tokens, row_keys=None):
+    def __call__(self, tokens, row_keys=None, positions=None, segment_ids=None):
         """Final hidden states (batch, seq, embed). row_keys: one PRNG key per sequence, or
-        None for no dropout."""
+        None for no dropout; positions, segment_ids (batch, seq): packed documents'
+        (data/packing.py), or None for 0 .. seq - 1 and one segment."""
         graphdef, stacked = nnx.split(self.blocks)
-        x = apply_block_stack(graphdef, stacked, self.embed(tokens, row_keys), row_keys, self.remat)
+        x = self.embed(tokens, row_keys, positions)
+        x = apply_block_stack(
+            graphdef, stacked, x, row_keys, self.remat, positions=positions, segment_ids=segment_ids
+        )
         return self.final_norm(x)
 
-    def embed(self, tokens, row_keys=None):
-        """Token + position embeddings (..., seq, embed) of tokens (..., seq), with dropout."""
+    def embed(self, tokens, row_keys=None, positions=None):
+        """Token (+ learned position) embeddings (..., seq, embed) of tokens (..., seq), with
+        dropout; positions (..., seq) or None for 0 .. seq - 1 (rope: applied in the blocks)."""
         x = jnp.take(self.token_embed[...], tokens, axis=0).astype(self.dtype)
-        x = x + use(self.position_embed, self.dtype)[: tokens.shape[-1]]
+        if self.position_embed is not None:
+            table = use(self.position_embed, self.dtype)
+            if positions is None:
+                x = x + table[: tokens.shape[-1]]
+            else:
+                x = x + jnp.take(table, positions, axis=0)
         x = constrain(x, ('batch', 'residual_seq', 'embed'))
         return dropout(x, self.hidden_dropout, row_keys, site=self.num_layers * SITES_PER_BLOCK)
 
     def logits(self, hidden):
         """(..., batch, seq, vocab) fp32 logits, sharded over `vocab`; padding rows at -inf."""
-        return loss.logits(hidden, use(self.token_embed, self.dtype), self.vocab_size)
+        return loss.logits(hidden, self.output_table(), self.vocab_size)
 
-    def token_loss_sum(self, hidden, labels):
+    def output_table(self):
+        """The output layer's (vocab, embed) rows in the compute dtype: the token embedding
+        when tied (the default), else output_embed."""
+        table = self.token_embed if self.output_embed is None else self.output_embed
+        return use(table, self.dtype)
+
+    def token_loss_sum(self, hidden, labels, loss_mask=None):
         """Summed cross-entropy of `labels` (batch, seq) under the logits of final hidden
-        states (batch, seq, embed): the output layer and the loss fused (model/loss.py), in
-        `loss_chunks` pieces of the sequence."""
-        embed = use(self.token_embed, self.dtype)
-        return loss.head_loss_sum(hidden, embed, labels, self.vocab_size, self.loss_chunks)
+        states (batch, seq, embed), each token's weighted by loss_mask (batch, seq) if given:
+        the output layer and the loss fused (model/loss.py), in `loss_chunks` pieces of the
+        sequence."""
+        embed = self.output_table()
+        return loss.head_loss_sum(
+            hidden, embed, labels, self.vocab_size, self.loss_chunks, loss_mask
+        )
 
 
-def apply_block_stack(graphdef, stacked, x, row_keys, remat='none', first_layer=0):
+def apply_block_stack(
+    graphdef, stacked, x, row_keys, remat='none', first_layer=0, positions=None, segment_ids=None
+):
     """Run blocks whose parameters are stacked on a leading axis over x, with lax.scan.
-    graphdef: one Block's graph; first_layer: the global index of the first (for dropout)."""
+    graphdef: one Block's graph; first_layer: the global index of the first (for dropout);
+    positions: the tokens' positions for rope (None: 0 .. seq - 1); segment_ids: (batch,
+    seq) packed documents' ids, or None."""
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
 
     def one_block(x, layer_and_params):
         layer, params = layer_and_params
-        return nnx.merge(graphdef, params)(x, row_keys, layer), None
+        block = nnx.merge(graphdef, params)
+        return block(x, row_keys, layer, positions, segment_ids), None
 
     if remat != 'none':
         one_block = jax.checkpoint(one_block, policy=REMAT_POLICIES[remat], prevent_cse=False)
@@ -103,11 +166,16 @@ def cast_params(params, dtype):
     return jax.tree.map(lambda p: p.astype(dtype), params)
 
 
-def loss_sum(model, batch, row_keys=None):
-    """Summed next-token loss and token count of `batch` (batch, seq + 1)."""
+def loss_sum(model, batch, row_keys=None, packed=None):
+    """Summed next-token loss and token count of `batch` (batch, seq + 1). packed: the
+    inputs' positions, segment ids and loss mask (data/packing.py's Packed, each may be
+    None), or None; with a loss mask the sum and the count are of the tokens it weighs."""
     inputs, labels = batch[:, :-1], batch[:, 1:]
-    total = model.token_loss_sum(model(inputs, row_keys), labels)
-    return total, jnp.asarray(labels.size, jnp.float32)
+    positions, segment_ids, loss_mask = (None,) * 3 if packed is None else packed
+    hidden = model(inputs, row_keys, positions, segment_ids)
+    total = model.token_loss_sum(hidden, labels, loss_mask)
+    count = labels.size if loss_mask is None else loss_mask.sum()
+    return total, jnp.asarray(count, jnp.float32)
 
 
 def create(cfg, seed, device=None):
@@ -137,8 +205,9 @@ def stage_functions(graphdef, param_axes=None):
     takes), from its graphdef alone; param_axes: the parameters' logical axes (split's third).
     The settings and the blocks' graph come from a skeleton: the graph with a placeholder for
     every array. The embedding, final norm and head run on a view of the caller's shared
-    parameters whose blocks are those placeholders, which they never read. GPT-3's blocks
-    take a micro-batch's default positions, one document a row and every label."""
+    parameters whose blocks are those placeholders, which they never read. A micro-batch's
+    positions, segment ids and loss mask (packed documents) reach the embedding, the blocks
+    and the loss."""
     placeholder = jax.ShapeDtypeStruct((), jnp.float32)
     skeleton = nnx.merge(graphdef, [placeholder] * graphdef.num_leaves)
     block_graphdef, placeholder_blocks = nnx.split(skeleton.blocks)
@@ -148,16 +217,17 @@ def stage_functions(graphdef, param_axes=None):
         return merge(graphdef, {**shared, 'blocks': placeholder_blocks})
 
     def embed(shared, batch):
-        _defaults_only(batch)
-        return view(shared).embed(batch.tokens, batch.row_keys)
+        return view(shared).embed(batch.tokens, batch.row_keys, batch.positions)
 
     def apply_blocks(chunk, hidden, batch, first_layer, remat):
-        keys = batch.row_keys
-        return apply_block_stack(block_graphdef, chunk, hidden, keys, remat, first_layer)
+        keys, positions, segment_ids = batch.row_keys, batch.positions, batch.segment_ids
+        return apply_block_stack(
+            block_graphdef, chunk, hidden, keys, remat, first_layer, positions, segment_ids
+        )
 
     def head_loss_sum(shared, hidden, batch):
         model = view(shared)
-        return model.token_loss_sum(model.final_norm(hidden), batch.labels)
+        return model.token_loss_sum(model.final_norm(hidden), batch.labels, batch.loss_mask)
 
     def logits_loss_sum(shared, hidden, batch):
         model = view(shared)
@@ -173,11 +243,3 @@ def stage_functions(graphdef, param_axes=None):
         dtype=jnp.dtype(skeleton.dtype),
         param_axes=param_axes,
     )
-
-
-def _defaults_only(batch):
-    """GPT-3's blocks have no use for positions other than 0 .. seq - 1, packed documents or a
-    loss mask: refuse a micro-batch that sets them rather than ignore them."""
-    given = [k for k in ('positions', 'segment_ids', 'loss_mask') if getattr(batch, k) is not None]
-    if given:
-        raise ValueError(f'the GPT-3 decoder takes no {", ".join(given)} (leave them None)')

@@ -25,7 +25,8 @@ import ml_collections
 from tqdm import tqdm
 
 from mtnlg_jax import config as config_lib
-from mtnlg_jax.plan import arithmetic, predict, report
+from mtnlg_jax.parallel import footprint
+from mtnlg_jax.plan import predict, report
 
 FREE_KEYS = (
     'mesh.tensor',
@@ -56,13 +57,18 @@ def _get(config, key):
 def layouts(inputs, devices, gpus_per_node, fixed=()):
     """Every {key: value} of FREE_KEYS the search tries (keys in `fixed` keep `inputs`')."""
     model, batch = inputs.model, inputs.train.global_batch
-    ffn = model.ffn_hidden or 4 * model.hidden
+    ffn = model.ffn_hidden or config_lib.default_ffn_hidden(model)
+    kv_heads = model.get('kv_heads', 0) or model.heads
 
     def choices(key, values):
         value = _get(inputs, key)
         return [value] if key in fixed and value != -1 else values
 
-    tensors = [t for t in _divisors(gpus_per_node) if model.heads % t == 0 and ffn % t == 0]
+    tensors = [
+        t
+        for t in _divisors(gpus_per_node)
+        if model.heads % t == 0 and kv_heads % t == 0 and ffn % t == 0
+    ]
     for t in choices('mesh.tensor', tensors):
         for p in choices('mesh.stage', _divisors(model.num_layers)):
             if devices % (t * p):
@@ -213,7 +219,7 @@ def confirm(result, inputs, compile_fn, top=3):
 
 
 def _gib(n):
-    return arithmetic.format_bytes(n)
+    return footprint.format_bytes(n)
 
 
 def _row(rank, entry):
@@ -256,7 +262,7 @@ def run(args, fixed, write_json):
     """launch/plan.py --search: check the flags, search, print the table, write --json.
     args: plan.py's parsed arguments (config not yet resolved); fixed: the keys the command
     line set; write_json(path, obj): the tool's atomic writer."""
-    from mtnlg_jax.cli import fail  # noqa: PLC0415
+    from mtnlg_jax.run.cli import fail  # noqa: PLC0415
     from mtnlg_jax.plan.clusters import CLUSTERS  # noqa: PLC0415
 
     if args.cluster is None:

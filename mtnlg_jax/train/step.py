@@ -30,13 +30,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
 
-from mtnlg_jax.data.batch import (  # noqa: F401  (re-exported: the batch layout's old home)
-    BATCH_AXES,
-    micro_step_row_ids,
-    place_batch,
-    place_row_ids,
-    to_micro_steps,
-)
+from mtnlg_jax.data.batch import BATCH_AXES
+from mtnlg_jax.data import packing
 from mtnlg_jax.model import gpt
 from mtnlg_jax.parallel import engine as engine_lib
 from mtnlg_jax.parallel import rules, zero
@@ -102,9 +97,18 @@ def _replica_sums(config, setup, compute_params, tokens, row_ids, step):
     """(loss sum, token count, fp32 gradient sums) of one data replica's rows: tokens
     (micro_steps, local rows, seq + 1), through the config's engine (parallel/engine.py).
     Runs inside the region manual over 'data'."""
-    batch = MicroBatch(tokens, row_keys=_row_keys(config, step, row_ids))
+    batch = _micro_batches(config, tokens, _row_keys(config, step, row_ids))
     stage_fns = gpt.stage_functions(setup.graphdef, setup.logical_axes)
     return engine_lib.engine(config).loss_and_grads(stage_fns, compute_params, batch)
+
+
+def _micro_batches(config, tokens, row_keys=None):
+    """The engine's MicroBatch of token windows (micro_steps, rows, seq + 1): packed
+    documents' positions, segment ids and loss mask where data.* asks for them
+    (data/packing.py, None otherwise), one dropout key per row or None."""
+    pack = packing.of_config(config)
+    packed = packing.UNPACKED if pack is None else pack(tokens[..., :-1])
+    return MicroBatch(tokens, *packed, row_keys=row_keys)
 
 
 def make_train_step(config, setup, inject=None):
@@ -154,6 +158,7 @@ def make_eval_step(config, setup):
         tokens = rules.constrain(tokens, BATCH_AXES)
         compute_params = compute_copy(config, setup, params)
         stage_fns = gpt.stage_functions(setup.graphdef, setup.logical_axes)
-        return engine_lib.engine(config).loss_sum(stage_fns, compute_params, MicroBatch(tokens))
+        batch = _micro_batches(config, tokens)
+        return engine_lib.engine(config).loss_sum(stage_fns, compute_params, batch)
 
     return jax.jit(eval_step)
