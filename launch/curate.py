@@ -26,7 +26,7 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mtnlg_jax.run.cli import ArgumentParser
+from mtnlg_jax.run.cli import ArgumentParser, output_problem
 from mtnlg_jax.data.curate import decontaminate, pipeline, quality
 from mtnlg_jax.data.curate.report import report_path, table
 from mtnlg_jax.data.preprocess import InputError, documents, input_files
@@ -109,8 +109,9 @@ def _check(args):
     if args.quality_reference and 'quality' not in args.stages:
         raise InputError("--quality_reference given but 'quality' is not in --stages")
     output = os.path.abspath(args.output)
-    if os.path.isdir(output):
-        raise InputError(f'--output {args.output}: is a folder')
+    problem = output_problem(output) or output_problem(report_path(output))
+    if problem:
+        raise InputError(f'--output {args.output}: {problem}')
     if any(os.path.abspath(name) == output for name in input_files(args.input)):
         raise InputError(f'--output {args.output}: is one of the inputs')
 
@@ -165,6 +166,8 @@ def main(argv=None):
             os.makedirs(os.path.dirname(args.output), exist_ok=True)
         report = pipeline.curate(args.input, args.output, options(args))
     except (InputError, OSError) as e:
+        if isinstance(e, OSError) and os.path.exists(args.output + '.tmp'):
+            os.remove(args.output + '.tmp')  # a full disk: no half-written output left
         print(f'error: {e}', file=sys.stderr)
         return 2
     print(table(report))

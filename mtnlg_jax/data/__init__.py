@@ -6,6 +6,7 @@ gpt2_bpe.py           GPT-2 BPE (Megatron's GPT2BPETokenizer)
 tokenizer_error.py    the error every tokenizer raises
 preprocess.py         raw text -> token ids -> indexed.py
 indexed.py            Megatron's .bin / .idx
+identity.py           the tokenizer identity beside a .bin / .idx, the data stream's fingerprint
 gpt_dataset.py        splits and samples (Megatron's GPTDataset)
 blend.py              weighted blends of datasets
 megatron_order.py     Megatron-LM's own sample order, index for index

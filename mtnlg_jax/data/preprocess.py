@@ -10,7 +10,8 @@ keys write one dataset per key, as Megatron-LM's tools/preprocess_data.py does.
             --> in order --> IndexedDatasetWriter (streams .bin; the .idx is built at the end)
 
 At most a few chunks per worker are in flight, so memory stays flat however large the corpus;
-the output appears only once complete. launch/preprocess.py is the command line.
+the output appears only once complete, with the tokenizer's identity beside it
+(PREFIX.identity.json, identity.py). launch/preprocess.py is the command line.
 """
 
 import collections
@@ -23,6 +24,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
+from mtnlg_jax.data import identity
 from mtnlg_jax.data.indexed import IndexedDatasetWriter, token_dtype
 from mtnlg_jax.data.tokenizer import from_files
 from mtnlg_jax.data.tokenizer import load as load_tokenizer
@@ -192,7 +194,7 @@ def tokenize(
             while pending:
                 write(pending.popleft().get())
         for writer in writers:
-            writer.finish()
+            identity.finish(writer, tokenizer)  # .bin/.idx and the tokenizer's sidecar
     except BaseException:
         for writer in writers:
             writer.abort()

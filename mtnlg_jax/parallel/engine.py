@@ -27,7 +27,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from mtnlg_jax.parallel import pipeline, rules
+from mtnlg_jax.parallel import pipeline, rules, stage_order
 from mtnlg_jax.parallel.stage_functions import shared_params
 
 
@@ -88,14 +88,14 @@ def _constrain(grads, stage_fns):
     return rules.constrain_tree(grads, stage_fns.param_axes)
 
 
-def for_layout(stages, repeats=1, schedule='1f1b', max_in_flight=0):
+def for_layout(stages, repeats=1, schedule='1f1b', max_in_flight=0, stage_layers=None):
     """The engine of a layout: Sequential without stages, else pipeline.engine_for's."""
     if stages == 1:
         return Sequential()
-    return pipeline.engine_for(stages, repeats, schedule, max_in_flight)
+    return pipeline.engine_for(stages, repeats, schedule, max_in_flight, stage_layers)
 
 
 def engine(config):
-    """The engine a config runs (pipeline.options: a run saved before pipeline.schedule
-    existed is GPipe)."""
-    return for_layout(**pipeline.options(config))
+    """The engine a config runs (pipeline.options), its stages' depths from
+    stage_order.of_config."""
+    return for_layout(**pipeline.options(config), stage_layers=stage_order.of_config(config))

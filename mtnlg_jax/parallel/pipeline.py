@@ -28,6 +28,7 @@ planner ask `engine.engine(config)`.
 """
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +69,7 @@ class TableEngine:
     stages: int
     repeats: int
     max_in_flight: int = 0
+    stage_layers: Any = None  # stage_order.StageLayers of unequal stages (None: equal)
     pipelined = True
 
     @property
@@ -95,20 +97,22 @@ class TableEngine:
         replica's rows); at top level with both 'data' and 'tensor' larger than 1, XLA's SPMD
         partitioner aborts on the embedding's scatter-add."""
         table = self.table(batch.micro_batches)
-        return run_table(stage_fns, params, batch, table, with_grads=True)
+        return run_table(stage_fns, params, batch, table, True, stage_layers=self.stage_layers)
 
     def loss_sum(self, stage_fns, params, batch):
         """(loss sum, token count), pipelined, no gradients."""
         table = self.table(batch.micro_batches)
-        loss, count, _ = run_table(stage_fns, params, batch, table, with_grads=False)
+        loss, count, _ = run_table(
+            stage_fns, params, batch, table, False, stage_layers=self.stage_layers
+        )
         return loss, count
 
 
-def engine_for(stages, repeats, schedule='1f1b', max_in_flight=0):
+def engine_for(stages, repeats, schedule='1f1b', max_in_flight=0, stage_layers=None):
     """The engine of a pipelined layout (stages > 1): GPipe's or the table's."""
     if schedule == 'gpipe':
         return gpipe.GPipeEngine(stages, repeats)
-    return TableEngine(stages, repeats, max_in_flight)
+    return TableEngine(stages, repeats, max_in_flight, stage_layers)
 
 
 def num_ticks(stages, repeats, micro_batches, schedule='1f1b', max_in_flight=0):
@@ -135,16 +139,18 @@ def loss_sum(stage_fns, params, tokens, **layout):
     return engine_for(**layout).loss_sum(stage_fns, params, MicroBatch(tokens))
 
 
-def run_schedule(stage_fns, params, tokens, row_keys, table, with_grads, bubble_fill=0.0):
+def run_schedule(
+    stage_fns, params, tokens, row_keys, table, with_grads, bubble_fill=0.0, stage_layers=None
+):
     """run_table of token windows (m, rows, seq + 1) and their dropout keys (or None)."""
     batch = MicroBatch(tokens, row_keys=row_keys)
-    return run_table(stage_fns, params, batch, table, with_grads, bubble_fill)
+    return run_table(stage_fns, params, batch, table, with_grads, bubble_fill, stage_layers)
 
 
-def run_table(stage_fns, params, batch, table, with_grads, bubble_fill=0.0):
+def run_table(stage_fns, params, batch, table, with_grads, bubble_fill=0.0, stage_layers=None):
     """Run `table` (schedule.Schedule) over batch (MicroBatch); returns (loss sum, token count,
     fp32 grads or None). bubble_fill: what empty slots and idle outputs hold (tests fill NaN:
-    it never leaks)."""
+    it never leaks); stage_layers: a StageLayers of stages of unequal depth (None: equal)."""
     shared = shared_params(params)
     p, v = table.stages, table.repeats
     num_layers = jax.tree.leaves(params['blocks'])[0].shape[0]
@@ -170,6 +176,7 @@ def run_table(stage_fns, params, batch, table, with_grads, bubble_fill=0.0):
             fill=jnp.full((rows, seq, hidden), bubble_fill, stage_fns.dtype),
             layout=None,
             handoff_axes=handoff_axes,
+            stage_layers=stage_layers,
         )
         kept_shapes = []
         if with_grads:  # the layout of a forward's residuals: every forward has the same

@@ -62,6 +62,7 @@ class Stage:
     fill: Any
     layout: Any
     handoff_axes: tuple
+    stage_layers: Any = None  # stage_order.StageLayers of unequal stages (None: equal)
 
     @property
     def with_grads(self):
@@ -73,9 +74,17 @@ class Stage:
     def apply(self, chunk, h, micro, repeat):
         """The chunk's blocks over h, gathered over 'tensor' on arrival."""
         h = constrain(h, ACTIVATION_AXES)
-        first_layer = (repeat * self.stages + self.index) * self.per_chunk
+        first_layer, used = self.chunk_layers(repeat)
         batch = self.batch.at(micro)
-        return self.fns.apply_blocks(chunk, h, batch, first_layer, self.fns.remat)
+        return self.fns.apply_blocks(chunk, h, batch, first_layer, self.fns.remat, used=used)
+
+    def chunk_layers(self, repeat):
+        """(model index of the chunk's first layer, its layers or None: every slot)."""
+        layers = self.stage_layers
+        if layers is None or not layers.padded:
+            return (repeat * self.stages + self.index) * self.per_chunk, None
+        firsts, sizes = (jnp.asarray(a, jnp.int32) for a in layers.tables())
+        return firsts[repeat, self.index], sizes[repeat, self.index]
 
     def token_loss(self, shared, h, micro):
         return self.fns.head_loss_sum(shared, h, self.batch.at(micro))

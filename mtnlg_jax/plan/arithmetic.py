@@ -18,7 +18,7 @@ from mtnlg_jax.model import counts, gpt
 from mtnlg_jax.model.counts import model_flops_per_token
 from mtnlg_jax.model.layers import attention_dims
 from mtnlg_jax.parallel import engine as engine_lib
-from mtnlg_jax.parallel import rules
+from mtnlg_jax.parallel import rules, stage_order
 
 
 def megatron_flops_per_step(model_cfg, global_batch, recompute=True):
@@ -116,6 +116,13 @@ def state_bytes(config):
     return dict(params=compute * e, grads=compute * (e + 4), optimizer=zero * 12)
 
 
+def chunk_slots(config):
+    """Layer slots a pipeline chunk holds and runs through: L / (p v), or with stages of
+    unequal depth the largest chunk's layers (a shorter chunk's padding slots take their
+    memory, parallel/stage_order.py; the slowest stage sets the pace)."""
+    return stage_order.of_config(config).slots
+
+
 def engine_table(config, micro_steps=None):
     """The 1F1B engine's schedule table of a config (parallel/schedule.py); None for the
     engines without one (no pipeline, GPipe's scan)."""
@@ -181,7 +188,7 @@ def activation_bytes(config):
         output buffers, and `split` micro-batches of logits and their gradient (gpipe
         differentiates GPT.logits and cross_entropy, not the fused loss)."""
     model, train = config.model, config.train
-    stages, tensor, repeats = config.mesh.stage, config.mesh.tensor, config.pipeline.repeats
+    stages, tensor = config.mesh.stage, config.mesh.tensor
     rows, micro = train.micro_batch, train.micro_steps
     e = itemsize(model.compute_dtype)
     boundary = model.seq_len * rows * model.hidden * e
@@ -191,7 +198,7 @@ def activation_bytes(config):
         kept = model.num_layers * layer_activation_bytes(model, rows, tensor, model.remat)
         recomputed = full_layer if model.remat != 'none' else 0
         return dict(layers=kept, recomputed=recomputed, pipeline_buffers=0, logits=logits)
-    chunk_layers = model.num_layers // (stages * repeats)
+    chunk_layers = chunk_slots(config)
     table = engine_table(config)
     if table is not None:
         handoff = boundary // tensor if model.seq_len % tensor == 0 else boundary
