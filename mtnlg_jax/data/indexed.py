@@ -193,3 +193,21 @@ class IndexedDatasetWriter:
         for path in self._tmp.values():
             if os.path.exists(path):
                 os.remove(path)
+
+
+def merge(prefixes, output_prefix, dtype):
+    """Concatenate the datasets at `prefixes`, in order, into output_prefix.bin/.idx (what one
+    writer fed their documents in that order would write); the writer, finished."""
+    writer = IndexedDatasetWriter(output_prefix, dtype)
+    try:
+        for prefix in prefixes:
+            part = IndexedDataset(prefix)
+            for start in range(0, len(part.sizes), _CHUNK):
+                sizes = np.asarray(part.sizes[start : start + _CHUNK])
+                first = int(part.pointers[start]) // part.dtype.itemsize if len(sizes) else 0
+                writer.add_documents(part.tokens[first : first + int(sizes.sum())], sizes)
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    return writer
