@@ -27,7 +27,7 @@ $(VENV)/.dev-installed: $(VENV)/.installed requirements-dev.txt
 
 # The XLA:GPU compiler, to compile GPU steps on a machine without a GPU (launch/plan.py
 # --target a100-80gb | h100-80gb): requirements-gpu-compile.txt, about 2.3 GB, in a folder of
-# its own (mtnlg_jax/gpu_compile.py says why). With it, make test also runs
+# its own (mtnlg_jax/xla/gpu_compile.py says why). With it, make test also runs
 # tests/test_gpu_compile.py (skipped without it).
 gpu-compile: .gpu-compile/.installed
 

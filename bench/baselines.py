@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-from mtnlg_jax.cli import ArgumentParser, fail
+from mtnlg_jax.run.cli import ArgumentParser, fail
 from mtnlg_jax.data.gpt_dataset import split_tokens
 from mtnlg_jax.data.indexed import DataError, IndexedDataset
 from mtnlg_jax.eval import baselines

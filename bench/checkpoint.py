@@ -28,9 +28,10 @@ os.environ['XLA_FLAGS'] = (
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from mtnlg_jax import checkpoint as checkpoint_lib  # noqa: E402
+from mtnlg_jax.checkpoint import store as checkpoint_lib  # noqa: E402
 from mtnlg_jax import config as config_lib  # noqa: E402
-from mtnlg_jax import plan  # noqa: E402
+from mtnlg_jax.model import counts  # noqa: E402
+from mtnlg_jax.parallel import footprint  # noqa: E402
 from mtnlg_jax.parallel.mesh import make_mesh  # noqa: E402
 from mtnlg_jax.train import resume  # noqa: E402
 from mtnlg_jax.train.state import init_state, make_setup  # noqa: E402
@@ -112,7 +113,7 @@ def measure(path, workdir):
     other = timed_restore(workdir, other_config, other_setup)
     return dict(
         config=os.path.basename(path),
-        params=plan.count_params(setup.abstract_state['params']),
+        params=counts.count_params(setup.abstract_state['params']),
         saved_under=' x '.join(map(str, saved_under)),
         restored_under=' x '.join(map(str, restored_under)),
         blocking=blocking,
@@ -145,7 +146,7 @@ def main():
     for row in rows:
         print(
             f'| {row["config"]} | {row["params"] / 1e6:.1f} M | {row["saved_under"]} '
-            f'| {row["blocking"]:.3f} | {row["total"]:.2f} | {plan.format_bytes(row["size"])} '
+            f'| {row["blocking"]:.3f} | {row["total"]:.2f} | {footprint.format_bytes(row["size"])} '
             f'| {row["same"]:.2f} | {row["restored_under"]} | {row["other"]:.2f} |'
         )
 

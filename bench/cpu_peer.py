@@ -21,7 +21,7 @@ import time
 from common import CompiledStep, layout_config, own_layout_config, print_table
 
 from mtnlg_jax import config as config_lib
-from mtnlg_jax.cli import ArgumentParser, fail
+from mtnlg_jax.run.cli import ArgumentParser, fail
 
 
 class OurStep:

@@ -31,7 +31,7 @@ from flax import nnx  # noqa: E402
 
 import throughput  # noqa: E402
 from mtnlg_jax import config as config_lib  # noqa: E402
-from mtnlg_jax import plan  # noqa: E402
+from mtnlg_jax.model import counts  # noqa: E402
 from mtnlg_jax.data import loader as loader_lib  # noqa: E402
 from mtnlg_jax.data.corpus import default_sources  # noqa: E402
 from mtnlg_jax.data.preprocess import tokenize  # noqa: E402
@@ -74,8 +74,8 @@ def step_consumes(name, config):
         args = argparse.Namespace(path='configs/tiny.py', micro_steps=config.train.micro_steps)
         step_s = throughput.measure(args, 4, 1, 2, steps=3)['step_s']
         return config.train.global_batch / step_s, f'measured: {step_s:.2f} s/step on this CPU'
-    params = plan.count_params(gpt.split(nnx.eval_shape(lambda: gpt.create(config.model, 0)))[1])
-    flops_per_token = plan.model_flops_per_token(config.model, params)
+    params = counts.count_params(gpt.split(nnx.eval_shape(lambda: gpt.create(config.model, 0)))[1])
+    flops_per_token = counts.model_flops_per_token(config.model, params)
     tokens_per_s = ASSUMED_MFU * H100_PEAK_TFLOPS * 1e12 * GPUS / flops_per_token
     return tokens_per_s / config.model.seq_len, f'estimate: {GPUS} x H100 at {ASSUMED_MFU:.0%} MFU'
 

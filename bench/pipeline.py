@@ -181,7 +181,7 @@ def in_flight_table():
 
 def scale_table(micro_batches):
     from mtnlg_jax import config as config_lib
-    from mtnlg_jax import plan
+    from mtnlg_jax.parallel import footprint
     from mtnlg_jax.plan import compile as compile_lib
 
     config = config_lib.load('configs/mtnlg_530b.py')
@@ -192,7 +192,7 @@ def scale_table(micro_batches):
     config = config_lib.resolve(config, SCALE_DEVICES)
     compiled, _, info = compile_lib.compile_train_step(config)
     memory = compile_lib.memory(compiled)
-    held = plan.bytes_per_device(config, info['setup'])
+    held = footprint.bytes_per_device(config, info['setup'])
     zero_share = held['optimizer'] * 7 // 8  # data 8: master + moments split 8 ways
     gib = lambda n: f'{n / 2**30:.1f}'  # noqa: E731
     rows = [

@@ -21,7 +21,7 @@ default of configs/mtnlg_530b.py; the paper's recipe is `paper` (remat full, 1F1
 import sys
 
 
-from mtnlg_jax import gpu_compile
+from mtnlg_jax.xla import gpu_compile
 from plan_runs import ROOT, argument_parser, print_markdown, read_plan, run_plans
 
 PAPER = ['--config.model.remat=full', '--config.pipeline.repeats=1']

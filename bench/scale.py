@@ -32,7 +32,7 @@ import os
 import sys
 
 
-from mtnlg_jax import gpu_compile
+from mtnlg_jax.xla import gpu_compile
 from plan_runs import ROOT, argument_parser, print_markdown, read_plan, run_plans
 from mtnlg_jax.plan.comm import by_axis
 

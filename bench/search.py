@@ -17,7 +17,7 @@ import time
 
 import ml_collections
 
-from mtnlg_jax import cli
+from mtnlg_jax.run import cli
 from mtnlg_jax.plan import clusters, predict, published, search
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

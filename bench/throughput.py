@@ -17,8 +17,8 @@ import statistics
 
 from common import CompiledStep, layout_config, print_table
 
-from mtnlg_jax import plan
-from mtnlg_jax.cli import ArgumentParser
+from mtnlg_jax.model import counts
+from mtnlg_jax.run.cli import ArgumentParser
 
 LAYOUTS = [(1, 1, 1), (8, 1, 1), (4, 1, 2), (2, 1, 4), (1, 1, 8)]
 
@@ -47,9 +47,9 @@ def main():
         config = step.config
         seconds = statistics.median(times[data, stage, tensor])
         tokens_per_s = config.train.global_batch * config.model.seq_len / seconds
-        num_params = plan.count_params(step.setup.abstract_state['params'])
+        num_params = counts.count_params(step.setup.abstract_state['params'])
         devices = data * stage * tensor
-        tflops = plan.model_flops_per_token(config.model, num_params) * tokens_per_s / devices
+        tflops = counts.model_flops_per_token(config.model, num_params) * tokens_per_s / devices
         rows.append(
             (
                 f'{data} x {stage} x {tensor}',

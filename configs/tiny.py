@@ -31,17 +31,16 @@ def get_config():
     model.compute_dtype = 'float32'  # bf16 matmuls are slow on CPU
     model.attention_dropout = 0.0
     model.hidden_dropout = 0.0
-    # Full recompute, though everything fits: the 1F1B engine keeps each forward's residuals
-    # for its backward, and on 2 CPU cores writing and reading the fp32 attention scores of
-    # remat none costs more than recomputing the layers (the layout's step: none 0.633 s,
-    # selective 0.473 s, full 0.454 s; the engine that recomputed every chunk: 0.474 s).
+    # Full recompute, though everything fits: on 2 CPU cores writing and reading the fp32
+    # attention scores the 1F1B engine would keep costs more than recomputing the layers
+    # (docs/benchmarks.md, "The tiny config's choices").
     model.remat = 'full'
 
     train = config.train
-    # 2-core CPU: about 0.55 s a step, so `make train` stays inside 10 minutes, setup included.
+    # Sized so that `make train` stays inside 10 minutes on a 2-core CPU, setup included.
     train.global_batch = 16
-    # 16 / (4 x data 2) = 2 micro-batches through the pipeline: larger ones run faster on
-    # 2 cores than 4 of 2 sequences (0.548 against 0.571 s a step).
+    # 16 / (4 x data 2) = 2 micro-batches through the pipeline: on 2 cores larger micro-batches
+    # run faster than more of them (docs/benchmarks.md, "The tiny config's choices").
     train.micro_batch = 4
     train.steps = 700
     train.log_every = 10

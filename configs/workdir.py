@@ -12,18 +12,8 @@ from these devices), prints what changed, and any key can still be overridden.
 
 import ml_collections
 
-from mtnlg_jax.rundir import RunDir
-
-
-def _tuples(value):
-    """JSON has only lists; the config's sequences are tuples (and only tuples can be
-    overridden on the command line)."""
-    if isinstance(value, dict):
-        return {key: _tuples(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return tuple(_tuples(item) for item in value)
-    return value
+from mtnlg_jax.run.rundir import RunDir
 
 
 def get_config(workdir):
-    return ml_collections.ConfigDict(_tuples(RunDir(workdir).read_inputs()))
+    return ml_collections.ConfigDict(RunDir(workdir).read_inputs())

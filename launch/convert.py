@@ -21,9 +21,9 @@ reshards). Bad input prints one line `error: ...` and exits with status 2, writi
 import os
 import sys
 
-from mtnlg_jax import cli
-from mtnlg_jax.cli import fail
-from mtnlg_jax.rundir import RunDir, RunDirError
+from mtnlg_jax.run import cli
+from mtnlg_jax.run.cli import fail
+from mtnlg_jax.run.rundir import RunDir, RunDirError
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(__file__)), 'configs/gpt2_124m.py')
 
@@ -72,9 +72,9 @@ def recipe_line(config):
 def import_hf(hf_dir, workdir, config, at_step=0, samples_consumed=0):
     import jax
 
-    from mtnlg_jax import checkpoint as checkpoint_lib
+    from mtnlg_jax.checkpoint import store as checkpoint_lib
     from mtnlg_jax import config as config_lib
-    from mtnlg_jax import hf_gpt2
+    from mtnlg_jax.interop import hf_gpt2
     from mtnlg_jax.data import gpt2_bpe
     from mtnlg_jax.parallel.mesh import mesh_from_config
     from mtnlg_jax.train.resume import checkpoint_meta, fresh_counters
@@ -128,8 +128,9 @@ def export_hf(hf_dir, workdir, step, tokenizer_path=None):
     import jax
 
     from mtnlg_jax import config as config_lib
-    from mtnlg_jax import hf_gpt2
+    from mtnlg_jax.data import tokenizer as tokenizer_lib
     from mtnlg_jax.eval import workdir as workdir_lib
+    from mtnlg_jax.interop import hf_gpt2
 
     tokenizer = None
     try:
@@ -137,10 +138,10 @@ def export_hf(hf_dir, workdir, step, tokenizer_path=None):
         path = tokenizer_path or workdir_lib.read_saved_config(workdir)['data']['tokenizer']
         if tokenizer_path or os.path.exists(path):
             name = '--tokenizer' if tokenizer_path else "the run's data.tokenizer (or --tokenizer)"
-            tokenizer = workdir_lib.open_tokenizer(path, model_cfg, name)
+            tokenizer = tokenizer_lib.open_tokenizer(path, model_cfg, name)
         # fp32 on one device: the compute copy is then the master copy, bit for bit
         loaded = workdir_lib.load(workdir, step, data=1, tensor=1, dtype='float32')
-    except (workdir_lib.WorkdirError, config_lib.ConfigError) as e:
+    except (workdir_lib.WorkdirError, config_lib.ConfigError, tokenizer_lib.TokenizerError) as e:
         fail(str(e))
     tensors = hf_gpt2.hf_from_params(jax.device_get(loaded.params), loaded.config.model)
     eod_id = tokenizer.eod_id if tokenizer else None

@@ -32,11 +32,11 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mtnlg_jax.cli import ArgumentParser
 from mtnlg_jax.data.curate import decontaminate, engine, pipeline, quality, workdir
 from mtnlg_jax.data.curate.report import report_path, table
 from mtnlg_jax.data.pieces import sha256
 from mtnlg_jax.data.preprocess import InputError, documents, input_files
+from mtnlg_jax.run.cli import ArgumentParser
 
 
 def parse_args(argv):

@@ -24,8 +24,8 @@ import json
 import os
 import sys
 
-from mtnlg_jax import distributed
-from mtnlg_jax.cli import ArgumentParser, check_output_file, cpu_devices, fail, workdir_config
+from mtnlg_jax.run import distributed
+from mtnlg_jax.run.cli import ArgumentParser, check_output_file, cpu_devices, fail, workdir_config
 
 TASKS = ('perplexity', 'lambada', 'multiple_choice')
 
@@ -141,9 +141,10 @@ def main(argv):
 
     from mtnlg_jax import config as config_lib
     from mtnlg_jax.eval import tasks
+    from mtnlg_jax.data import tokenizer as tokenizer_lib
     from mtnlg_jax.eval import workdir as workdir_lib
     from mtnlg_jax.eval.scoring import Scorer
-    from mtnlg_jax.rundir import RunDir
+    from mtnlg_jax.run.rundir import RunDir
 
     try:
         saved = workdir_lib.read_saved_config(args.workdir)
@@ -153,12 +154,12 @@ def main(argv):
 
     def tokenizer():
         try:
-            return workdir_lib.open_tokenizer(
+            return tokenizer_lib.open_tokenizer(
                 args.tokenizer or config.data.tokenizer,
                 config.model,
                 '--tokenizer' if args.tokenizer else "the run's data.tokenizer (or --tokenizer)",
             )
-        except workdir_lib.WorkdirError as e:
+        except tokenizer_lib.TokenizerError as e:
             fail(str(e))
 
     task_data, num_words = read_task_data(args, tokenizer, config)

@@ -19,7 +19,7 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mtnlg_jax.cli import ArgumentParser  # noqa: E402
+from mtnlg_jax.run.cli import ArgumentParser  # noqa: E402
 from mtnlg_jax.data.corpus import default_sources  # noqa: E402
 
 

@@ -23,8 +23,8 @@ import json
 import os
 import sys
 
-from mtnlg_jax import distributed
-from mtnlg_jax.cli import ArgumentParser, check_output_file, cpu_devices, fail, workdir_config
+from mtnlg_jax.run import distributed
+from mtnlg_jax.run.cli import ArgumentParser, check_output_file, cpu_devices, fail, workdir_config
 
 
 def parse_args(argv):
@@ -103,6 +103,7 @@ def main(argv):
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)  # first
     from mtnlg_jax import config as config_lib
     from mtnlg_jax.eval import completion
+    from mtnlg_jax.data import tokenizer as tokenizer_lib
     from mtnlg_jax.eval import workdir as workdir_lib
     from mtnlg_jax.eval.generation import Generator
 
@@ -124,12 +125,12 @@ def main(argv):
     try:
         saved = workdir_lib.read_saved_config(args.workdir)
         config = workdir_lib.inference_config(saved, args.data_parallel, args.tensor)
-        tokenizer = workdir_lib.open_tokenizer(
+        tokenizer = tokenizer_lib.open_tokenizer(
             args.tokenizer or config.data.tokenizer,
             config.model,
             '--tokenizer' if args.tokenizer else "the run's data.tokenizer (or --tokenizer)",
         )
-    except (workdir_lib.WorkdirError, config_lib.ConfigError) as e:
+    except (workdir_lib.WorkdirError, config_lib.ConfigError, tokenizer_lib.TokenizerError) as e:
         fail(str(e))
     try:
         longest = max(len(tokenizer.encode(p)) for p in prompts)

@@ -21,7 +21,7 @@ import functools
 import os
 import sys
 
-from mtnlg_jax.cli import ArgumentParser, cpu_devices, fail, workdir_config
+from mtnlg_jax.run.cli import ArgumentParser, cpu_devices, fail, workdir_config
 
 OUR_FLAGS = ('step', 'data_parallel', 'tensor', 'tokenizer', 'max_gen_toks')  # model_args
 MODEL_ARG_NAMES = dict(data_parallel='data')  # our flag -> the model class's argument
@@ -73,17 +73,18 @@ def check(args):
     cpu_devices((args.data_parallel or run_mesh['data']) * (args.tensor or run_mesh['tensor']))
 
     from mtnlg_jax import config as config_lib
+    from mtnlg_jax.data import tokenizer as tokenizer_lib
     from mtnlg_jax.eval import workdir as workdir_lib
 
     try:
         saved = workdir_lib.read_saved_config(args.workdir)
         config = workdir_lib.inference_config(saved, args.data_parallel, args.tensor)
-        workdir_lib.open_tokenizer(
+        tokenizer_lib.open_tokenizer(
             args.tokenizer or config.data.tokenizer,
             config.model,
             '--tokenizer' if args.tokenizer else "the run's data.tokenizer (or --tokenizer)",
         )
-    except (workdir_lib.WorkdirError, config_lib.ConfigError) as e:
+    except (workdir_lib.WorkdirError, config_lib.ConfigError, tokenizer_lib.TokenizerError) as e:
         fail(str(e))
 
 

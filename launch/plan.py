@@ -12,8 +12,8 @@ on CPU devices and measured.
 
 --target a100-80gb | h100-80gb compiles the step with XLA:GPU for that GPU on compile-only
 devices, the whole layout in one process and on a machine without a GPU (after `make
-gpu-compile`: mtnlg_jax/gpu_compile.py), with the recommended XLA:GPU flags
-(mtnlg_jax/xla_flags.py; your own XLA_FLAGS win). It adds what only a GPU compile shows: the
+gpu-compile`: mtnlg_jax/xla/gpu_compile.py), with the recommended XLA:GPU flags
+(mtnlg_jax/xla/flags.py; your own XLA_FLAGS win). It adds what only a GPU compile shows: the
 fused attention kernels, and the overlap of each collective with compute, replayed on the
 target's figures. It times nothing: no GPU runs, and XLA skips autotuning without one.
 
@@ -37,8 +37,9 @@ import json
 import os
 import sys
 
-from mtnlg_jax import cli, distributed, gpu_compile
-from mtnlg_jax.cli import fail
+from mtnlg_jax.run import cli, distributed
+from mtnlg_jax.xla import gpu_compile
+from mtnlg_jax.run.cli import fail
 
 MAX_CPU_DEVICES = 2048  # XLA:CPU's limit per process
 

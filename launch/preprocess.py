@@ -39,7 +39,7 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mtnlg_jax.cli import ArgumentParser  # noqa: E402
+from mtnlg_jax.run.cli import ArgumentParser  # noqa: E402
 from mtnlg_jax.data.gpt2_bpe import GPT2BPETokenizer  # noqa: E402
 from mtnlg_jax.data.preprocess import InputError, documents, tokenize  # noqa: E402
 from mtnlg_jax.data.tokenizer import KINDS, Tokenizer, TokenizerError  # noqa: E402

@@ -6,7 +6,7 @@
 The same command as one process, run as P: each process gets D simulated CPU devices
 (XLA_FLAGS=--xla_force_host_platform_device_count=D) and joins the others through
 jax.distributed on a free localhost port (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
-JAX_PROCESS_ID: mtnlg_jax/distributed.py reads them), so the script sees P x D devices and
+JAX_PROCESS_ID: mtnlg_jax/run/distributed.py reads them), so the script sees P x D devices and
 runs its collectives through gloo, as it would run through NCCL on P GPU hosts.
 
     process 0        prints to this terminal
@@ -33,8 +33,8 @@ import sys
 import threading
 import time
 
-from mtnlg_jax.cli import ArgumentParser, fail
-from mtnlg_jax.rundir import RunDir
+from mtnlg_jax.run.cli import ArgumentParser, fail
+from mtnlg_jax.run.rundir import RunDir
 from mtnlg_jax.train.watchdog import STALLED
 
 DEVICE_COUNT_FLAG = '--xla_force_host_platform_device_count'

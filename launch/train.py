@@ -20,9 +20,10 @@ SLURM (launch/slurm/train.sbatch), Open MPI, or with --coordinator, --num_proces
 
 import sys
 
-from mtnlg_jax import cli, distributed, xla_flags
-from mtnlg_jax.cli import fail
-from mtnlg_jax.rundir import RunDir, RunDirError
+from mtnlg_jax.run import cli, distributed
+from mtnlg_jax.xla import flags as xla_flags
+from mtnlg_jax.run.cli import fail
+from mtnlg_jax.run.rundir import RunDir, RunDirError
 
 
 def parse_args(argv):
@@ -35,14 +36,14 @@ def parse_args(argv):
 
 def check_tokenizer(config):
     """data.tokenizer must exist and match model.vocab_size ('' : a run of token ids only)."""
-    from mtnlg_jax.eval import workdir as workdir_lib
+    from mtnlg_jax.data import tokenizer as tokenizer_lib
 
     if not config.data.tokenizer:
         return
     try:
         key = 'config key data.tokenizer:'
-        workdir_lib.open_tokenizer(config.data.tokenizer, config.model, key)
-    except workdir_lib.WorkdirError as e:
+        tokenizer_lib.open_tokenizer(config.data.tokenizer, config.model, key)
+    except tokenizer_lib.TokenizerError as e:
         fail(f'{e} (--config.data.tokenizer= trains on token ids with none)')
 
 
@@ -53,13 +54,9 @@ def changed_inputs(before, after, prefix=''):
         old, new = before.get(key), after.get(key)
         if isinstance(old, dict) and isinstance(new, dict):
             lines += changed_inputs(old, new, f'{prefix}{key}.')
-        elif old != new and not (isinstance(old, list) and tuple(map(_tuple, old)) == new):
+        elif old != new:
             lines.append(f'{prefix}{key}: {old!r} -> {new!r}')
     return lines
-
-
-def _tuple(value):
-    return tuple(map(_tuple, value)) if isinstance(value, list) else value
 
 
 def main(argv):
@@ -79,7 +76,7 @@ def main(argv):
     import jax
 
     from mtnlg_jax import config as config_lib
-    from mtnlg_jax.checkpoint import CheckpointError
+    from mtnlg_jax.checkpoint.store import CheckpointError
     from mtnlg_jax.data.indexed import DataError
     from mtnlg_jax.train import faults, loop
 

@@ -13,7 +13,7 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # For the XLA:GPU compiles of test_gpu_compile.py, after `make gpu-compile`: the compiler on
 # this process's path (not on its subprocesses'), no driver to check CUDA against, and the
 # XLA:GPU flags launch/plan.py --target compiles with (XLA:CPU ignores them).
-from mtnlg_jax import gpu_compile  # noqa: E402 (no JAX)
+from mtnlg_jax.xla import gpu_compile  # noqa: E402 (no JAX)
 
 gpu_compile.prepare_environment()
 

@@ -16,6 +16,7 @@ from mtnlg_jax import config as config_lib
 from mtnlg_jax.parallel import stage_order
 from mtnlg_jax.parallel.mesh import make_mesh
 from mtnlg_jax.train import state as state_lib
+from mtnlg_jax.data import batch as batch_lib
 from mtnlg_jax.train import step as step_lib
 
 GLOBAL_BATCH = 16
@@ -89,8 +90,8 @@ def gradients(config, batch, step=0):
     mesh, setup = layout(config)
     with jax.set_mesh(mesh):
         state = state_lib.init_state(config, setup)
-        tokens, rows = step_lib.place_batch(
-            *step_lib.to_micro_steps(batch.astype(np.int32), config.train.micro_steps), mesh
+        tokens, rows = batch_lib.place_batch(
+            *batch_lib.to_micro_steps(batch.astype(np.int32), config.train.micro_steps), mesh
         )
         grad_fn = jax.jit(
             lambda params, tokens, rows: step_lib.accumulate_gradients(
@@ -118,8 +119,8 @@ def train_losses(config, batches):
     with jax.set_mesh(mesh):
         state = state_lib.init_state(config, setup)
         for i, batch in enumerate(batches):
-            tokens, rows = step_lib.place_batch(
-                *step_lib.to_micro_steps(batch.astype(np.int32), config.train.micro_steps), mesh
+            tokens, rows = batch_lib.place_batch(
+                *batch_lib.to_micro_steps(batch.astype(np.int32), config.train.micro_steps), mesh
             )
             state, metrics = train_step(state, tokens, rows, jnp.float32((i + 1) * tokens_per_step))
             losses.append(float(metrics['loss']))

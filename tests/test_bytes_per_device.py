@@ -4,7 +4,8 @@ ZeRO-1, counted by hand from the model's shapes."""
 import jax
 
 import support
-from mtnlg_jax import plan
+from mtnlg_jax.model import counts
+from mtnlg_jax.parallel import footprint
 from mtnlg_jax.train import state as state_lib
 
 
@@ -21,9 +22,9 @@ def test_bytes_per_device_match_tensor_and_zero_arithmetic():
     config = support.small_config(data=data, tensor=tensor, compute_dtype='bfloat16')
     _, setup = support.layout(config)
     split, replicated = _hand_counts(config.model)
-    assert plan.count_params(setup.abstract_state['params']) == split + replicated
+    assert counts.count_params(setup.abstract_state['params']) == split + replicated
 
-    held = plan.bytes_per_device(config, setup)
+    held = footprint.bytes_per_device(config, setup)
     # Compute copy: 2 bytes (bf16) per parameter, tensor-parallel ones split over tensor.
     assert held['parameters'] == 2 * (split // tensor + replicated)
     # fp32 gradient accumulators as the compute copy: each replica sums its own micro-steps
@@ -45,4 +46,4 @@ def test_bytes_per_device_of_actual_arrays_match_the_plan():
         for shard in leaf.addressable_shards
         if shard.device == device
     )
-    assert 3 * master == plan.bytes_per_device(config, setup)['optimizer']
+    assert 3 * master == footprint.bytes_per_device(config, setup)['optimizer']

@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtnlg_jax import checkpoint as checkpoint_lib
+from mtnlg_jax.checkpoint import store as checkpoint_lib
 from mtnlg_jax.train import faults, resume
 from mtnlg_jax.train import state as state_lib
+from mtnlg_jax.data import batch as batch_lib
 from mtnlg_jax.train import step as step_lib
 from support import assert_trees_close, layout, random_batches, small_config
 
@@ -148,7 +149,7 @@ def test_a_non_finite_step_leaves_parameters_and_optimizer_state_unchanged():
     with jax.set_mesh(mesh):
         state = jax.tree.map(jnp.copy, initial)  # the step donates its input
         before = jax.device_get(state)
-        tokens, rows = step_lib.place_batch(*step_lib.to_micro_steps(batch, 2), mesh)
+        tokens, rows = batch_lib.place_batch(*batch_lib.to_micro_steps(batch, 2), mesh)
         poisoned = step_lib.make_train_step(config, setup, inject='nan')
         state, metrics = poisoned(state, tokens, rows, jnp.float32(512))
     after = jax.device_get(state)

@@ -11,7 +11,7 @@ import pytest
 
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.data.tokenizer import Tokenizer
-from mtnlg_jax.rundir import RunDir
+from mtnlg_jax.run.rundir import RunDir
 from support import ROOT, SMALL_MODEL, TRAIN_ENV, small_config
 
 SCRIPTS = ('train.py', 'evaluate.py', 'generate.py', 'convert.py', 'preprocess.py')
@@ -48,8 +48,8 @@ def test_every_tool_answers_help(script):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith('usage: ') and not result.stderr
     if script in ('train.py', 'convert.py', 'plan.py'):  # the config's keys with defaults
-        assert 'config keys' in result.stdout and 'model: ' in result.stdout
-        assert 'mesh: data=-1' in result.stdout
+        assert 'config keys' in result.stdout and '  model.hidden=768: ' in result.stdout
+        assert '  mesh.data=-1: ' in result.stdout
 
 
 @pytest.fixture(scope='module')

@@ -12,7 +12,7 @@ import pytest
 
 import support
 from mtnlg_jax import config as config_lib
-from mtnlg_jax import plan
+from mtnlg_jax.parallel import footprint
 from mtnlg_jax.data import loader as loader_lib
 from mtnlg_jax.plan import compile as compile_lib
 from mtnlg_jax.plan import hlo, hlo_module
@@ -41,7 +41,7 @@ def test_data_parallel_traffic_is_one_reduce_scatter_and_one_all_gather(train_st
     # Beyond data alone, only scalars (loss and token count summed over data and stage).
     assert all(e['axes'] == ('data',) or e['bytes'] <= 64 for e in over_data)
     data = config.mesh.data
-    params = plan.bytes_per_device(config, info['setup'])['parameters']  # fp32 compute copy
+    params = footprint.bytes_per_device(config, info['setup'])['parameters']  # fp32 compute copy
     one_pass = (data - 1) / data * params
 
     def sent(kind):

@@ -3,12 +3,18 @@
 import glob
 import re
 
+import pathlib
+
 import jax
+import ml_collections
 import pytest
 from flax import nnx
 
 from mtnlg_jax import config as config_lib
-from mtnlg_jax import plan
+from mtnlg_jax.config import keys
+from mtnlg_jax.plan import arithmetic
+from mtnlg_jax.model import counts
+from mtnlg_jax.xla import devices
 from mtnlg_jax.model import gpt
 
 
@@ -21,7 +27,7 @@ def _param_count(path):
     config.train.rampup.start = 0  # one sequence per step: no room for a ramp
     config = config_lib.resolve(config, config.mesh.tensor)
     abstract = nnx.eval_shape(lambda: gpt.create(config.model, 0))
-    return plan.count_params(gpt.split(abstract)[1]), config
+    return counts.count_params(gpt.split(abstract)[1]), config
 
 
 @pytest.mark.parametrize(
@@ -48,7 +54,7 @@ def test_mtnlg_vocabulary_pads_to_51200_under_tensor_8():
 )
 def test_megatron_flops_formula_reproduces_the_mtnlg_table(nodes, iteration_s, tflops):
     _, config = _param_count('configs/mtnlg_530b.py')
-    flops = plan.megatron_flops_per_step(config.model, global_batch=1920, recompute=True)
+    flops = arithmetic.megatron_flops_per_step(config.model, global_batch=1920, recompute=True)
     assert flops / (iteration_s * nodes * 8) / 1e12 == pytest.approx(tflops, abs=0.1)
 
 
@@ -73,12 +79,12 @@ def test_tiny_config_resolves_on_eight_devices():
 
 def test_device_peak_table():
     cpu = jax.devices()[0]
-    assert plan.device_peak_tflops(cpu, 'bfloat16') is None
+    assert devices.device_peak_tflops(cpu, 'bfloat16') is None
 
     class FakeDevice:
         device_kind = 'NVIDIA H100 80GB HBM3'
 
-    assert plan.device_peak_tflops(FakeDevice(), 'bfloat16') == 989.0
+    assert devices.device_peak_tflops(FakeDevice(), 'bfloat16') == 989.0
 
 
 def test_minus_one_fills_the_mesh_with_the_remaining_devices():
@@ -135,3 +141,41 @@ def test_fault_keys_are_checked_naming_the_key(key, value):
     config[section][name] = value
     with pytest.raises(config_lib.ConfigError, match=f'config key {re.escape(key)}: '):
         config_lib.resolve(config, 8)
+
+
+def test_the_cli_page_shows_the_key_table():
+    page = (pathlib.Path(__file__).resolve().parents[1] / 'docs' / 'cli.md').read_text()
+    assert keys.markdown() in page, 'paste keys.markdown() into docs/cli.md, "Config keys"'
+
+
+def test_defaults_are_the_key_table():
+    flat = {}
+
+    def walk(section, prefix):
+        for name, value in section.items():
+            if hasattr(value, 'items'):
+                walk(value, f'{prefix}{name}.')
+            else:
+                flat[f'{prefix}{name}'] = value
+
+    walk(config_lib.defaults(), '')
+    assert flat == {key.name: key.default for key in keys.KEYS}
+    assert {key.resume for key in keys.KEYS} <= {'free', 'explicit', 'never'}
+
+
+@pytest.mark.parametrize(
+    'key, value, message',
+    [
+        ('model.remat', 'some', "'some' is not one of none, full, selective"),
+        ('train.eval_every', -1, 'must be an integer >= 0, got -1'),
+        ('model.hidden_dropout', 1.0, 'must be in [0, 1), got 1.0'),
+        ('model.sequence_parallel', 1, 'must be True or False, got 1'),
+        ('train.steps', True, 'must be a positive integer, got True'),
+    ],
+)
+def test_a_key_checks_its_own_values_from_the_table(key, value, message):
+    config = config_lib.defaults().to_dict()
+    section, name = key.split('.')
+    config[section][name] = value
+    with pytest.raises(config_lib.ConfigError, match=re.escape(f'{key}: {message}')):
+        config_lib.resolve(ml_collections.ConfigDict(config), 8)

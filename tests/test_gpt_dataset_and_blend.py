@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mtnlg_jax.data.blend import BlendedDataset
-from mtnlg_jax.config_checks import parse_split
+from mtnlg_jax.config.checks import parse_split
 from mtnlg_jax.data.gpt_dataset import GPTDataset, split_ranges
 from mtnlg_jax.data.indexed import DataError, IndexedDataset, IndexedDatasetWriter
 

@@ -15,7 +15,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import support
-from mtnlg_jax import gpu_compile
+from mtnlg_jax.xla import gpu_compile
 from mtnlg_jax.plan import clusters, gpu_target, overlap, report
 from mtnlg_jax.plan import compile as compile_lib
 

@@ -20,7 +20,7 @@ import pytest
 import safetensors.numpy
 
 from mtnlg_jax import config as config_lib
-from mtnlg_jax import hf_gpt2
+from mtnlg_jax.interop import hf_gpt2
 from mtnlg_jax.data.indexed import IndexedDatasetWriter
 from mtnlg_jax.data.loader import open_datasets
 from mtnlg_jax.eval import workdir as workdir_lib

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from mtnlg_jax import config as config_lib
+from mtnlg_jax.config import keys
 from mtnlg_jax.data import loader as loader_lib
 from mtnlg_jax.data.indexed import IndexedDatasetWriter
 from mtnlg_jax.parallel.mesh import make_mesh, mesh_from_config
@@ -75,7 +76,7 @@ def run_batches(config, samples_consumed=0, steps=STEPS):
     return seen, train
 
 
-@pytest.mark.parametrize('order', config_lib.DATA_ORDERS)
+@pytest.mark.parametrize('order', keys.choices('data.order'))
 def test_global_batches_are_the_same_under_every_layout_and_follow_the_ramp(sources, order):
     runs = {
         layout: run_batches(config_for(sources, *layout, order=order))
@@ -98,7 +99,7 @@ def test_global_batches_are_the_same_under_every_layout_and_follow_the_ramp(sour
     assert (both < 10_000).any() and (both >= 10_000).any()  # both sources appear
 
 
-@pytest.mark.parametrize('order', config_lib.DATA_ORDERS)
+@pytest.mark.parametrize('order', keys.choices('data.order'))
 def test_a_restart_from_a_consumed_count_continues_with_the_same_batches(sources, order):
     config = config_for(sources, 4, 2, 2, order=order)
     straight, _ = run_batches(config)

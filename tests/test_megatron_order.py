@@ -13,7 +13,7 @@ from mtnlg_jax.data import loader as loader_lib
 from mtnlg_jax.data import megatron_order
 from mtnlg_jax.data.gpt_dataset import SPLIT_NAMES
 from mtnlg_jax.data.indexed import DataError, IndexedDataset, IndexedDatasetWriter
-from mtnlg_jax import rampup
+from mtnlg_jax.config import rampup
 from mtnlg_jax.train import banner
 
 FIXTURES = pathlib.Path(__file__).parent / 'fixtures' / 'megatron_order'

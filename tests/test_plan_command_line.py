@@ -95,7 +95,7 @@ def test_bad_input_is_one_line_and_status_2(args, message, tmp_path):
 
 def test_target_without_the_gpu_compiler_says_what_to_install(tmp_path):
     """Where neither .gpu-compile/ nor the environment has the XLA:GPU compiler."""
-    from mtnlg_jax import gpu_compile  # noqa: PLC0415
+    from mtnlg_jax.xla import gpu_compile  # noqa: PLC0415
 
     if gpu_compile._importable('jax_plugins.xla_cuda12') and not gpu_compile.COMPILER_DIR.is_dir():
         pytest.skip('the compiler is installed in this environment itself')

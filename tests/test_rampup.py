@@ -6,7 +6,7 @@ import json
 import pytest
 
 from mtnlg_jax import config as config_lib
-from mtnlg_jax import rampup
+from mtnlg_jax.config import rampup
 from mtnlg_jax.train.optimizer import learning_rate_schedule
 from test_loader import SEQ_LEN, config_for, sources  # noqa: F401
 from support import SMALL_MODEL, run_train

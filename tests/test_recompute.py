@@ -7,6 +7,7 @@ import pytest
 
 import support
 from mtnlg_jax.train import state as state_lib
+from mtnlg_jax.data import batch as batch_lib
 from mtnlg_jax.train import step as step_lib
 
 
@@ -15,7 +16,7 @@ def _temp_bytes(config):
     batch = support.random_batches(1)[0].astype(np.int32)
     with jax.set_mesh(mesh):
         state = state_lib.init_state(config, setup)
-        tokens, rows = step_lib.place_batch(*step_lib.to_micro_steps(batch, 1), mesh)
+        tokens, rows = batch_lib.place_batch(*batch_lib.to_micro_steps(batch, 1), mesh)
         compiled = (
             jax.jit(
                 lambda p, t, r: step_lib.accumulate_gradients(config, setup, p, t, r, jnp.int32(0))

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from mtnlg_jax.checkpoint import TMP_MARKER
+from mtnlg_jax.checkpoint.store import TMP_MARKER
 from support import ROOT, SMALL_MODEL, TRAIN_ENV, run_train, train_args
 
 RUN = [

@@ -1,7 +1,11 @@
 """The recommended XLA:GPU flags: applied before JAX starts, the user's own XLA_FLAGS win, and
 the banner says which are in effect."""
 
-from mtnlg_jax import xla_flags
+import os
+import pathlib
+
+from mtnlg_jax.xla import flags as xla_flags
+from mtnlg_jax.xla import gpu_compile
 
 LHS = 'xla_gpu_enable_latency_hiding_scheduler'
 
@@ -32,3 +36,13 @@ def test_applying_twice_changes_nothing():
     xla_flags.apply(environ)
     assert environ['XLA_FLAGS'] == once
     assert xla_flags.describe({}) == 'none of ours'
+
+
+def test_the_gpu_compiler_is_looked_for_where_make_installs_it():
+    # make gpu-compile installs into the repository's .gpu-compile/; the module must find it
+    # from its own place in the package, or the GPU-target tests would skip without a word.
+    root = pathlib.Path(__file__).resolve().parents[1]
+    if 'MTNLG_GPU_COMPILE_DIR' not in os.environ:
+        assert gpu_compile.COMPILER_DIR == root / '.gpu-compile'
+    if (gpu_compile.COMPILER_DIR / '.installed').exists():
+        assert gpu_compile.missing() is None, gpu_compile.missing()

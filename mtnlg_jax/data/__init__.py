@@ -1,6 +1,16 @@
-"""Data: Megatron indexed datasets, GPT samples, weighted blends and the trainer's loader.
+"""Data: tokenizers, Megatron indexed datasets, GPT samples, blends and the trainer's loader.
 
-launch/preprocess.py   raw text -> tokenizer.py or gpt2_bpe.py -> indexed.py (.bin/.idx)
-loader.py              indexed.py -> gpt_dataset.py (splits, samples) -> blend.py -> mesh
-corpus.py              the default corpus (King James Bible, Python standard library)
+tokenizer.py          sentencepiece, and load() / open_tokenizer() of any kind
+gpt2_bpe.py           GPT-2 BPE (Megatron's GPT2BPETokenizer)
+tokenizer_error.py    the error every tokenizer raises
+preprocess.py         raw text -> token ids -> indexed.py
+indexed.py            Megatron's .bin / .idx
+gpt_dataset.py        splits and samples (Megatron's GPTDataset)
+blend.py              weighted blends of datasets
+megatron_order.py     Megatron-LM's own sample order, index for index
+batch.py              the batch layout on the mesh
+packing.py            positions, segment ids and loss mask of packed documents
+loader.py             batches on the mesh, step by step
+corpus.py             the default corpus (King James Bible, Python standard library)
+curate/               exact and fuzzy deduplication, quality, decontamination
 """

@@ -32,7 +32,7 @@ import threading
 
 import numpy as np
 
-from mtnlg_jax.config_checks import parse_split
+from mtnlg_jax.config.checks import parse_split
 from mtnlg_jax.data.indexed import DataError
 
 CACHE_FORMAT = 1

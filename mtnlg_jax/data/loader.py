@@ -30,7 +30,7 @@ from mtnlg_jax.data.blend import BlendedDataset
 from mtnlg_jax.data.gpt_dataset import GPTDataset, split_ranges
 from mtnlg_jax.data.indexed import DataError, IndexedDataset
 from mtnlg_jax.parallel import rules
-from mtnlg_jax import rampup
+from mtnlg_jax.config import rampup
 from mtnlg_jax.data.batch import BATCH_AXES, micro_step_row_ids, place_row_ids
 
 # Token ids are checked against the vocabulary on this many leading tokens of each source: a

@@ -30,7 +30,7 @@ import math
 import numpy as np
 
 from mtnlg_jax.data.blend import BlendedDataset
-from mtnlg_jax.config_checks import parse_split
+from mtnlg_jax.config.checks import parse_split
 from mtnlg_jax.data.gpt_dataset import SPLIT_NAMES, GPTDataset
 from mtnlg_jax.data.indexed import DataError
 

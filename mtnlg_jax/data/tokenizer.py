@@ -50,7 +50,7 @@ _MAX_TRAIN_LINE_BYTES = 16384
 _MAX_TRAIN_LINES = 1_000_000
 
 
-__all__ = ['KINDS', 'Tokenizer', 'TokenizerError', 'from_files', 'load']
+__all__ = ['KINDS', 'Tokenizer', 'TokenizerError', 'from_files', 'load', 'open_tokenizer']
 KINDS = ("SentencePieceTokenizer", "GPT2BPETokenizer")  # Megatron's --tokenizer-type names
 
 
@@ -65,6 +65,29 @@ def load(path: str):
             "of GPT-2 BPE files)"
         )
     return Tokenizer(path)
+
+
+def open_tokenizer(path, model_cfg, name='--tokenizer'):
+    """The run's tokenizer (any kind `load` opens), checked
+    to match the model's vocabulary (ids the model produces must decode, ids the tokenizer
+    produces must embed); `name` says where the path came from in the error (a flag, or the
+    config key training checks it under)."""
+    if not path:
+        raise TokenizerError(f'{name}: the run has no tokenizer (data.tokenizer is empty)')
+    if not os.path.exists(path):
+        raise TokenizerError(f'{name} {path}: no such file')
+    try:
+        tokenizer = load(path)
+    except TokenizerError as e:
+        raise TokenizerError(f'{name} {e}') from None
+    except Exception as e:  # not a sentencepiece model, or unreadable BPE files
+        raise TokenizerError(f'{name} {path}: not a usable tokenizer ({e})') from None
+    if tokenizer.vocab_size != model_cfg.vocab_size:
+        raise TokenizerError(
+            f'{name} {path} ({tokenizer.kind}) has {tokenizer.vocab_size} pieces, but the '
+            f"model's vocabulary (model.vocab_size) is {model_cfg.vocab_size}"
+        )
+    return tokenizer
 
 
 def from_files(kind: str, files: Sequence[str]):

@@ -31,6 +31,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from mtnlg_jax.data import tokenizer as tokenizer_lib
 from mtnlg_jax.eval import completion
 from mtnlg_jax.eval import workdir as workdir_lib
 from mtnlg_jax.eval.generation import Generator
@@ -63,7 +64,7 @@ class HarnessModel(TemplateLM):
         batch_size = int(batch_size) if str(batch_size).isdigit() else 8
         step, data, tensor = map(_optional_int, (step, data, tensor))
         config = workdir_lib.inference_config(workdir_lib.read_saved_config(workdir), data, tensor)
-        self.tokenizer = workdir_lib.open_tokenizer(
+        self.tokenizer = tokenizer_lib.open_tokenizer(
             tokenizer or config.data.tokenizer, config.model
         )
         self.loaded = workdir_lib.load(workdir, step, data, tensor)

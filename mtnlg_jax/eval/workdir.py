@@ -1,6 +1,6 @@
 """A trained model out of a workdir, on whatever mesh the evaluation or generation asks for.
 
-A workdir (mtnlg_jax/rundir.py) holds config.json and orbax checkpoints that restore onto any
+A workdir (mtnlg_jax/run/rundir.py) holds config.json and orbax checkpoints that restore onto any
 layout. Inference picks its own layout (data x tensor, stage 1: the blocks are not pipelined
 for inference), resolves only the mesh and model sections of the run's inputs (its training
 batch, schedule and data settings play no part), keeps the checkpoint's padded vocabulary
@@ -11,19 +11,18 @@ their bytes, stay on disk.
 
 import dataclasses
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from mtnlg_jax import checkpoint as checkpoint_lib
+from mtnlg_jax.checkpoint import store as checkpoint_lib
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.model import gpt
 from mtnlg_jax.parallel import rules
 from mtnlg_jax.parallel.mesh import mesh_from_config
-from mtnlg_jax.rundir import RunDir, RunDirError
+from mtnlg_jax.run.rundir import RunDir, RunDirError
 
 
 class WorkdirError(ValueError):
@@ -54,31 +53,6 @@ def inference_config(saved, data=None, tensor=None):
     padded_vocab = saved.get('derived', saved)['model'].get('padded_vocab')
     config.model.padded_vocab = padded_vocab or config.model.padded_vocab
     return config
-
-
-def open_tokenizer(path, model_cfg, name='--tokenizer'):
-    """The run's tokenizer (sentencepiece or GPT-2 BPE, data/tokenizer.py's `load`), checked
-    to match the model's vocabulary (ids the model produces must decode, ids the tokenizer
-    produces must embed); `name` says where the path came from in the error (a flag, or the
-    config key training checks it under)."""
-    from mtnlg_jax.data import tokenizer as tokenizer_lib
-
-    if not path:
-        raise WorkdirError(f'{name}: the run has no tokenizer (data.tokenizer is empty)')
-    if not os.path.exists(path):
-        raise WorkdirError(f'{name} {path}: no such file')
-    try:
-        tokenizer = tokenizer_lib.load(path)
-    except tokenizer_lib.TokenizerError as e:
-        raise WorkdirError(f'{name} {e}') from None
-    except Exception as e:  # not a sentencepiece model, or unreadable BPE files
-        raise WorkdirError(f'{name} {path}: not a usable tokenizer ({e})') from None
-    if tokenizer.vocab_size != model_cfg.vocab_size:
-        raise WorkdirError(
-            f'{name} {path} ({tokenizer.kind}) has {tokenizer.vocab_size} pieces, but the '
-            f"model's vocabulary (model.vocab_size) is {model_cfg.vocab_size}"
-        )
-    return tokenizer
 
 
 def read_saved_config(workdir):

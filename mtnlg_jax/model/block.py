@@ -31,6 +31,12 @@ SELECTIVE_SAVED = ('qkv', 'context', 'attn_out', 'mlp_in', 'mlp_out')
 CUDNN_MAX_HEAD_DIM = {8: 128, 9: 256}
 CONTEXT_AXES = ('batch', 'seq', 'heads', 'head_dim')
 SEED_AXES = ('batch', 'heads')
+SEGMENT_AXES = ('batch', 'seq')
+
+
+def same_segment(segment_ids):
+    """(batch, 1, seq, seq) bool: query and key in the same segment (broadcast over heads)."""
+    return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
 
 
 def attention_kernel(cfg, device=None):
@@ -128,15 +134,18 @@ class Attention(nnx.Module):
         context = jnp.einsum('bhqk,bkhd->bqhd', probs, v.astype(q.dtype))
         return checkpoint_name(constrain(context, CONTEXT_AXES), 'context')
 
-    def attend_fused(self, q, k, v, visible_keys=None, row_keys=None, site=0):
+    def attend_fused(self, q, k, v, visible_keys=None, row_keys=None, site=0, segment_ids=None):
         """The same context in one kernel (self.kernel): no (seq x seq) scores are kept, the
         backward recomputes them; q, k, v and the context in the compute dtype. Causal, or
-        with visible_keys (a scalar, decoding): keys 0 .. visible_keys - 1 for every query.
+        with visible_keys (a scalar, decoding): keys 0 .. visible_keys - 1 for every query;
+        segment_ids (batch, seq): causal within each segment only (packed documents).
         Each device runs the kernel on its own batch rows and heads (rules.local_call:
         cuDNN's partitioning rule fails inside the pipeline). The flash kernel applies
         attention dropout from per-(sequence, head) seeds drawn from row_keys."""
         q, k, v = (constrain(a.astype(q.dtype), CONTEXT_AXES) for a in (q, k, v))
         if self.kernel in ('flash', 'flash_interpreted'):
+            if segment_ids is not None:
+                raise NotImplementedError('the Pallas flash kernel takes no segment ids yet')
             rate = self.dropout_rate if row_keys is not None else 0.0
             if rate:
                 seeds = flash_attention.head_seeds(row_keys.reshape(-1), site, q.shape[2])
@@ -153,21 +162,28 @@ class Attention(nnx.Module):
             )
             return checkpoint_name(constrain(context, CONTEXT_AXES), 'context')
 
-        def kernel(q, k, v, *visible):
-            lengths = None
-            if visible:
-                lengths = jnp.full((q.shape[0],), visible[0], jnp.int32)
+        def kernel(q, k, v, *segments_or_visible):
+            lengths = mask = None
+            if visible_keys is not None:
+                lengths = jnp.full((q.shape[0],), segments_or_visible[0], jnp.int32)
+            elif segments_or_visible:  # this device's rows: (rows, 1, seq, seq), made here
+                mask = same_segment(segments_or_visible[0])
             return jax.nn.dot_product_attention(
                 q,
                 k,
                 v,
-                is_causal=not visible,
+                mask=mask,
+                is_causal=visible_keys is None,
                 key_value_seq_lengths=lengths,
                 implementation=self.kernel,
             )
 
-        extra = () if visible_keys is None else (jnp.asarray(visible_keys, jnp.int32),)
-        context = local_call(kernel, (q, k, v), CONTEXT_AXES, extra)
+        if segment_ids is not None:
+            args, axes = (q, k, v, segment_ids), (CONTEXT_AXES,) * 3 + (SEGMENT_AXES,)
+            context = local_call(kernel, args, CONTEXT_AXES, args_axes=axes)
+        else:
+            extra = () if visible_keys is None else (jnp.asarray(visible_keys, jnp.int32),)
+            context = local_call(kernel, (q, k, v), CONTEXT_AXES, extra)
         return checkpoint_name(constrain(context, CONTEXT_AXES), 'context')
 
     def project_out(self, context):
@@ -177,15 +193,22 @@ class Attention(nnx.Module):
         out = jnp.einsum('bqhd,hde->bqe', context, kernel) + bias
         return checkpoint_name(constrain(out, ('batch', 'residual_seq', 'embed')), 'attn_out')
 
-    def __call__(self, x, row_keys, site_base):
+    def __call__(self, x, row_keys, site_base, segment_ids=None):
+        """segment_ids (batch, seq) or None: with them a query sees only the earlier keys of
+        its own segment (packed documents, data/packing.py)."""
         qkv = self.project_qkv(x)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        site = site_base + _ATTN_PROBS
         if self.kernel != 'plain':
-            context = self.attend_fused(q, k, v, row_keys=row_keys, site=site_base + _ATTN_PROBS)
+            context = self.attend_fused(
+                q, k, v, row_keys=row_keys, site=site, segment_ids=segment_ids
+            )
             return self.project_out(context)
         seq = x.shape[1]
-        causal = jnp.tril(jnp.ones((seq, seq), bool))
-        context = self.attend(q, k, v, causal, row_keys, site_base + _ATTN_PROBS)
+        visible = jnp.tril(jnp.ones((seq, seq), bool))
+        if segment_ids is not None:  # fused by XLA into the select on the scores
+            visible = visible & same_segment(segment_ids)
+        context = self.attend(q, k, v, visible, row_keys, site)
         return self.project_out(context)
 
     def cached(self, x, cache, index):
@@ -243,10 +266,11 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs)
         self.hidden_dropout = cfg.hidden_dropout
 
-    def __call__(self, x, row_keys, layer):
-        """x: (batch, seq, embed); layer: this block's index, for distinct dropout masks."""
+    def __call__(self, x, row_keys, layer, segment_ids=None):
+        """x: (batch, seq, embed); layer: this block's index, for distinct dropout masks;
+        segment_ids: (batch, seq) packed documents' ids, or None."""
         site = layer * SITES_PER_BLOCK
-        h = self.attention(self.ln_attn(x), row_keys, site)
+        h = self.attention(self.ln_attn(x), row_keys, site, segment_ids)
         x = x + dropout(h, self.hidden_dropout, row_keys, site + _ATTN_RESIDUAL)
         h = self.mlp(self.ln_mlp(x))
         x = x + dropout(h, self.hidden_dropout, row_keys, site + _MLP_RESIDUAL)

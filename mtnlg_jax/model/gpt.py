@@ -56,17 +56,24 @@ class GPT(nnx.Module):
         self.loss_chunks = cfg.loss_chunks
         self.dtype = cfg.compute_dtype
 
-    def __call__(self, tokens, row_keys=None):
+    def __call__(self, tokens, row_keys=None, positions=None, segment_ids=None):
         """Final hidden states (batch, seq, embed). row_keys: one PRNG key per sequence, or
-        None for no dropout."""
+        None for no dropout; positions, segment_ids (batch, seq): packed documents'
+        (data/packing.py), or None for 0 .. seq - 1 and one segment."""
         graphdef, stacked = nnx.split(self.blocks)
-        x = apply_block_stack(graphdef, stacked, self.embed(tokens, row_keys), row_keys, self.remat)
+        x = self.embed(tokens, row_keys, positions)
+        x = apply_block_stack(graphdef, stacked, x, row_keys, self.remat, segment_ids=segment_ids)
         return self.final_norm(x)
 
-    def embed(self, tokens, row_keys=None):
-        """Token + position embeddings (..., seq, embed) of tokens (..., seq), with dropout."""
+    def embed(self, tokens, row_keys=None, positions=None):
+        """Token + position embeddings (..., seq, embed) of tokens (..., seq), with dropout;
+        positions (..., seq) or None for 0 .. seq - 1."""
         x = jnp.take(self.token_embed[...], tokens, axis=0).astype(self.dtype)
-        x = x + use(self.position_embed, self.dtype)[: tokens.shape[-1]]
+        table = use(self.position_embed, self.dtype)
+        if positions is None:
+            x = x + table[: tokens.shape[-1]]
+        else:
+            x = x + jnp.take(table, positions, axis=0)
         x = constrain(x, ('batch', 'residual_seq', 'embed'))
         return dropout(x, self.hidden_dropout, row_keys, site=self.num_layers * SITES_PER_BLOCK)
 
@@ -74,22 +81,28 @@ class GPT(nnx.Module):
         """(..., batch, seq, vocab) fp32 logits, sharded over `vocab`; padding rows at -inf."""
         return loss.logits(hidden, use(self.token_embed, self.dtype), self.vocab_size)
 
-    def token_loss_sum(self, hidden, labels):
+    def token_loss_sum(self, hidden, labels, loss_mask=None):
         """Summed cross-entropy of `labels` (batch, seq) under the logits of final hidden
-        states (batch, seq, embed): the output layer and the loss fused (model/loss.py), in
-        `loss_chunks` pieces of the sequence."""
+        states (batch, seq, embed), each token's weighted by loss_mask (batch, seq) if given:
+        the output layer and the loss fused (model/loss.py), in `loss_chunks` pieces of the
+        sequence."""
         embed = use(self.token_embed, self.dtype)
-        return loss.head_loss_sum(hidden, embed, labels, self.vocab_size, self.loss_chunks)
+        return loss.head_loss_sum(
+            hidden, embed, labels, self.vocab_size, self.loss_chunks, loss_mask
+        )
 
 
-def apply_block_stack(graphdef, stacked, x, row_keys, remat='none', first_layer=0):
+def apply_block_stack(
+    graphdef, stacked, x, row_keys, remat='none', first_layer=0, segment_ids=None
+):
     """Run blocks whose parameters are stacked on a leading axis over x, with lax.scan.
-    graphdef: one Block's graph; first_layer: the global index of the first (for dropout)."""
+    graphdef: one Block's graph; first_layer: the global index of the first (for dropout);
+    segment_ids: (batch, seq) packed documents' ids, or None."""
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
 
     def one_block(x, layer_and_params):
         layer, params = layer_and_params
-        return nnx.merge(graphdef, params)(x, row_keys, layer), None
+        return nnx.merge(graphdef, params)(x, row_keys, layer, segment_ids), None
 
     if remat != 'none':
         one_block = jax.checkpoint(one_block, policy=REMAT_POLICIES[remat], prevent_cse=False)
@@ -103,11 +116,16 @@ def cast_params(params, dtype):
     return jax.tree.map(lambda p: p.astype(dtype), params)
 
 
-def loss_sum(model, batch, row_keys=None):
-    """Summed next-token loss and token count of `batch` (batch, seq + 1)."""
+def loss_sum(model, batch, row_keys=None, packed=None):
+    """Summed next-token loss and token count of `batch` (batch, seq + 1). packed: the
+    inputs' positions, segment ids and loss mask (data/packing.py's Packed, each may be
+    None), or None; with a loss mask the sum and the count are of the tokens it weighs."""
     inputs, labels = batch[:, :-1], batch[:, 1:]
-    total = model.token_loss_sum(model(inputs, row_keys), labels)
-    return total, jnp.asarray(labels.size, jnp.float32)
+    positions, segment_ids, loss_mask = (None,) * 3 if packed is None else packed
+    hidden = model(inputs, row_keys, positions, segment_ids)
+    total = model.token_loss_sum(hidden, labels, loss_mask)
+    count = labels.size if loss_mask is None else loss_mask.sum()
+    return total, jnp.asarray(count, jnp.float32)
 
 
 def create(cfg, seed, device=None):

@@ -13,8 +13,8 @@ and then writes their gradient, another (tokens, vocab) array, a second time tra
 the embedding's gradient (XLA:CPU's dot wants that layout): three passes over the largest
 arrays of the step. Here one piece's logits live at a time, the backward keeps d hidden
 (tokens, embed) and d E (vocab, embed) instead of the logits, and is two multiplications by
-the incoming scalar. On the CPU step of configs/tiny.py (one device, 2,048 tokens, vocabulary
-8192) it took the step from 0.54 s to 0.44 s. The same idea as Megatron's fused
+the incoming scalar (what it saves on the CPU step: docs/benchmarks.md). The same idea as
+Megatron's fused
 vocabulary-parallel cross-entropy and Liger-Kernel's fused linear cross-entropy.
 
 The vocabulary may be split (`vocab` over tensor): logsumexp and the label's logit are
@@ -75,32 +75,57 @@ def cross_entropy(logits, labels):
     return jax.nn.logsumexp(logits, axis=-1) - _label_logit(logits, labels)
 
 
-def _chunk_loss(hidden, embed, labels, vocab_size):
-    """(logits, log-sum-exp, summed loss) of one piece."""
+def _chunk_loss(hidden, embed, labels, vocab_size, weights=None):
+    """(logits, log-sum-exp, summed loss) of one piece; weights (batch, seq) or None."""
     piece_logits = logits(hidden, embed, vocab_size)
     lse = jax.nn.logsumexp(piece_logits, axis=-1)
-    return piece_logits, lse, jnp.sum(lse - _label_logit(piece_logits, labels))
+    token_loss = lse - _label_logit(piece_logits, labels)
+    if weights is not None:
+        token_loss = token_loss * weights
+    return piece_logits, lse, jnp.sum(token_loss)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def head_loss_sum(hidden, embed, labels, vocab_size, chunks):
+def _pieces_of(hidden, labels, weights, chunks):
+    """What the scans walk: (hidden, labels[, weights]) cut into `chunks` pieces."""
+    pieces = (_pieces(hidden, chunks), _pieces(labels, chunks))
+    return pieces if weights is None else pieces + (_pieces(weights, chunks),)
+
+
+def head_loss_sum(hidden, embed, labels, vocab_size, chunks, weights=None):
     """Summed next-token cross-entropy of logits = hidden @ embed.T (fp32), over `chunks`
     pieces of the sequence (a divisor of its length) one after another. hidden (batch, seq,
     embed); embed (padded vocab, embed), rows past vocab_size are padding; labels (batch,
-    seq) int."""
+    seq) int; weights (batch, seq) fp32, each token's share (a loss mask), or None for 1."""
+    if weights is None:
+        return _head_loss_sum(hidden, embed, labels, vocab_size, chunks)
+    return _weighted_head_loss_sum(hidden, embed, labels, weights, vocab_size, chunks)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _head_loss_sum(hidden, embed, labels, vocab_size, chunks):
+    return _summed(hidden, embed, labels, None, vocab_size, chunks)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _weighted_head_loss_sum(hidden, embed, labels, weights, vocab_size, chunks):
+    return _summed(hidden, embed, labels, weights, vocab_size, chunks)
+
+
+def _summed(hidden, embed, labels, weights, vocab_size, chunks):
+    """The loss alone (no gradients): one piece's logits at a time."""
     hidden = constrain(hidden, ('batch', 'seq', 'embed'))
 
     def add_piece(total, piece):
-        piece_hidden, piece_labels = piece
-        return total + _chunk_loss(piece_hidden, embed, piece_labels, vocab_size)[2], None
+        piece_hidden, piece_labels, *piece_weights = piece
+        loss = _chunk_loss(piece_hidden, embed, piece_labels, vocab_size, *piece_weights)[2]
+        return total + loss, None
 
-    total, _ = jax.lax.scan(
-        add_piece, jnp.zeros((), jnp.float32), (_pieces(hidden, chunks), _pieces(labels, chunks))
-    )
+    pieces = _pieces_of(hidden, labels, weights, chunks)
+    total, _ = jax.lax.scan(add_piece, jnp.zeros((), jnp.float32), pieces)
     return total
 
 
-def _forward_and_gradients(hidden, embed, labels, vocab_size, chunks):
+def _forward_and_gradients(hidden, embed, labels, weights, vocab_size, chunks):
     """The loss and its gradients: d logits = softmax - one-hot, made in the one pass that
     exponentiates the logits; d hidden = d logits @ E (summed over `vocab`: an all-reduce
     when it is split); d E is summed, in the scan's carry, as its transpose (embed, vocab) =
@@ -110,11 +135,15 @@ def _forward_and_gradients(hidden, embed, labels, vocab_size, chunks):
 
     def add_piece(carry, piece):
         total, d_embed_t = carry
-        piece_hidden, piece_labels = piece
+        piece_hidden, piece_labels, *piece_weights = piece
         piece_hidden = constrain(piece_hidden, ('batch', 'seq', 'embed'))
-        piece_logits, lse, loss = _chunk_loss(piece_hidden, embed, piece_labels, vocab_size)
+        piece_logits, lse, loss = _chunk_loss(
+            piece_hidden, embed, piece_labels, vocab_size, *piece_weights
+        )
         probs = jnp.exp(piece_logits - lse[..., None])
         d_logits = jnp.where(_is_label(piece_logits, piece_labels), probs - 1.0, probs)
+        if piece_weights:
+            d_logits = d_logits * piece_weights[0][..., None]
         d_logits = constrain(d_logits.astype(hidden.dtype), ('batch', 'seq', 'vocab'))
         d_hidden = jnp.einsum('bsv,ve->bse', d_logits, embed)
         d_embed_t += jnp.einsum(
@@ -125,19 +154,27 @@ def _forward_and_gradients(hidden, embed, labels, vocab_size, chunks):
 
     d_embed_t = constrain(jnp.zeros(embed.shape[::-1], jnp.float32), ('embed', 'vocab'))
     init = (jnp.zeros((), jnp.float32), d_embed_t)
-    (total, d_embed_t), d_hidden = jax.lax.scan(
-        add_piece, init, (_pieces(hidden, chunks), _pieces(labels, chunks))
-    )
+    pieces = _pieces_of(hidden, labels, weights, chunks)
+    (total, d_embed_t), d_hidden = jax.lax.scan(add_piece, init, pieces)
     d_hidden = constrain(_whole(d_hidden), ('batch', 'seq', 'embed'))
     return total, (d_hidden, d_embed_t.astype(embed.dtype))
 
 
 def _backward(vocab_size, chunks, saved, g):
     """The saved gradients times the loss's cotangent; d E turned back to (vocab, embed) in
-    the same pass."""
+    the same pass. Labels and weights get none."""
     d_hidden, d_embed_t = saved
     d_embed = constrain((g * d_embed_t).T.astype(d_embed_t.dtype), ('vocab', 'embed'))
-    return (g * d_hidden).astype(d_hidden.dtype), d_embed, None
+    return (g * d_hidden).astype(d_hidden.dtype), d_embed
 
 
-head_loss_sum.defvjp(_forward_and_gradients, _backward)
+_head_loss_sum.defvjp(
+    lambda hidden, embed, labels, vocab_size, chunks: _forward_and_gradients(
+        hidden, embed, labels, None, vocab_size, chunks
+    ),
+    lambda vocab_size, chunks, saved, g: (*_backward(vocab_size, chunks, saved, g), None),
+)
+_weighted_head_loss_sum.defvjp(
+    _forward_and_gradients,
+    lambda vocab_size, chunks, saved, g: (*_backward(vocab_size, chunks, saved, g), None, None),
+)

@@ -5,7 +5,7 @@ one node (its NVLink domain) form a tensor group, and a tensor group never spans
 config that asks for it is a ConfigError). Pipeline stages exchange the least, so 'stage'
 crosses nodes; data-parallel replicas are outermost. Devices are ordered by (node, process,
 device id) and reshaped, which is what `mesh_utils.create_hybrid_device_mesh` does with one
-granule per node, where the node is the host (mtnlg_jax.distributed.node_of) rather than
+granule per node, where the node is the host (mtnlg_jax.run.distributed.node_of) rather than
 the process: with one process per GPU, a node's eight processes share one tensor group.
 
     devices 0..7 of one node, data 2 x stage 2 x tensor 2:
@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from mtnlg_jax import distributed
+from mtnlg_jax.run import distributed
 from mtnlg_jax.config import ConfigError
 
 MESH_AXES = ('data', 'stage', 'tensor')

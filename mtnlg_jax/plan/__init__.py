@@ -1,23 +1,17 @@
 """What a run costs before it runs: arithmetic, cluster figures, and the compiled step.
 
-    arithmetic.py  parameters, FLOPs, bytes per device, communication formulas (no devices)
-    clusters.py    per-GPU figures of named clusters (peak FLOP/s, HBM, links)
-    comm.py        bytes per step by collective and mesh axis (formulas)
-    hlo_module.py  an optimized HLO module's text read: computations, runs per step, FLOPs
-    hlo.py         the collective inventory of an optimized HLO module (text in, dicts out)
-    compile.py     the train and eval steps launch/train.py runs, compiled ahead of time on
-                   abstract state (imports train/: only launch scripts, tests and benchmarks
-                   import it, never train/ itself)
+    arithmetic.py   memory per device of state and activations, FLOPs (no devices)
+    comm.py         bytes per step by collective and mesh axis (formulas)
+    clusters.py     per-GPU figures of named clusters (peak FLOP/s, HBM, links), fit
+    predict.py      the step-time model (compute, exposed communication, bubble)
+    published.py    published runs the model is checked against
+    search.py       the layouts that fit, ranked by predicted step time
+    hlo_module.py   an optimized HLO module's text read: computations, runs per step, FLOPs
+    hlo.py          the collective inventory of an optimized HLO module
+    overlap.py      the replay of a compiled step: compute, communication, what overlaps
+    gpu_target.py   XLA:GPU compile-only devices for a named GPU
+    compile.py      the train and eval steps launch/train.py runs, compiled on abstract state
+    report.py       the plan as JSON and as a table
 
-`from mtnlg_jax import plan` gives the arithmetic, as train/ uses it.
+plan sits above train: it compiles the trainer's own step; train imports nothing from it.
 """
-
-from mtnlg_jax.plan.arithmetic import (  # noqa: F401
-    DEVICE_PEAK_TFLOPS,
-    bytes_per_device,
-    count_params,
-    device_peak_tflops,
-    format_bytes,
-    megatron_flops_per_step,
-    model_flops_per_token,
-)

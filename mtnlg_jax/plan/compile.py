@@ -47,7 +47,7 @@ def gpu_compile_notes(target, flags):
         'no latency; exposed = time the compute stream waits at a collective\'s done',
         'XLA:GPU flags: '
         + (' '.join(f'--{flag}={value}' for flag, value in flags) or 'none of ours')
-        + ' (mtnlg_jax/xla_flags.py; XLA_FLAGS of your own win)',
+        + ' (mtnlg_jax/xla/flags.py; XLA_FLAGS of your own win)',
     )
 
 

@@ -7,7 +7,7 @@
                                ->  compile-only devices (process index = node), as many as the
                                    layout needs: 2,240 for MT-NLG, in one process
 
-mtnlg_jax/gpu_compile.py makes the compiler ready before JAX starts (prepare_environment).
+mtnlg_jax/xla/gpu_compile.py makes the compiler ready before JAX starts (prepare_environment).
 Nothing is allocated or run, so a GPU compile times nothing, and XLA skips autotuning (it takes
 its default GEMM and fusion configurations rather than the fastest measured ones).
 """
@@ -15,7 +15,7 @@ its default GEMM and fusion configurations rather than the fastest measured ones
 import contextlib
 import os
 
-from mtnlg_jax.gpu_compile import TARGETS
+from mtnlg_jax.xla.gpu_compile import TARGETS
 
 TARGET_FILES = {'a100-80gb': 'a100_sxm_80.txtpb', 'h100-80gb': 'h100_sxm.txtpb'}
 assert set(TARGET_FILES) == set(TARGETS)

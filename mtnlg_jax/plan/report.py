@@ -7,6 +7,7 @@ and the readable table launch/plan.py prints.
 """
 
 from mtnlg_jax.parallel import branches
+from mtnlg_jax.parallel import footprint
 from mtnlg_jax.plan import arithmetic, clusters, comm, hlo, hlo_module, overlap, predict
 
 # Keys other tools read (README, bench/scale.py, the pipeline and communication tests).
@@ -206,7 +207,7 @@ def compiled_comm(inventory):
 def _gib(n):
     if n is None:
         return 'n/a'
-    return ('-' if n < 0 else '') + arithmetic.format_bytes(abs(n))
+    return ('-' if n < 0 else '') + footprint.format_bytes(abs(n))
 
 
 def predicted_line(step):

@@ -25,7 +25,8 @@ import ml_collections
 from tqdm import tqdm
 
 from mtnlg_jax import config as config_lib
-from mtnlg_jax.plan import arithmetic, predict, report
+from mtnlg_jax.parallel import footprint
+from mtnlg_jax.plan import predict, report
 
 FREE_KEYS = (
     'mesh.tensor',
@@ -213,7 +214,7 @@ def confirm(result, inputs, compile_fn, top=3):
 
 
 def _gib(n):
-    return arithmetic.format_bytes(n)
+    return footprint.format_bytes(n)
 
 
 def _row(rank, entry):
@@ -256,7 +257,7 @@ def run(args, fixed, write_json):
     """launch/plan.py --search: check the flags, search, print the table, write --json.
     args: plan.py's parsed arguments (config not yet resolved); fixed: the keys the command
     line set; write_json(path, obj): the tool's atomic writer."""
-    from mtnlg_jax.cli import fail  # noqa: PLC0415
+    from mtnlg_jax.run.cli import fail  # noqa: PLC0415
     from mtnlg_jax.plan.clusters import CLUSTERS  # noqa: PLC0415
 
     if args.cluster is None:

@@ -1,0 +1,13 @@
+"""Training: the state, the step, the loop and what watches it.
+
+state.py       the train state and its shardings
+optimizer.py   AdamW, the learning-rate schedule, clipping
+step.py        the train and eval steps: accumulation, the ZeRO-1 update
+loop.py        the training loop
+banner.py      what will run and what it costs, printed at the start
+reporter.py    progress, metrics, throughput
+metrics.py     metrics.jsonl, tensorboard, the loss PNG
+resume.py      where a run starts (fresh, continued, restored)
+faults.py      signals, skipped steps, loss spikes
+watchdog.py    stalled processes
+"""

@@ -2,9 +2,12 @@
 
 import jax
 
-from mtnlg_jax import plan, xla_flags
+from mtnlg_jax.xla import flags as xla_flags
+from mtnlg_jax.model import counts
+from mtnlg_jax.xla import devices
+from mtnlg_jax.parallel import footprint
 from mtnlg_jax.parallel import pipeline
-from mtnlg_jax import rampup
+from mtnlg_jax.config import rampup
 
 
 def pipeline_line(config):
@@ -24,10 +27,10 @@ def pipeline_line(config):
 
 def lines(config, setup, compile_seconds, train_data):
     """The start banner: what will run, where, and what it costs."""
-    num_params = plan.count_params(setup.abstract_state['params'])
+    num_params = counts.count_params(setup.abstract_state['params'])
     tokens_per_step = config.train.global_batch * config.model.seq_len
-    flops_per_step = plan.model_flops_per_token(config.model, num_params) * tokens_per_step
-    held = plan.bytes_per_device(config, setup)
+    flops_per_step = counts.model_flops_per_token(config.model, num_params) * tokens_per_step
+    held = footprint.bytes_per_device(config, setup)
     mesh = config.mesh
     device = jax.devices()[0]
     return [
@@ -41,12 +44,12 @@ def lines(config, setup, compile_seconds, train_data):
         f'x data {mesh.data} x {config.train.micro_steps} micro-steps; '
         f'{tokens_per_step} tokens per step',
         *rampup_lines(config),
-        f'per device   parameters {plan.format_bytes(held["parameters"])}, '
-        f'gradients {plan.format_bytes(held["gradients"])}, '
-        f'optimizer {plan.format_bytes(held["optimizer"])} (ZeRO-1 over data {mesh.data})',
+        f'per device   parameters {footprint.format_bytes(held["parameters"])}, '
+        f'gradients {footprint.format_bytes(held["gradients"])}, '
+        f'optimizer {footprint.format_bytes(held["optimizer"])} (ZeRO-1 over data {mesh.data})',
         f'FLOPs        {flops_per_step / 1e12:.3f} TFLOP model FLOPs per step '
         f'(6N + 12LHQT per token); peak '
-        f'{plan.device_peak_tflops(device, config.model.compute_dtype) or "unknown"} TFLOP/s '
+        f'{devices.device_peak_tflops(device, config.model.compute_dtype) or "unknown"} TFLOP/s '
         f'per device',
         f'pipeline     {pipeline_line(config)}',
         f'compile      {compile_seconds:.1f} s',

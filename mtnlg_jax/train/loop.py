@@ -28,12 +28,15 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from mtnlg_jax import checkpoint as checkpoint_lib
-from mtnlg_jax import distributed, plan
+from mtnlg_jax.checkpoint import store as checkpoint_lib
+from mtnlg_jax.run import distributed
+from mtnlg_jax.model import counts
+from mtnlg_jax.xla import devices
 from mtnlg_jax.data import loader as loader_lib
-from mtnlg_jax import rampup
+from mtnlg_jax.data import packing
+from mtnlg_jax.config import rampup
 from mtnlg_jax.parallel.mesh import mesh_from_config
-from mtnlg_jax.rundir import RunDir
+from mtnlg_jax.run.rundir import RunDir
 from mtnlg_jax.train import banner, faults, resume
 from mtnlg_jax.train import metrics as metrics_lib
 from mtnlg_jax.train.state import make_setup, pipeline_order
@@ -106,17 +109,18 @@ def due(every, step, last_step):
 
 def train(config, workdir):
     """Train a resolved config in workdir, resuming from its newest checkpoint if it has one.
-    Raises DataError or CheckpointError before anything is written, NonFiniteError after
-    train.max_consecutive_skips non-finite steps, SaveFailedError after a failed save
-    (checkpoint.on_save_error=stop). A stalled phase ends the process (train/watchdog.py).
-    Returns the final state."""
+    Raises DataError, CheckpointError or ConfigError (data.eod_id with no tokenizer to take
+    it from) before anything is written, NonFiniteError after train.max_consecutive_skips
+    non-finite steps, SaveFailedError after a failed save (checkpoint.on_save_error=stop). A
+    stalled phase ends the process (train/watchdog.py). Returns the final state."""
+    config = packing.resolve_eod_id(config)
     train_data, valid_data = open_data(config)
     mesh = mesh_from_config(config)
     setup = make_setup(config, mesh)
     train_cfg, seq_len = config.train, config.model.seq_len
-    num_params = plan.count_params(setup.abstract_state['params'])
-    flops_per_token = plan.model_flops_per_token(config.model, num_params)
-    peak = plan.device_peak_tflops(jax.devices()[0], config.model.compute_dtype)
+    num_params = counts.count_params(setup.abstract_state['params'])
+    flops_per_token = counts.model_flops_per_token(config.model, num_params)
+    peak = devices.device_peak_tflops(jax.devices()[0], config.model.compute_dtype)
     run_dir = RunDir(workdir)
     checkpoints = checkpoint_lib.Checkpoints(workdir, keep=config.checkpoint.keep)
     checkpoints.fail_save_at = config.checkpoint.inject_save_error_at_step  # a drill

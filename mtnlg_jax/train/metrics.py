@@ -17,7 +17,7 @@ matplotlib.use('Agg')  # no display on training machines
 import matplotlib.pyplot as plt  # noqa: E402
 from tensorboardX import SummaryWriter  # noqa: E402
 
-from mtnlg_jax.rundir import RunDir  # noqa: E402
+from mtnlg_jax.run.rundir import RunDir  # noqa: E402
 
 
 class MetricsWriter:

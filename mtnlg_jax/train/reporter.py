@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from mtnlg_jax import distributed
+from mtnlg_jax.run import distributed
 from mtnlg_jax.parallel import pipeline
 from mtnlg_jax.train import metrics as metrics_lib
 

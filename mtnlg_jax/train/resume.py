@@ -19,7 +19,7 @@ import os
 import jax
 import optax
 
-from mtnlg_jax import checkpoint as checkpoint_lib
+from mtnlg_jax.checkpoint import store as checkpoint_lib
 from mtnlg_jax.data import tokenizer as tokenizer_lib
 from mtnlg_jax.train.state import init_state, pipeline_order
 

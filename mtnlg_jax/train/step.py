@@ -33,13 +33,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
 
-from mtnlg_jax.data.batch import (  # noqa: F401  (re-exported: the batch layout's old home)
-    BATCH_AXES,
-    micro_step_row_ids,
-    place_batch,
-    place_row_ids,
-    to_micro_steps,
-)
+from mtnlg_jax.data.batch import BATCH_AXES
+from mtnlg_jax.data import packing
 from mtnlg_jax.model import gpt
 from mtnlg_jax.parallel import pipeline, rules, zero
 from mtnlg_jax.train.optimizer import learning_rate_schedule
@@ -109,14 +104,16 @@ def _replica_sums(config, setup, compute_params, tokens, row_ids, step):
             stage_fns, compute_params, tokens, row_keys, **pipeline.options(config)
         )
 
+    pack = packing.of_config(config)
+
     def micro_step(carry, micro_batch):
         grads_sum, loss_sum, token_count = carry
         micro_tokens, micro_rows = micro_batch
+        packed = None if pack is None else pack(micro_tokens[:, :-1])
 
         def loss_fn(p):
-            return gpt.loss_sum(
-                gpt.merge(setup.graphdef, p), micro_tokens, _row_keys(config, step, micro_rows)
-            )
+            keys = _row_keys(config, step, micro_rows)
+            return gpt.loss_sum(gpt.merge(setup.graphdef, p), micro_tokens, keys, packed)
 
         (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(compute_params)
         grads_sum = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), grads_sum, grads)
@@ -180,9 +177,11 @@ def make_eval_step(config, setup):
             stage_fns = gpt.stage_functions(setup.graphdef)
             return pipeline.loss_sum(stage_fns, compute_params, tokens, **pipeline.options(config))
         model = gpt.merge(setup.graphdef, compute_params)
+        pack = packing.of_config(config)
 
         def add_micro_batch(total, micro_tokens):
-            loss, count = gpt.loss_sum(model, micro_tokens)
+            packed = None if pack is None else pack(micro_tokens[:, :-1])
+            loss, count = gpt.loss_sum(model, micro_tokens, packed=packed)
             return total + jnp.stack([loss, count]), None
 
         total, _ = jax.lax.scan(add_micro_batch, jnp.zeros(2, jnp.float32), tokens)

@@ -28,7 +28,7 @@ import socket
 import sys
 import traceback
 
-from mtnlg_jax.cli import fail
+from mtnlg_jax.run.cli import fail
 
 HEARTBEAT_TIMEOUT_S = 30
 INITIALIZATION_TIMEOUT_S = 300  # process 0 of a large job may start minutes after the others

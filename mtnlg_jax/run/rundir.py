@@ -3,7 +3,7 @@
     WORKDIR/config.json              the run's config: "inputs" (as given, paths absolute),
                                      "derived" (what resolve() computed from them) and the
                                      resolved sections, which evaluation reads
-    WORKDIR/checkpoints/<step>/      orbax checkpoints (mtnlg_jax/checkpoint.py writes them)
+    WORKDIR/checkpoints/<step>/      orbax checkpoints (mtnlg_jax/checkpoint/store.py writes them)
     WORKDIR/metrics.jsonl            one record per logged step (train/metrics.py)
     WORKDIR/tensorboard/, loss.png   the same numbers for people
     WORKDIR/eval/<name>.json         evaluation results (launch/evaluate.py), one per task,
@@ -92,12 +92,13 @@ class RunDir:
         return saved
 
     def read_inputs(self):
-        """The config as its run was given it (derived values left to be recomputed)."""
+        """The config as its run was given it (derived values left to be recomputed), its
+        sequences as tuples, as a config holds them (JSON has only lists)."""
         saved = self.read_config()
         inputs = saved.get('inputs')
         if inputs is None:  # written before inputs were kept apart: drop what is derived
             inputs = {k: v for k, v in saved.items() if k != 'derived'}
-        return inputs
+        return _tuples(inputs)
 
     def write_config(self, config_dict):
         """config.json (atomically: a killed write leaves the old one)."""
@@ -106,3 +107,11 @@ class RunDir:
         with open(tmp, 'w') as f:
             json.dump(config_dict, f, indent=2)
         os.replace(tmp, self.config_path)
+
+
+def _tuples(value):
+    if isinstance(value, dict):
+        return {key: _tuples(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return tuple(_tuples(item) for item in value)
+    return value

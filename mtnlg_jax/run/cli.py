@@ -77,24 +77,13 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def config_keys_help():
-    """The --help text listing every config key and its default."""
-    from mtnlg_jax import config as config_lib
+    """The --help text listing every config key with its default and meaning (the key table)."""
+    from mtnlg_jax.config import keys
 
-    lines = ['\nconfig keys (--config.SECTION.KEY=VALUE; docs/cli.md says what each means):']
-    for section, values in config_lib.defaults().items():
-        keys = ', '.join(_flat_keys(values))
-        lines.append(f'  {section}: {keys}')
+    lines = ['\nconfig keys (--config.SECTION.KEY=VALUE; docs/cli.md has the table):']
+    for key in keys.KEYS:
+        lines.append(f'  {key.name}={key.default!r}: {key.doc}')
     return '\n'.join(lines)
-
-
-def _flat_keys(section, prefix=''):
-    keys = []
-    for key, value in section.items():
-        if hasattr(value, 'items'):
-            keys += _flat_keys(value, f'{prefix}{key}.')
-        else:
-            keys.append(f'{prefix}{key}={value!r}')
-    return keys
 
 
 def split_overrides(argv):
@@ -136,8 +125,10 @@ def apply_overrides(config, overrides):
         parent, name = _parent_of(config, key)
         current = parent[name]
         if hasattr(current, 'items'):
-            fail(f'--config.{key}: is a section; set one of its keys, e.g. --config.{key}.'
-                 f'{next(iter(current.keys()))}=...')
+            fail(
+                f'--config.{key}: is a section; set one of its keys, e.g. --config.{key}.'
+                f'{next(iter(current.keys()))}=...'
+            )
         value = parse_value(key, text, current)
         try:
             parent[name] = value
@@ -242,7 +233,7 @@ def mesh_device_count(mesh, fill=8):
 
 def workdir_config(workdir):
     """A workdir's config.json (a dict), read without JAX; the error line names the file."""
-    from mtnlg_jax.rundir import RunDir, RunDirError
+    from mtnlg_jax.run.rundir import RunDir, RunDirError
 
     try:
         return RunDir(workdir).read_config()

@@ -6,7 +6,7 @@
     enable()           ->  that folder on sys.path, before JAX is imported
     prepare_environment()  the runtime stays on the CPU (JAX_PLATFORMS=cpu), the plugin's check
                            of CUDA against a driver is skipped (there is none), and the
-                           recommended XLA:GPU flags are set (mtnlg_jax/xla_flags.py)
+                           recommended XLA:GPU flags are set (mtnlg_jax/xla/flags.py)
 
 Why a folder of its own and not the project's virtual environment: once the plugin can be
 imported, every JAX start on a machine without a CUDA driver prints 'Could not find cuda
@@ -27,12 +27,12 @@ import re
 import sys
 import tempfile
 
-from mtnlg_jax import xla_flags
+from mtnlg_jax.xla import flags as xla_flags
 
 TARGETS = ('a100-80gb', 'h100-80gb')
 COMPILER_DIR = pathlib.Path(
     os.environ.get(
-        'MTNLG_GPU_COMPILE_DIR', pathlib.Path(__file__).resolve().parents[1] / '.gpu-compile'
+        'MTNLG_GPU_COMPILE_DIR', pathlib.Path(__file__).resolve().parents[2] / '.gpu-compile'
     )
 )
 INSTALL = (

@@ -34,7 +34,7 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from mtnlg_jax.rundir import RunDir
+from mtnlg_jax.run.rundir import RunDir
 
 TMP_MARKER = '.orbax-checkpoint-tmp'
 SET_ASIDE_SUFFIX = '.unusable'

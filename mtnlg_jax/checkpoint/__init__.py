@@ -1,0 +1,4 @@
+"""Checkpoints: orbax save and restore onto any layout, below both the trainer and evaluation.
+
+store.py   save / restore of the sharded state, shape checks, skipping unusable ones
+"""

@@ -1,0 +1,23 @@
+"""The config: every key, its checks, and what a run derives from it (imports nothing else).
+
+    keys.py      the key table: default, values, meaning and resume rule of every key
+    resolve.py   defaults(), resolve() (derived values kept apart from inputs), load()
+    checks.py    the checks across keys, a section at a time; parse_split
+    rampup.py    the batch-size ramp-up schedule
+
+`from mtnlg_jax import config as config_lib` gives the names every other layer uses.
+"""
+
+from mtnlg_jax.config.checks import padded_vocab_size
+from mtnlg_jax.config.keys import ConfigError
+from mtnlg_jax.config.resolve import defaults, inputs_of, load, resolve, resolve_model
+
+__all__ = [
+    'ConfigError',
+    'defaults',
+    'inputs_of',
+    'load',
+    'padded_vocab_size',
+    'resolve',
+    'resolve_model',
+]

@@ -1,0 +1,360 @@
+"""The key table: every config key once, with its default, what values it takes, what it
+means and whether a resumed run may change it.
+
+It drives `defaults()` (config/resolve.py), the checks a key makes of itself (`check_values`;
+checks across keys stay in config/checks.py), `--help`'s key list (run/cli.py) and the key
+table of docs/cli.md (`markdown()`; tests/test_configs.py holds the page equal to it).
+Adding a key is one row here, plus its cross-key check if it has one.
+
+A row's `values` says what the key takes:
+    'int>0' 'int>=0'            integers (bools refused)
+    'num>0' 'num>=0'            numbers
+    '[0,1)' '(0,1]'             numbers in that interval
+    'bool' 'str' 'any'          True/False, a string, anything (a cross-key check looks)
+    ('a', 'b', ...)             one of these
+Its `resume` says what a run continued from its workdir may do with it:
+    'free'      change it (layouts, cadences, lengths, drills)
+    'explicit'  change it only when asked to (the data stream: a deliberate new blend)
+    'never'     keep it (what the parameters and the token ids mean)
+"""
+
+import dataclasses
+import math
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key."""
+
+    def __init__(self, key, message):
+        super().__init__(f'config key {key}: {message}')
+        self.key = key
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    name: str
+    default: object
+    values: object
+    doc: str
+    resume: str = 'free'
+
+
+ATTENTION_DOC = (
+    'auto, fused, flash, plain: cuDNN flash attention, else the Pallas flash kernel (attention '
+    'dropout, head dim up to 256), else einsums ([gpu.md](gpu.md#fused-attention))'
+)
+FAULT = 'fault drill (0: never); docs/faults.md'
+KEYS = (
+    Key('mesh.data', -1, 'any', 'data-parallel replicas; -1: the devices the others leave'),
+    Key('mesh.stage', 1, 'any', 'pipeline stages; -1 as mesh.data'),
+    Key('mesh.tensor', 1, 'any', 'tensor-parallel ranks; -1 as mesh.data'),
+    Key('pipeline.repeats', 1, 'int>0', 'chunks per stage (v; > 1: interleaved)'),
+    Key(
+        'pipeline.schedule',
+        '1f1b',
+        ('1f1b', 'interleaved', 'gpipe'),
+        '1f1b (interleaved 1F1B when repeats > 1), interleaved (insists on repeats > 1), gpipe',
+    ),
+    Key(
+        'pipeline.max_in_flight',
+        0,
+        'int>=0',
+        '1f1b with repeats 1: at most this many stage inputs held per stage (0: as the '
+        'lockstep table needs, 2 (p - s) - 1)',
+    ),
+    Key('model.num_layers', 12, 'int>0', 'decoder blocks', 'never'),
+    Key('model.hidden', 768, 'int>0', 'width of the residual stream', 'never'),
+    Key('model.heads', 12, 'int>0', 'attention heads', 'never'),
+    Key('model.ffn_hidden', 0, 'int>=0', 'MLP width; 0: 4 x hidden', 'never'),
+    Key('model.seq_len', 1024, 'int>0', 'tokens per sequence', 'explicit'),
+    Key('model.vocab_size', 50257, 'int>0', "the tokenizer's vocabulary", 'never'),
+    Key('model.init_std', 0.02, 'num>0', 'standard deviation of the initial weights', 'never'),
+    Key('model.layer_norm_epsilon', 1e-5, 'num>0', 'epsilon of the layer norms', 'never'),
+    Key('model.attention_dropout', 0.1, '[0,1)', 'dropout of the attention probabilities'),
+    Key('model.hidden_dropout', 0.1, '[0,1)', 'dropout of the residual branches'),
+    Key(
+        'model.compute_dtype',
+        'bfloat16',
+        ('float32', 'bfloat16', 'float16'),
+        'dtype of the forward and backward (parameters and optimizer state stay fp32)',
+    ),
+    Key('model.remat', 'none', ('none', 'full', 'selective'), 'activation recompute'),
+    Key('model.attention', 'auto', ('auto', 'fused', 'flash', 'plain'), ATTENTION_DOC),
+    Key(
+        'model.sequence_parallel',
+        False,
+        'bool',
+        "Megatron's sequence parallelism over tensor (needs seq_len divisible by it)",
+    ),
+    Key(
+        'model.loss_chunks',
+        0,
+        'int>=0',
+        'output layer + loss over this many pieces of the sequence (model/loss.py); must '
+        'divide seq_len; 0: the largest of 4, 3, 2, 1 that does',
+    ),
+    Key('train.global_batch', 512, 'int>0', 'sequences per step'),
+    Key(
+        'train.micro_batch',
+        1,
+        'int>0',
+        'sequences per data-parallel replica per accumulated micro-step',
+    ),
+    Key('train.steps', 1000, 'int>0', 'steps of the whole run'),
+    Key('train.seed', 0, 'int>=0', 'initial parameters, sample order and dropout', 'never'),
+    Key('train.log_every', 10, 'int>0', 'steps between metrics records'),
+    Key('train.eval_every', 500, 'int>=0', 'steps between validation runs (0: never)'),
+    Key('train.eval_batches', 8, 'int>0', 'batches of a validation run'),
+    Key(
+        'train.rampup.start',
+        0,
+        'int>=0',
+        'batch-size ramp-up: the first batch (0: no ramp-up)',
+        'explicit',
+    ),
+    Key('train.rampup.increment', 0, 'int>=0', 'ramp-up: sequences added at a time', 'explicit'),
+    Key('train.rampup.tokens', 0, 'int>=0', 'ramp-up: over the first this many tokens', 'explicit'),
+    Key(
+        'train.max_consecutive_skips',
+        10,
+        'int>0',
+        'non-finite steps (skipped, state unchanged) in a row that stop the run',
+    ),
+    Key(
+        'train.spike_factor',
+        0.0,
+        'num>=0',
+        'loss-spike rollback (0: off): a loss above this x the mean of the last spike_window '
+        'goes back to the newest checkpoint',
+    ),
+    Key('train.spike_window', 20, 'int>0', 'losses the spike rule averages'),
+    Key('train.spike_skip_batches', 0, 'int>=0', 'batches skipped past a spike'),
+    Key(
+        'train.hang_timeout_s',
+        0,
+        'int>=0',
+        'watchdog: seconds a batch, step, evaluation or save may take (0: 10 x the slowest '
+        'of its kind, at least hang_floor_s)',
+    ),
+    Key('train.hang_floor_s', 300, 'int>0', "watchdog: the least allowance, in seconds"),
+    Key('train.inject_nan_at_step', 0, 'int>=0', f'NaN loss and gradients from this step: {FAULT}'),
+    Key('train.inject_nan_steps', 1, 'int>0', 'steps the NaN drill lasts'),
+    Key('train.inject_spike_at_step', 0, 'int>=0', f'a 10 x loss at this step: {FAULT}'),
+    Key(
+        'train.inject_kill_at_step',
+        0,
+        'int>=0',
+        f'at this step of a fresh run process inject_kill_process kills itself: {FAULT}',
+    ),
+    Key('train.inject_kill_process', 0, 'int>=0', 'the process the kill drill ends'),
+    Key(
+        'train.inject_hang_at_step',
+        0,
+        'int>=0',
+        f'at this step process inject_hang_process stalls: {FAULT}',
+    ),
+    Key('train.inject_hang_process', 0, 'int>=0', 'the process the hang drill stalls'),
+    Key('optimizer.lr', 6e-4, 'num>0', 'peak learning rate'),
+    Key('optimizer.min_lr', 6e-5, 'num>=0', 'the cosine floor (at most lr)'),
+    Key('optimizer.warmup_tokens', 0, 'num>=0', 'linear warm-up, in tokens'),
+    Key(
+        'optimizer.decay_tokens',
+        0,
+        'num>=0',
+        'cosine decay to min_lr ends here, counted from the start (0: the whole run)',
+    ),
+    Key('optimizer.b1', 0.9, '[0,1)', "Adam's first-moment decay"),
+    Key('optimizer.b2', 0.95, '[0,1)', "Adam's second-moment decay"),
+    Key('optimizer.eps', 1e-8, 'num>0', "Adam's epsilon"),
+    Key('optimizer.weight_decay', 0.1, 'num>=0', 'decoupled weight decay'),
+    Key('optimizer.clip_norm', 1.0, 'num>=0', 'global gradient-norm clip (0: none)'),
+    Key('checkpoint.every', 0, 'int>=0', 'steps between checkpoints (0: only at the end)'),
+    Key('checkpoint.keep', 3, 'int>0', 'checkpoints kept'),
+    Key(
+        'checkpoint.init_from',
+        '',
+        'str',
+        "a workdir or checkpoint whose newest parameters start this run (under any layout); "
+        'read while this workdir has no checkpoint of its own',
+    ),
+    Key(
+        'checkpoint.init_full_state',
+        False,
+        'bool',
+        'init_from brings the whole state and data position, not only the parameters',
+    ),
+    Key(
+        'checkpoint.on_save_error',
+        'stop',
+        ('stop', 'continue'),
+        'a failed save ends the run (exit 1), or warns and saves again at the next checkpoint',
+    ),
+    Key(
+        'checkpoint.inject_save_error_at_step',
+        0,
+        'int>=0',
+        f'the save of this step fails as on a full disk: {FAULT}',
+    ),
+    Key(
+        'data.sources',
+        ((0.5, 'data/default/kjv'), (0.5, 'data/default/python_stdlib')),
+        'any',
+        '`((weight, prefix), ...)` of `.bin`/`.idx` pairs, blended by weight',
+        'explicit',
+    ),
+    Key(
+        'data.split',
+        '969,30,1',
+        'any',
+        "train, valid, test shares of each source's documents (Megatron's --split)",
+        'explicit',
+    ),
+    Key(
+        'data.tokenizer',
+        'data/default/tokenizer.model',
+        'str',
+        'sentencepiece `.model`, or GPT-2 BPE files (a folder with vocab.json and merges.txt); '
+        "checked against model.vocab_size before training; '' for none",
+        'never',
+    ),
+    Key(
+        'data.order',
+        'layout_independent',
+        ('layout_independent', 'megatron'),
+        "sample order: layout_independent, or megatron (Megatron-LM's own, to continue or "
+        'compare its runs)',
+        'explicit',
+    ),
+    Key(
+        'data.reset_position_ids',
+        False,
+        'bool',
+        "positions restart after each end-of-document token (Megatron's --reset-position-ids; "
+        '[packed documents](data.md#packed-documents))',
+        'explicit',
+    ),
+    Key(
+        'data.reset_attention_mask',
+        False,
+        'bool',
+        "a token attends only within its own document (Megatron's --reset-attention-mask)",
+        'explicit',
+    ),
+    Key(
+        'data.eod_mask_loss',
+        False,
+        'bool',
+        "predictions made from an end-of-document token are left out of the loss (Megatron's "
+        '--eod-mask-loss)',
+        'explicit',
+    ),
+    Key(
+        'data.eod_id',
+        -1,
+        'int>=-1',
+        "the end-of-document id the three keys above cut at; -1: the tokenizer's",
+        'never',
+    ),
+    Key(
+        'distributed.heartbeat_timeout_s',
+        30,
+        'int>0',
+        'several processes: one silent this long ends them all',
+    ),
+    Key(
+        'distributed.initialization_timeout_s',
+        300,
+        'int>0',
+        'how long the other processes wait for process 0 to start',
+    ),
+)
+BY_NAME = {key.name: key for key in KEYS}
+
+
+def choices(name):
+    """The values a key with a fixed set takes, in the table's order."""
+    return BY_NAME[name].values
+
+
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+_RULES = {
+    'int>0': (lambda v: _is_int(v) and v > 0, 'must be a positive integer'),
+    'int>=0': (lambda v: _is_int(v) and v >= 0, 'must be an integer >= 0'),
+    'int>=-1': (lambda v: _is_int(v) and v >= -1, 'must be -1 or an integer >= 0'),
+    'num>0': (lambda v: _is_number(v) and v > 0, 'must be positive'),
+    'num>=0': (lambda v: _is_number(v) and v >= 0, 'must be >= 0'),
+    '[0,1)': (lambda v: _is_number(v) and 0 <= v < 1, 'must be in [0, 1)'),
+    '(0,1]': (lambda v: _is_number(v) and 0 < v <= 1, 'must be in (0, 1]'),
+    'bool': (lambda v: isinstance(v, bool), 'must be True or False'),
+    'str': (lambda v: isinstance(v, str), 'must be a string'),
+    'any': (lambda v: True, ''),
+}
+
+
+def check_value(key, value):
+    """ConfigError naming the key unless `value` is one the key takes."""
+    if isinstance(key.values, tuple):
+        if value not in key.values:
+            raise ConfigError(key.name, f'{value!r} is not one of {", ".join(key.values)}')
+        return
+    valid, message = _RULES[key.values]
+    if not valid(value):
+        raise ConfigError(key.name, f'{message}, got {value!r}')
+
+
+def check_values(config, sections=None):
+    """Every key of the table (of `sections`, if given) checked on its own."""
+    for key in KEYS:
+        if sections is None or key.name.split('.')[0] in sections:
+            check_value(key, get(config, key.name))
+
+
+def get(config, name):
+    value = config
+    for part in name.split('.'):
+        value = value[part]
+    return value
+
+
+def nested_defaults():
+    """{section: {key: default, sub: {...}}} of the whole table."""
+    tree = {}
+    for key in KEYS:
+        *path, leaf = key.name.split('.')
+        node = tree
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = key.default
+    return tree
+
+
+def _cell(value):
+    if isinstance(value, tuple) and value and isinstance(value[0], tuple):
+        return 'the default corpus'
+    if isinstance(value, float) and value and (abs(value) < 1e-3 or math.log10(abs(value)) > 6):
+        return f'{value:g}'
+    return "''" if value == '' else str(value)
+
+
+def _values_cell(values):
+    if isinstance(values, tuple):
+        return ', '.join(values)
+    return {'any': '', 'str': 'a string', 'bool': 'true, false'}.get(values, values)
+
+
+def markdown():
+    """docs/cli.md's key table."""
+    rows = ['| key | default | values | resume | meaning |', '|---|---|---|---|---|']
+    for key in KEYS:
+        rows.append(
+            f'| `{key.name}` | {_cell(key.default)} | {_values_cell(key.values)} | '
+            f'{key.resume} | {key.doc} |'
+        )
+    return '\n'.join(rows)
