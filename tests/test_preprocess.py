@@ -116,6 +116,16 @@ def test_train_only_writes_a_usable_deterministic_tokenizer(corpus, tokenizer, t
     assert sorted(os.listdir(tmp_path)) == ['again.model', 'again.vocab']
 
 
+@pytest.fixture(scope='module')
+def earlier(tokenizer, tmp_path_factory):
+    """An earlier output (of one plain-text document) that a failed run must leave as it was."""
+    folder = tmp_path_factory.mktemp('earlier')
+    (folder / 'ok.txt').write_text('fine')
+    assert preprocess('--input', folder / 'ok.txt', '--tokenizer-model',
+                      tokenizer.model_path, '--output-prefix', folder / 'out') == 0  # fmt: skip
+    return {suffix: (folder / f'out{suffix}').read_bytes() for suffix in ('.bin', '.idx')}
+
+
 @pytest.mark.parametrize(
     'make_input,extra,message',
     [
@@ -138,15 +148,15 @@ def test_train_only_writes_a_usable_deterministic_tokenizer(corpus, tokenizer, t
     ],
 )
 def test_bad_input_is_one_error_line_and_earlier_output_is_kept(
-    tokenizer, tmp_path, capsys, make_input, extra, message
+    tokenizer, earlier, tmp_path, capsys, make_input, extra, message
 ):
     (tmp_path / 'bad.jsonl').write_text('{"text": "fine"}\n{"body": "no text"}\n')
     (tmp_path / 'latin1.txt').write_bytes('caf\xe9'.encode('latin-1'))
     (tmp_path / 'ok.txt').write_text('fine')
     (tmp_path / 'empty.jsonl').write_text('\n')
     prefix = tmp_path / 'out'
-    assert preprocess('--input', tmp_path / 'ok.txt', '--tokenizer-model',
-                      tokenizer.model_path, '--output-prefix', prefix) == 0  # fmt: skip
+    for suffix in ('.bin', '.idx'):
+        (tmp_path / f'out{suffix}').write_bytes(earlier[suffix])
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     model = tmp_path / 'tok.model' if '--train-tokenizer' in extra else tokenizer.model_path
     capsys.readouterr()

@@ -123,7 +123,7 @@ def _stable(report):
     ]
 
 
-def test_the_embedded_ray_listens_on_loopback_only_and_writes_the_golden_file(embedded, tmp_path):
+def test_the_embedded_ray_listens_on_loopback_only(embedded):
     ours = {p.pid for p in psutil.Process().children(recursive=True)}
     listening = [
         c.laddr.ip
@@ -131,9 +131,6 @@ def test_the_embedded_ray_listens_on_loopback_only_and_writes_the_golden_file(em
         if c.status == psutil.CONN_LISTEN and c.pid in ours
     ]
     assert listening and set(listening) <= {'127.0.0.1', '::ffff:127.0.0.1', '::1'}, listening
-    output = tmp_path / 'planted.jsonl'
-    engine.curate([str(GOLDEN / 'planted.raw.jsonl')], str(output), _planted_options(workers=1))
-    assert output.read_bytes() == (GOLDEN / 'planted.jsonl').read_bytes()
 
 
 def _planted_options(**changes):
@@ -155,15 +152,17 @@ def _planted_options(**changes):
 
 
 def test_a_rerun_resumes_from_the_work_folder_and_refuses_other_options(embedded, tmp_path):
+    """One worker, pieces of 32 kB: a run dies after its last stage; a rerun with another
+    threshold is refused; the same rerun writes only what was missing: the golden file."""
     raw, work = str(GOLDEN / 'planted.raw.jsonl'), tmp_path / 'work'
-    options = _planted_options(workers=2, shard_mb=1 / 32)
+    options = _planted_options(workers=1, shard_mb=1 / 32)
     run = engine.Curation([raw], str(tmp_path / 'out.jsonl'), options, str(work))
     original = run._filter
     run._filter = lambda *a: (original(*a), exec('raise KeyboardInterrupt'))  # dies at the end
     with pytest.raises(KeyboardInterrupt):
         run.run()
     assert (work / 'fuzzy.done').exists() and not (tmp_path / 'out.jsonl').exists()
-    changed = _planted_options(workers=2, shard_mb=1 / 32, threshold=0.7)
+    changed = _planted_options(workers=1, shard_mb=1 / 32, threshold=0.7)
     with pytest.raises(InputError, match='work_dir .*other options .*threshold'):
         engine.curate([raw], str(tmp_path / 'out.jsonl'), changed, str(work))
     parts = {p: p.stat().st_mtime_ns for p in (work / 'parts').glob('*.jsonl')}

@@ -49,6 +49,13 @@ def _quiet():
 def _loopback_only():
     from ray._private import ray_constants
 
+    # Token authentication on the embedded Ray too (other users of the machine reach its
+    # loopback ports), set explicitly: left unset, Ray 2.60 turns it on with a warning line.
+    # Ray's own switch, which also refreshes the setting this process has already read.
+    if 'RAY_AUTH_MODE' not in os.environ:
+        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+
+        _enable_token_auth()
     os.environ['RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER'] = '0'  # for the processes Ray starts
     ray_constants.ENABLE_RAY_CLUSTER = False  # read at call time by services.get_node_ip_address
 
@@ -80,7 +87,6 @@ def started(workers, address=None, object_store_mb=None):
     context = DataContext.get_current()
     limits = context.execution_options.resource_limits
     context.execution_options.resource_limits = limits.copy(cpu=workers)
-    context.enable_operator_progress_bars = False
     context.print_on_execution_start = False
     # Sort-based shuffles run as tasks on the workers already started (retried if one dies),
     # not as aggregator actors started per shuffle: 7.6 s against 29.5 s for a small groupby
