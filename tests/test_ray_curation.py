@@ -51,12 +51,14 @@ def cluster(tmp_path_factory):
          'false', '--disable-usage-stats', '--temp-dir', str(tmp_path_factory.mktemp('ray'))],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
-    address = f'127.0.0.1:{port}'
-    for _ in range(240):
+    address, waited = f'127.0.0.1:{port}', time.monotonic()
+    while True:  # a loaded machine can take minutes
         try:
             ray_engine.check_address(address)
             break
         except InputError:
+            if head.poll() is not None or time.monotonic() - waited > 600:
+                pytest.fail(f'the Ray head did not start (exit status {head.poll()})')
             time.sleep(0.5)
     yield address, env
     head.terminate()

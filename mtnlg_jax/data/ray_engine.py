@@ -60,6 +60,29 @@ def _loopback_only():
     ray_constants.ENABLE_RAY_CLUSTER = False  # read at call time by services.get_node_ip_address
 
 
+class StartError(OSError):
+    """The embedded Ray did not start (an overloaded machine: Ray waits 30 s for its raylet)."""
+
+
+def _init_local(ray, workers, object_store_mb, attempts=2):
+    for attempt in range(attempts):
+        try:
+            ray.init(
+                address='local',
+                num_cpus=workers,
+                include_dashboard=False,
+                _node_ip_address=LOOPBACK,
+                object_store_memory=object_store_mb and object_store_mb << 20,
+                logging_level=logging.WARNING,
+                log_to_driver=False,
+            )
+            return
+        except Exception as e:  # Ray raises a bare Exception when its node does not come up
+            ray.shutdown()
+            if attempt == attempts - 1:
+                raise StartError(f'the embedded Ray did not start ({e})') from None
+
+
 @contextlib.contextmanager
 def started(workers, address=None, object_store_mb=None):
     """Ray up for the block: embedded on loopback, or joined at `address`; Ray Data's CPU use
@@ -75,15 +98,7 @@ def started(workers, address=None, object_store_mb=None):
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
     elif owned:
         _loopback_only()
-        ray.init(
-            address='local',
-            num_cpus=workers,
-            include_dashboard=False,
-            _node_ip_address=LOOPBACK,
-            object_store_memory=object_store_mb and object_store_mb << 20,
-            logging_level=logging.WARNING,
-            log_to_driver=False,
-        )
+        _init_local(ray, workers, object_store_mb)
     context = DataContext.get_current()
     limits = context.execution_options.resource_limits
     context.execution_options.resource_limits = limits.copy(cpu=workers)
