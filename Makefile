@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 # Eight simulated CPU devices: the mesh of the tiny config (data 2 x stage 2 x tensor 2).
 DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=8
 CONFIG ?= configs/tiny.py
-WORKDIR ?= runs/tiny
+# Each config its own workdir: runs/tiny, runs/tiny_llama, ...
+WORKDIR ?= runs/$(basename $(notdir $(CONFIG)))
 DATA := data/default
 SOURCES := kjv python_stdlib
 

@@ -1,23 +1,34 @@
-"""Convert between Hugging Face GPT-2 model directories and workdir checkpoints.
+"""Convert between Hugging Face model directories (GPT-2, Llama) and workdir checkpoints.
 
     # import: a workdir whose step-0 checkpoint is the HF model, laid out for this mesh
     python launch/convert.py --import_hf DIR --workdir W [--config configs/gpt2_124m.py] \\
         [--config.mesh.tensor=2 --config.KEY=VALUE ...]
     # ... at a Megatron-LM run's iteration and consumed samples, to continue it there
     python launch/convert.py --import_hf DIR --workdir W --at_step 5000 --samples_consumed 640000
-    # export: a workdir's checkpoint (default: the newest) as config.json + model.safetensors,
-    # with the run's tokenizer beside them (GPT-2 BPE: vocab.json, merges.txt, tokenizer.json
-    # and the tokenizer config; sentencepiece: tokenizer.model)
-    python launch/convert.py --export_hf DIR --workdir W [--step N] [--tokenizer PATH]
+    # export: a workdir's checkpoint (default: the newest) as config.json + model.safetensors
+    # (several files and model.safetensors.index.json above --shard_size), with the run's
+    # tokenizer beside them (GPT-2 BPE: vocab.json, merges.txt, tokenizer.json; a Hugging Face
+    # tokenizer.json; sentencepiece: tokenizer.model; each with its tokenizer config)
+    python launch/convert.py --export_hf DIR --workdir W [--step N] [--tokenizer PATH] \\
+        [--dtype bfloat16] [--shard_size 5GB] [--tensor N]
 
-The model keys come from the HF config.json (GPT-2 exactly: tanh GeLU, its layer-norm epsilon,
-biases, tied embeddings); data.tokenizer is the HF directory itself when it holds vocab.json
-and merges.txt; every other key (recipe, data, mesh) from --config and its overrides. The
-imported workdir trains on with
+DIR is a GPT2LMHeadModel or a LlamaForCausalLM directory (config.json and model.safetensors,
+or shards with their index; config.json in transformers 5's layout or the published Llama
+3.1 one). Its config.json fixes the architecture's `model` keys (GPT-2: its shapes, tanh
+GeLU, layer norm, learned positions, tied embeddings; Llama: its shapes, GQA, rope and its
+llama3 scaling, RMSNorm, SwiGLU, untied embeddings): an override of one of those that
+disagrees is refused with one error line, one that agrees is accepted. The other keys come
+from --config and its overrides, which are honoured: the recipe, data, mesh, compute dtype,
+recompute, dropout, and, for Llama, seq_len (at most max_position_embeddings). data.tokenizer
+is the HF directory's own (vocab.json + merges.txt, or tokenizer.json) unless overridden.
+Llama weights are read tensor by tensor, each device reading its own shard of each parameter
+from the files, so the whole model is never in one host's memory; export writes one layer of
+one parameter at a time. The imported workdir trains on with
 `launch/train.py --config configs/workdir.py:W --workdir W` under any layout (restoring
 reshards). Bad input prints one line `error: ...` and exits with status 2, writing nothing.
 """
 
+import json
 import os
 import sys
 
@@ -34,7 +45,7 @@ def parse_args(argv):
         default=DEFAULT_CONFIG, help='config of every non-model key (import; default gpt2_124m)'
     )
     direction = parser.add_mutually_exclusive_group(required=True)
-    direction.add_argument('--import_hf', metavar='DIR', help='Hugging Face GPT-2 to import')
+    direction.add_argument('--import_hf', metavar='DIR', help='Hugging Face GPT-2 or Llama')
     direction.add_argument('--export_hf', metavar='DIR', help='directory to export to')
     parser.add_argument('--workdir', required=True, help='workdir to write (import) or read')
     parser.add_argument('--step', type=int, help='checkpoint to export (default: the newest)')
@@ -54,7 +65,29 @@ def parse_args(argv):
     parser.add_argument(
         '--tokenizer', help="export: tokenizer to write beside the weights (default: the run's)"
     )
+    parser.add_argument(
+        '--dtype', choices=DTYPES, help='export: the weights\' dtype (default float32: exact)'
+    )
+    parser.add_argument(
+        '--shard_size', help='export: largest weights file before splitting (default 5GB)'
+    )
+    parser.add_argument(
+        '--tensor', type=int, help='export: devices the checkpoint is spread over (default 1)'
+    )
     return parser.parse_args(argv)
+
+
+DTYPES = ('float32', 'bfloat16')
+UNITS = {'': 1, 'B': 1, 'KB': 1000, 'MB': 1000**2, 'GB': 1000**3, 'TB': 1000**4}
+
+
+def parse_size(text):
+    """Bytes of '5GB', '500MB', '40KB' or a plain integer; None if it is none of these."""
+    number = text.rstrip('KMGTBkmgtb')
+    unit = text[len(number) :].upper()
+    if not number.isdigit() or unit not in UNITS or int(number) <= 0:
+        return None
+    return int(number) * UNITS[unit]
 
 
 def recipe_line(config):
@@ -69,31 +102,93 @@ def recipe_line(config):
     )
 
 
-def import_hf(hf_dir, workdir, config, at_step=0, samples_consumed=0):
+def read_hf_config(hf_dir):
+    """config.json of an HF directory as a dict; an error line if it is not a JSON object."""
+    path = os.path.join(hf_dir, 'config.json')
+    try:
+        with open(path) as f:
+            hf_config = json.load(f)
+    except (OSError, ValueError) as e:
+        fail(f'--import_hf {hf_dir}: {path} is not readable JSON ({e})')
+    if not isinstance(hf_config, dict):
+        fail(f'--import_hf {hf_dir}: {path} is not a JSON object')
+    return hf_config
+
+
+def model_config(hf_dir, hf_config, config, overrides):
+    """`config` with the model keys of the HF config.json: the architecture's fixed (an
+    override that disagrees is refused), the others (dropout, init, Llama's seq_len) only
+    where not overridden; data.tokenizer the directory's own unless overridden."""
+    from mtnlg_jax.data import gpt2_bpe
+    from mtnlg_jax.interop import hf_gpt2, hf_llama
+
+    kind = hf_llama if hf_llama.is_llama(hf_config) else hf_gpt2
+    fixed = kind.model_keys(hf_config)
+    if any(key not in config.model for key in fixed):
+        missing = sorted(key for key in fixed if key not in config.model)
+        if kind is hf_llama:
+            fail(f'--import_hf {hf_dir}: a Llama needs the model keys {missing}')
+        fixed = {key: value for key, value in fixed.items() if key in config.model}
+    for key, text in overrides.items():
+        name = key.removeprefix('model.')
+        top = name.split('.')[0]
+        if key.startswith('model.') and top in fixed:
+            given, theirs = config.model[top], fixed[top]
+            if hasattr(given, 'to_dict'):
+                given = {k: given[k] for k in theirs}
+            if given != theirs:
+                fail(
+                    f'--config.{key}={text}: the architecture comes from --import_hf {hf_dir} '
+                    f'(config.json gives model.{top} = {theirs!r}); drop the override'
+                )
+    for name, value in kind.model_defaults(hf_config).items():
+        if f'model.{name}' not in overrides:
+            config.model[name] = value
+    config.model.update(fixed)
+    limit = hf_llama.max_seq_len(hf_config) if kind is hf_llama else None
+    if limit and config.model.seq_len > limit:
+        if 'model.seq_len' in overrides:
+            fail(f'--config.model.seq_len={config.model.seq_len}: --import_hf {hf_dir} has '
+                 f'max_position_embeddings {limit}')  # fmt: skip
+        config.model.seq_len = limit
+    if 'data.tokenizer' not in overrides:
+        if all(map(os.path.isfile, gpt2_bpe.files_of(hf_dir))):  # its GPT-2 BPE files
+            config.data.tokenizer = os.path.abspath(hf_dir)
+        elif os.path.isfile(os.path.join(hf_dir, 'tokenizer.json')):
+            config.data.tokenizer = os.path.abspath(os.path.join(hf_dir, 'tokenizer.json'))
+    return kind
+
+
+def import_hf(hf_dir, workdir, config, at_step=0, samples_consumed=0, overrides=None):
+    """overrides: {dotted key: text} given on the command line (what the user asked for)."""
     import jax
 
-    from mtnlg_jax.checkpoint import store as checkpoint_lib
     from mtnlg_jax import config as config_lib
-    from mtnlg_jax.interop import hf_gpt2
-    from mtnlg_jax.data import gpt2_bpe
+    from mtnlg_jax.checkpoint import store as checkpoint_lib
+    from mtnlg_jax.interop import hf_gpt2, hf_llama, safetensors_files
     from mtnlg_jax.parallel.mesh import mesh_from_config
     from mtnlg_jax.train.resume import checkpoint_meta, fresh_counters
     from mtnlg_jax.train.state import make_setup
 
+    hf_config = read_hf_config(hf_dir)
+    errors = (hf_gpt2.HFFormatError, hf_llama.HFFormatError, safetensors_files.SafetensorsError,
+              config_lib.ConfigError, ValueError)  # fmt: skip
     try:
-        hf_config, tensors = hf_gpt2.read(hf_dir)
-        config.model.update(hf_gpt2.model_overrides(hf_config))
-        if all(map(os.path.isfile, gpt2_bpe.files_of(hf_dir))):  # its GPT-2 BPE files
-            config.data.tokenizer = os.path.abspath(hf_dir)
+        kind = model_config(hf_dir, hf_config, config, overrides or {})
         config = config_lib.resolve(config, jax.device_count())
-        params = hf_gpt2.params_from_hf(tensors, config.model)
-    except (hf_gpt2.HFFormatError, config_lib.ConfigError, ValueError) as e:
+        reader = safetensors_files.Reader(hf_dir)
+        mesh = mesh_from_config(config)
+        setup = make_setup(config, mesh)
+        if kind is hf_llama:
+            abstract, shardings = setup.abstract_state['params'], setup.state_shardings['params']
+            params = hf_llama.params_on_mesh(reader, abstract, shardings, config.model)
+        else:
+            params = hf_gpt2.params_from_hf(hf_gpt2.read(hf_dir)[1], config.model)
+    except errors as e:
         fail(f'--import_hf {hf_dir}: {e}')
     run_dir = RunDir(workdir)
     if os.path.isdir(run_dir.checkpoints) and os.listdir(run_dir.checkpoints):
         fail(f'--workdir {workdir} already holds checkpoints; import into a new workdir')
-    mesh = mesh_from_config(config)
-    setup = make_setup(config, mesh)
     expected = jax.tree.map(lambda a: a.shape, setup.abstract_state['params'])
     if jax.tree.map(lambda a: a.shape, params) != expected:
         fail(f'--import_hf {hf_dir}: parameter shapes do not match the config')
@@ -122,33 +217,86 @@ def import_hf(hf_dir, workdir, config, at_step=0, samples_consumed=0):
     )
 
 
-def export_hf(hf_dir, workdir, step, tokenizer_path=None):
-    """The checkpoint as a Hugging Face GPT-2 directory, with the run's tokenizer beside it
-    (none if the run's tokenizer files are missing and --tokenizer names none)."""
+def hf_kind_of(model_cfg):
+    """hf_llama or hf_gpt2, whichever Hugging Face class holds this block; None: neither."""
+    from mtnlg_jax.interop import hf_gpt2, hf_llama
+
+    gpt2 = hf_gpt2.block_keys()  # a key the config lacks has GPT's default
+    for kind in (hf_llama, hf_gpt2):
+        if all(model_cfg.get(k, gpt2[k]) == v for k, v in kind.block_keys().items()):
+            return kind
+    return None
+
+
+def export_hf(hf_dir, workdir, step, tokenizer_path=None, dtype=None, shard_bytes=None, tensor=1):
+    """The checkpoint as a Hugging Face GPT-2 or Llama directory, with the run's tokenizer
+    beside it (none if the run's tokenizer files are missing and --tokenizer names none)."""
     import jax
+    import ml_dtypes
+    import numpy as np
 
     from mtnlg_jax import config as config_lib
     from mtnlg_jax.data import tokenizer as tokenizer_lib
     from mtnlg_jax.eval import workdir as workdir_lib
-    from mtnlg_jax.interop import hf_gpt2
+    from mtnlg_jax.interop import hf_llama, safetensors_files
 
     tokenizer = None
     try:
-        model_cfg = workdir_lib.inference_config(workdir_lib.read_saved_config(workdir)).model
-        path = tokenizer_path or workdir_lib.read_saved_config(workdir)['data']['tokenizer']
+        saved = workdir_lib.read_saved_config(workdir)
+        model_cfg = workdir_lib.inference_config(saved, 1, tensor).model
+        kind = hf_kind_of(model_cfg)
+        if kind is None:
+            fail(f'--workdir {workdir}: no Hugging Face class holds this block (Llama: rope, '
+                 'rmsnorm, swiglu; GPT-2: learned positions, layernorm, gelu, tied)')  # fmt: skip
+        path = tokenizer_path or saved['data']['tokenizer']
         if tokenizer_path or os.path.exists(path):
             name = '--tokenizer' if tokenizer_path else "the run's data.tokenizer (or --tokenizer)"
             tokenizer = tokenizer_lib.open_tokenizer(path, model_cfg, name)
-        # fp32 on one device: the compute copy is then the master copy, bit for bit
-        loaded = workdir_lib.load(workdir, step, data=1, tensor=1, dtype='float32')
+        # fp32: the compute copy is then the master copy, bit for bit
+        loaded = workdir_lib.load(workdir, step, data=1, tensor=tensor, dtype='float32')
     except (workdir_lib.WorkdirError, config_lib.ConfigError, tokenizer_lib.TokenizerError) as e:
         fail(str(e))
-    tensors = hf_gpt2.hf_from_params(jax.device_get(loaded.params), loaded.config.model)
+    model_cfg = loaded.config.model
+    out_dtype = ml_dtypes.bfloat16 if dtype == 'bfloat16' else np.float32
     eod_id = tokenizer.eod_id if tokenizer else None
-    hf_gpt2.write(hf_dir, hf_gpt2.hf_config_of(loaded.config.model, eod_id), tensors)
-    written = tokenizer.export(hf_dir, loaded.config.model.seq_len) if tokenizer else []
+    bos_id = getattr(tokenizer, 'bos_id', None)
+    paths = [tuple(k.key for k in p) for p, _ in jax.tree_util.tree_leaves_with_path(loaded.params)]
+
+    def get(path, layer):
+        leaf = loaded.params
+        for key in path:
+            leaf = leaf[key]
+        return jax.device_get(leaf if layer is None else leaf[layer])
+
+    if kind is hf_llama:
+        hf_config = hf_llama.hf_config_of(model_cfg, bos_id, eod_id, dtype or 'float32')
+        tensors = hf_llama.hf_tensors(paths, get, model_cfg, out_dtype)
+    else:
+        hf_config = kind.hf_config_of(model_cfg, eod_id)
+        params = jax.device_get(loaded.params)
+        gpt2 = kind.hf_from_params(params, model_cfg).items()
+        tensors = ((name, value.astype(out_dtype)) for name, value in gpt2)
+    shard_bytes = shard_bytes or safetensors_files.DEFAULT_SHARD_BYTES
+    files = safetensors_files.write(hf_dir, tensors, shard_bytes)
+    with open(os.path.join(hf_dir, 'config.json'), 'w') as f:
+        json.dump(hf_config, f, indent=2)
+    written = tokenizer.export(hf_dir, model_cfg.seq_len) if tokenizer else []
     with_tokenizer = f' with {", ".join(written)}' if written else ' (no tokenizer found)'
-    print(f'exported step {loaded.step} of {workdir} to {hf_dir}{with_tokenizer}')
+    print(f'exported step {loaded.step} of {workdir} to {hf_dir}: config.json, '
+          f'{", ".join(files)}{with_tokenizer}')  # fmt: skip
+
+
+def check_import_dir(hf_dir):
+    from mtnlg_jax.interop import safetensors_files
+
+    if not os.path.isfile(os.path.join(hf_dir, 'config.json')):
+        fail(f'--import_hf {hf_dir}: no config.json in it')
+    if not any(
+        os.path.isfile(os.path.join(hf_dir, name))
+        for name in (safetensors_files.SINGLE, safetensors_files.INDEX)
+    ):
+        fail(f'--import_hf {hf_dir}: no {safetensors_files.SINGLE} (or '
+             f'{safetensors_files.INDEX}) in it')  # fmt: skip
 
 
 def main(argv):
@@ -157,12 +305,18 @@ def main(argv):
         value = getattr(args, name)
         if value < 0 or (value and not args.import_hf):
             fail(f'--{name} must be >= 0 and goes with --import_hf')
-    if args.tokenizer and not args.export_hf:
-        fail('--tokenizer goes with --export_hf (an import takes the HF directory\'s own)')
+    for name in ('tokenizer', 'dtype', 'shard_size', 'tensor'):
+        if getattr(args, name) is not None and not args.export_hf:
+            fail(f'--{name} goes with --export_hf (an import takes the HF directory\'s own)')
+    shard_bytes = None
+    if args.shard_size is not None:
+        shard_bytes = parse_size(args.shard_size)
+        if shard_bytes is None:
+            fail(f'--shard_size {args.shard_size}: give bytes, or a number with KB, MB or GB')
+    if args.tensor is not None and args.tensor < 1:
+        fail(f'--tensor {args.tensor}: must be at least 1')
     if args.import_hf:
-        for name in ('config.json', 'model.safetensors'):
-            if not os.path.isfile(os.path.join(args.import_hf, name)):
-                fail(f'--import_hf {args.import_hf}: no {name} in it')
+        check_import_dir(args.import_hf)
         flag = '--workdir'
     else:
         if os.path.exists(args.export_hf) and not os.path.isdir(args.export_hf):
@@ -174,11 +328,13 @@ def main(argv):
         fail(str(e))
     if args.import_hf:
         cli.cpu_devices(cli.mesh_device_count(args.config.mesh))
-        import_hf(args.import_hf, args.workdir, args.config, args.at_step, args.samples_consumed)
+        import_hf(args.import_hf, args.workdir, args.config, args.at_step, args.samples_consumed,
+                  args.config_overrides)  # fmt: skip
     else:
         cli.workdir_config(args.workdir)
-        cli.cpu_devices(1)
-        export_hf(args.export_hf, args.workdir, args.step, args.tokenizer)
+        cli.cpu_devices(args.tensor or 1)
+        export_hf(args.export_hf, args.workdir, args.step, args.tokenizer, args.dtype,
+                  shard_bytes, args.tensor or 1)  # fmt: skip
 
 
 if __name__ == '__main__':

@@ -84,7 +84,7 @@ def read_task_data(args, tokenizer, config):
             else:
                 with open(args.data, encoding='utf-8') as f:
                     text = f.read()
-                tokens = tokenizer().encode(text)
+                tokens = tokenizer().encode_prompt(text)  # a document: Llama 3's BOS first
                 num_words = tasks.count_words(text) if args.count_words else args.num_words
             tokens = np.asarray(tokens[: args.max_tokens])
             if tokens.size and int(tokens.max()) >= vocab_size:

@@ -133,7 +133,7 @@ def main(argv):
     except (workdir_lib.WorkdirError, config_lib.ConfigError, tokenizer_lib.TokenizerError) as e:
         fail(str(e))
     try:
-        longest = max(len(tokenizer.encode(p)) for p in prompts)
+        longest = max(len(tokenizer.encode_prompt(p)) for p in prompts)
         settings.check_fits(longest, config.model.seq_len)
     except ValueError as e:  # "max_new_tokens 30: a prompt of ...": the flag's name
         fail(f'--{e}')

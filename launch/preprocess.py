@@ -14,18 +14,21 @@ flags of Megatron-LM's tools/preprocess_data.py.
     python launch/preprocess.py --input raw/ --train-tokenizer --vocab-size 8192 \
         --tokenizer-type GPT2BPETokenizer --vocab-file data/bpe/vocab.json \
         --merge-file data/bpe/merges.txt                   # a byte-level BPE, GPT-2's format
+    python launch/preprocess.py --input corpus.jsonl --tokenizer-type HuggingFaceTokenizer \
+        --tokenizer-model llama3/tokenizer.json --output-prefix data/llama --append-eod
 
 Megatron's flags keep Megatron's meanings: `--json-keys K ...` writes one dataset per key,
 named PREFIX_K_document as Megatron names them; `--append-eod` ends every document with the
 end-of-document token (without it, none); `--tokenizer-type` SentencePieceTokenizer (with
-`--tokenizer-model`) or GPT2BPETokenizer (with `--vocab-file` and `--merge-file`, through
-Hugging Face's `tokenizers`); `--workers` CPUs of an embedded Ray (or the running cluster at
-`--ray_address HOST:PORT`). Beyond them: several `--input` files and folders (a curated
-folder's shards in its manifest's order; with several input files, each also gets its own
-PREFIX.shards/NAME.bin/.idx), plain-text files (one document each), `--json-key K` (one key,
-written to PREFIX.bin/.idx itself), and `--train-tokenizer` (sentencepiece or a byte-level
-BPE). See mtnlg_jax/data/preprocess.py for how input is read and written. Tokens are stored as
-uint16 when the vocabulary fits, else int32.
+`--tokenizer-model`), GPT2BPETokenizer (with `--vocab-file` and `--merge-file`, through Hugging
+Face's `tokenizers`) or HuggingFaceTokenizer (`--tokenizer-model` a tokenizer.json, Llama 3's
+for one: each document starts with the BOS its post-processor adds); `--workers` CPUs of an
+embedded Ray (or the running cluster at `--ray_address HOST:PORT`). Beyond them: several
+`--input` files and folders (a curated folder's shards in its manifest's order; with several
+input files, each also gets its own PREFIX.shards/NAME.bin/.idx), plain-text files (one
+document each), `--json-key K` (one key, written to PREFIX.bin/.idx itself), and
+`--train-tokenizer` (sentencepiece or a byte-level BPE). See mtnlg_jax/data/preprocess.py for
+how input is read and written. Tokens are stored as uint16 when the vocabulary fits, else int32.
 Bad input prints one line `error: ...` naming the argument or file and exits with status 2;
 the output files appear only once complete, so a failed run leaves earlier ones as they were.
 """
@@ -42,7 +45,7 @@ except ImportError:
 from mtnlg_jax.run.cli import ArgumentParser  # noqa: E402
 from mtnlg_jax.data.gpt2_bpe import GPT2BPETokenizer  # noqa: E402
 from mtnlg_jax.data.preprocess import InputError, documents, tokenize  # noqa: E402
-from mtnlg_jax.data.tokenizer import KINDS, Tokenizer, TokenizerError  # noqa: E402
+from mtnlg_jax.data.tokenizer import KINDS, HFTokenizer, Tokenizer, TokenizerError  # noqa: E402
 
 
 def parse_args(argv):
@@ -53,8 +56,10 @@ def parse_args(argv):
     keys.add_argument('--json-keys', nargs='+', help='one dataset per key (Megatron)')
     keys.add_argument('--json-key', default='text', help='the one key, written to PREFIX')
     p.add_argument('--tokenizer-type', choices=KINDS, help='default: GPT2BPETokenizer with '
-                   '--vocab-file, else SentencePieceTokenizer')  # fmt: skip
-    p.add_argument('--tokenizer-model', help='sentencepiece .model to use or train')
+                   '--vocab-file, HuggingFaceTokenizer with a --tokenizer-model ending in .json, '
+                   'else SentencePieceTokenizer')  # fmt: skip
+    p.add_argument('--tokenizer-model', help='sentencepiece .model to use or train, or a Hugging '
+                   'Face tokenizer.json to use')  # fmt: skip
     p.add_argument('--vocab-file', help='GPT-2 BPE vocab.json to use or train')
     p.add_argument('--merge-file', help='GPT-2 BPE merges.txt to use or train')
     p.add_argument('--append-eod', action='store_true', help='end each document with eod')
@@ -73,7 +78,11 @@ def parse_args(argv):
     if args.workers < 1 or not args.piece_mb > 0:
         raise InputError('--workers must be at least 1 and --piece-mb positive')
     if args.tokenizer_type is None:
-        args.tokenizer_type = KINDS[1] if args.vocab_file else KINDS[0]
+        hf = (args.tokenizer_model or '').endswith('.json')
+        args.tokenizer_type = KINDS[1] if args.vocab_file else KINDS[2] if hf else KINDS[0]
+    if args.tokenizer_type == KINDS[2] and args.train_tokenizer:
+        raise InputError('--train-tokenizer makes a sentencepiece model or GPT-2 BPE files; '
+                         'a HuggingFaceTokenizer is used as it is')  # fmt: skip
     if args.tokenizer_type == 'GPT2BPETokenizer':
         if args.tokenizer_model:
             raise InputError('--tokenizer-model is sentencepiece\'s: GPT2BPETokenizer takes '
@@ -83,6 +92,9 @@ def parse_args(argv):
     else:
         if args.vocab_file or args.merge_file:
             raise InputError('--vocab-file and --merge-file need --tokenizer-type GPT2BPETokenizer')
+        if args.tokenizer_type == KINDS[2] and not args.tokenizer_model:
+            raise InputError('--tokenizer-model (a tokenizer.json) is required with '
+                             '--tokenizer-type HuggingFaceTokenizer')  # fmt: skip
         files = {'--tokenizer-model': args.tokenizer_model}
         minimum = 260
         if (
@@ -105,7 +117,9 @@ def parse_args(argv):
             open_tokenizer(args)
         except Exception as e:  # whatever sentencepiece or tokenizers say of a foreign file
             flags = ' / '.join(f'{flag} {path}' for flag, path in files.items())
-            kind = 'GPT-2 BPE files' if args.tokenizer_type == KINDS[1] else 'a sentencepiece model'
+            kind = {KINDS[1]: 'GPT-2 BPE files', KINDS[2]: 'a Hugging Face tokenizer.json'}.get(
+                args.tokenizer_type, 'a sentencepiece model'
+            )
             raise InputError(f'{flags}: not {kind} ({e})') from None
     written = [('--output-prefix', args.output_prefix)]
     if args.train_tokenizer:
@@ -120,6 +134,8 @@ def parse_args(argv):
 def open_tokenizer(args):
     if args.tokenizer_type == 'GPT2BPETokenizer':
         return GPT2BPETokenizer(args.vocab_file, args.merge_file)
+    if args.tokenizer_type == KINDS[2]:
+        return HFTokenizer(args.tokenizer_model)
     return Tokenizer(args.tokenizer_model)
 
 

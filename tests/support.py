@@ -24,6 +24,23 @@ SEQ_LEN = 32
 VOCAB = 1000  # padded to 1024 for tensor 1, 2, 4 and 8 alike
 
 
+# Llama's block on small_config's shapes: rope with llama3 scaling (an original context of 16
+# of the 32 positions, so every regime of the scaling is used), RMSNorm, SwiGLU, 8 query heads
+# over 4 key/value heads (tensor 2 and 4 divide them), untied output, no biases.
+LLAMA_BLOCK = dict(
+    position='rope',
+    rope_theta=500000.0,
+    rope_scaling=dict(
+        type='llama3', factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_context=16
+    ),
+    norm='rmsnorm',
+    mlp='swiglu',
+    kv_heads=4,
+    tie_embeddings=False,
+    bias=False,
+)
+
+
 def small_config(
     data=1, stage=1, tensor=1, micro_steps=2, repeats=1, schedule='1f1b', **model_overrides
 ):

@@ -114,6 +114,8 @@ class OneCharacterPerToken:
     def encode(self, text):
         return [ord(c) - 0x4E00 for c in text]
 
+    encode_prompt = encode
+
     def decode(self, ids):
         return ''.join(chr(0x4E00 + i) for i in ids if i != self.eod_id)
 

@@ -254,3 +254,48 @@ def test_an_imported_model_trains_on_from_its_weights(original, tmp_path):
     scorer = Scorer(workdir_lib.load(workdir), progress=False)
     log_prob, _, count = scorer([(row, np.ones(32, bool)) for row in batch])
     assert first['loss'] == pytest.approx(-log_prob.sum() / count.sum(), abs=1e-5)
+
+
+def convert_main(capsys, *args):
+    """launch/convert.py's main in this process: (exit status, stderr lines)."""
+    try:
+        convert.main([str(a) for a in args])
+        status = 0
+    except SystemExit as e:
+        status = e.code
+    return status, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize(
+    'override, given',
+    [('--config.model.hidden=128', '64'), ('--config.model.num_layers=4', '2'),
+     ('--config.model.norm=rmsnorm', "'layernorm'")],
+)  # fmt: skip
+def test_an_override_of_the_architecture_that_disagrees_is_refused(
+    tmp_path, capsys, override, given
+):
+    hf_dir = write_hf_dir(tmp_path / 'hf', random_hf_tensors())
+    key = override.removeprefix('--config.').partition('=')[0]
+    status, err = convert_main(capsys, '--import_hf', hf_dir, '--workdir', tmp_path / 'w', override)
+    assert status == 2
+    assert err == [
+        f'error: {override}: the architecture comes from --import_hf {hf_dir} (config.json '
+        f'gives {key} = {given}); drop the override'
+    ]
+    assert not (tmp_path / 'w').exists()
+
+
+def test_overrides_that_agree_or_are_not_architecture_are_honoured(tmp_path, capsys):
+    hf_dir = write_hf_dir(tmp_path / 'hf', random_hf_tensors())
+    workdir = tmp_path / 'w'
+    status, err = convert_main(
+        capsys, '--import_hf', hf_dir, '--workdir', workdir, '--config.model.hidden=64',
+        '--config.model.attention_dropout=0.05', '--config.model.compute_dtype=float32',
+        '--config.train.global_batch=16', '--config.train.micro_batch=2',
+    )  # fmt: skip
+    assert status == 0, err
+    model = json.loads((workdir / 'config.json').read_text())['inputs']['model']
+    assert (model['hidden'], model['attention_dropout'], model['compute_dtype']) == (
+        64, 0.05, 'float32'
+    )  # fmt: skip
+    assert model['hidden_dropout'] == HF_CONFIG['resid_pdrop']  # not overridden: the HF value

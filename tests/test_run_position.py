@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mtnlg_jax.train import resume
-from mtnlg_jax.train.loop import due
+from mtnlg_jax.train.periodic import due
 from mtnlg_jax.train.reporter import step_record
 from support import SEQ_LEN, small_config
 

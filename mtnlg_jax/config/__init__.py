@@ -8,12 +8,13 @@
 `from mtnlg_jax import config as config_lib` gives the names every other layer uses.
 """
 
-from mtnlg_jax.config.checks import padded_vocab_size
+from mtnlg_jax.config.checks import default_ffn_hidden, padded_vocab_size
 from mtnlg_jax.config.keys import ConfigError
 from mtnlg_jax.config.resolve import defaults, inputs_of, load, resolve, resolve_model
 
 __all__ = [
     'ConfigError',
+    'default_ffn_hidden',
     'defaults',
     'inputs_of',
     'load',

@@ -9,7 +9,7 @@ optimizer.decay_tokens), which resolve() then records under `derived`.
 import math
 
 from mtnlg_jax.config import rampup
-from mtnlg_jax.config.keys import ConfigError, check_values
+from mtnlg_jax.config.keys import BY_NAME, ConfigError, check_values
 
 VOCAB_PAD_MULTIPLE = 128
 
@@ -40,17 +40,20 @@ def check_model(config):
     """model.* against the (filled) mesh; fills ffn_hidden, padded_vocab and loss_chunks."""
     check_values(config, ('model', 'pipeline'))
     model, tensor = config.model, config.mesh.tensor
+    check_block(model)
     if model.ffn_hidden == 0:
-        model.ffn_hidden = 4 * model.hidden
-    _require(
-        model.hidden % model.heads == 0,
-        'model.hidden',
-        f'{model.hidden} is not divisible by model.heads={model.heads}',
-    )
+        model.ffn_hidden = default_ffn_hidden(model)
     _require(
         model.heads % tensor == 0,
         'model.heads',
         f'{model.heads} heads are not divisible by mesh.tensor={tensor}',
+    )
+    _require(
+        model.kv_heads == 0 or model.kv_heads % tensor == 0,
+        'model.kv_heads',
+        f'{model.kv_heads} key/value heads are not divisible by mesh.tensor={tensor}: each '
+        f'tensor rank holds whole key/value heads (replicating them, as MaxText does, is not '
+        f'supported)',
     )
     _require(
         model.ffn_hidden % tensor == 0,
@@ -78,6 +81,63 @@ def check_model(config):
     if model.loss_chunks == 0:
         model.loss_chunks = next(n for n in (4, 3, 2, 1) if model.seq_len % n == 0)
     model.padded_vocab = padded_vocab_size(model.vocab_size, tensor)
+
+
+def default_ffn_hidden(model):
+    """model.ffn_hidden 0: 4 x hidden for GeLU; for SwiGLU Llama's int(8 hidden / 3) rounded
+    up to a multiple of model.ffn_multiple (same parameters as a 4 x hidden GeLU MLP)."""
+    if model.get('mlp', 'gelu') == 'gelu':
+        return 4 * model.hidden
+    multiple = model.get('ffn_multiple', 256)
+    return -(-int(8 * model.hidden / 3) // multiple) * multiple
+
+
+def check_block(model):
+    """The block options across keys (position, rope, GQA, head_dim): each a ConfigError
+    naming the key, before anything is built; the keys' own values are the table's."""
+    _require(
+        model.head_dim > 0 or model.hidden % model.heads == 0,
+        'model.hidden',
+        f'{model.hidden} is not divisible by model.heads={model.heads} (or set model.head_dim)',
+    )
+    _require(
+        model.kv_heads == 0 or model.heads % model.kv_heads == 0,
+        'model.kv_heads',
+        f'{model.kv_heads} key/value heads do not divide model.heads={model.heads}',
+    )
+    _check_rope(model)
+
+
+def _check_rope(model):
+    scaling = model.rope_scaling
+    if model.position == 'learned':
+        for key, value, default in (
+            ('rope_theta', model.rope_theta, BY_NAME['model.rope_theta'].default),
+            ('rope_scaling.type', scaling.type, 'none'),
+        ):
+            _require(
+                value == default,
+                f'model.{key}',
+                f'{value!r} sets rotary positions, but model.position is learned (set '
+                f"model.position='rope')",
+            )
+        return
+    head_dim = model.head_dim or model.hidden // model.heads
+    _require(
+        head_dim % 2 == 0,
+        'model.head_dim',
+        f'rope rotates pairs of channels: head dim {head_dim} must be even',
+    )
+    if scaling.type == 'llama3':
+        _require(
+            scaling.factor >= 1, 'model.rope_scaling.factor', f'must be >= 1, got {scaling.factor}'
+        )
+        _require(
+            scaling.low_freq_factor < scaling.high_freq_factor,
+            'model.rope_scaling.low_freq_factor',
+            f'must be below high_freq_factor={scaling.high_freq_factor}, got '
+            f'{scaling.low_freq_factor}',
+        )
 
 
 def check_train(config):

@@ -65,11 +65,60 @@ KEYS = (
     Key('model.num_layers', 12, 'int>0', 'decoder blocks', 'never'),
     Key('model.hidden', 768, 'int>0', 'width of the residual stream', 'never'),
     Key('model.heads', 12, 'int>0', 'attention heads', 'never'),
-    Key('model.ffn_hidden', 0, 'int>=0', 'MLP width; 0: 4 x hidden', 'never'),
+    Key(
+        'model.ffn_hidden',
+        0,
+        'int>=0',
+        'MLP width; 0: 4 x hidden (gelu), int(8/3 x hidden) rounded up to a multiple of '
+        "model.ffn_multiple (swiglu, Llama's rule)",
+        'never',
+    ),
+    Key('model.ffn_multiple', 256, 'int>0', "swiglu's ffn_hidden 0 rounds up to this", 'never'),
     Key('model.seq_len', 1024, 'int>0', 'tokens per sequence', 'explicit'),
     Key('model.vocab_size', 50257, 'int>0', "the tokenizer's vocabulary", 'never'),
     Key('model.init_std', 0.02, 'num>0', 'standard deviation of the initial weights', 'never'),
-    Key('model.layer_norm_epsilon', 1e-5, 'num>0', 'epsilon of the layer norms', 'never'),
+    Key('model.layer_norm_epsilon', 1e-5, 'num>0', 'epsilon of the norms (either kind)', 'never'),
+    # The block ([models.md](models.md)): the defaults are GPT-3's; Llama's is position rope,
+    # norm rmsnorm, mlp swiglu, kv_heads < heads, tie_embeddings and bias False.
+    Key(
+        'model.position',
+        'learned',
+        ('learned', 'rope'),
+        'learned (a position table added to the embedding) or rope (queries and keys rotated; '
+        '[models.md](models.md))',
+        'never',
+    ),
+    Key('model.rope_theta', 10000.0, 'num>0', "rope's base (Llama 3: 500000)", 'never'),
+    Key(
+        'model.rope_scaling.type',
+        'none',
+        ('none', 'llama3'),
+        "rope's frequency scaling: none or llama3 (Llama 3.1's)",
+        'never',
+    ),
+    Key('model.rope_scaling.factor', 8.0, 'num>0', 'llama3: low frequencies / this', 'never'),
+    Key('model.rope_scaling.low_freq_factor', 1.0, 'num>0', 'llama3: see models.md', 'never'),
+    Key('model.rope_scaling.high_freq_factor', 4.0, 'num>0', 'llama3: see models.md', 'never'),
+    Key(
+        'model.rope_scaling.original_context',
+        8192,
+        'int>0',
+        'llama3: the context the frequencies were trained for',
+        'never',
+    ),
+    Key('model.norm', 'layernorm', ('layernorm', 'rmsnorm'), 'the norms of the blocks', 'never'),
+    Key('model.mlp', 'gelu', ('gelu', 'swiglu'), 'the MLP of the blocks', 'never'),
+    Key(
+        'model.kv_heads',
+        0,
+        'int>=0',
+        'key/value heads; 0: heads; fewer: grouped-query attention (dividing heads; mesh.tensor '
+        'must divide it)',
+        'never',
+    ),
+    Key('model.head_dim', 0, 'int>=0', 'width of a head; 0: hidden / heads', 'never'),
+    Key('model.tie_embeddings', True, 'bool', 'False: a separate output layer', 'never'),
+    Key('model.bias', True, 'bool', 'biases of the attention and MLP projections', 'never'),
     Key('model.attention_dropout', 0.1, '[0,1)', 'dropout of the attention probabilities'),
     Key('model.hidden_dropout', 0.1, '[0,1)', 'dropout of the residual branches'),
     Key(
@@ -213,8 +262,9 @@ KEYS = (
         'data.tokenizer',
         'data/default/tokenizer.model',
         'str',
-        'sentencepiece `.model`, or GPT-2 BPE files (a folder with vocab.json and merges.txt); '
-        "checked against model.vocab_size before training; '' for none",
+        'sentencepiece `.model`, GPT-2 BPE files (a folder with vocab.json and merges.txt), or '
+        "a Hugging Face tokenizer.json (Llama 3's; the file or its folder); checked against "
+        "model.vocab_size before training; '' for none",
         'never',
     ),
     Key(

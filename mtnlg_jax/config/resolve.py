@@ -7,7 +7,8 @@ takes a config accepts any key on the command line as `--config.KEY=VALUE` (mtnl
 what follows from the inputs:
 
   mesh.{data,stage,tensor}  -1 filled with the devices the other axes leave
-  model.ffn_hidden          0 -> 4 x hidden
+  model.ffn_hidden          0 -> 4 x hidden (GeLU), 8/3 x hidden up to model.ffn_multiple
+                            (SwiGLU, Llama's rule)
   model.padded_vocab        vocab_size rounded up to a multiple of 128 x tensor (Megatron's rule)
   model.loss_chunks         0 -> the largest of 4, 3, 2, 1 that divides seq_len
   train.micro_steps         global_batch / (micro_batch x data), accumulated inside one step

@@ -1,6 +1,7 @@
 """Data: tokenizers, Megatron indexed datasets, GPT samples, blends and the trainer's loader.
 
-tokenizer.py          sentencepiece, and load() / open_tokenizer() of any kind
+tokenizer.py          sentencepiece, a Hugging Face tokenizer.json, and load() / open_tokenizer()
+                      of any kind
 gpt2_bpe.py           GPT-2 BPE (Megatron's GPT2BPETokenizer)
 tokenizer_error.py    the error every tokenizer raises
 preprocess.py         raw text -> token ids -> indexed.py, on Ray

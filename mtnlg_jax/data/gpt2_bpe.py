@@ -115,6 +115,11 @@ class GPT2BPETokenizer:
     def encode_document(self, text: str) -> list[int]:
         return self.encode(text) + [self._eod]
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """Ids of `text` as the start of a document (a prompt, a text to score): GPT-2's
+        documents start with no special token."""
+        return self.encode(text)
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`; eod tokens are dropped."""
         return self._tok.decode([int(i) for i in ids if int(i) != self._eod])

@@ -153,6 +153,11 @@ class TrainBatches:
         )
         self._thread.start()
 
+    def reopened_at(self, samples_consumed):
+        """A reader of the same data from another position; this one is closed."""
+        self.close()
+        return TrainBatches(self._config, self._dataset, self._mesh, samples_consumed)
+
     def batch_at(self, samples_consumed):
         train_cfg = self._config.train
         global_batch = rampup.global_batch_at(

@@ -1,9 +1,12 @@
-"""Tokenizers: a lossless sentencepiece model (below) or GPT-2's BPE (gpt2_bpe.py), by path.
+"""Tokenizers: a lossless sentencepiece model (below), GPT-2's BPE (gpt2_bpe.py) or a Hugging
+Face tokenizer.json (HFTokenizer, below), by path.
 
-`load(path)` opens what `data.tokenizer` names: a sentencepiece `.model` file, or GPT-2 BPE
-files (a directory holding vocab.json + merges.txt, or a path ending in vocab.json): Megatron's
-SentencePieceTokenizer and GPT2BPETokenizer. Both have the same interface (vocab_size, eod_id,
-identity, encode, encode_document, decode, export).
+`load(path)` opens what `data.tokenizer` names: a sentencepiece `.model` file, GPT-2 BPE
+files (a directory holding vocab.json + merges.txt, or a path ending in vocab.json), or a
+Hugging Face `tokenizer.json` (the file, or a directory holding it and no GPT-2 files, as
+Llama 3's checkpoints ship it): Megatron's SentencePieceTokenizer, GPT2BPETokenizer and
+HuggingFaceTokenizer. All have the same interface (vocab_size, eod_id, identity, encode,
+encode_document, decode, export).
 
 The sentencepiece tokenizer, for prose and code.
 
@@ -50,20 +53,30 @@ _MAX_TRAIN_LINE_BYTES = 16384
 _MAX_TRAIN_LINES = 1_000_000
 
 
-__all__ = ['KINDS', 'Tokenizer', 'TokenizerError', 'from_files', 'load', 'open_tokenizer']
-KINDS = ("SentencePieceTokenizer", "GPT2BPETokenizer")  # Megatron's --tokenizer-type names
+__all__ = [
+    'KINDS', 'HFTokenizer', 'Tokenizer', 'TokenizerError', 'from_files', 'load', 'open_tokenizer'
+]  # fmt: skip
+# Megatron's --tokenizer-type names
+KINDS = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer")
+HF_FILE = "tokenizer.json"
 
 
 def load(path: str):
     """The tokenizer `path` names (see above); TokenizerError naming the file if unusable."""
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, HF_FILE)):
+        vocab, merges = gpt2_bpe.files_of(path)
+        if not (os.path.isfile(vocab) and os.path.isfile(merges)):
+            return HFTokenizer(os.path.join(path, HF_FILE))
     gpt2_files = gpt2_bpe.files_of(path)
     if gpt2_files is not None:
         return gpt2_bpe.GPT2BPETokenizer(*gpt2_files)
     if not os.path.isfile(path):
         raise TokenizerError(
-            f"{path}: no such tokenizer (a sentencepiece .model, or a directory or *vocab.json "
-            "of GPT-2 BPE files)"
+            f"{path}: no such tokenizer (a sentencepiece .model, a Hugging Face tokenizer.json, "
+            "or a directory or *vocab.json of GPT-2 BPE files)"
         )
+    if path.endswith(".json"):
+        return HFTokenizer(path)
     return Tokenizer(path)
 
 
@@ -95,6 +108,8 @@ def from_files(kind: str, files: Sequence[str]):
     reopen one."""
     if kind == gpt2_bpe.KIND:
         return gpt2_bpe.GPT2BPETokenizer(*files)
+    if kind == HFTokenizer.kind:
+        return HFTokenizer(*files)
     return Tokenizer(*files)
 
 
@@ -207,6 +222,10 @@ class Tokenizer:
         ids.append(EOD_ID)
         return ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """Ids of ``text`` as the start of a document (no bos in this model)."""
+        return self._sp.encode(text)
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``; eod tokens are dropped."""
         return self._sp.decode([int(i) for i in ids if int(i) != EOD_ID])
@@ -215,12 +234,132 @@ class Tokenizer:
         return self._sp.id_to_piece(int(token_id))
 
     def export(self, directory: str, max_length: int) -> list[str]:
-        """Copy the model beside exported weights as tokenizer.model (Hugging Face's name for a
-        sentencepiece file; GPT-2's own loaders expect BPE files instead)."""
-        del max_length
+        """Write the model beside exported weights as tokenizer.model (Hugging Face's name for a
+        sentencepiece file) with the tokenizer config transformers needs to encode as we do:
+        LlamaTokenizer, no bos, no prefix space (`add_dummy_prefix=False` above), </s> as eos.
+        AutoTokenizer then gives our ids (it converts the model: sentencepiece and protobuf
+        installed)."""
         with open(os.path.join(directory, "tokenizer.model"), "wb") as fh:
             fh.write(self._sp.serialized_model_proto())
-        return ["tokenizer.model"]
+        special = dict(eos_token="</s>", unk_token="<unk>")
+        config = dict(
+            special,
+            tokenizer_class="LlamaTokenizer",
+            bos_token=None,
+            add_bos_token=False,
+            add_eos_token=False,
+            add_prefix_space=False,
+            legacy=True,
+            clean_up_tokenization_spaces=False,
+            model_max_length=max_length,
+        )
+        return ["tokenizer.model"] + _write_json_files(directory, config, special)
+
+
+def _write_json_files(directory, tokenizer_config, special_tokens):
+    """tokenizer_config.json and special_tokens_map.json; their names."""
+    names = ["tokenizer_config.json", "special_tokens_map.json"]
+    for name, content in zip(names, (tokenizer_config, special_tokens)):
+        with open(os.path.join(directory, name), "w") as fh:
+            json.dump(content, fh, indent=2)
+    return names
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer.json (the `tokenizers` library; Megatron's
+    HuggingFaceTokenizer), as Llama 3 ships its byte-level BPE.
+
+    The end-of-document token is the eos_token of a tokenizer_config.json beside the file,
+    else the first of EOD_NAMES the vocabulary holds. `encode` gives the text's ids alone
+    (a continuation to score); `encode_prompt` runs the tokenizer's own post-processor
+    (Llama 3's puts <|begin_of_text|> first) and `encode_document` appends the eod to that,
+    as Megatron's preprocessing does with --append-eod, so each document, prompt and scored
+    text starts with its BOS; `bos_id` is that token, or None."""
+
+    kind = "HuggingFaceTokenizer"
+    EOD_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eot_id|>")
+
+    def __init__(self, path: str):
+        import tokenizers
+
+        if not os.path.isfile(path):
+            raise TokenizerError(f"{path}: no such tokenizer.json")
+        self.model_path = path
+        self.files = (path,)
+        with open(path, "rb") as fh:
+            self._identity = hashlib.sha256(fh.read()).hexdigest()
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(path)
+        except Exception as exc:  # tokenizers raises its own exception type
+            raise TokenizerError(f"{path}: not a Hugging Face tokenizer.json ({exc})") from None
+        self._config = _config_beside(path)
+        names = [_token_text(self._config.get("eos_token"))] + list(self.EOD_NAMES)
+        ids = [self._tok.token_to_id(n) for n in names if n]
+        if not any(i is not None for i in ids):
+            raise TokenizerError(f"{path}: no end-of-document token (any of {self.EOD_NAMES})")
+        self._eod = next(i for i in ids if i is not None)
+        with_specials = self._tok.encode("", add_special_tokens=True).ids
+        self.bos_id = with_specials[0] if with_specials else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eod_id(self) -> int:
+        return self._eod
+
+    @property
+    def identity(self) -> str:
+        """SHA-256 of tokenizer.json: what token files were made with."""
+        return self._identity
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_document(self, text: str) -> list[int]:
+        return self.encode_prompt(text) + [self._eod]
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Ids of `text` as the start of a document (a prompt, a text to score): after the
+        tokenizer's own post-processor, so a Llama 3 prompt starts with its BOS as the
+        documents it was trained on did."""
+        return self._tok.encode(text, add_special_tokens=True).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`; special tokens (eod, bos) are dropped."""
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def id_to_piece(self, token_id: int) -> str:
+        return self._tok.id_to_token(int(token_id))
+
+    def export(self, directory: str, max_length: int) -> list[str]:
+        """tokenizer.json and the tokenizer config (the one beside the file when there is
+        one, else PreTrainedTokenizerFast naming bos and eos) beside exported weights."""
+        self._tok.save(os.path.join(directory, HF_FILE))
+        special = dict(eos_token=self.id_to_piece(self._eod))
+        if self.bos_id is not None:
+            special["bos_token"] = self.id_to_piece(self.bos_id)
+        config = self._config or dict(
+            special, tokenizer_class="PreTrainedTokenizerFast", model_max_length=max_length,
+            clean_up_tokenization_spaces=False,
+        )  # fmt: skip
+        return [HF_FILE] + _write_json_files(directory, config, special)
+
+
+def _config_beside(path):
+    config_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+    try:
+        with open(config_path) as fh:
+            config = json.load(fh)
+        return config if isinstance(config, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _token_text(token):
+    """A tokenizer config's token: a string, or a dict with its 'content'."""
+    return token.get("content") if isinstance(token, dict) else token
 
 
 def _lines(documents: Iterable[str]) -> Iterator[str]:

@@ -80,7 +80,7 @@ def cut_at_stop(text, stop):
 
 def complete(generator, tokenizer, prompts, settings, use_cache=True, on_tokens=None):
     """Completions of text `prompts`: a list per prompt of settings.num_return_sequences."""
-    encoded = [tokenizer.encode(p) for p in prompts]
+    encoded = [tokenizer.encode_prompt(p) for p in prompts]  # Llama 3's: BOS first
     return complete_tokens(generator, tokenizer, encoded, settings, use_cache, on_tokens)
 
 

@@ -1,4 +1,6 @@
 """Hugging Face checkpoints to and from our parameter names (safetensors, no torch).
 
-hf_gpt2.py   GPT2LMHeadModel <-> the GPT block
+safetensors_files.py  model.safetensors or shards with their index, tensor by tensor
+hf_gpt2.py            GPT2LMHeadModel <-> the GPT block
+hf_llama.py           LlamaForCausalLM <-> the Llama block (both config.json layouts)
 """

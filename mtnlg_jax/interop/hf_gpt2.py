@@ -1,8 +1,9 @@
 """Hugging Face GPT-2 checkpoints <-> this project's parameters, with safetensors and numpy.
 
 A Hugging Face GPT-2 model directory holds config.json (n_embd, n_layer, n_head, n_positions,
-vocab_size, layer_norm_epsilon, activation_function, ...) and model.safetensors. Its blocks
-are Conv1D layers, whose weights are stored (in, out), so they need no transpose here:
+vocab_size, layer_norm_epsilon, activation_function, ...) and model.safetensors (or shards
+with their index, safetensors_files.py). Its blocks are Conv1D layers, whose weights are
+stored (in, out), so they need no transpose here:
 
     HF name (h.{i}. ...)        HF shape        ours (stacked on a leading `layers` axis)
     wte.weight                  (V, E)          token_embed (padded_vocab, E): rows padded
@@ -28,7 +29,8 @@ import os
 import re
 
 import numpy as np
-import safetensors.numpy
+
+from mtnlg_jax.interop import safetensors_files
 
 # Activation names of Hugging Face configs that are GPT-2's tanh-approximated GeLU.
 TANH_GELU = ('gelu_new', 'gelu_pytorch_tanh')
@@ -53,8 +55,17 @@ class HFFormatError(ValueError):
     """A model directory that is not a GPT-2 this model can express; the message says why."""
 
 
-def model_overrides(hf_config):
-    """The `config.model` keys of a Hugging Face GPT-2 config.json (a dict)."""
+def block_keys():
+    """The `config.model` keys of GPT-2's block (what any GPT-2 checkpoint fixes)."""
+    return dict(
+        position='learned', norm='layernorm', mlp='gelu', kv_heads=0, head_dim=0,
+        tie_embeddings=True, bias=True,
+    )  # fmt: skip
+
+
+def model_keys(hf_config):
+    """The `config.model` keys a Hugging Face GPT-2 config.json (a dict) fixes: the
+    architecture."""
     activation = hf_config.get('activation_function', 'gelu_new')
     if activation not in TANH_GELU:
         raise HFFormatError(f'activation_function {activation!r}: only {TANH_GELU} (tanh GeLU)')
@@ -70,6 +81,7 @@ def model_overrides(hf_config):
             raise HFFormatError(f'config.json has no integer {key}')
     hidden = hf_config['n_embd']
     return dict(
+        block_keys(),
         num_layers=hf_config['n_layer'],
         hidden=hidden,
         heads=hf_config['n_head'],
@@ -77,6 +89,12 @@ def model_overrides(hf_config):
         seq_len=hf_config['n_positions'],
         vocab_size=hf_config['vocab_size'],
         layer_norm_epsilon=hf_config.get('layer_norm_epsilon', 1e-5),
+    )
+
+
+def model_defaults(hf_config):
+    """`config.model` keys a GPT-2 config.json suggests but the user may override."""
+    return dict(
         init_std=hf_config.get('initializer_range', 0.02),
         attention_dropout=hf_config.get('attn_pdrop', 0.1),
         hidden_dropout=hf_config.get('resid_pdrop', 0.1),
@@ -113,10 +131,8 @@ def hf_config_of(model_cfg, eod_id=None):
 def read(directory):
     """(config.json as a dict, {HF name without 'transformer.': numpy array})."""
     config_path = os.path.join(directory, 'config.json')
-    weights_path = os.path.join(directory, 'model.safetensors')
-    for path in (config_path, weights_path):
-        if not os.path.isfile(path):
-            raise HFFormatError(f'{path} not found')
+    if not os.path.isfile(config_path):
+        raise HFFormatError(f'{config_path} not found')
     try:
         with open(config_path) as f:
             hf_config = json.load(f)
@@ -125,9 +141,10 @@ def read(directory):
     if not isinstance(hf_config, dict):
         raise HFFormatError(f'{config_path}: not a JSON object')
     try:
-        stored = safetensors.numpy.load_file(weights_path)
-    except Exception as e:  # safetensors' own error types vary with its version
-        raise HFFormatError(f'{weights_path}: not a readable safetensors file ({e})') from None
+        with safetensors_files.Reader(directory) as reader:
+            stored = {name: reader.read(name) for name in reader.names()}
+    except safetensors_files.SafetensorsError as e:
+        raise HFFormatError(str(e)) from None
     tensors = {}
     for name, value in stored.items():
         name = name.removeprefix('transformer.')
@@ -137,17 +154,11 @@ def read(directory):
 
 
 def write(directory, hf_config, tensors):
+    """config.json and the weights (safetensors_files.write: one file, or shards above 5 GB)."""
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, 'config.json'), 'w') as f:
         json.dump(hf_config, f, indent=2)
-    # 'format': 'pt' is the metadata transformers expects of a model.safetensors.
-    weights = os.path.join(directory, 'model.safetensors')
-    safetensors.numpy.save_file(tensors, weights, metadata={'format': 'pt'})
-    # safetensors writes through a private temporary file (mode 0600): give the weights the
-    # mode any other new file gets (0644 under the usual umask 022).
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(weights, 0o666 & ~umask)
+    safetensors_files.write(directory, tensors.items())
 
 
 def params_from_hf(tensors, model_cfg):

@@ -1,4 +1,4 @@
-"""One pre-LN transformer block: x + Attention(LN(x)), then x + MLP(LN(x)).
+"""One pre-norm transformer block: x + Attention(norm(x)), then x + MLP(norm(x)).
 
 Tensor parallelism (Megatron) comes from the logical names alone: QKV and MLP-in are split by
 columns (`heads`, `mlp`), attention-out and MLP-out by rows, so each block needs one
@@ -16,13 +16,25 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from mtnlg_jax.config import ConfigError
-from mtnlg_jax.model import flash_attention
-from mtnlg_jax.model.layers import LayerNorm, dropout, param, use
+from mtnlg_jax.model import flash_attention, rope
+from mtnlg_jax.model.layers import (
+    add_bias,
+    attention_dims,
+    dropout,
+    maybe_bias,
+    mlp,
+    norm,
+    out_std,
+    param,
+    use,
+)
 from mtnlg_jax.parallel.rules import constrain, local_call
 
 # Names of the values `model.remat = 'selective'` keeps: every matmul output. The attention
 # core (scores, softmax, dropout) is recomputed in the backward pass, as in Megatron's
-# selective recompute (arXiv 2205.05198): cheap FLOPs, large memory.
+# selective recompute (arXiv 2205.05198): cheap FLOPs, large memory. With GQA 'qkv' is the
+# query and the (smaller) key/value projections, before rope (the rotation is recomputed);
+# with SwiGLU 'mlp_in' is both the gate and the up projection (silu(gate) * up recomputed).
 SELECTIVE_SAVED = ('qkv', 'context', 'attn_out', 'mlp_in', 'mlp_out')
 
 # The largest head dimension of cuDNN's flash attention by compute capability major (JAX 0.10:
@@ -30,6 +42,10 @@ SELECTIVE_SAVED = ('qkv', 'context', 'attn_out', 'mlp_in', 'mlp_out')
 # kernel (model/flash_attention.py) pads the head dimension to a power of two, up to 256.
 CUDNN_MAX_HEAD_DIM = {8: 128, 9: 256}
 CONTEXT_AXES = ('batch', 'seq', 'heads', 'head_dim')
+Q_AXES = CONTEXT_AXES
+KV_AXES = ('batch', 'seq', 'kv_heads', 'head_dim')
+KV_KERNEL_AXES = ('embed', 'qkv', 'kv_heads', 'head_dim')
+GROUPED_AXES = ('batch', 'seq', 'kv_heads', 'q_per_kv', 'head_dim')
 SEED_AXES = ('batch', 'heads')
 SEGMENT_AXES = ('batch', 'seq')
 
@@ -54,8 +70,10 @@ def attention_kernel(cfg, device=None):
     and refuses what neither can (one ConfigError naming why)."""
     choice = cfg.get('attention', 'plain')
     on_gpu = device is not None and device.platform == 'gpu'
-    head_dim = cfg.hidden // cfg.heads
+    heads, kv_heads, head_dim = attention_dims(cfg)
     flash_refuses = flash_attention.refusal(cfg.seq_len, head_dim)
+    if kv_heads != heads and not flash_refuses:  # until the kernel reads grouped heads
+        flash_refuses = f'grouped key/value heads ({kv_heads} for {heads} query heads)'
     if choice == 'plain':
         return choice
     if choice == 'flash' and flash_refuses:
@@ -98,40 +116,101 @@ SITES_PER_BLOCK = 3
 
 
 class Attention(nnx.Module):
-    """Causal multi-head self-attention; softmax in fp32."""
+    """Causal self-attention of `heads` query heads over `kv_heads` key/value heads, softmax
+    in fp32; kv_heads = heads is multi-head attention, fewer is grouped-query attention (one:
+    multi-query), query head i reading key/value head i // (heads / kv_heads) as Hugging
+    Face's repeat_kv does (without repeating them). Under `model.position = 'rope'` queries
+    and keys are rotated by their positions (model/rope.py) after the projection.
+
+    Parameters (E = hidden, H = heads, K = kv_heads, D = head_dim; biases only with
+    `model.bias`):
+        K = H:  qkv_kernel (E, 3, H, D), qkv_bias (3, H, D)       query, key, value fused
+        K < H:  q_kernel (E, H, D), q_bias (H, D),
+                kv_kernel (E, 2, K, D), kv_bias (2, K, D)         key, value fused
+        out_kernel (H, D, E), out_bias (E,)
+
+    Tensor parallelism splits `heads` and `kv_heads` over `tensor` (column parallel in,
+    row parallel out), so each rank holds whole groups: a query head's key/value head is on
+    its own rank. mesh.tensor must divide kv_heads (config/checks.py refuses otherwise)."""
 
     def __init__(self, cfg, rngs, kernel='plain'):
-        heads, hidden = cfg.heads, cfg.hidden
-        head_dim = hidden // heads
-        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        self.qkv_kernel = param(
-            rngs, (hidden, 3, heads, head_dim), ('embed', 'qkv', 'heads', 'head_dim'), cfg.init_std
-        )
-        self.qkv_bias = param(rngs, (3, heads, head_dim), ('qkv', 'heads', 'head_dim'))
+        heads, kv_heads, head_dim = attention_dims(cfg)
+        hidden, std = cfg.hidden, cfg.init_std
+        if kv_heads == heads:
+            self.qkv_kernel = param(
+                rngs, (hidden, 3, heads, head_dim), ('embed', 'qkv', 'heads', 'head_dim'), std
+            )
+            self.qkv_bias = maybe_bias(cfg, (3, heads, head_dim), ('qkv', 'heads', 'head_dim'))
+        else:
+            self.q_kernel = param(rngs, (hidden, heads, head_dim), Q_AXES[1:], std)
+            self.kv_kernel = param(rngs, (hidden, 2, kv_heads, head_dim), KV_KERNEL_AXES, std)
+            self.q_bias = maybe_bias(cfg, (heads, head_dim), Q_AXES[2:])
+            self.kv_bias = maybe_bias(cfg, (2, kv_heads, head_dim), KV_KERNEL_AXES[1:])
         self.out_kernel = param(
-            rngs, (heads, head_dim, hidden), ('heads', 'head_dim', 'embed'), out_std
+            rngs, (heads, head_dim, hidden), ('heads', 'head_dim', 'embed'), out_std(cfg)
         )
-        self.out_bias = param(rngs, (hidden,), ('embed',))
+        self.out_bias = maybe_bias(cfg, (hidden,), ('embed',))
+        self.grouped = kv_heads != heads
+        self.inv_freq = None  # static: a tuple of floats, folded into the compiled step
+        if cfg.get('position', 'learned') == 'rope':
+            freqs = rope.inverse_frequencies(head_dim, cfg.rope_theta, cfg.rope_scaling)
+            self.inv_freq = tuple(float(f) for f in freqs)
         self.dropout_rate = cfg.attention_dropout
         self.dtype = cfg.compute_dtype
         self.kernel = kernel  # attention_kernel()'s choice
 
-    def project_qkv(self, x):
-        """(batch, seq, embed) -> (batch, seq, 3, heads, head_dim), split over heads."""
-        kernel, bias = use(self.qkv_kernel, self.dtype), use(self.qkv_bias, self.dtype)
-        qkv = jnp.einsum('bse,ethd->bsthd', x, kernel) + bias
-        return checkpoint_name(constrain(qkv, ('batch', 'seq', 'qkv', 'heads', 'head_dim')), 'qkv')
+    def project_qkv(self, x, positions=None):
+        """(batch, seq, embed) -> q (batch, seq, heads, head_dim), k and v (batch, seq,
+        kv_heads, head_dim), split over heads; q and k rotated under rope (positions: (seq,)
+        or (batch, seq); None: 0 .. seq - 1). Selective recompute keeps the projections
+        (named 'qkv') and recomputes the rotation."""
+        if not self.grouped:
+            qkv = jnp.einsum('bse,ethd->bsthd', x, use(self.qkv_kernel, self.dtype))
+            qkv = add_bias(qkv, self.qkv_bias, self.dtype)
+            qkv = constrain(qkv, ('batch', 'seq', 'qkv', 'heads', 'head_dim'))
+            qkv = checkpoint_name(qkv, 'qkv')
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        else:
+            q = jnp.einsum('bse,ehd->bshd', x, use(self.q_kernel, self.dtype))
+            q = checkpoint_name(constrain(add_bias(q, self.q_bias, self.dtype), Q_AXES), 'qkv')
+            kv = jnp.einsum('bse,ethd->bsthd', x, use(self.kv_kernel, self.dtype))
+            kv = add_bias(kv, self.kv_bias, self.dtype)
+            kv = checkpoint_name(constrain(kv, ('batch', 'seq') + KV_KERNEL_AXES[1:]), 'qkv')
+            k, v = kv[:, :, 0], kv[:, :, 1]
+        if self.inv_freq is not None:
+            if positions is None:
+                positions = jnp.arange(x.shape[1])
+            q, k = (rope.rotate(a, positions, self.inv_freq) for a in (q, k))
+        return q, k, v
 
     def attend(self, q, k, v, visible, row_keys=None, site=0):
-        """Context of queries q over keys k and values v (batch, len, heads, head_dim);
-        visible: (q_len, k_len) bool, which keys each query may see."""
+        """Context of queries q (batch, len, heads, head_dim) over keys k and values v (batch,
+        len, kv_heads, head_dim); visible: (q_len, k_len) bool, which keys each query may
+        see. Grouped: the query heads of one key/value head form a `q_per_kv` axis, so the
+        keys and values are never repeated."""
         scale = 1.0 / math.sqrt(q.shape[-1])
+        if self.grouped:
+            return self.attend_grouped(q, k, v, visible, row_keys, site)
         scores = jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32) * scale
         scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
         scores = constrain(scores, ('batch', 'heads', 'seq', 'kv_seq'))
         probs = jax.nn.softmax(scores, axis=-1)
         probs = dropout(probs, self.dropout_rate, row_keys, site).astype(q.dtype)
         context = jnp.einsum('bhqk,bkhd->bqhd', probs, v.astype(q.dtype))
+        return checkpoint_name(constrain(context, CONTEXT_AXES), 'context')
+
+    def attend_grouped(self, q, k, v, visible, row_keys, site):
+        """attend() for kv_heads < heads: scores (batch, kv_heads, q_per_kv, q_len, k_len)."""
+        b, s, h, d = q.shape
+        kv = k.shape[2]
+        q = constrain(q.reshape(b, s, kv, h // kv, d), GROUPED_AXES)
+        scores = jnp.einsum('bqkgd,bskd->bkgqs', q, k, preferred_element_type=jnp.float32)
+        scores = jnp.where(visible, scores / math.sqrt(d), jnp.finfo(jnp.float32).min)
+        scores = constrain(scores, ('batch', 'kv_heads', 'q_per_kv', 'seq', 'kv_seq'))
+        probs = jax.nn.softmax(scores, axis=-1)
+        probs = dropout(probs, self.dropout_rate, row_keys, site).astype(q.dtype)
+        context = jnp.einsum('bkgqs,bskd->bqkgd', probs, v.astype(q.dtype))
+        context = constrain(context, GROUPED_AXES).reshape(b, s, h, d)
         return checkpoint_name(constrain(context, CONTEXT_AXES), 'context')
 
     def attend_fused(self, q, k, v, visible_keys=None, row_keys=None, site=0, segment_ids=None):
@@ -142,7 +221,8 @@ class Attention(nnx.Module):
         Each device runs the kernel on its own batch rows and heads (rules.local_call:
         cuDNN's partitioning rule fails inside the pipeline). The flash kernel applies
         attention dropout from per-(sequence, head) seeds drawn from row_keys."""
-        q, k, v = (constrain(a.astype(q.dtype), CONTEXT_AXES) for a in (q, k, v))
+        q = constrain(q, CONTEXT_AXES)
+        k, v = (constrain(a.astype(q.dtype), KV_AXES) for a in (k, v))
         if self.kernel in ('flash', 'flash_interpreted'):
             if segment_ids is not None:
                 raise NotImplementedError('the Pallas flash kernel takes no segment ids yet')
@@ -179,25 +259,28 @@ class Attention(nnx.Module):
             )
 
         if segment_ids is not None:
-            args, axes = (q, k, v, segment_ids), (CONTEXT_AXES,) * 3 + (SEGMENT_AXES,)
+            args = (q, k, v, segment_ids)
+            axes = (CONTEXT_AXES, KV_AXES, KV_AXES, SEGMENT_AXES)
             context = local_call(kernel, args, CONTEXT_AXES, args_axes=axes)
         else:
             extra = () if visible_keys is None else (jnp.asarray(visible_keys, jnp.int32),)
-            context = local_call(kernel, (q, k, v), CONTEXT_AXES, extra)
+            axes = (CONTEXT_AXES, KV_AXES, KV_AXES)
+            context = local_call(kernel, (q, k, v), CONTEXT_AXES, extra, args_axes=axes)
         return checkpoint_name(constrain(context, CONTEXT_AXES), 'context')
 
     def project_out(self, context):
         """(batch, seq, heads, head_dim) -> (batch, seq, embed): row parallel, one all-reduce
         (sequence parallel: a reduce-scatter onto the residual stream's sequence shards)."""
-        kernel, bias = use(self.out_kernel, self.dtype), use(self.out_bias, self.dtype)
-        out = jnp.einsum('bqhd,hde->bqe', context, kernel) + bias
+        out = jnp.einsum('bqhd,hde->bqe', context, use(self.out_kernel, self.dtype))
+        out = add_bias(out, self.out_bias, self.dtype)
         return checkpoint_name(constrain(out, ('batch', 'residual_seq', 'embed')), 'attn_out')
 
-    def __call__(self, x, row_keys, site_base, segment_ids=None):
-        """segment_ids (batch, seq) or None: with them a query sees only the earlier keys of
-        its own segment (packed documents, data/packing.py)."""
-        qkv = self.project_qkv(x)
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    def __call__(self, x, row_keys, site_base, positions=None, segment_ids=None):
+        """positions (seq,) or (batch, seq): the tokens' positions for rope (None: 0 .. seq
+        - 1; unused with learned positions); segment_ids (batch, seq) or None: with them a
+        query sees only the earlier keys of its own segment (packed documents,
+        data/packing.py)."""
+        q, k, v = self.project_qkv(x, positions)
         site = site_base + _ATTN_PROBS
         if self.kernel != 'plain':
             context = self.attend_fused(
@@ -215,11 +298,11 @@ class Attention(nnx.Module):
         """Attention of new tokens x (batch, new, embed) at positions index, index + 1, ...
         over every earlier position, for decoding with a KV cache.
 
-        cache: (keys, values), each (batch, max_len, heads, head_dim); the new tokens' keys
-        and values are written at `index` and the updated cache is returned with the output.
+        cache: (keys, values), each (batch, max_len, kv_heads, head_dim); the new tokens'
+        keys and values (rotated by their positions under rope) are written at `index` and
+        the updated cache is returned with the output.
         """
-        qkv = self.project_qkv(x)
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        q, k, v = self.project_qkv(x, index + jnp.arange(x.shape[1]))
         keys, values = (
             jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), index, axis=1)
             for c, new in zip(cache, (k, v))
@@ -235,42 +318,24 @@ class Attention(nnx.Module):
         return self.project_out(self.attend(q, keys, values, visible)), (keys, values)
 
 
-class MLP(nnx.Module):
-    """hidden -> ffn_hidden (GeLU, tanh approximation as GPT-2) -> hidden."""
-
-    def __init__(self, cfg, rngs):
-        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        self.in_kernel = param(rngs, (cfg.hidden, cfg.ffn_hidden), ('embed', 'mlp'), cfg.init_std)
-        self.in_bias = param(rngs, (cfg.ffn_hidden,), ('mlp',))
-        self.out_kernel = param(rngs, (cfg.ffn_hidden, cfg.hidden), ('mlp', 'embed'), out_std)
-        self.out_bias = param(rngs, (cfg.hidden,), ('embed',))
-        self.dtype = cfg.compute_dtype
-
-    def __call__(self, x):
-        h = jnp.einsum('bse,ef->bsf', x, use(self.in_kernel, self.dtype)) + use(
-            self.in_bias, self.dtype
-        )
-        h = checkpoint_name(constrain(h, ('batch', 'seq', 'mlp')), 'mlp_in')
-        h = jax.nn.gelu(h, approximate=True)
-        out = jnp.einsum('bsf,fe->bse', h, use(self.out_kernel, self.dtype)) + use(
-            self.out_bias, self.dtype
-        )
-        return checkpoint_name(constrain(out, ('batch', 'residual_seq', 'embed')), 'mlp_out')
-
-
 class Block(nnx.Module):
+    """x + Attention(norm(x)), then x + MLP(norm(x)): `model.norm` (LayerNorm or RMSNorm) and
+    `model.mlp` (GeLU or SwiGLU) pick the pieces (model/layers.py). GPT-3's block is
+    LayerNorm + GeLU with learned positions; Llama's RMSNorm + SwiGLU with rope and GQA."""
+
     def __init__(self, cfg, rngs, attention_kernel='plain'):
-        self.ln_attn = LayerNorm(cfg.hidden, cfg.layer_norm_epsilon)
+        self.ln_attn = norm(cfg)
         self.attention = Attention(cfg, rngs, attention_kernel)
-        self.ln_mlp = LayerNorm(cfg.hidden, cfg.layer_norm_epsilon)
-        self.mlp = MLP(cfg, rngs)
+        self.ln_mlp = norm(cfg)
+        self.mlp = mlp(cfg, rngs)
         self.hidden_dropout = cfg.hidden_dropout
 
-    def __call__(self, x, row_keys, layer, segment_ids=None):
+    def __call__(self, x, row_keys, layer, positions=None, segment_ids=None):
         """x: (batch, seq, embed); layer: this block's index, for distinct dropout masks;
-        segment_ids: (batch, seq) packed documents' ids, or None."""
+        positions: the tokens' positions for rope, None for 0 .. seq - 1; segment_ids:
+        (batch, seq) packed documents' ids, or None."""
         site = layer * SITES_PER_BLOCK
-        h = self.attention(self.ln_attn(x), row_keys, site, segment_ids)
+        h = self.attention(self.ln_attn(x), row_keys, site, positions, segment_ids)
         x = x + dropout(h, self.hidden_dropout, row_keys, site + _ATTN_RESIDUAL)
         h = self.mlp(self.ln_mlp(x))
         x = x + dropout(h, self.hidden_dropout, row_keys, site + _MLP_RESIDUAL)

@@ -4,7 +4,8 @@ Training runs the block stack through `gpt.apply_blocks` (pipelined when mesh.st
 decoding needs each layer's keys and values of every earlier position, so it scans the same
 stacked block parameters with that layer's slice of the cache alongside:
 
-    cache = (keys, values), each (layers, batch, max_len, heads, head_dim), split over heads
+    cache = (keys, values), each (layers, batch, max_len, kv_heads, head_dim), split over
+            kv_heads; under rope the keys are stored rotated by their positions
     forward_cached(model, tokens (batch, new), cache, index)
         -> logits of the last new position (batch, vocab), cache with positions
            index .. index + new - 1 filled
@@ -18,21 +19,25 @@ from flax import nnx
 
 from mtnlg_jax.parallel.rules import constrain
 
-CACHE_AXES = ('layers', 'batch', 'kv_seq', 'heads', 'head_dim')
+from mtnlg_jax.model.layers import attention_dims
+
+CACHE_AXES = ('layers', 'batch', 'kv_seq', 'kv_heads', 'head_dim')
 
 
 def init_cache(model_cfg, batch, max_len, dtype):
     """An empty cache for `batch` sequences of up to `max_len` positions."""
-    head_dim = model_cfg.hidden // model_cfg.heads
-    shape = (model_cfg.num_layers, batch, max_len, model_cfg.heads, head_dim)
+    _, kv_heads, head_dim = attention_dims(model_cfg)
+    shape = (model_cfg.num_layers, batch, max_len, kv_heads, head_dim)
     return tuple(constrain(jnp.zeros(shape, dtype), CACHE_AXES) for _ in range(2))
 
 
 def forward_cached(model, tokens, cache, index):
     """Logits (batch, vocab) after tokens (batch, new) at positions index .. index + new - 1,
     and the updated cache. The caller keeps index + new <= model.seq_len."""
-    positions = jax.lax.dynamic_slice_in_dim(model.position_embed[...], index, tokens.shape[1])
-    x = jnp.take(model.token_embed[...], tokens, axis=0) + positions
+    x = jnp.take(model.token_embed[...], tokens, axis=0)
+    if model.position_embed is not None:  # rope: the blocks rotate by index, index + 1, ...
+        table = model.position_embed[...]
+        x = x + jax.lax.dynamic_slice_in_dim(table, index, tokens.shape[1])
     x = constrain(x, ('batch', 'seq', 'embed'))
     graphdef, stacked = nnx.split(model.blocks)
 

@@ -1,11 +1,41 @@
-"""The GPT decoder of Megatron-LM and MT-NLG, readable top to bottom.
+"""The decoder of Megatron-LM and MT-NLG (GPT-3's block) and of Llama, readable top to bottom.
 
     tokens (batch, seq)
-      -> token embedding (vocab-parallel) + learned position embedding, dropout
-      -> num_layers pre-LN blocks, stacked on a leading `layers` axis and scanned
+      -> token embedding (vocab-parallel) [+ learned position embedding], dropout
+      -> num_layers pre-norm blocks, stacked on a leading `layers` axis and scanned
          (compile time does not grow with depth; `remat` picks what the backward recomputes)
-      -> final layer norm
-      -> logits = hidden @ token_embedding.T   (tied output layer, still vocab-parallel)
+      -> final norm
+      -> logits = hidden @ token_embedding.T   (tied output layer, still vocab-parallel; with
+         model.tie_embeddings = False a separate output_embed of the same shape)
+
+The block options (model/block.py, model/layers.py, model/rope.py) come from config keys; the
+defaults are GPT-3's block, and Llama's is
+
+    model.position = 'rope' (rope_theta, rope_scaling), norm = 'rmsnorm', mlp = 'swiglu',
+    kv_heads < heads (GQA), tie_embeddings = False, bias = False
+
+Parameter names (the tree `split` returns; L = layers, E = hidden, V = padded vocab, H =
+heads, K = kv_heads, D = head_dim, F = ffn_hidden; [..] only under the option named):
+
+    token_embed                     (V, E)
+    [position_embed]                (seq_len, E)         position = 'learned'
+    [output_embed]                  (V, E)               tie_embeddings = False
+    final_norm.scale [.bias]        (E,)                 bias: layernorm only
+    blocks.ln_attn / ln_mlp .scale [.bias]   (L, E)
+    blocks.attention.qkv_kernel     (L, E, 3, H, D)      K = H  [qkv_bias (L, 3, H, D)]
+    blocks.attention.q_kernel       (L, E, H, D)         K < H  [q_bias (L, H, D)]
+    blocks.attention.kv_kernel      (L, E, 2, K, D)      K < H  [kv_bias (L, 2, K, D)]
+    blocks.attention.out_kernel     (L, H, D, E)                [out_bias (L, E)]
+    blocks.mlp.gate_kernel          (L, E, F)            mlp = 'swiglu' [gate_bias (L, F)]
+    blocks.mlp.in_kernel            (L, E, F)                   [in_bias (L, F)]
+    blocks.mlp.out_kernel           (L, F, E)                   [out_bias (L, E)]
+
+Biases of the projections exist only with model.bias (default True). Hugging Face Llama:
+embed_tokens = token_embed, lm_head = output_embed, q_proj = q_kernel (E, H, D) transposed,
+k_proj / v_proj = kv_kernel[:, 0] / [:, 1], o_proj = out_kernel, gate_proj / up_proj /
+down_proj = gate_kernel / in_kernel / out_kernel, input_layernorm = ln_attn,
+post_attention_layernorm = ln_mlp, norm = final_norm; rope pairs channel i with i + D / 2 as
+Hugging Face does (no row permutation).
 
 Parameters live in fp32; `cast_params` makes the compute-dtype copy the forward runs on (each
 module also casts a parameter to `model.compute_dtype` where it uses it, so fp32 parameters
@@ -19,7 +49,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtnlg_jax.model.block import SELECTIVE_SAVED, SITES_PER_BLOCK, Block, attention_kernel
-from mtnlg_jax.model.layers import LayerNorm, dropout, param, use
+from mtnlg_jax.model.layers import dropout, norm, param, use
 from mtnlg_jax.model import loss
 from mtnlg_jax.model.loss import cross_entropy  # also the callers' name: gpt.cross_entropy
 from mtnlg_jax.parallel.rules import constrain
@@ -38,17 +68,26 @@ class GPT(nnx.Module):
         self.token_embed = param(
             rngs, (cfg.padded_vocab, cfg.hidden), ('vocab', 'embed'), cfg.init_std
         )
-        self.position_embed = param(
-            rngs, (cfg.seq_len, cfg.hidden), ('position', 'embed'), cfg.init_std
+        learned = cfg.get('position', 'learned') == 'learned'
+        self.position_embed = (  # rope: None, the blocks rotate queries and keys
+            param(rngs, (cfg.seq_len, cfg.hidden), ('position', 'embed'), cfg.init_std)
+            if learned
+            else None
         )
         layer_keys = jax.random.split(rngs.params(), cfg.num_layers)
+        tied = cfg.get('tie_embeddings', True)
+        self.output_embed = (
+            None
+            if tied
+            else param(rngs, (cfg.padded_vocab, cfg.hidden), ('vocab', 'embed'), cfg.init_std)
+        )
         kernel = attention_kernel(cfg, device)
         make_blocks = nnx.vmap(
             lambda key: Block(cfg, nnx.Rngs(params=key), kernel),
             transform_metadata={nnx.PARTITION_NAME: 'layers', 'logical_axes': 'layers'},
         )
         self.blocks = make_blocks(layer_keys)
-        self.final_norm = LayerNorm(cfg.hidden, cfg.layer_norm_epsilon)
+        self.final_norm = norm(cfg)
         self.num_layers = cfg.num_layers
         self.vocab_size = cfg.vocab_size
         self.hidden_dropout = cfg.hidden_dropout
@@ -62,47 +101,58 @@ class GPT(nnx.Module):
         (data/packing.py), or None for 0 .. seq - 1 and one segment."""
         graphdef, stacked = nnx.split(self.blocks)
         x = self.embed(tokens, row_keys, positions)
-        x = apply_block_stack(graphdef, stacked, x, row_keys, self.remat, segment_ids=segment_ids)
+        x = apply_block_stack(
+            graphdef, stacked, x, row_keys, self.remat, positions=positions, segment_ids=segment_ids
+        )
         return self.final_norm(x)
 
     def embed(self, tokens, row_keys=None, positions=None):
-        """Token + position embeddings (..., seq, embed) of tokens (..., seq), with dropout;
-        positions (..., seq) or None for 0 .. seq - 1."""
+        """Token (+ learned position) embeddings (..., seq, embed) of tokens (..., seq), with
+        dropout; positions (..., seq) or None for 0 .. seq - 1 (rope: applied in the blocks)."""
         x = jnp.take(self.token_embed[...], tokens, axis=0).astype(self.dtype)
-        table = use(self.position_embed, self.dtype)
-        if positions is None:
-            x = x + table[: tokens.shape[-1]]
-        else:
-            x = x + jnp.take(table, positions, axis=0)
+        if self.position_embed is not None:
+            table = use(self.position_embed, self.dtype)
+            if positions is None:
+                x = x + table[: tokens.shape[-1]]
+            else:
+                x = x + jnp.take(table, positions, axis=0)
         x = constrain(x, ('batch', 'residual_seq', 'embed'))
         return dropout(x, self.hidden_dropout, row_keys, site=self.num_layers * SITES_PER_BLOCK)
 
     def logits(self, hidden):
         """(..., batch, seq, vocab) fp32 logits, sharded over `vocab`; padding rows at -inf."""
-        return loss.logits(hidden, use(self.token_embed, self.dtype), self.vocab_size)
+        return loss.logits(hidden, self.output_table(), self.vocab_size)
+
+    def output_table(self):
+        """The output layer's (vocab, embed) rows in the compute dtype: the token embedding
+        when tied (the default), else output_embed."""
+        table = self.token_embed if self.output_embed is None else self.output_embed
+        return use(table, self.dtype)
 
     def token_loss_sum(self, hidden, labels, loss_mask=None):
         """Summed cross-entropy of `labels` (batch, seq) under the logits of final hidden
         states (batch, seq, embed), each token's weighted by loss_mask (batch, seq) if given:
         the output layer and the loss fused (model/loss.py), in `loss_chunks` pieces of the
         sequence."""
-        embed = use(self.token_embed, self.dtype)
+        embed = self.output_table()
         return loss.head_loss_sum(
             hidden, embed, labels, self.vocab_size, self.loss_chunks, loss_mask
         )
 
 
 def apply_block_stack(
-    graphdef, stacked, x, row_keys, remat='none', first_layer=0, segment_ids=None
+    graphdef, stacked, x, row_keys, remat='none', first_layer=0, positions=None, segment_ids=None
 ):
     """Run blocks whose parameters are stacked on a leading axis over x, with lax.scan.
     graphdef: one Block's graph; first_layer: the global index of the first (for dropout);
-    segment_ids: (batch, seq) packed documents' ids, or None."""
+    positions: the tokens' positions for rope (None: 0 .. seq - 1); segment_ids: (batch,
+    seq) packed documents' ids, or None."""
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
 
     def one_block(x, layer_and_params):
         layer, params = layer_and_params
-        return nnx.merge(graphdef, params)(x, row_keys, layer, segment_ids), None
+        block = nnx.merge(graphdef, params)
+        return block(x, row_keys, layer, positions, segment_ids), None
 
     if remat != 'none':
         one_block = jax.checkpoint(one_block, policy=REMAT_POLICIES[remat], prevent_cse=False)

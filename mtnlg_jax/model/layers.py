@@ -1,12 +1,19 @@
-"""Small pieces the GPT blocks are made of: named parameters, layer norm, dropout.
+"""Pieces the decoder blocks are made of: named parameters, the norms (LayerNorm, RMSNorm),
+the MLPs (GPT's GeLU, Llama's SwiGLU), dropout.
 
 Every parameter carries `logical_axes` metadata (its dimensions' logical names); the rule table
-in parallel/rules.py alone turns those into mesh axes.
+in parallel/rules.py alone turns those into mesh axes. `model.bias = False` leaves the MLPs
+(and attention's projections) without bias parameters; LayerNorm keeps its own.
 """
+
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from mtnlg_jax.parallel.rules import constrain
 
 
 def param(rngs, shape, logical_axes, std=None):
@@ -42,6 +49,94 @@ class LayerNorm(nnx.Module):
         return y.astype(x.dtype)
 
 
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm over `embed` (Llama's): x / sqrt(mean(x^2) + eps) * scale, in fp32
+    whatever the compute dtype; no mean subtracted, no bias."""
+
+    def __init__(self, hidden, epsilon):
+        self.scale = nnx.Param(jnp.ones((hidden,), jnp.float32), logical_axes=('embed',))
+        self.epsilon = epsilon
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.epsilon)
+        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def norm(cfg):
+    """The norm `model.norm` names, over cfg.hidden with `model.layer_norm_epsilon`."""
+    kind = cfg.get('norm', 'layernorm')
+    return (RMSNorm if kind == 'rmsnorm' else LayerNorm)(cfg.hidden, cfg.layer_norm_epsilon)
+
+
+def out_std(cfg):
+    """The output projections' init std: init_std / sqrt(2 L), GPT-2's and Megatron's."""
+    return cfg.init_std / math.sqrt(2 * cfg.num_layers)
+
+
+def maybe_bias(cfg, shape, logical_axes):
+    """A zero bias parameter, or None under `model.bias = False`."""
+    return param(None, shape, logical_axes) if cfg.get('bias', True) else None
+
+
+def add_bias(x, bias, dtype):
+    return x if bias is None else x + use(bias, dtype)
+
+
+class MLP(nnx.Module):
+    """hidden -> ffn_hidden (GeLU, tanh approximation as GPT-2) -> hidden."""
+
+    def __init__(self, cfg, rngs):
+        self.in_kernel = param(rngs, (cfg.hidden, cfg.ffn_hidden), ('embed', 'mlp'), cfg.init_std)
+        self.in_bias = maybe_bias(cfg, (cfg.ffn_hidden,), ('mlp',))
+        self.out_kernel = param(rngs, (cfg.ffn_hidden, cfg.hidden), ('mlp', 'embed'), out_std(cfg))
+        self.out_bias = maybe_bias(cfg, (cfg.hidden,), ('embed',))
+        self.dtype = cfg.compute_dtype
+
+    def __call__(self, x):
+        h = jnp.einsum('bse,ef->bsf', x, use(self.in_kernel, self.dtype))
+        h = add_bias(h, self.in_bias, self.dtype)
+        h = checkpoint_name(constrain(h, ('batch', 'seq', 'mlp')), 'mlp_in')
+        h = jax.nn.gelu(h, approximate=True)
+        return project_down(self, h)
+
+
+def project_down(mlp, h):
+    """MLP-out: (batch, seq, mlp) -> (batch, residual_seq, embed), row parallel."""
+    out = jnp.einsum('bsf,fe->bse', h, use(mlp.out_kernel, mlp.dtype))
+    out = add_bias(out, mlp.out_bias, mlp.dtype)
+    return checkpoint_name(constrain(out, ('batch', 'residual_seq', 'embed')), 'mlp_out')
+
+
+class SwiGLU(nnx.Module):
+    """Llama's MLP: out( silu(x gate) * (x in) ), gate and in (up) column parallel over `mlp`,
+    out (down) row parallel. Hugging Face's gate_proj, up_proj, down_proj are gate_kernel,
+    in_kernel, out_kernel (transposed)."""
+
+    def __init__(self, cfg, rngs):
+        shape = (cfg.hidden, cfg.ffn_hidden)
+        self.gate_kernel = param(rngs, shape, ('embed', 'mlp'), cfg.init_std)
+        self.in_kernel = param(rngs, shape, ('embed', 'mlp'), cfg.init_std)
+        self.gate_bias = maybe_bias(cfg, (cfg.ffn_hidden,), ('mlp',))
+        self.in_bias = maybe_bias(cfg, (cfg.ffn_hidden,), ('mlp',))
+        self.out_kernel = param(rngs, (cfg.ffn_hidden, cfg.hidden), ('mlp', 'embed'), out_std(cfg))
+        self.out_bias = maybe_bias(cfg, (cfg.hidden,), ('embed',))
+        self.dtype = cfg.compute_dtype
+
+    def __call__(self, x):
+        def up(kernel, bias):
+            h = add_bias(jnp.einsum('bse,ef->bsf', x, use(kernel, self.dtype)), bias, self.dtype)
+            return checkpoint_name(constrain(h, ('batch', 'seq', 'mlp')), 'mlp_in')
+
+        gate, h = up(self.gate_kernel, self.gate_bias), up(self.in_kernel, self.in_bias)
+        return project_down(self, jax.nn.silu(gate) * h)
+
+
+def mlp(cfg, rngs):
+    """The MLP `model.mlp` names."""
+    return (SwiGLU if cfg.get('mlp', 'gelu') == 'swiglu' else MLP)(cfg, rngs)
+
+
 def dropout(x, rate, row_keys, site):
     """Inverted dropout whose mask depends only on each sequence's own key and the site.
 
@@ -57,3 +152,11 @@ def dropout(x, rate, row_keys, site):
         lambda key: jax.random.bernoulli(jax.random.fold_in(key, site), 1.0 - rate, row_shape)
     )(row_keys.reshape(-1))
     return jnp.where(keep.reshape(batch_shape + row_shape), x / (1.0 - rate), 0).astype(x.dtype)
+
+
+def attention_dims(cfg):
+    """(heads, kv_heads, head_dim) of a model config: `model.kv_heads` 0 means heads (full
+    multi-head attention), `model.head_dim` 0 means hidden / heads."""
+    kv_heads = cfg.get('kv_heads', 0) or cfg.heads
+    head_dim = cfg.get('head_dim', 0) or cfg.hidden // cfg.heads
+    return cfg.heads, kv_heads, head_dim

@@ -151,7 +151,7 @@ def run_schedule(stage_fns, params, tokens, row_keys, table, with_grads, bubble_
     arrivals = dict(act=table.recv_act_slot >= 0, grad=table.recv_grad_slot >= 0)
     dtype = stage_fns.dtype
     rows, seq = tokens.shape[1], tokens.shape[2] - 1
-    hidden = params['position_embed'].shape[-1]
+    hidden = params['token_embed'].shape[-1]
     mesh = jax.sharding.get_abstract_mesh()
     tensor = 1 if mesh.empty else dict(mesh.shape).get('tensor', 1)
     handoff_axes = HANDOFF_AXES if seq % tensor == 0 else ACTIVATION_AXES

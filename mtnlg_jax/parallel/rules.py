@@ -6,6 +6,8 @@ mesh ('data', 'stage', 'tensor'); changing the parallel layout means changing th
 never the model. The tensor-parallel rows are Megatron's:
 
     QKV kernel     (embed, qkv, heads, head_dim)   heads  -> tensor   column parallel
+    (GQA: Q kernel (embed, heads, head_dim), KV kernel (embed, qkv, kv_heads, head_dim):
+    heads and kv_heads -> tensor, so each rank holds whole query groups and their K/V head)
     attn-out       (heads, head_dim, embed)        heads  -> tensor   row parallel, 1 all-reduce
     MLP-in         (embed, mlp)                    mlp    -> tensor   column parallel
     MLP-out        (mlp, embed)                    mlp    -> tensor   row parallel, 1 all-reduce
@@ -45,9 +47,11 @@ LOGICAL_RULES = (
     ('batch', 'data'),
     ('vocab', 'tensor'),
     ('heads', 'tensor'),
+    ('kv_heads', 'tensor'),  # grouped-query attention: mesh.tensor divides model.kv_heads
     ('mlp', 'tensor'),
     ('embed', None),
     ('head_dim', None),
+    ('q_per_kv', None),  # the query heads of one key/value head
     ('qkv', None),
     ('seq', None),
     ('residual_seq', None),  # 'tensor' under sequence parallelism

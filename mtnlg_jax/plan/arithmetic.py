@@ -14,18 +14,27 @@ import jax
 import numpy as np
 from flax import nnx
 
-from mtnlg_jax.model import gpt
+from mtnlg_jax.model import counts, gpt
 from mtnlg_jax.model.counts import model_flops_per_token
+from mtnlg_jax.model.layers import attention_dims
 from mtnlg_jax.parallel import gpipe, rules
 from mtnlg_jax.parallel import schedule as schedule_lib
 
 
 def megatron_flops_per_step(model_cfg, global_batch, recompute=True):
-    """Megatron-LM 2021's per-iteration FLOPs (eq. 3), with or without full recompute."""
-    b, s, h = global_batch, model_cfg.seq_len, model_cfg.hidden
-    layers, v = model_cfg.num_layers, model_cfg.padded_vocab
-    factor = 96 if recompute else 72
-    return factor * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
+    """Megatron-LM 2021's per-iteration FLOPs (eq. 3), with or without full recompute,
+    96 B s l h^2 (1 + s / (6 h) + V / (16 l h)) for GPT-3's block (72 without recompute),
+    where 12 h^2 is a layer's matmul weights and h the attention width: in general
+    96 B s (l W / 12 + l s H Q / 6 + h V / 16), W = layer_matmul_params (GQA, SwiGLU)."""
+    tokens = global_batch * model_cfg.seq_len
+    layers, h, v = model_cfg.num_layers, model_cfg.hidden, model_cfg.padded_vocab
+    width = counts.attention_flops_per_token(model_cfg) / (12 * layers * model_cfg.seq_len)
+    per_token = (
+        layers * counts.layer_matmul_params(model_cfg) / 12
+        + layers * model_cfg.seq_len * width / 6
+        + h * v / 16
+    )
+    return (96 if recompute else 72) * tokens * per_token
 
 
 # ---------------------------------------------------------------------------------------------
@@ -38,12 +47,7 @@ def itemsize(dtype):
     return np.dtype(dtype).itemsize
 
 
-def param_count(model_cfg):
-    """Parameters of the GPT (padded vocabulary included), from its shapes:
-    V h + s h + 2 h + L (4 h^2 + 2 h f + 9 h + f)."""
-    h, f, layers = model_cfg.hidden, model_cfg.ffn_hidden, model_cfg.num_layers
-    per_layer = 4 * h * h + 2 * h * f + 9 * h + f
-    return model_cfg.padded_vocab * h + model_cfg.seq_len * h + 2 * h + layers * per_layer
+param_count = counts.param_count  # the model's own count (model/counts.py)
 
 
 def mesh_sizes(config):
@@ -131,17 +135,20 @@ def layer_activation_bytes(model_cfg, rows, tensor, remat):
 
     remat none: s b h (6 e + 12 e / t) + a s^2 b (4 + e) / t: the block's inputs, layer-norm
     outputs, residual branch outputs (6 x (s, b, h), replicated over tensor), QKV, context and
-    the MLP's two (s, b, 4h) tensors (split over tensor), fp32 scores and compute-dtype
+    the MLP's two (s, b, 4h) tensors (split over tensor; GQA's K and V are kv_heads wide,
+    SwiGLU keeps three (s, b, f): gate, up and their product), fp32 scores and compute-dtype
     probabilities (split over heads): Korthikanti et al.'s count (arXiv 2205.05198) for this
     block, without dropout masks. selective: drops the attention-core term. full: the layer
     input only, s b h e. Sequence parallelism splits the replicated (s, b, h) ones over t."""
     s, h, a = model_cfg.seq_len, model_cfg.hidden, model_cfg.heads
     e = itemsize(model_cfg.compute_dtype)
-    f = model_cfg.ffn_hidden
+    heads, kv_heads, head_dim = attention_dims(model_cfg)
+    f = model_cfg.ffn_hidden * (3 if model_cfg.get('mlp', 'gelu') == 'swiglu' else 2)
+    split = (2 * heads + 2 * kv_heads) * head_dim  # Q, K, V and the context
     residual = tensor if model_cfg.get('sequence_parallel', False) else 1
     if remat == 'full':
         return s * rows * h * e / residual
-    kept = s * rows * (6 * h * e / residual + (4 * h + 2 * f) * e / tensor)
+    kept = s * rows * (6 * h * e / residual + (split + f) * e / tensor)
     if remat == 'none':
         kept += a * s * s * rows * (4 + e) / tensor
     return kept

@@ -49,7 +49,8 @@ import types
 
 import numpy as np
 
-from mtnlg_jax.model import block
+from mtnlg_jax.model import block, counts
+from mtnlg_jax.model.layers import attention_dims
 from mtnlg_jax.plan import arithmetic, comm
 from mtnlg_jax.plan.arithmetic import itemsize
 from mtnlg_jax.parallel.schedule import IDLE
@@ -129,12 +130,14 @@ def layer_forward(config, rates, exposed, fused_attention=False):
     model, t = config.model, config.mesh.tensor
     b, s, h, f = config.train.micro_batch, model.seq_len, model.hidden, model.ffn_hidden
     a, e = model.heads, itemsize(model.compute_dtype)
+    _, _, head_dim = attention_dims(model)
     split = t if model.sequence_parallel else 1
-    matmul_flops = 2 * b * s * h * (4 * h + 2 * f) / t
-    attention_flops = 4 * b * s * s * h / t
+    matmul_flops = 2 * b * s * counts.layer_matmul_params(model) / t
+    attention_flops = 4 * b * s * s * a * head_dim / t
     scores_bytes = 0.0 if fused_attention else (6 * e + 1) * a * b * s * s / t
-    attention = rates.matmul(attention_flops, h / a) + rates.bytes(scores_bytes)
-    elementwise = rates.bytes((10 * e + 2) * b * s * h / split + 2 * e * b * s * f / t)
+    attention = rates.matmul(attention_flops, head_dim) + rates.bytes(scores_bytes)
+    mlp_tensors = counts.mlp_matrices(model)  # (s, b, f) tensors read and written: 2 or 3
+    elementwise = rates.bytes((10 * e + 2) * b * s * h / split + mlp_tensors * e * b * s * f / t)
     return dict(
         compute=rates.matmul(matmul_flops, min(b * s, h / t)) + attention + elementwise,
         attention=attention,

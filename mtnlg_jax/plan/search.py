@@ -57,13 +57,18 @@ def _get(config, key):
 def layouts(inputs, devices, gpus_per_node, fixed=()):
     """Every {key: value} of FREE_KEYS the search tries (keys in `fixed` keep `inputs`')."""
     model, batch = inputs.model, inputs.train.global_batch
-    ffn = model.ffn_hidden or 4 * model.hidden
+    ffn = model.ffn_hidden or config_lib.default_ffn_hidden(model)
+    kv_heads = model.get('kv_heads', 0) or model.heads
 
     def choices(key, values):
         value = _get(inputs, key)
         return [value] if key in fixed and value != -1 else values
 
-    tensors = [t for t in _divisors(gpus_per_node) if model.heads % t == 0 and ffn % t == 0]
+    tensors = [
+        t
+        for t in _divisors(gpus_per_node)
+        if model.heads % t == 0 and kv_heads % t == 0 and ffn % t == 0
+    ]
     for t in choices('mesh.tensor', tensors):
         for p in choices('mesh.stage', _divisors(model.num_layers)):
             if devices % (t * p):

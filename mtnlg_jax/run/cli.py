@@ -40,7 +40,8 @@ class ArgumentParser(argparse.ArgumentParser):
     abbreviated flags (a prefix that works today would break when a flag is added).
 
     `add_config()` adds `--config FILE[:ARG]` and `--config.KEY=VALUE` overrides: parse_args
-    then returns the loaded, overridden (not yet resolved) ConfigDict as `args.config`."""
+    then returns the loaded, overridden (not yet resolved) ConfigDict as `args.config`, and
+    the overrides as given as `args.config_overrides` ({dotted key: text})."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault('allow_abbrev', False)
@@ -73,6 +74,7 @@ class ArgumentParser(argparse.ArgumentParser):
         if self._config_flag is not None:
             args.config_path = args.config
             args.config = apply_overrides(load_config(args.config), overrides)
+            args.config_overrides = dict(overrides)  # what the user set: {dotted key: text}
         return args
 
 

@@ -4,6 +4,7 @@ state.py       the train state and its shardings
 optimizer.py   AdamW, the learning-rate schedule, clipping
 step.py        the train and eval steps: accumulation, the ZeRO-1 update
 loop.py        the training loop
+periodic.py    what runs on a cadence: checkpoints, evaluation
 banner.py      what will run and what it costs, printed at the start
 reporter.py    progress, metrics, throughput
 metrics.py     metrics.jsonl, tensorboard, the loss PNG

@@ -80,6 +80,13 @@ class StepGuard:
     flight complete). With `spike_factor` > 0, a loss above spike_factor x the mean of the
     last `spike_window` losses sets `spike` = (step, loss, mean): the loop rolls back."""
 
+    @classmethod
+    def of(cls, train_cfg, total):
+        """The guard of a run's train.* settings, `total` steps skipped so far."""
+        return cls(
+            train_cfg.max_consecutive_skips, train_cfg.spike_factor, train_cfg.spike_window, total
+        )
+
     def __init__(self, max_consecutive_skips, spike_factor=0.0, spike_window=20, total=0):
         self.limit = max_consecutive_skips
         self.spike_factor = spike_factor
@@ -94,6 +101,12 @@ class StepGuard:
         """Record step `step`'s device metrics; reads the previous step's."""
         self.flush()
         self._pending = (step, (metrics['skipped'], metrics['loss']))
+
+    def settle(self, position):
+        """`position` with the skipped-step count read up to its step (before a save or a
+        log record)."""
+        self.flush()
+        return position.counted(self.total)
 
     def flush(self):
         """Read the pending step now (before a save, a log record or the end of the run)."""
@@ -140,13 +153,24 @@ def _drilled_here(at, process, first_step, step):
     return bool(at) and step == at and first_step == 0 and jax.process_index() == process
 
 
-def kills_this_process(config, first_step, done):
+def kill_if_drilled(config, first_step, done, checkpoints):
     """The process-loss drill: process train.inject_kill_process SIGKILLs itself once step
-    train.inject_kill_at_step is done (a lost node)."""
+    train.inject_kill_at_step is done (a lost node), its saves in flight complete first (the
+    drill loses a process, not the checkpoint)."""
     train_cfg = config.train
-    return _drilled_here(
+    if _drilled_here(
         train_cfg.inject_kill_at_step, train_cfg.inject_kill_process, first_step, done
-    )
+    ):
+        checkpoints.wait()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def raise_if_failed(non_finite, save_failed):
+    """After the loop: NonFiniteError or SaveFailedError with their messages, if any."""
+    if non_finite:
+        raise NonFiniteError(non_finite)
+    if save_failed:
+        raise SaveFailedError(save_failed)
 
 
 def hang_if_drilled(config, first_step, step):

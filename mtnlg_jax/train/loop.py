@@ -6,8 +6,8 @@
         batch   = next global batch             (ramp-up: its size grows; a new size compiles)
         position = position after train_step    (CompiledSteps caches one per micro-step count)
         log      every train.log_every          (reporter.py: step_record, a pure function)
-        save     every checkpoint.every, at the end, on SIGTERM
-        evaluate every train.eval_every, at the end
+        save     every checkpoint.every, at the end, on SIGTERM   (periodic.py: Saver)
+        evaluate every train.eval_every, at the end               (periodic.py: Evaluator)
         loss spike?  position = roll_back       (resume.py; the data moves on past the spike)
     evaluate, write the loss-curve PNG
 
@@ -20,13 +20,10 @@ messages) and writes config.json, metrics.jsonl, tensorboard events and the PNG.
 """
 
 import os
-import signal
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
-from tqdm import tqdm
 
 from mtnlg_jax.checkpoint import store as checkpoint_lib
 from mtnlg_jax.run import distributed
@@ -40,8 +37,9 @@ from mtnlg_jax.run.rundir import RunDir
 from mtnlg_jax.train import banner, faults, resume
 from mtnlg_jax.train import metrics as metrics_lib
 from mtnlg_jax.train.state import make_setup, pipeline_order
-from mtnlg_jax.train.step import make_eval_step, make_train_step
+from mtnlg_jax.train.periodic import Evaluator, Saver, due
 from mtnlg_jax.train.reporter import Reporter
+from mtnlg_jax.train.step import make_eval_step, make_train_step
 from mtnlg_jax.train.watchdog import Watchdog
 
 
@@ -50,18 +48,6 @@ def open_data(config):
     (launch/train.py checks data.tokenizer against model.vocab_size before this)."""
     datasets = loader_lib.open_datasets(config)
     return datasets['train'], datasets['valid']
-
-
-def evaluate(config, eval_step, params, dataset, mesh):
-    """Mean validation loss over `train.eval_batches` fixed global batches of the validation
-    split, laid out in micro-batches as a train step's (the pipeline needs them so)."""
-    size, micro_steps = config.train.global_batch, config.train.micro_steps
-    loss_sum, count = 0.0, 0.0
-    for i in range(config.train.eval_batches):
-        tokens, _ = loader_lib.place_train_batch(dataset, mesh, i * size, size, micro_steps)
-        batch_loss, batch_count = eval_step(params, tokens)
-        loss_sum, count = loss_sum + float(batch_loss), count + float(batch_count)
-    return loss_sum / count
 
 
 class CompiledSteps:
@@ -93,6 +79,16 @@ class CompiledSteps:
             report.compiled(batch, time.perf_counter() - start)
         return self(batch.micro_steps, drill)
 
+    def first_step(self, position, then):
+        """Compile the step of the first batch, timed; `then(seconds)` (the banner)."""
+        train_cfg = self.config.train
+        start = time.perf_counter()
+        first_batch = rampup.global_batch_at(
+            train_cfg, self.config.model.seq_len, position.counters['samples_consumed']
+        )
+        self(first_batch // (train_cfg.micro_batch * self.config.mesh.data))
+        then(time.perf_counter() - start)
+
     def evaluation(self, params):
         if 'evaluation' not in self._compiled:
             tokens, _ = loader_lib.abstract_train_batch(
@@ -101,10 +97,6 @@ class CompiledSteps:
             step = make_eval_step(self.config, self.setup)
             self._compiled['evaluation'] = step.lower(params, tokens).compile()
         return self._compiled['evaluation']
-
-
-def due(every, step, last_step):
-    return bool(every and step % every == 0) or step == last_step
 
 
 def train(config, workdir):
@@ -117,43 +109,24 @@ def train(config, workdir):
     train_data, valid_data = open_data(config)
     mesh = mesh_from_config(config)
     setup = make_setup(config, mesh)
-    train_cfg, seq_len = config.train, config.model.seq_len
-    num_params = counts.count_params(setup.abstract_state['params'])
-    flops_per_token = counts.model_flops_per_token(config.model, num_params)
-    peak = devices.device_peak_tflops(jax.devices()[0], config.model.compute_dtype)
-    run_dir = RunDir(workdir)
-    checkpoints = checkpoint_lib.Checkpoints(workdir, keep=config.checkpoint.keep)
-    checkpoints.fail_save_at = config.checkpoint.inject_save_error_at_step  # a drill
-    in_layer_order = pipeline_order(config, setup, to='layer')  # what checkpoints hold
-    primary = distributed.is_primary()
-
+    checkpoints = open_checkpoints(config, workdir)
+    train_cfg, primary = config.train, distributed.is_primary()
     with jax.set_mesh(mesh), faults.StopSignals() as stop_signals:
-        position = resume.restore_or_init(
-            config, setup, checkpoints, log=print if primary else lambda _: None
-        )
+        position = resume.restore_or_init(config, setup, checkpoints, log=say_if(primary))
         os.makedirs(workdir, exist_ok=True)  # every process: checkpoints go under it
         if primary:
-            run_dir.write_config(config.to_dict())
+            RunDir(workdir).write_config(config.to_dict())
         first_step = position.step
         compiled = CompiledSteps(config, setup, mesh, position.state)
-        start = time.perf_counter()
-        samples = position.counters['samples_consumed']
-        first_batch = rampup.global_batch_at(train_cfg, seq_len, samples)
-        compiled(first_batch // (train_cfg.micro_batch * config.mesh.data))
-        if primary:
-            for line in banner.lines(config, setup, time.perf_counter() - start, train_data):
-                print(line, flush=True)
+        compiled.first_step(position, banner_of(config, setup, train_data, primary))
         drills = faults.drills_of(train_cfg)
-        guard = faults.StepGuard(
-            train_cfg.max_consecutive_skips,
-            train_cfg.spike_factor,
-            train_cfg.spike_window,
-            position.counters['skipped_steps'],
-        )
-        report = Reporter(config, workdir, position, flops_per_token, peak)
-        batches = loader_lib.TrainBatches(config, train_data, mesh, samples)
-        save_error = None
+        guard = faults.StepGuard.of(train_cfg, position.counters['skipped_steps'])
+        report = Reporter(config, workdir, position, *throughput_figures(config, setup))
+        batches = loader_lib.TrainBatches(config, train_data, mesh, samples_of(position))
         with watchdog_for(config) as watchdog:
+            in_layer_order = pipeline_order(config, setup, to='layer')  # what checkpoints hold
+            saver = Saver(config, checkpoints, in_layer_order, guard, watchdog)
+            evaluator = Evaluator(config, compiled, valid_data, mesh, report, watchdog)
             while position.step < train_cfg.steps:
                 step = position.step + 1
                 with watchdog.phase('batch', f'step {step}'):
@@ -162,38 +135,16 @@ def train(config, workdir):
                 with watchdog.phase('step', f'step {step}'):
                     with watchdog.unwatched():  # a new batch size or a drill compiles
                         train_step = compiled.for_batch(batch, drills.pop(step, None), report)
-                    tokens_after = position.counters['tokens_seen'] + batch.global_batch * seq_len
-                    state, step_metrics = train_step(
-                        position.state, batch.tokens, batch.row_ids, jnp.float32(tokens_after)
-                    )
-                    position = position.after(state, batch.global_batch, seq_len)
-                    if faults.kills_this_process(config, first_step, step):
-                        checkpoints.wait()  # the drill loses a process, not the checkpoint
-                        os.kill(os.getpid(), signal.SIGKILL)
+                    position, step_metrics = take_step(train_step, position, batch, config)
+                    faults.kill_if_drilled(config, first_step, step, checkpoints)
                     report.stepped(step_metrics)
                     guard.push(step, step_metrics)
-                    stopping = (
-                        checkpoints.reached_preemption(step)
-                        if jax.process_count() > 1
-                        else stop_signals.requested
-                    )
+                    stopping = stop_requested(checkpoints, stop_signals, step)
                     if due(train_cfg.log_every, step, train_cfg.steps) or stopping:
-                        guard.flush()
-                        position = position.counted(guard.total)
+                        position = guard.settle(position)
                         report.log(position, batch, step_metrics)
-                with watchdog.phase('save', f'checkpoint of step {step}'):
-                    saving = due(config.checkpoint.every, step, train_cfg.steps) or stopping
-                    if saving:
-                        guard.flush()
-                        position = position.counted(guard.total)
-                    try:  # a rollback reads the newest checkpoint: saves in flight first
-                        checkpoints.wait() if guard.spike else checkpoints.check_saves()
-                        if saving and not (guard.error or guard.spike):  # keep the last good one
-                            meta = resume.checkpoint_meta(config, position.counters)
-                            checkpoints.save(step, in_layer_order(position.state), meta)
-                    except checkpoint_lib.SaveError as error:
-                        save_error = failed_save(config, error)
-                if guard.error or save_error:
+                position = saver.maybe_save(step, position, force=stopping)
+                if guard.error or saver.error:
                     break
                 if stopping:
                     report.say_everywhere(
@@ -201,43 +152,79 @@ def train(config, workdir):
                         f'the same command resumes it'
                     )
                     break
-                if due(train_cfg.eval_every, step, train_cfg.steps):
-                    start = time.perf_counter()
-                    with watchdog.phase('evaluation', f'after step {step}'):
-                        with watchdog.unwatched():
-                            eval_step = compiled.evaluation(position.state['params'])
-                        params = position.state['params']
-                        loss = evaluate(config, eval_step, params, valid_data, mesh)
-                    report.evaluated(position, loss, time.perf_counter() - start)
+                evaluator.maybe_run(step, position)
                 if guard.spike:  # a restore: not watched
-                    rolled = roll_back(config, setup, checkpoints, position, guard, report)
-                    if rolled is not None:
-                        position = rolled
-                        batches.close()  # the data position moved: read from there
-                        samples = position.counters['samples_consumed']
-                        batches = loader_lib.TrainBatches(config, train_data, mesh, samples)
+                    position, batches = roll_back(
+                        config, setup, checkpoints, position, guard, report, batches
+                    )
             with watchdog.phase('step', 'the last step'):
                 guard.flush()
             with watchdog.phase('batch', 'closing the data reader'):
                 batches.close()
             metrics_path = report.close()
-            with watchdog.phase('save', 'the saves in flight'):
-                try:  # saves in flight complete, also after non-finite steps
-                    checkpoints.wait()
-                except checkpoint_lib.SaveError as error:
-                    save_error = save_error or failed_save(config, error)
+            saver.finish()
         checkpoints.close()
-    if guard.error:
-        raise faults.NonFiniteError(guard.error)
-    if save_error:
-        raise faults.SaveFailedError(save_error)
+    faults.raise_if_failed(guard.error, saver.error)
+    if primary:
+        write_loss_curve(workdir, metrics_path)
+    return position.state
 
-    if not primary:
-        return position.state
+
+def open_checkpoints(config, workdir):
+    checkpoints = checkpoint_lib.Checkpoints(workdir, keep=config.checkpoint.keep)
+    checkpoints.fail_save_at = config.checkpoint.inject_save_error_at_step  # a drill
+    return checkpoints
+
+
+def say_if(primary):
+    return print if primary else lambda _: None
+
+
+def samples_of(position):
+    return position.counters['samples_consumed']
+
+
+def banner_of(config, setup, train_data, primary):
+    """What prints the start banner once the first step compiled (process 0 alone)."""
+
+    def show(compile_seconds):
+        if primary:
+            for line in banner.lines(config, setup, compile_seconds, train_data):
+                print(line, flush=True)
+
+    return show
+
+
+def throughput_figures(config, setup):
+    """(model FLOPs per token, the device's peak TFLOP/s or None): what MFU is made of."""
+    num_params = counts.count_params(setup.abstract_state['params'])
+    flops_per_token = counts.model_flops_per_token(config.model, num_params)
+    return flops_per_token, devices.device_peak_tflops(jax.devices()[0], config.model.compute_dtype)
+
+
+def take_step(train_step, position, batch, config):
+    """(position after the step, its device metrics): the learning rate follows the tokens
+    seen once the step is done."""
+    seq_len = config.model.seq_len
+    tokens_after = position.counters['tokens_seen'] + batch.global_batch * seq_len
+    state, step_metrics = train_step(
+        position.state, batch.tokens, batch.row_ids, jnp.float32(tokens_after)
+    )
+    return position.after(state, batch.global_batch, seq_len), step_metrics
+
+
+def stop_requested(checkpoints, stop_signals, step):
+    """A stop on request: SIGTERM / SIGINT here, or JAX's preemption notice across processes."""
+    if jax.process_count() > 1:
+        return checkpoints.reached_preemption(step)
+    return stop_signals.requested
+
+
+def write_loss_curve(workdir, metrics_path):
+    run_dir = RunDir(workdir)
     png = run_dir.loss_png
     metrics_lib.plot_loss_curve(metrics_path, png, title=os.path.basename(workdir.rstrip('/')))
     print(f'wrote {metrics_path}, {png} and tensorboard events in {run_dir.tensorboard}')
-    return position.state
 
 
 def watchdog_for(config):
@@ -258,29 +245,19 @@ def watchdog_for(config):
     return watchdog
 
 
-def failed_save(config, error):
-    """The message that stops the run after a failed save (checkpoint.on_save_error=stop), or
-    None after a warning (continue): the run saves again at its next checkpoint."""
-    if config.checkpoint.on_save_error == 'stop':
-        return f'{error}; the run stops (checkpoint.on_save_error=stop)'
-    # tqdm.write: the line does not land inside process 0's progress bar.
-    tqdm.write(f'warning: {error}; the run goes on (checkpoint.on_save_error=continue)', sys.stderr)
-    return None
-
-
-def roll_back(config, setup, checkpoints, position, guard, report):
-    """After a loss spike: the position of the newest checkpoint with the data moved past the
-    spike (resume.roll_back), or None when there is no checkpoint to go back to."""
+def roll_back(config, setup, checkpoints, position, guard, report, batches):
+    """After a loss spike: (position, batches) of the newest checkpoint with the data moved
+    past the spike (resume.roll_back), or as they were when there is no checkpoint."""
     spike_step, spike_loss, mean = guard.spike
     guard.spike = None
     rolled = resume.roll_back(config, setup, checkpoints, position)
     if rolled is None:
         report.say(f'loss spike at step {spike_step}: no checkpoint to go back to')
-        return None
+        return position, batches
     report.say(
         f'loss spike at step {spike_step}: {spike_loss:.4f} > '
         f'{config.train.spike_factor} x running mean {mean:.4f}; rolled back to step '
         f'{rolled.step}, data moved on to sample {rolled.counters["samples_consumed"]}'
     )
     report.moved_to(rolled)
-    return rolled
+    return rolled, batches.reopened_at(samples_of(rolled))  # the data position moved
