@@ -113,7 +113,7 @@ def measure(path, workdir):
     other = timed_restore(workdir, other_config, other_setup)
     return dict(
         config=os.path.basename(path),
-        params=counts.count_params(setup.abstract_state['params']),
+        params=counts.count_params(setup.layer_abstract_state['params']),
         saved_under=' x '.join(map(str, saved_under)),
         restored_under=' x '.join(map(str, restored_under)),
         blocking=blocking,

@@ -1,4 +1,4 @@
-"""The scale check of the four paper configs: planned and compiled by XLA:CPU and XLA:GPU.
+"""The scale check of the paper configs: planned and compiled by XLA:CPU and XLA:GPU.
 
     python bench/scale.py [--results DIR] [--reuse] [--only NAME ...]
 
@@ -11,6 +11,9 @@ own process (each needs its own forced CPU device count), at the layout of its p
     mtnlg_530b     data 8 x stage 35 x tensor 8 (2,240 GPUs, the paper's): compiled as one
                    replica, 280 CPU devices, at its real 240 micro-batches (XLA:CPU allows
                    2,048 devices per process)
+    tiny_llama     data 2 x stage 2 x tensor 2, Llama's block (8 devices, as configured)
+    llama3_70b     data 2 x stage 8 x tensor 8 (128 H100s)
+    llama3_405b    data 64 x stage 16 x tensor 8 (8,192 H100s, Meta's layout)
 
 Then, where the XLA:GPU compiler is installed (make gpu-compile), each config again with
 `--target a100-80gb` (and the 530 B also `--target h100-80gb`): the whole layout compiled for
@@ -41,8 +44,15 @@ RUNS = {  # name: launch/plan.py arguments after --config
     'gpt2_124m': ['--devices', '8'],
     'megatron_8_3b': ['--devices', '512'],
     'mtnlg_530b': ['--devices', '2240'],
+    'tiny_llama': [],
+    'llama3_70b': ['--devices', '128'],
+    'llama3_405b': ['--devices', '8192'],
 }
-GPU_TARGETS = {'mtnlg_530b': ('a100-80gb', 'h100-80gb')}  # others: A100 80 GB, the papers'
+GPU_TARGETS = {  # others: A100 80 GB, the papers'
+    'mtnlg_530b': ('a100-80gb', 'h100-80gb'),
+    'llama3_70b': ('h100-80gb',),
+    'llama3_405b': ('h100-80gb',),  # Meta's
+}
 GB = 1e9
 
 

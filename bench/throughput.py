@@ -47,7 +47,7 @@ def main():
         config = step.config
         seconds = statistics.median(times[data, stage, tensor])
         tokens_per_s = config.train.global_batch * config.model.seq_len / seconds
-        num_params = counts.count_params(step.setup.abstract_state['params'])
+        num_params = counts.count_params(step.setup.layer_abstract_state['params'])
         devices = data * stage * tensor
         tflops = counts.model_flops_per_token(config.model, num_params) * tokens_per_s / devices
         rows.append(

@@ -6,16 +6,15 @@ section 3.4.1's recipe, table 4's layout.
 biases, untied embeddings, vocabulary 128256): 405.85 B parameters with both embedding
 tables. AdamW, peak LR 8e-5, linear warm-up over 8,000 steps, cosine to 8e-7 over 1.2 M
 steps; 16 M tokens a step (2048 x 8192). Layout: tensor 8 x pipeline 16 x data -1 (64 on
-8,192 GPUs), sequence parallel, selective recompute, bf16.
+8,192 GPUs), sequence parallel, selective recompute, bf16. As Meta, the first and the last
+stage hold one layer fewer, 7, 8 x 14, 7 (pipeline.first_stage_layers / last_stage_layers;
+docs/training.md, "Pipeline stages of unequal depth").
 
 What differs from Meta's run:
 - Meta ramped the sequence as well as the batch: 4 M tokens at sequence 4096, 8 M at 8192
   after 252 M tokens, 16 M after 2.87 T. Here the sequence is 8192 throughout: 8 M tokens
   (1024 sequences) until 2.87 T tokens (train.rampup), then 16 M. The warm-up and decay,
   counted in tokens here, are Meta's steps at Meta's batch sizes.
-- Meta's 126 layers over 16 stages give the first and last stage one layer fewer (7, 8 x 14,
-  7). Stages of unequal depth are being added to the engines (issue 30, item 3); until they
-  land, 126 layers do not resolve on 16 stages (one error line naming model.num_layers).
 - Meta's context parallelism (long-context stage) and its data mix and annealing are not
   here; documents are packed without masks unless data.reset_attention_mask is set.
 
@@ -45,6 +44,7 @@ def get_config():
     config = config_lib.load(str(pathlib.Path(__file__).with_name('llama3_8b.py')))
     config.model.update(dict(num_layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248))
     config.mesh.update(dict(data=-1, stage=16, tensor=8))
+    config.pipeline.update(dict(first_stage_layers=7, last_stage_layers=7))
     config.train.update(dict(global_batch=2048, micro_batch=1, steps=DECAY_STEPS))
     config.train.rampup.update(dict(start=1024, increment=1024, tokens=int(META_SWITCHES[1])))
     config.optimizer.update(

@@ -3,10 +3,11 @@
 80 layers, hidden 8192, SwiGLU 28672, 64 query heads over 8 key/value heads (head dim 128);
 peak LR 1.5e-4 (table 3), cosine to 1.5e-5. What differs from Meta's run is what differs for
 the 8B (Llama 2's warm-up, floor and 4 M-token batch; Meta published neither the 70B's batch
-nor its layout). Layout: tensor 8 (one node's NVLink) x pipeline 4 (20 layers a stage) x data
--1, sequence parallel, selective recompute: 64 H100s at data 2, 128 at data 4.
+nor its layout). Layout: tensor 8 (one node's NVLink) x pipeline 8 (10 layers a stage) x data
+-1, sequence parallel, selective recompute: 128 H100s at data 2 (the planner: 72.8 GiB a
+device). On 64 H100s (data 1) it needs model.remat=full (51.0 GiB; 87.7 with selective).
 
-    python launch/plan.py --config configs/llama3_70b.py --devices 64 --target h100-80gb
+    python launch/plan.py --config configs/llama3_70b.py --devices 128 --target h100-80gb
 """
 
 import pathlib
@@ -18,5 +19,5 @@ def get_config():
     config = config_lib.load(str(pathlib.Path(__file__).with_name('llama3_8b.py')))
     config.model.update(dict(num_layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672))
     config.optimizer.update(dict(lr=1.5e-4, min_lr=1.5e-5))
-    config.mesh.update(dict(data=-1, stage=4, tensor=8))
+    config.mesh.update(dict(data=-1, stage=8, tensor=8))
     return config

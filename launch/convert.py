@@ -180,7 +180,9 @@ def import_hf(hf_dir, workdir, config, at_step=0, samples_consumed=0, overrides=
         mesh = mesh_from_config(config)
         setup = make_setup(config, mesh)
         if kind is hf_llama:
-            abstract, shardings = setup.abstract_state['params'], setup.state_shardings['params']
+            # checkpoints hold the layers in layer order (padded stages: parallel/stage_order.py)
+            abstract = setup.layer_abstract_state['params']
+            shardings = setup.layer_state_shardings['params']
             params = hf_llama.params_on_mesh(reader, abstract, shardings, config.model)
         else:
             params = hf_gpt2.params_from_hf(hf_gpt2.read(hf_dir)[1], config.model)
@@ -189,11 +191,11 @@ def import_hf(hf_dir, workdir, config, at_step=0, samples_consumed=0, overrides=
     run_dir = RunDir(workdir)
     if os.path.isdir(run_dir.checkpoints) and os.listdir(run_dir.checkpoints):
         fail(f'--workdir {workdir} already holds checkpoints; import into a new workdir')
-    expected = jax.tree.map(lambda a: a.shape, setup.abstract_state['params'])
+    expected = jax.tree.map(lambda a: a.shape, setup.layer_abstract_state['params'])
     if jax.tree.map(lambda a: a.shape, params) != expected:
         fail(f'--import_hf {hf_dir}: parameter shapes do not match the config')
 
-    shardings = setup.state_shardings
+    shardings = setup.layer_state_shardings  # checkpoints hold the layers in layer order
     with jax.set_mesh(mesh):
         params = jax.device_put(params, shardings['params'])
         init_opt = jax.jit(setup.optimizer.init, out_shardings=shardings['opt_state'])
@@ -305,9 +307,11 @@ def main(argv):
         value = getattr(args, name)
         if value < 0 or (value and not args.import_hf):
             fail(f'--{name} must be >= 0 and goes with --import_hf')
-    for name in ('tokenizer', 'dtype', 'shard_size', 'tensor'):
+    if args.tokenizer and not args.export_hf:
+        fail('--tokenizer goes with --export_hf (an import takes the HF directory\'s own)')
+    for name in ('dtype', 'shard_size', 'tensor'):
         if getattr(args, name) is not None and not args.export_hf:
-            fail(f'--{name} goes with --export_hf (an import takes the HF directory\'s own)')
+            fail(f'--{name} goes with --export_hf')
     shard_bytes = None
     if args.shard_size is not None:
         shard_bytes = parse_size(args.shard_size)

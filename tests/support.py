@@ -122,9 +122,7 @@ def gradients(config, batch, step=0):
 
 def in_layer_order(config, tree):
     """Block parameters (or gradients) of a pipelined layout back in plain layer order."""
-    return stage_order.to_layer_order(
-        tree, config.model.num_layers, config.mesh.stage, config.pipeline.repeats
-    )
+    return stage_order.to_layer_order(tree, stage_order.of_config(config))
 
 
 def train_losses(config, batches):

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import support
 from mtnlg_jax.xla import gpu_compile
-from mtnlg_jax.plan import clusters, gpu_target, overlap, report
+from mtnlg_jax.plan import arithmetic, clusters, gpu_target, overlap, report
 from mtnlg_jax.plan import compile as compile_lib
 
 pytestmark = pytest.mark.skipif(
@@ -175,3 +175,28 @@ def test_overlap_of_a_compiled_step_with_and_without_independent_work():
         assert row['wire_s'] == pytest.approx(3 / 4 * 4096 * 4096 * 2 / 300e9)
     assert hidden['exposed_s'] == pytest.approx(0.0, abs=1e-9)
     assert exposed['exposed_s'] == pytest.approx(exposed['wire_s'])
+
+
+def test_a_llama_block_compiles_with_grouped_cudnn_attention_inside_the_pipeline():
+    """Llama's block (rope, RMSNorm, SwiGLU, 8 query heads over 4 key/value heads, untied) in
+    bf16 on the pipelined layout: cuDNN's flash attention takes the grouped keys and values
+    (2 key/value heads a tensor rank) forward and backward, and the compiled matmul FLOPs are
+    the model FLOPs the planner counts for GQA and SwiGLU (6N + 12LHQT) but for the untied
+    input embedding, a gather that N counts as a matmul (6 V h a token: a tenth of this small
+    model's FLOPs, 0.5 % of Llama 3 405B's), give or take the flash backward's recomputed
+    scores."""
+    config = support.small_config(
+        **support.PLAN_LAYOUTS['pipelined'], hidden=256, vocab_size=1500,
+        compute_dtype='bfloat16', **support.LLAMA_BLOCK,
+    )  # fmt: skip
+    compiled = _gpu_plan(config)['compiled']
+    assert compiled['attention']['fused']
+    assert set(compiled['attention']['kernels']) == {
+        '__cudnn$fmhaSoftmax',
+        '__cudnn$fmhaSoftmaxBackward',
+    }
+    model = arithmetic.model_flops_per_step(config)
+    tokens = config.train.global_batch * config.model.seq_len
+    gather = 6 * config.model.padded_vocab * config.model.hidden * tokens
+    ratio = compiled['flops_vs_model'] * model / (model - gather)
+    assert 1.0 <= ratio < 1.05, (ratio, compiled['flops_vs_model'])

@@ -348,3 +348,19 @@ def test_bad_model_directories_are_one_error_line_and_nothing_written(tmp_path, 
         assert status == 2 and len(err) == 1, (directory.name, err)
         assert err[0].startswith(f'error: --import_hf {directory}') and message in err[0], err
         assert not workdir.exists()
+
+
+@pytest.mark.parametrize(
+    'flags, message',
+    [
+        (['--import_hf', FIXTURE / 'llama', '--dtype', 'bfloat16'], '--dtype goes with'),
+        (['--export_hf', 'OUT', '--shard_size', '5XB'], '--shard_size 5XB: give bytes'),
+        (['--export_hf', 'OUT', '--tensor', '0'], '--tensor 0: must be at least 1'),
+        (['--import_hf', FIXTURE], f'--import_hf {FIXTURE}: no config.json in it'),
+    ],
+)
+def test_bad_convert_flags_are_one_error_line(tmp_path, capsys, flags, message):
+    flags = [tmp_path / 'out' if f == 'OUT' else f for f in flags]
+    status, err = convert_main(capsys, *flags, '--workdir', tmp_path / 'w')
+    assert status == 2 and len(err) == 1 and err[0].startswith(f'error: {message}'), err
+    assert not (tmp_path / 'w').exists() and not (tmp_path / 'out').exists()

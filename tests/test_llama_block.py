@@ -17,7 +17,7 @@ from mtnlg_jax import config as config_lib
 from mtnlg_jax.model import counts, gpt, rope
 from mtnlg_jax.checkpoint import store as checkpoint_lib
 from mtnlg_jax.model.decode import forward_cached, init_cache
-from mtnlg_jax.train import resume
+from mtnlg_jax.train import optimizer, resume
 from mtnlg_jax.train import state as state_lib
 
 
@@ -171,6 +171,26 @@ def test_a_llama_block_under_data_tensor_and_sequence_parallelism_equals_one_dev
     support.assert_trees_close(params_tp, params, atol=0.0)
     np.testing.assert_allclose(loss_tp, loss, rtol=1e-6)
     support.assert_gradients_close(grads_tp, grads)
+
+
+def test_llama_3_405b_learning_rate_schedule_in_a_jitted_step():
+    """Meta's schedule counted in tokens (66.9 B warm-up, 17.3 T decay: beyond int32) as the
+    train step evaluates it: 0 -> 8e-5 at the end of the warm-up -> 8e-7 at the end."""
+    config = config_lib.load('configs/llama3_405b.py')
+    opt = config.optimizer
+    schedule = jax.jit(optimizer.learning_rate_schedule(opt))
+    lr = [float(schedule(jnp.float32(t))) for t in (0, opt.warmup_tokens, opt.decay_tokens)]
+    np.testing.assert_allclose(lr, [0.0, 8e-5, 8e-7], rtol=1e-3)
+
+
+def test_llama_training_steps_with_zero_1_equal_one_device():
+    """Four steps (Adam, the learning-rate schedule) under data 4 x tensor 2, where ZeRO-1
+    splits the fp32 state over data, against one device: the same losses, and it learns."""
+    batches = support.random_batches(4, seed=1)
+    one, _ = support.train_losses(support.small_config(**support.LLAMA_BLOCK), batches)
+    zero, _ = support.train_losses(support.small_config(4, 1, 2, **support.LLAMA_BLOCK), batches)
+    assert one[-1] < one[0] - 0.05
+    np.testing.assert_allclose(zero, one, atol=1e-4)
 
 
 @pytest.mark.parametrize(

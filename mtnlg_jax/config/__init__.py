@@ -4,6 +4,7 @@
     resolve.py   defaults(), resolve() (derived values kept apart from inputs), load()
     checks.py    the checks across keys, a section at a time; parse_split
     rampup.py    the batch-size ramp-up schedule
+    stage_layers.py  layers per pipeline stage (even, or first / last stages of their own)
 
 `from mtnlg_jax import config as config_lib` gives the names every other layer uses.
 """

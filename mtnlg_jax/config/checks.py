@@ -8,7 +8,7 @@ optimizer.decay_tokens), which resolve() then records under `derived`.
 
 import math
 
-from mtnlg_jax.config import rampup
+from mtnlg_jax.config import rampup, stage_layers
 from mtnlg_jax.config.keys import BY_NAME, ConfigError, check_values
 
 VOCAB_PAD_MULTIPLE = 128
@@ -60,13 +60,7 @@ def check_model(config):
         'model.ffn_hidden',
         f'{model.ffn_hidden} is not divisible by mesh.tensor={tensor}',
     )
-    _divisible(
-        'model.num_layers',
-        f'{model.num_layers} layers',
-        model.num_layers,
-        ('mesh.stage', config.mesh.stage),
-        ('pipeline.repeats', config.pipeline.repeats),
-    )
+    _check_stage_layers(config)
     _require(
         not model.sequence_parallel or model.seq_len % tensor == 0,
         'model.sequence_parallel',
@@ -138,6 +132,31 @@ def _check_rope(model):
             f'must be below high_freq_factor={scaling.high_freq_factor}, got '
             f'{scaling.low_freq_factor}',
         )
+
+
+def _check_stage_layers(config):
+    """model.num_layers over the stages: evenly, or with first / last stages of their own."""
+    model, pipeline, stages = config.model, config.pipeline, config.mesh.stage
+    first, last = pipeline.first_stage_layers, pipeline.last_stage_layers
+    if not (first or last) or stages == 1:
+        _divisible(
+            'model.num_layers',
+            f'{model.num_layers} layers',
+            model.num_layers,
+            ('mesh.stage', stages),
+            ('pipeline.repeats', pipeline.repeats),
+        )
+        return
+    key = 'pipeline.first_stage_layers' if first else 'pipeline.last_stage_layers'
+    try:
+        stage_layers.per_stage(model.num_layers, stages, pipeline.repeats, first, last)
+    except ValueError as e:
+        raise ConfigError(key, f'{e} (model.num_layers={model.num_layers})') from None
+    _require(
+        pipeline.schedule != 'gpipe',
+        key,
+        'stages of unequal depth run on the 1f1b and interleaved schedules, not gpipe',
+    )
 
 
 def check_train(config):

@@ -62,6 +62,21 @@ KEYS = (
         '1f1b with repeats 1: at most this many stage inputs held per stage (0: as the '
         'lockstep table needs, 2 (p - s) - 1)',
     ),
+    Key(
+        'pipeline.first_stage_layers',
+        0,
+        'int>=0',
+        "layers on the first stage (0: the even share; Megatron's "
+        '--decoder-first-pipeline-num-layers); the stages between share the rest evenly; no '
+        'effect with one stage',
+    ),
+    Key(
+        'pipeline.last_stage_layers',
+        0,
+        'int>=0',
+        "layers on the last stage (0: the even share; Megatron's "
+        '--decoder-last-pipeline-num-layers)',
+    ),
     Key('model.num_layers', 12, 'int>0', 'decoder blocks', 'never'),
     Key('model.hidden', 768, 'int>0', 'width of the residual stream', 'never'),
     Key('model.heads', 12, 'int>0', 'attention heads', 'never'),

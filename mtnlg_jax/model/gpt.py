@@ -52,6 +52,7 @@ from mtnlg_jax.model.block import SELECTIVE_SAVED, SITES_PER_BLOCK, Block, atten
 from mtnlg_jax.model.layers import dropout, norm, param, use
 from mtnlg_jax.model import loss
 from mtnlg_jax.model.loss import cross_entropy  # also the callers' name: gpt.cross_entropy
+from mtnlg_jax.parallel.branches import LAYER_SLOT
 from mtnlg_jax.parallel.rules import constrain
 from mtnlg_jax.parallel.stage_functions import StageFunctions
 
@@ -141,23 +142,39 @@ class GPT(nnx.Module):
 
 
 def apply_block_stack(
-    graphdef, stacked, x, row_keys, remat='none', first_layer=0, positions=None, segment_ids=None
+    graphdef,
+    stacked,
+    x,
+    row_keys,
+    remat='none',
+    first_layer=0,
+    positions=None,
+    segment_ids=None,
+    used=None,
 ):
     """Run blocks whose parameters are stacked on a leading axis over x, with lax.scan.
     graphdef: one Block's graph; first_layer: the global index of the first (for dropout);
     positions: the tokens' positions for rope (None: 0 .. seq - 1); segment_ids: (batch,
-    seq) packed documents' ids, or None."""
+    seq) packed documents' ids, or None; used: how many of the stacked blocks are layers (a
+    traced int; the rest are a short pipeline stage's padding slots, parallel/stage_order.py,
+    skipped: x passes through, no FLOPs, zero gradients), or None for all."""
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
 
-    def one_block(x, layer_and_params):
-        layer, params = layer_and_params
-        block = nnx.merge(graphdef, params)
-        return block(x, row_keys, layer, positions, segment_ids), None
+    def one_block(x, slot_layer_and_params):
+        slot, layer, params = slot_layer_and_params
+
+        def block(x):
+            return nnx.merge(graphdef, params)(x, row_keys, layer, positions, segment_ids)
+
+        if used is None:
+            return block(x), None
+        with jax.named_scope(LAYER_SLOT):  # the plan weighs its branches (parallel/branches.py)
+            return jax.lax.cond(slot < used, block, lambda x: x, x), None
 
     if remat != 'none':
         one_block = jax.checkpoint(one_block, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    layers = first_layer + jnp.arange(num_layers)
-    x, _ = jax.lax.scan(one_block, x, (layers, stacked))
+    slots = jnp.arange(num_layers)
+    x, _ = jax.lax.scan(one_block, x, (slots, first_layer + slots, stacked))
     return x
 
 
@@ -217,8 +234,10 @@ def stage_functions(graphdef):
     def embed(shared, tokens, row_keys):
         return view(shared).embed(tokens, row_keys)
 
-    def apply_blocks(chunk, hidden, row_keys, first_layer, remat):
-        return apply_block_stack(block_graphdef, chunk, hidden, row_keys, remat, first_layer)
+    def apply_blocks(chunk, hidden, row_keys, first_layer, remat, used=None):
+        return apply_block_stack(
+            block_graphdef, chunk, hidden, row_keys, remat, first_layer, used=used
+        )
 
     def head_loss_sum(shared, hidden, labels):
         model = view(shared)

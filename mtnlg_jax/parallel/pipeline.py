@@ -97,16 +97,26 @@ def bubble_fraction(stages, repeats, micro_batches, schedule='1f1b', max_in_flig
 
 
 def loss_and_grads(
-    stage_fns, params, tokens, row_keys, *, stages, repeats, schedule='1f1b', max_in_flight=0
+    stage_fns,
+    params,
+    tokens,
+    row_keys,
+    *,
+    stages,
+    repeats,
+    schedule='1f1b',
+    max_in_flight=0,
+    stage_layers=None,
 ):
     """(loss sum, token count, fp32 gradients shaped as params) of micro-batches tokens
     (m, rows, seq + 1), the block stack pipelined over 'stage'.
 
     stage_fns: the model's pieces (stage_functions.StageFunctions); params: its compute-dtype
     parameters (blocks stage-major); row_keys: one dropout key per sequence (m, rows), or
-    None. Called by the train step inside its region manual over 'data' (one replica's rows);
-    at top level with both 'data' and 'tensor' larger than 1, XLA's SPMD partitioner aborts on
-    the embedding's scatter-add."""
+    None; stage_layers: stage_order.StageLayers (None: equal stages). Called by the train
+    step inside its region manual over 'data' (one replica's rows); at top level with both
+    'data' and 'tensor' larger than 1, XLA's SPMD partitioner aborts on the embedding's
+    scatter-add."""
     if schedule == 'gpipe':
         # Differentiated in fp32 (the model casts each parameter to the compute dtype where
         # it uses it), so the scans' transposes sum every iteration's gradient in fp32.
@@ -120,23 +130,40 @@ def loss_and_grads(
         (loss, count), grads = jax.value_and_grad(loss_sum, has_aux=True)(params)
         return loss, count, grads
     ticks = build_table(stages, repeats, tokens.shape[0], max_in_flight)
-    return run_schedule(stage_fns, params, tokens, row_keys, ticks, with_grads=True)
+    return run_schedule(
+        stage_fns, params, tokens, row_keys, ticks, with_grads=True, stage_layers=stage_layers
+    )
 
 
-def loss_sum(stage_fns, params, tokens, *, stages, repeats, schedule='1f1b', max_in_flight=0):
+def loss_sum(
+    stage_fns,
+    params,
+    tokens,
+    *,
+    stages,
+    repeats,
+    schedule='1f1b',
+    max_in_flight=0,
+    stage_layers=None,
+):
     """(loss sum, token count) of tokens (m, rows, seq + 1), pipelined, no gradients."""
     if schedule == 'gpipe':
         return gpipe.pipelined_loss_sum(
             stage_fns, params, tokens, None, stages=stages, repeats=repeats
         )
     ticks = build_table(stages, repeats, tokens.shape[0], max_in_flight)
-    loss, count, _ = run_schedule(stage_fns, params, tokens, None, ticks, with_grads=False)
+    loss, count, _ = run_schedule(
+        stage_fns, params, tokens, None, ticks, with_grads=False, stage_layers=stage_layers
+    )
     return loss, count
 
 
-def run_schedule(stage_fns, params, tokens, row_keys, table, with_grads, bubble_fill=0.0):
+def run_schedule(
+    stage_fns, params, tokens, row_keys, table, with_grads, bubble_fill=0.0, stage_layers=None
+):
     """Run `table` (schedule.Schedule); returns (loss sum, token count, fp32 grads or None).
-    bubble_fill: what empty slots and idle outputs hold (tests fill NaN: it never leaks)."""
+    bubble_fill: what empty slots and idle outputs hold (tests fill NaN: it never leaks);
+    stage_layers: a StageLayers of stages of unequal depth (None: equal)."""
     shared = shared_params(params)
     p, v, m = table.stages, table.repeats, table.micro_batches
     num_layers = jax.tree.leaves(params['blocks'])[0].shape[0]
@@ -156,6 +183,13 @@ def run_schedule(stage_fns, params, tokens, row_keys, table, with_grads, bubble_
     tensor = 1 if mesh.empty else dict(mesh.shape).get('tensor', 1)
     handoff_axes = HANDOFF_AXES if seq % tensor == 0 else ACTIVATION_AXES
 
+    def chunk_layers(repeat, stage):
+        """(model index of the chunk's first layer, its layers or None: every slot)."""
+        if stage_layers is None or not stage_layers.padded:
+            return (repeat * p + stage) * per_chunk, None
+        firsts, sizes = (jnp.asarray(a, jnp.int32) for a in stage_layers.tables())
+        return firsts[repeat, stage], sizes[repeat, stage]
+
     def per_stage(blocks, shared, tokens, row_keys):
         stage = jax.lax.axis_index(STAGE_AXIS)
         chunks = jax.tree.map(lambda a: a.reshape(v, per_chunk, *a.shape[1:]), blocks)
@@ -165,8 +199,10 @@ def run_schedule(stage_fns, params, tokens, row_keys, table, with_grads, bubble_
 
         def apply_chunk(chunk, h, micro, repeat):
             h = constrain(h, ACTIVATION_AXES)  # gathered over 'tensor' on arrival
-            first_layer = (repeat * p + stage) * per_chunk
-            return stage_fns.apply_blocks(chunk, h, keys_of(micro), first_layer, stage_fns.remat)
+            first_layer, used = chunk_layers(repeat, stage)
+            return stage_fns.apply_blocks(
+                chunk, h, keys_of(micro), first_layer, stage_fns.remat, used=used
+            )
 
         def embedded(shared, micro):
             return stage_fns.embed(shared, tokens[micro, :, :-1], keys_of(micro))

@@ -155,24 +155,44 @@ def _without(axes, dropped):
     return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
-def zero_spec(spec, shape, mesh_shape):
-    """`spec` with 'data' added for ZeRO-1: on the first whole dimension that the data size
-    divides, else on the first split dimension that still divides evenly (e.g. an MLP bias
-    split over tensor becomes split over (tensor, data)); else left as it is."""
-    data_size = mesh_shape[ZERO_AXIS]
+def zero_spec(spec, shape, mesh_shape, axis_name=ZERO_AXIS):
+    """`spec` with 'data' (or `axis_name`) added for ZeRO-1: on the first whole dimension that
+    the data size divides, else on the first split dimension that still divides evenly (e.g.
+    an MLP bias split over tensor becomes split over (tensor, data)); else left as it is."""
+    data_size = mesh_shape[axis_name]
     if data_size == 1:
         return spec
     axes = list(spec) + [None] * (len(shape) - len(spec))
     for dim, (axis, size) in enumerate(zip(axes, shape)):
         if axis is None and size % data_size == 0:
-            axes[dim] = ZERO_AXIS
+            axes[dim] = axis_name
             return PartitionSpec(*axes)
     for dim, (axis, size) in enumerate(zip(axes, shape)):
         split = (axis,) if isinstance(axis, str) else tuple(axis or ())
         if split and size % (math.prod(mesh_shape[a] for a in split) * data_size) == 0:
-            axes[dim] = split + (ZERO_AXIS,)
+            axes[dim] = split + (axis_name,)
             return PartitionSpec(*axes)
     return spec  # too small to split evenly: kept whole on every replica
+
+
+def layer_order_shardings(logical_tree, abstract_params, mesh):
+    """NamedShardings of the state's blocks in plain layer order where the layers do not
+    divide over 'stage' (stages of unequal depth: what checkpoints hold): zero_shardings'
+    specs with 'stage' taken off the layer axis and put, as ZeRO puts 'data', on another
+    dimension it divides, so a device holds about as much as in the stage-major order."""
+    mesh_shape = dict(mesh.shape)
+
+    def spec(axes, leaf):
+        base = logical_to_spec(axes)
+        base = PartitionSpec(*(_without(a, {'stage'}) for a in base))
+        return zero_spec(zero_spec(base, leaf.shape, mesh_shape), leaf.shape, mesh_shape, 'stage')
+
+    return jax.tree.map(
+        lambda axes, leaf: NamedSharding(mesh, spec(axes, leaf)),
+        logical_tree,
+        abstract_params,
+        is_leaf=_is_axes,
+    )
 
 
 def compute_shardings(logical_tree, mesh):

@@ -1,47 +1,151 @@
 """Where the train state keeps each layer's block parameters when the mesh has stages.
 
 Stored form: block parameters (and their Adam moments) are kept stage-major, so the rule
-'layers' -> 'stage' gives each stage exactly its own chunks:
+'layers' -> 'stage' gives each stage exactly its own chunks. p stages, v repeats, chunk
+c = r p + s on stage s; every chunk has `slots` places:
 
-    storage index  s (v L/(pv)) + r L/(pv) + j   holds layer  (r p + s) L/(pv) + j
+    storage index  s (v slots) + r slots + j   holds layer  first_layer(c) + j   (j < n(c))
+                                               or nothing, a zero padding slot   (j >= n(c))
 
-Checkpoints hold them in plain layer order (`to_layer_order` before saving,
-`to_schedule_order` after restoring), so any (stage, repeats, schedule) restores any other.
+Stages of equal depth (L / p layers each): n(c) = slots = L / (p v), no padding. Stages of
+unequal depth (`pipeline.first_stage_layers` / `last_stage_layers`, Megatron's
+--decoder-first-pipeline-num-layers / --decoder-last-...): stage s holds its n_s layers, n_s / v
+per chunk, the other stages share the rest evenly; `slots` is the largest chunk, and the
+smaller chunks' last places are padding. Llama 3 405B on 16 stages: 7, 8 x 14, 7 -> 128
+places for 126 layers. A padding slot's parameters are zeros, the engine skips it
+(apply_blocks' `used`), so it gets no gradient and stays zero under Adam and weight decay.
+
+Checkpoints hold the L layers in plain layer order (`to_layer_order` before saving, padding
+dropped; `to_schedule_order` after restoring, padding zeros), so any (stage, repeats, first,
+last, schedule) restores any other.
 """
+
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtnlg_jax.config import stage_layers
 
-def schedule_order(num_layers, stages, repeats):
-    """Layer held at each storage index of the stage-major order."""
-    per_chunk = num_layers // (stages * repeats)
-    return np.array(
-        [
-            (r * stages + s) * per_chunk + j
-            for s in range(stages)
-            for r in range(repeats)
-            for j in range(per_chunk)
-        ]
+
+@dataclasses.dataclass(frozen=True)
+class StageLayers:
+    """How L layers sit on p stages of v chunks; first / last: layers on the first / last
+    stage (0: the even share)."""
+
+    num_layers: int
+    stages: int
+    repeats: int = 1
+    first: int = 0
+    last: int = 0
+
+    @functools.cached_property
+    def per_stage(self):
+        """Layers on each stage (config/stage_layers.py; ValueError naming the rule)."""
+        return stage_layers.per_stage(
+            self.num_layers, self.stages, self.repeats, self.first, self.last
+        )
+
+    @functools.cached_property
+    def chunk_sizes(self):
+        """(v, p) int: layers in chunk r p + s."""
+        return np.tile(np.array(self.per_stage) // self.repeats, (self.repeats, 1))
+
+    @property
+    def slots(self):
+        """Places per chunk: the largest chunk's layers."""
+        return int(self.chunk_sizes.max())
+
+    @property
+    def padded(self):
+        return bool((self.chunk_sizes < self.slots).any())
+
+    @property
+    def stored_layers(self):
+        """Places in the stored block stack: p v slots."""
+        return self.stages * self.repeats * self.slots
+
+    @functools.cached_property
+    def first_layers(self):
+        """(v, p) int: the model's index of chunk r p + s's first layer."""
+        sizes = self.chunk_sizes.reshape(-1)
+        return (np.cumsum(sizes) - sizes).reshape(self.chunk_sizes.shape)
+
+    def tables(self):
+        """(first layers, chunk sizes), each (v, p): what an engine indexes by (repeat,
+        stage) to run a chunk."""
+        return self.first_layers, self.chunk_sizes
+
+    def storage(self):
+        """The layer held at each storage index, -1 for a padding slot."""
+        v, p, slots = self.repeats, self.stages, self.slots
+        held = np.full((p, v, slots), -1)
+        for s in range(p):
+            for r in range(v):
+                n = self.chunk_sizes[r, s]
+                held[s, r, :n] = self.first_layers[r, s] + np.arange(n)
+        return held.reshape(-1)
+
+
+def of_config(config):
+    """The StageLayers of a resolved config."""
+    pipeline = config.pipeline
+    return StageLayers(
+        config.model.num_layers,
+        config.mesh.stage,
+        pipeline.repeats,
+        pipeline.get('first_stage_layers', 0),
+        pipeline.get('last_stage_layers', 0),
     )
 
 
-def _reorder_blocks(tree, index):
-    """Permute axis 0 of every leaf under a 'blocks' key (parameters and Adam moments)."""
-    if np.array_equal(index, np.arange(len(index))):
-        return tree
+def schedule_order(num_layers, stages, repeats):
+    """Layer held at each storage index of the stage-major order (equal stages)."""
+    return StageLayers(num_layers, stages, repeats).storage()
 
-    def reorder(path, leaf):
+
+def _map_blocks(tree, fn):
+    """fn(leaf) on every leaf under a 'blocks' key (parameters and Adam moments)."""
+
+    def apply(path, leaf):
         in_blocks = any(getattr(key, 'key', None) == 'blocks' for key in path)
-        return jnp.take(leaf, index, axis=0) if in_blocks else leaf
+        return fn(leaf) if in_blocks else leaf
 
-    return jax.tree_util.tree_map_with_path(reorder, tree)
-
-
-def to_schedule_order(tree, num_layers, stages, repeats):
-    return _reorder_blocks(tree, schedule_order(num_layers, stages, repeats))
+    return jax.tree_util.tree_map_with_path(apply, tree)
 
 
-def to_layer_order(tree, num_layers, stages, repeats):
-    return _reorder_blocks(tree, np.argsort(schedule_order(num_layers, stages, repeats)))
+def _as_layout(layout_or_layers, stages=None, repeats=None):
+    if isinstance(layout_or_layers, StageLayers):
+        return layout_or_layers
+    return StageLayers(layout_or_layers, stages, repeats)
+
+
+def to_schedule_order(tree, num_layers, stages=None, repeats=None):
+    """Blocks in layer order (L on axis 0) -> the stored order (padding slots zero).
+    num_layers: L, or a StageLayers (then stages and repeats are its own)."""
+    layout = _as_layout(num_layers, stages, repeats)
+    held = layout.storage()
+    if np.array_equal(held, np.arange(len(held))):
+        return tree
+    keep = held >= 0
+
+    def place(leaf):
+        taken = jnp.take(leaf, np.maximum(held, 0), axis=0)
+        if keep.all():
+            return taken
+        mask = keep.reshape(-1, *(1,) * (leaf.ndim - 1))
+        return jnp.where(mask, taken, jnp.zeros((), leaf.dtype))
+
+    return _map_blocks(tree, place)
+
+
+def to_layer_order(tree, num_layers, stages=None, repeats=None):
+    """The stored order -> blocks in layer order, padding slots dropped (L on axis 0)."""
+    layout = _as_layout(num_layers, stages, repeats)
+    held = layout.storage()
+    if np.array_equal(held, np.arange(len(held))):
+        return tree
+    where = np.argsort(np.where(held >= 0, held, len(held)))[: layout.num_layers]
+    return _map_blocks(tree, lambda leaf: jnp.take(leaf, where, axis=0))

@@ -17,7 +17,7 @@ from flax import nnx
 from mtnlg_jax.model import counts, gpt
 from mtnlg_jax.model.counts import model_flops_per_token
 from mtnlg_jax.model.layers import attention_dims
-from mtnlg_jax.parallel import gpipe, rules
+from mtnlg_jax.parallel import gpipe, rules, stage_order
 from mtnlg_jax.parallel import schedule as schedule_lib
 
 
@@ -116,6 +116,13 @@ def state_bytes(config):
     return dict(params=compute * e, grads=compute * (e + 4), optimizer=zero * 12)
 
 
+def chunk_slots(config):
+    """Layer slots a pipeline chunk holds and runs through: L / (p v), or with stages of
+    unequal depth the largest chunk's layers (a shorter chunk's padding slots take their
+    memory, parallel/stage_order.py; the slowest stage sets the pace)."""
+    return stage_order.of_config(config).slots
+
+
 def engine_table(config, micro_steps=None):
     """The 1F1B engine's schedule table of a config (parallel/schedule.py); None without a
     pipeline or with GPipe's scan (a run saved before pipeline.schedule existed is GPipe)."""
@@ -199,7 +206,7 @@ def activation_bytes(config):
         kept = model.num_layers * layer_activation_bytes(model, rows, tensor, model.remat)
         recomputed = full_layer if model.remat != 'none' else 0
         return dict(layers=kept, recomputed=recomputed, pipeline_buffers=0, logits=logits)
-    chunk_layers = model.num_layers // (stages * repeats)
+    chunk_layers = chunk_slots(config)
     table = engine_table(config)
     if table is not None:
         handoff = boundary // tensor if model.seq_len % tensor == 0 else boundary

@@ -31,6 +31,7 @@ left out: kilobytes against gigabytes.
 """
 
 from mtnlg_jax.plan.arithmetic import (
+    chunk_slots,
     engine_table,
     itemsize,
     local_param_counts,
@@ -50,7 +51,7 @@ def tensor_allreduces_per_micro_batch(config):
     layers (its L / p of them), forward + recompute + backward."""
     model = config.model
     stages, repeats = config.mesh.stage, config.pipeline.repeats
-    layers = model.num_layers // stages
+    layers = chunk_slots(config) * repeats  # the deepest stage's
     count = 4 * layers
     if model.remat == 'full':
         # The recompute's last all-reduce of a checkpointed segment is dead code when the
@@ -67,7 +68,10 @@ def _engine_tensor_runs(config):
     step in the 1F1B engine, the mean over stages (see the module docstring)."""
     model = config.model
     stages, repeats, micro = config.mesh.stage, config.pipeline.repeats, config.train.micro_steps
-    chunk_layers = model.num_layers // (stages * repeats)
+    chunks = stages * repeats  # the mean over stages: a padding slot sends nothing
+    chunk_layers = (
+        model.num_layers // chunks if model.num_layers % chunks == 0 else model.num_layers / chunks
+    )
     passes, per_stage = repeats * micro, micro / stages
     per_backward = 2 * chunk_layers
     if model.remat == 'full':

@@ -11,7 +11,8 @@ computation reached from several call sites sums them. Conditional branches coun
 unless `branch_weights` says how often each is: {scope path: [fraction per branch]}, the path
 being the named scopes of the weights' keys found in the conditional's op_name, outermost
 first (`parallel/branches.py`'s `branch_fractions`: which slots of its table run a chunk, the
-embedding, the head).
+embedding, the head); a path they do not name takes its innermost scope's weights (a short
+stage's layer slots, `LAYER_SLOT`, wherever they run).
 """
 
 import collections
@@ -125,7 +126,9 @@ def branch_factor(instruction, attr, callee, branch_weights, scopes):
     index = instruction.branch_index(attr, callee)
     if index is None or not branch_weights:
         return 1
-    weights = branch_weights.get(scope_path(instruction.op_name(), scopes))
+    path = scope_path(instruction.op_name(), scopes)
+    # a path the weights do not name takes its innermost scope's weights, if they name it
+    weights = branch_weights.get(path) or branch_weights.get(path[-1:])
     return weights[index] if weights and index < len(weights) else 1
 
 

@@ -169,7 +169,7 @@ def slot_costs(config, rates, semantics, exposed, accumulate):
     backward's gradients added to the fp32 accumulators: `accumulate` seconds), flops."""
     fused = semantics == 'ours' and block.attention_kernel(config.model, rates.gpu) != 'plain'
     layer = layer_forward(config, rates, exposed, fused)
-    n = config.model.num_layers // (config.mesh.stage * config.pipeline.repeats)
+    n = arithmetic.chunk_slots(config)
     again, again_flops = {
         'full': (layer['compute'] + layer['tensor'], layer['flops']),
         'selective': (layer['attention'], layer['attention_flops']),

@@ -8,6 +8,7 @@ and the readable table launch/plan.py prints.
 
 from mtnlg_jax.parallel import branches
 from mtnlg_jax.parallel import footprint
+from mtnlg_jax.parallel import stage_order
 from mtnlg_jax.plan import arithmetic, clusters, comm, hlo, hlo_module, overlap, predict
 
 # Keys other tools read (README, bench/scale.py, the pipeline and communication tests).
@@ -177,7 +178,14 @@ def branch_weights(config, micro_steps=None):
     """How often the 1F1B engine's conditionals take each branch, from its table (mean over
     stages), for the HLO inventory; None without one (no pipeline, or GPipe's scan)."""
     table = arithmetic.engine_table(config, micro_steps)
-    return None if table is None else branches.branch_fractions(table)
+    if table is None:
+        return None
+    weights = branches.branch_fractions(table)
+    layers = stage_order.of_config(config)
+    if layers.padded:  # cond(slot < used, block, pass through): the layers' share of slots
+        share = layers.num_layers / layers.stored_layers
+        weights[(branches.LAYER_SLOT,)] = [1.0 - share, share]
+    return weights
 
 
 def per_iteration_arrays(hlo_text, config, top=3):

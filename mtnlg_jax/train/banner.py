@@ -27,7 +27,7 @@ def pipeline_line(config):
 
 def lines(config, setup, compile_seconds, train_data):
     """The start banner: what will run, where, and what it costs."""
-    num_params = counts.count_params(setup.abstract_state['params'])
+    num_params = counts.count_params(setup.layer_abstract_state['params'])
     tokens_per_step = config.train.global_batch * config.model.seq_len
     flops_per_step = counts.model_flops_per_token(config.model, num_params) * tokens_per_step
     held = footprint.bytes_per_device(config, setup)

@@ -197,7 +197,7 @@ def banner_of(config, setup, train_data, primary):
 
 def throughput_figures(config, setup):
     """(model FLOPs per token, the device's peak TFLOP/s or None): what MFU is made of."""
-    num_params = counts.count_params(setup.abstract_state['params'])
+    num_params = counts.count_params(setup.layer_abstract_state['params'])
     flops_per_token = counts.model_flops_per_token(config.model, num_params)
     return flops_per_token, devices.device_peak_tflops(jax.devices()[0], config.model.compute_dtype)
 

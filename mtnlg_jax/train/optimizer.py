@@ -11,12 +11,14 @@ import optax
 
 
 def learning_rate_schedule(opt_cfg):
-    """lr(tokens_seen): optax's warmup + cosine, with tokens as its 'count'."""
+    """lr(tokens_seen): optax's warmup + cosine, with tokens as its 'count'. The token
+    counts go in as floats: Llama 3's (8.4 B warm-up tokens, 17 T decay tokens) overflow the
+    int32 a jitted step would make of Python integers."""
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=opt_cfg.lr,
-        warmup_steps=opt_cfg.warmup_tokens,
-        decay_steps=opt_cfg.decay_tokens,
+        warmup_steps=float(opt_cfg.warmup_tokens),
+        decay_steps=float(opt_cfg.decay_tokens),
         end_value=opt_cfg.min_lr,
     )
 

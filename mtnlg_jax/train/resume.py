@@ -91,7 +91,9 @@ def resizable_dims(setup):
 def _restore_newest(config, checkpoints, setup):
     """(step, state, meta) of the newest readable checkpoint, on this layout, with the blocks
     put back in the pipeline's stage-major order (checkpoints hold plain layer order)."""
-    abstract = checkpoint_lib.abstract_with_shardings(setup.abstract_state, setup.state_shardings)
+    abstract = checkpoint_lib.abstract_with_shardings(
+        setup.layer_abstract_state, setup.layer_state_shardings
+    )
     found = checkpoints.restore_newest(abstract, resizable=resizable_dims(setup))
     if found is None:
         return None

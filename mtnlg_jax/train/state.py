@@ -12,6 +12,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
@@ -32,31 +33,38 @@ class TrainSetup:
     state_shardings: dict  # NamedShardings of the state (ZeRO-1 for params and moments)
     compute_shardings: dict  # NamedShardings of the compute copy of the parameters
     mesh: jax.sharding.Mesh
+    stage_layers: stage_order.StageLayers  # where each layer's blocks are stored
+    # The state in plain layer order, the model's layers only (what checkpoints hold and
+    # parameters are counted on): the same as the above unless stages of unequal depth pad
+    # the stored block stack (parallel/stage_order.py).
+    layer_abstract_state: dict
+    layer_state_shardings: dict
 
 
 def make_setup(config, mesh):
     """Shapes and shardings of the train state, without allocating it."""
     device = mesh.devices.flat[0]
     abstract_model = nnx.eval_shape(lambda: gpt.create(config.model, config.train.seed, device))
-    graphdef, abstract_params, logical_axes = gpt.split(abstract_model)
+    graphdef, layer_params, logical_axes = gpt.split(abstract_model)
+    layers = stage_order.of_config(config)
     optimizer = make_optimizer(config.optimizer)
-    abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
-
-    replicated = NamedSharding(mesh, PartitionSpec())
+    abstract_params = layer_params
+    if layers.padded:
+        abstract_params = jax.eval_shape(
+            lambda p: stage_order.to_schedule_order(p, layers), layer_params
+        )
     param_shardings = rules.zero_shardings(logical_axes, abstract_params, mesh)
-    opt_shardings = optax.tree_map_params(
-        optimizer,
-        lambda _, sharding: sharding,
-        abstract_opt_state,
-        param_shardings,
-        transform_non_params=lambda _: replicated,
+    abstract_state, state_shardings = _sharded_state(
+        optimizer, abstract_params, param_shardings, mesh
     )
-    state_shardings = dict(params=param_shardings, opt_state=opt_shardings, step=replicated)
-    abstract_state = dict(
-        params=abstract_params,
-        opt_state=abstract_opt_state,
-        step=jax.ShapeDtypeStruct((), jnp.int32),
-    )
+    layer_state, layer_shardings = abstract_state, state_shardings
+    if layers.padded:
+        layer_state, layer_shardings = _sharded_state(
+            optimizer,
+            layer_params,
+            rules.layer_order_shardings(logical_axes, layer_params, mesh),
+            mesh,
+        )
     return TrainSetup(
         graphdef=graphdef,
         optimizer=optimizer,
@@ -65,7 +73,31 @@ def make_setup(config, mesh):
         state_shardings=state_shardings,
         compute_shardings=rules.compute_shardings(logical_axes, mesh),
         mesh=mesh,
+        stage_layers=layers,
+        layer_abstract_state=layer_state,
+        layer_state_shardings=layer_shardings,
     )
+
+
+def _sharded_state(optimizer, abstract_params, param_shardings, mesh):
+    """(abstract state, its shardings) of parameters laid out by param_shardings: the Adam
+    moments as their parameter, the rest replicated."""
+    abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt_shardings = optax.tree_map_params(
+        optimizer,
+        lambda _, sharding: sharding,
+        abstract_opt_state,
+        param_shardings,
+        transform_non_params=lambda _: replicated,
+    )
+    shardings = dict(params=param_shardings, opt_state=opt_shardings, step=replicated)
+    abstract_state = dict(
+        params=abstract_params,
+        opt_state=abstract_opt_state,
+        step=jax.ShapeDtypeStruct((), jnp.int32),
+    )
+    return abstract_state, shardings
 
 
 def init_state(config, setup):
@@ -75,9 +107,7 @@ def init_state(config, setup):
 
     def init():
         _, params, _ = gpt.split(gpt.create(config.model, config.train.seed))
-        params = stage_order.to_schedule_order(
-            params, config.model.num_layers, config.mesh.stage, config.pipeline.repeats
-        )
+        params = stage_order.to_schedule_order(params, setup.stage_layers)
         return dict(
             params=params, opt_state=setup.optimizer.init(params), step=jnp.zeros((), jnp.int32)
         )
@@ -88,11 +118,16 @@ def init_state(config, setup):
 
 def pipeline_order(config, setup, to):
     """A jitted state -> state that moves block parameters and moments between plain layer
-    order (what checkpoints hold) and the pipeline's stage-major order (what a stage holds),
-    `to` 'layer' or 'schedule'. The identity, with nothing moved, unless the schedule has both
-    stages and repeats."""
-    if config.mesh.stage == 1 or config.pipeline.repeats == 1:
+    order (what checkpoints hold, laid out as setup.layer_state_shardings) and the pipeline's
+    stage-major order (what a stage holds), `to` 'layer' or 'schedule'. The identity, with
+    nothing moved, when the two orders agree (no stages, or one chunk a stage of equal
+    depth)."""
+    layers = setup.stage_layers
+    held = layers.storage()
+    if np.array_equal(held, np.arange(len(held))):
         return lambda state: state
-    convert = stage_order.to_layer_order if to == 'layer' else stage_order.to_schedule_order
-    shape = (config.model.num_layers, config.mesh.stage, config.pipeline.repeats)
-    return jax.jit(lambda state: convert(state, *shape), out_shardings=setup.state_shardings)
+    if to == 'layer':
+        convert, out = stage_order.to_layer_order, setup.layer_state_shardings
+    else:
+        convert, out = stage_order.to_schedule_order, setup.state_shardings
+    return jax.jit(lambda state: convert(state, layers), out_shardings=out)

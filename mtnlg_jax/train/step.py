@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec
 from mtnlg_jax.data.batch import BATCH_AXES
 from mtnlg_jax.data import packing
 from mtnlg_jax.model import gpt
-from mtnlg_jax.parallel import pipeline, rules, zero
+from mtnlg_jax.parallel import pipeline, rules, stage_order, zero
 from mtnlg_jax.train.optimizer import learning_rate_schedule
 
 
@@ -101,7 +101,12 @@ def _replica_sums(config, setup, compute_params, tokens, row_ids, step):
         row_keys = _row_keys(config, step, row_ids)
         stage_fns = gpt.stage_functions(setup.graphdef)
         return pipeline.loss_and_grads(
-            stage_fns, compute_params, tokens, row_keys, **pipeline.options(config)
+            stage_fns,
+            compute_params,
+            tokens,
+            row_keys,
+            stage_layers=stage_order.of_config(config),
+            **pipeline.options(config),
         )
 
     pack = packing.of_config(config)
@@ -175,7 +180,10 @@ def make_eval_step(config, setup):
         compute_params = compute_copy(config, setup, params)
         if config.mesh.stage > 1:
             stage_fns = gpt.stage_functions(setup.graphdef)
-            return pipeline.loss_sum(stage_fns, compute_params, tokens, **pipeline.options(config))
+            layers = stage_order.of_config(config)
+            return pipeline.loss_sum(
+                stage_fns, compute_params, tokens, stage_layers=layers, **pipeline.options(config)
+            )
         model = gpt.merge(setup.graphdef, compute_params)
         pack = packing.of_config(config)
 

@@ -1,0 +1,143 @@
+"""Pipeline stages of unequal depth (pipeline.first_stage_layers / last_stage_layers): the
+layer arithmetic (Llama 3 405B's 7, 8 x 14, 7), 1F1B and interleaved layouts equal one device
+(fp32, per leaf), padding slots stay zero and get no gradient, checkpoints hold exactly the
+model's layers and restore under an even layout and back, and bad splits are one error."""
+
+import jax
+import numpy as np
+import pytest
+
+import support
+from mtnlg_jax import config as config_lib
+from mtnlg_jax.checkpoint import store as checkpoint_lib
+from mtnlg_jax.parallel import stage_order
+from mtnlg_jax.plan import compile as compile_lib
+from mtnlg_jax.plan import report
+from mtnlg_jax.train import resume
+from mtnlg_jax.train import state as state_lib
+
+LAYERS = 6
+
+
+def test_llama3_405bs_stages_hold_7_then_8_then_7_layers():
+    layers = stage_order.StageLayers(126, 16, 1, first=7, last=7)
+    assert layers.per_stage == (7,) + (8,) * 14 + (7,)
+    assert layers.slots == 8 and layers.stored_layers == 128 and layers.padded
+    held = layers.storage()
+    assert sorted(held[held >= 0]) == list(range(126))
+    assert list(np.nonzero(held < 0)[0]) == [7, 127]  # the first and the last stage's 8th
+    interleaved = stage_order.StageLayers(10, 2, 2, first=2, last=8)
+    pad = [-1] * 3  # stage 0: one layer a chunk, stage 1: four
+    assert interleaved.storage().tolist() == [0, *pad, 5, *pad, 1, 2, 3, 4, 6, 7, 8, 9]
+
+
+def test_the_stored_order_round_trips_and_pads_with_zeros():
+    layers = stage_order.StageLayers(LAYERS, 4, 1, first=1, last=1)
+    tree = {'blocks': np.arange(LAYERS, dtype=np.float32) + 1, 'other': np.ones(3)}
+    stored = stage_order.to_schedule_order(tree, layers)
+    assert stored['blocks'].tolist() == [1, 0, 2, 3, 4, 5, 6, 0]
+    back = stage_order.to_layer_order(stored, layers)
+    np.testing.assert_array_equal(back['blocks'], tree['blocks'])
+
+
+def _config(stage, repeats=1, schedule='1f1b', first=1, last=1, micro_steps=4, **model):
+    config = support.small_config(micro_steps=micro_steps, num_layers=LAYERS, **model)
+    config = config_lib.inputs_of(config)
+    config.mesh.stage = stage
+    config.pipeline.update(
+        repeats=repeats, schedule=schedule, first_stage_layers=first, last_stage_layers=last
+    )
+    return config_lib.resolve(config, stage)
+
+
+@pytest.fixture(scope='module')
+def one_device():
+    batch = support.random_batches(1)[0]
+    config = support.small_config(num_layers=LAYERS, hidden_dropout=0.1)
+    return batch, support.gradients(config, batch, step=5)
+
+
+@pytest.mark.parametrize(
+    'stage, repeats, schedule, first, last',
+    [(4, 1, '1f1b', 1, 1), (2, 2, 'interleaved', 2, 4)],
+    ids=['1f1b-1-2-2-1', 'interleaved-2-4'],
+)
+def test_an_unequal_layout_equals_one_device(one_device, stage, repeats, schedule, first, last):
+    """Loss and every gradient per leaf, relative to its scale, with dropout on (each layer
+    keeps its own masks wherever it runs); the stored padding slots stay zero and get zero
+    gradients."""
+    batch, (params_one, loss_one, grads_one) = one_device
+    config = _config(stage, repeats, schedule, first, last, hidden_dropout=0.1)
+    params, loss, grads = support.gradients(config, batch, step=5)
+    support.assert_trees_close(params, params_one, atol=0.0)
+    np.testing.assert_allclose(loss, loss_one, rtol=1e-6)
+    support.assert_gradients_close(grads, grads_one)
+    _, setup = support.layout(config)
+    padding = setup.stage_layers.storage() < 0
+    assert padding.sum() == setup.stage_layers.stored_layers - LAYERS > 0
+
+
+def test_checkpoints_hold_the_models_layers_and_restore_under_an_even_layout(tmp_path):
+    """Saved from 1, 2, 2, 1 layers on 4 stages: the checkpoint's blocks have the model's 6
+    layers; an even 2-stage layout restores the initial parameters of one device, and the
+    unequal layout restores its own state back, padding slots zero."""
+    config = _config(4)
+    mesh, setup = support.layout(config)
+    with jax.set_mesh(mesh):
+        state = state_lib.init_state(config, setup)
+        stored = jax.device_get(state)
+        checkpoints = checkpoint_lib.Checkpoints(tmp_path)
+        in_layer_order = state_lib.pipeline_order(config, setup, to='layer')
+        meta = resume.checkpoint_meta(config, resume.fresh_counters())
+        checkpoints.save(1, in_layer_order(state), meta)
+        checkpoints.wait()
+        checkpoints.close()
+    saved = jax.tree.leaves(jax.device_get(in_layer_order(state))['params']['blocks'])
+    assert {leaf.shape[0] for leaf in saved} == {LAYERS}
+    for leaf in jax.tree.leaves(stored['params']['blocks']):
+        assert leaf.shape[0] == 8 and not leaf[setup.stage_layers.storage() < 0].any()
+    even = support.small_config(stage=2, micro_steps=4, num_layers=LAYERS)
+    restored = _restore(tmp_path, even)
+    expected = support.initial_params(support.small_config(num_layers=LAYERS))
+    support.assert_trees_close(support.in_layer_order(even, restored['params']), expected, 0)
+    back = _restore(tmp_path, config)
+    support.assert_trees_close(back, stored, atol=0.0)
+
+
+def _restore(workdir, config):
+    mesh, setup = support.layout(config)
+    with jax.set_mesh(mesh):
+        checkpoints = checkpoint_lib.Checkpoints(workdir)
+        position = resume.restore_or_init(config, setup, checkpoints, log=lambda _: None)
+        checkpoints.close()
+    return jax.device_get(position.state)
+
+
+@pytest.mark.parametrize(
+    'overrides, words',
+    [
+        (dict(first=3, last=2), 'do not share evenly'),
+        (dict(first=1, last=1, repeats=2), 'do not split into 2 chunks'),
+        (dict(first=1, last=1, schedule='gpipe'), 'not gpipe'),
+    ],
+)
+def test_bad_stage_layers_are_one_error_naming_the_key(overrides, words):
+    with pytest.raises(config_lib.ConfigError, match=words) as error:
+        _config(4, **overrides)
+    assert error.value.key == 'pipeline.first_stage_layers'
+
+
+def test_padding_slots_cost_no_matmul_flops():
+    """Compiled by XLA:CPU, conditionals weighted as the plan weighs them: 1, 2, 2, 1 layers
+    on 4 stages do the matmul FLOPs of the 6-layer model unpipelined (compiled / model FLOPs
+    alike), where counting the 2 padding slots as run would add a third of a layer's per
+    stage."""
+    plain = _flops_vs_model(support.small_config(num_layers=LAYERS, hidden=128))
+    unequal = _flops_vs_model(_config(4, hidden=128))
+    assert unequal == pytest.approx(plain, rel=0.02), (unequal, plain)
+
+
+def _flops_vs_model(config):
+    compiled, _, info = compile_lib.compile_train_step(config)
+    plan = report.add_compiled(report.make_plan(config), config, compiled, info)
+    return plan['compiled']['flops_vs_model']
