@@ -7,7 +7,9 @@ For a workdir that launch/convert.py imported from Hugging Face, or any earlier 
 
 The keys come back as the run was given them (paths absolute), never its derived values:
 launch/train.py derives them again for this run (decay_tokens from this train.steps, the mesh
-from these devices), prints what changed, and any key can still be overridden.
+from these devices), prints what changed, and any key can still be overridden: on a run of
+launch/train.py, another recipe or data stream with --accept_changes, never another model or
+tokenizer (docs/checkpoints.md, "What a resume may change"; an import takes any).
 """
 
 import ml_collections

@@ -36,7 +36,7 @@ from mtnlg_jax.data.curate import decontaminate, engine, pipeline, quality, work
 from mtnlg_jax.data.curate.report import report_path, table
 from mtnlg_jax.data.pieces import sha256
 from mtnlg_jax.data.preprocess import InputError, documents, input_files
-from mtnlg_jax.run.cli import ArgumentParser
+from mtnlg_jax.run.cli import ArgumentParser, output_problem
 
 
 def parse_args(argv):
@@ -126,6 +126,12 @@ def _check(args):
     output = os.path.abspath(args.output)
     if os.path.isdir(output) and not args.output.endswith(os.sep):
         raise InputError(f'--output {args.output}: is a folder (end it with / for shards)')
+    shards = args.output.endswith(os.sep)
+    problem = output_problem(output, directory=shards) or (
+        None if shards else output_problem(report_path(output))
+    )
+    if problem:
+        raise InputError(f'--output {args.output}: {problem}')
     if any(os.path.abspath(name) == output for name in input_files(args.input)):
         raise InputError(f'--output {args.output}: is one of the inputs')
     if args.output.endswith(os.sep) and os.path.isdir(output):
@@ -205,6 +211,8 @@ def main(argv=None):
         report = engine.curate(args.input, args.output, chosen, args.work_dir, args.ray_address,
                                identity(args))  # fmt: skip
     except (InputError, OSError) as e:
+        if isinstance(e, OSError) and os.path.exists(args.output + '.tmp'):
+            os.remove(args.output + '.tmp')  # a full disk: no half-written output left
         print(f'error: {e}', file=sys.stderr)
         return 2
     print(table(report))

@@ -13,19 +13,27 @@ the run's data.split) or a text file (any other name, tokenised with the run's t
 with --count_words (text) or --num_words N the word-normalised perplexity of Megatron's
 WikiText-103 protocol is reported as well. Results
 print as a table and are written as JSON, by default to
-WORKDIR/eval/<task>_<data>[_<split>][_shots<N>]_step<N>.json, so results of different data,
-shots or steps never overwrite each other. The mesh is the run's unless --data_parallel /
---tensor say otherwise (on a CPU-only machine the tool makes that many CPU devices itself);
-any layout reads the checkpoint, parameters only. Bad input prints one line `error: ...` and
-exits with status 2 before anything is compiled or written.
+WORKDIR/eval/<task>_<data>[_<split>][_shots<N>][_tokens<N>][_limit<N>]_step<N>.json, so
+results of different data, shots, parts (--max_tokens, --limit) or steps never overwrite each
+other; the output is checked writable before anything is computed. The mesh is the run's
+unless --data_parallel / --tensor say otherwise (on a CPU-only machine the tool makes that
+many CPU devices itself); any layout reads the checkpoint, parameters only. Bad input prints
+one line `error: ...` and exits with status 2 before anything is compiled or written.
 """
 
-import json
+import functools
 import os
 import sys
 
 from mtnlg_jax.run import distributed
-from mtnlg_jax.run.cli import ArgumentParser, check_output_file, cpu_devices, fail, workdir_config
+from mtnlg_jax.run.cli import (
+    ArgumentParser,
+    check_output,
+    cpu_devices,
+    fail,
+    workdir_config,
+    write_json,
+)
 
 TASKS = ('perplexity', 'lambada', 'multiple_choice')
 
@@ -59,9 +67,11 @@ def parse_args(argv):
 
 
 def read_task_data(args, tokenizer, config):
-    """The task's input, read and checked before any model is loaded."""
+    """The task's input, read and checked before any model is loaded. tokenizer(needed):
+    (the run's tokenizer or None, its identity record or None)."""
     import numpy as np
 
+    from mtnlg_jax.data import identity
     from mtnlg_jax.data.gpt_dataset import split_tokens
     from mtnlg_jax.data.indexed import DataError, IndexedDataset
     from mtnlg_jax.eval import tasks
@@ -79,12 +89,15 @@ def read_task_data(args, tokenizer, config):
             if indexed:
                 if args.count_words:
                     fail('--count_words needs a text file; give --num_words for a token file')
-                tokens = split_tokens(IndexedDataset(args.data), args.split, config.data.split)
+                data = IndexedDataset(args.data)
+                trained = tokenizer(needed=False)[1]
+                identity.check(args.data, trained, f"{args.workdir}'s tokenizer", warn=False)
+                tokens = split_tokens(data, args.split, config.data.split)
                 num_words = args.num_words
             else:
                 with open(args.data, encoding='utf-8') as f:
                     text = f.read()
-                tokens = tokenizer().encode_prompt(text)  # a document: Llama 3's BOS first
+                tokens = tokenizer()[0].encode_prompt(text)  # a document: Llama 3's BOS first
                 num_words = tasks.count_words(text) if args.count_words else args.num_words
             tokens = np.asarray(tokens[: args.max_tokens])
             if tokens.size and int(tokens.max()) >= vocab_size:
@@ -102,14 +115,38 @@ def read_task_data(args, tokenizer, config):
 
 
 def result_name(args, step):
-    """<task>_<data>[_<split>][_shots<N>]_step<N>: one file per task, data, shots and step."""
+    """<task>_<data>[_<split>][_shots<N>][_tokens<N>][_limit<N>]_step<N>: one file per task,
+    data, shots, part of the data and step (a quick partial evaluation never overwrites the
+    full one)."""
     data = os.path.basename(args.data.rstrip('/')).rsplit('.', 1)[0] or 'data'
     parts = [args.task, data]
     if args.split:
         parts.append(args.split)
     if args.task == 'multiple_choice':
         parts.append(f'shots{args.shots}')
+    if args.max_tokens:
+        parts.append(f'tokens{args.max_tokens}')
+    if args.limit:
+        parts.append(f'limit{args.limit}')
     return '_'.join(parts + [f'step{step}'])
+
+
+def output_path(args):
+    """Where the result goes, checked writable before anything is computed: --output, or
+    WORKDIR/eval/<result_name>.json of the step that will be read (None if the workdir has no
+    such checkpoint: loading it is the error then)."""
+    from mtnlg_jax.run.rundir import RunDir
+
+    if args.output:
+        check_output(args.output)
+        return args.output
+    steps = RunDir(args.workdir).saved_steps()
+    step = args.step if args.step is not None else (steps[-1] if steps else None)
+    if step not in steps:
+        return None
+    path = RunDir(args.workdir).eval_output(result_name(args, step))
+    check_output(path, '--workdir', make=False)
+    return path
 
 
 def print_table(title, result):
@@ -129,8 +166,7 @@ def main(argv):
             fail(f'--{name} must be a positive integer, got {value}')
     if args.max_tokens and (args.num_words or args.count_words):
         fail('--max_tokens cuts the text, so the word count would not match: drop one of them')
-    if args.output:
-        check_output_file(args.output)
+    output = output_path(args)
     run_mesh = workdir_config(args.workdir)['mesh']
     devices = (args.data_parallel or run_mesh['data']) * (args.tensor or run_mesh['tensor'])
     cpu_devices(max(1, devices // distributed.requested_process_count(args)))
@@ -140,8 +176,8 @@ def main(argv):
     import jax
 
     from mtnlg_jax import config as config_lib
+    from mtnlg_jax.data import identity
     from mtnlg_jax.eval import tasks
-    from mtnlg_jax.data import tokenizer as tokenizer_lib
     from mtnlg_jax.eval import workdir as workdir_lib
     from mtnlg_jax.eval.scoring import Scorer
     from mtnlg_jax.run.rundir import RunDir
@@ -152,17 +188,19 @@ def main(argv):
     except (workdir_lib.WorkdirError, config_lib.ConfigError) as e:
         fail(str(e))
 
-    def tokenizer():
+    token_file = args.task == 'perplexity' and os.path.isfile(args.data + '.idx')
+
+    @functools.cache
+    def tokenizer(needed=True):
+        """(the run's tokenizer, its identity record), read when the data asks for it (so a
+        bad --data is named first); needed=False: token files only need the record."""
         try:
-            return tokenizer_lib.open_tokenizer(
-                args.tokenizer or config.data.tokenizer,
-                config.model,
-                '--tokenizer' if args.tokenizer else "the run's data.tokenizer (or --tokenizer)",
-            )
-        except tokenizer_lib.TokenizerError as e:
+            return workdir_lib.run_tokenizer(args.workdir, config, args.tokenizer, needed)
+        except workdir_lib.WorkdirError as e:
             fail(str(e))
 
     task_data, num_words = read_task_data(args, tokenizer, config)
+    tokenizer(needed=not token_file)  # checked against the run's before the model is read
     if num_words is not None and num_words < 2:
         fail(f'word-normalised perplexity needs at least 2 words, got {num_words}')
     if args.task == 'perplexity' and not 0 <= args.overlap < config.model.seq_len:
@@ -175,17 +213,19 @@ def main(argv):
         loaded = workdir_lib.load(args.workdir, args.step, args.data_parallel, args.tensor)
     except (workdir_lib.WorkdirError, config_lib.ConfigError) as e:
         fail(str(e))
+    if token_file and identity.read(args.data) is None:  # every check passed: now the warning
+        identity.warn_once(args.data)
     score = Scorer(loaded, args.batch_size)
     seq_len = loaded.config.model.seq_len
     if args.task == 'perplexity':
         result = tasks.perplexity(score, task_data, seq_len, args.overlap, num_words)
     elif args.task == 'lambada':
         result, _ = tasks.lambada(
-            score, tokenizer().encode, [r['text'] for r in task_data], seq_len
+            score, tokenizer()[0].encode, [r['text'] for r in task_data], seq_len
         )
     else:
         result, _ = tasks.multiple_choice(
-            score, tokenizer().encode, task_data, seq_len, args.shots, args.seed
+            score, tokenizer()[0].encode, task_data, seq_len, args.shots, args.seed
         )
     mesh = loaded.config.mesh
     record = dict(
@@ -203,10 +243,8 @@ def main(argv):
     if not distributed.is_primary():
         return
     print_table(f'{args.task} of {args.workdir} at step {loaded.step}', result)
-    output = args.output or RunDir(args.workdir).eval_output(result_name(args, loaded.step))
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    with open(output, 'w') as f:
-        json.dump(record, f, indent=2)
+    output = output or RunDir(args.workdir).eval_output(result_name(args, loaded.step))
+    write_json(output, record, '--output' if args.output else '--workdir')
     print(f'wrote {output}')
 
 

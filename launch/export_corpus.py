@@ -19,7 +19,7 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mtnlg_jax.run.cli import ArgumentParser  # noqa: E402
+from mtnlg_jax.run.cli import ArgumentParser, check_output, fail  # noqa: E402
 from mtnlg_jax.data.corpus import default_sources  # noqa: E402
 
 
@@ -27,19 +27,20 @@ def main(argv=None):
     parser = ArgumentParser(description=__doc__)
     parser.add_argument('--out', required=True, help='folder for <source>.jsonl')
     args = parser.parse_args(argv)
-    try:
-        os.makedirs(args.out, exist_ok=True)
-    except OSError as e:
-        print(f'error: --out {args.out}: {e.strerror or e}', file=sys.stderr)
-        return 2
+    check_output(args.out, '--out', directory=True, make=True)
     for name, factory in default_sources():
         start, path = time.perf_counter(), os.path.join(args.out, f'{name}.jsonl')
         count, characters = 0, 0
-        with open(path + '.tmp', 'w', encoding='utf-8') as f:
-            for text in factory():
-                f.write(json.dumps({'text': text}, ensure_ascii=False) + '\n')
-                count, characters = count + 1, characters + len(text)
-        os.replace(path + '.tmp', path)
+        try:  # a full disk: one line, the .tmp removed, earlier files kept
+            with open(path + '.tmp', 'w', encoding='utf-8') as f:
+                for text in factory():
+                    f.write(json.dumps({'text': text}, ensure_ascii=False) + '\n')
+                    count, characters = count + 1, characters + len(text)
+            os.replace(path + '.tmp', path)
+        except OSError as e:
+            if os.path.exists(path + '.tmp'):
+                os.remove(path + '.tmp')
+            fail(f'--out {args.out}: {path} not written ({e.strerror or e})')
         print(
             f'wrote {path}: {count:,} documents, {characters / 1e6:.1f} M characters '
             f'({time.perf_counter() - start:.1f} s)'

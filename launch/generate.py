@@ -19,12 +19,18 @@ completions as JSON with the sampling settings that made them. Bad input prints 
 `error: ...` and exits with status 2 before anything is compiled or written.
 """
 
-import json
 import os
 import sys
 
 from mtnlg_jax.run import distributed
-from mtnlg_jax.run.cli import ArgumentParser, check_output_file, cpu_devices, fail, workdir_config
+from mtnlg_jax.run.cli import (
+    ArgumentParser,
+    check_output_file,
+    cpu_devices,
+    fail,
+    workdir_config,
+    write_json,
+)
 
 
 def parse_args(argv):
@@ -103,7 +109,6 @@ def main(argv):
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)  # first
     from mtnlg_jax import config as config_lib
     from mtnlg_jax.eval import completion
-    from mtnlg_jax.data import tokenizer as tokenizer_lib
     from mtnlg_jax.eval import workdir as workdir_lib
     from mtnlg_jax.eval.generation import Generator
 
@@ -125,12 +130,8 @@ def main(argv):
     try:
         saved = workdir_lib.read_saved_config(args.workdir)
         config = workdir_lib.inference_config(saved, args.data_parallel, args.tensor)
-        tokenizer = tokenizer_lib.open_tokenizer(
-            args.tokenizer or config.data.tokenizer,
-            config.model,
-            '--tokenizer' if args.tokenizer else "the run's data.tokenizer (or --tokenizer)",
-        )
-    except (workdir_lib.WorkdirError, config_lib.ConfigError, tokenizer_lib.TokenizerError) as e:
+        tokenizer, _ = workdir_lib.run_tokenizer(args.workdir, config, args.tokenizer)
+    except (workdir_lib.WorkdirError, config_lib.ConfigError) as e:
         fail(str(e))
     try:
         longest = max(len(tokenizer.encode_prompt(p)) for p in prompts)
@@ -166,17 +167,13 @@ def main(argv):
             for prompt, sequences in zip(prompts, completions)
             for j, sequence in enumerate(sequences)
         ]
-        with open(args.output, 'w') as f:
-            json.dump(
-                dict(
-                    workdir=os.path.abspath(args.workdir),
-                    step=loaded.step,
-                    settings=dict(settings.to_dict(), use_cache=not args.no_cache),
-                    completions=records,
-                ),
-                f,
-                indent=2,
-            )
+        result = dict(
+            workdir=os.path.abspath(args.workdir),
+            step=loaded.step,
+            settings=dict(settings.to_dict(), use_cache=not args.no_cache),
+            completions=records,
+        )
+        write_json(args.output, result)
 
 
 if __name__ == '__main__':

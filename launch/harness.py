@@ -21,7 +21,7 @@ import functools
 import os
 import sys
 
-from mtnlg_jax.run.cli import ArgumentParser, cpu_devices, fail, workdir_config
+from mtnlg_jax.run.cli import ArgumentParser, check_output, cpu_devices, fail, workdir_config
 
 OUR_FLAGS = ('step', 'data_parallel', 'tensor', 'tokenizer', 'max_gen_toks')  # model_args
 MODEL_ARG_NAMES = dict(data_parallel='data')  # our flag -> the model class's argument
@@ -73,18 +73,13 @@ def check(args):
     cpu_devices((args.data_parallel or run_mesh['data']) * (args.tensor or run_mesh['tensor']))
 
     from mtnlg_jax import config as config_lib
-    from mtnlg_jax.data import tokenizer as tokenizer_lib
     from mtnlg_jax.eval import workdir as workdir_lib
 
     try:
         saved = workdir_lib.read_saved_config(args.workdir)
         config = workdir_lib.inference_config(saved, args.data_parallel, args.tensor)
-        tokenizer_lib.open_tokenizer(
-            args.tokenizer or config.data.tokenizer,
-            config.model,
-            '--tokenizer' if args.tokenizer else "the run's data.tokenizer (or --tokenizer)",
-        )
-    except (workdir_lib.WorkdirError, config_lib.ConfigError, tokenizer_lib.TokenizerError) as e:
+        workdir_lib.run_tokenizer(args.workdir, config, args.tokenizer)
+    except (workdir_lib.WorkdirError, config_lib.ConfigError) as e:
         fail(str(e))
 
 
@@ -98,6 +93,8 @@ def main(argv):
         path = harness_args[index + 1]
         if arg == '--include_path' and not os.path.isdir(path) and not os.path.isfile(path):
             fail(f'--include_path {path}: no such folder')
+        if arg in ('--output_path', '-o'):  # lm_eval writes a .json file or into a folder
+            check_output(path, arg, directory=not path.endswith('.json'))
     os.environ.setdefault('HF_DATASETS_OFFLINE', '1')
     os.environ.setdefault('HF_HUB_OFFLINE', '1')
     # The harness bootstraps stderrs in a forked process pool unless told not to; forking a

@@ -33,7 +33,6 @@ launch/train.py; process 0 prints):
 Bad input prints one line `error: ...` and exits 2 before anything is compiled or written.
 """
 
-import json
 import os
 import sys
 
@@ -106,10 +105,7 @@ def set_cpu_flags(devices):
 
 def write_json(path, plan):
     """Write atomically: an existing file is replaced only by a complete one."""
-    tmp = f'{path}.tmp'
-    with open(tmp, 'w') as f:
-        json.dump(plan, f, indent=2)
-    os.replace(tmp, path)
+    cli.write_json(path, plan, '--json')
 
 
 def main(argv):
@@ -125,9 +121,7 @@ def main(argv):
     if args.cluster is not None and args.cluster not in CLUSTERS:
         fail(f'--cluster {args.cluster!r} is not one of {", ".join(CLUSTERS)}')
     if args.json is not None:
-        folder = os.path.dirname(os.path.abspath(args.json))
-        if not os.path.isdir(folder):
-            fail(f'--json {args.json}: no such directory {folder}')
+        cli.check_output(args.json, '--json', make=True)
     if args.search:
         from mtnlg_jax.plan import search  # noqa: PLC0415
 

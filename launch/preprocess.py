@@ -42,7 +42,7 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mtnlg_jax.run.cli import ArgumentParser  # noqa: E402
+from mtnlg_jax.run.cli import ArgumentParser, output_problem  # noqa: E402
 from mtnlg_jax.data.gpt2_bpe import GPT2BPETokenizer  # noqa: E402
 from mtnlg_jax.data.preprocess import InputError, documents, tokenize  # noqa: E402
 from mtnlg_jax.data.tokenizer import KINDS, HFTokenizer, Tokenizer, TokenizerError  # noqa: E402
@@ -124,10 +124,12 @@ def parse_args(argv):
     written = [('--output-prefix', args.output_prefix)]
     if args.train_tokenizer:
         written.append(('--tokenizer-model', args.tokenizer_model))
-    for flag, path in written:
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if folder and not os.path.isdir(folder):
-            raise InputError(f'{flag} {path}: no folder {folder}')
+    for flag, path in written:  # each output's folder made now, so a bad one costs nothing
+        problem = path and output_problem(path)  # files appear by rename: the folder decides
+        if problem:
+            raise InputError(f'{flag} {path}: {problem}')
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     return args
 
 

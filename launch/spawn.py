@@ -3,7 +3,9 @@
     python launch/spawn.py --processes 2 --devices_per_process 4 -- \\
         launch/train.py --config configs/tiny.py --workdir runs/tiny2
 
-The same command as one process, run as P: each process gets D simulated CPU devices
+Everything from the script's name on is its command line, untouched: the `--` before it is
+optional (flags of spawn's own after the script's name are the script's). The same command as
+one process, run as P: each process gets D simulated CPU devices
 (XLA_FLAGS=--xla_force_host_platform_device_count=D) and joins the others through
 jax.distributed on a free localhost port (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
 JAX_PROCESS_ID: mtnlg_jax/run/distributed.py reads them), so the script sees P x D devices and
@@ -51,7 +53,9 @@ def parse_args(argv):
         default=10.0,
         help='after one process fails, seconds the others get to end on their own',
     )
-    parser.add_argument('command', nargs=argparse.REMAINDER, help='-- SCRIPT ARGS...')
+    parser.add_argument(
+        'command', nargs=argparse.REMAINDER, help="[--] SCRIPT ARGS... (the script's command line)"
+    )
     args = parser.parse_args(argv)
     if args.command[:1] == ['--']:
         args.command = args.command[1:]
@@ -97,6 +101,38 @@ def process_env(index, processes, devices, port, base=os.environ):
     )
 
 
+class QuietGloo:
+    """Passes process 0's stderr on to this terminal without gloo's connection notices
+    ('[Gloo] Rank 0 is connected to 1 peer ranks. ...', about 20 in a 2-process run), chunk by
+    chunk as it arrives, so a progress bar's carriage returns still draw in place."""
+
+    NOTICE = re.compile(rb'\[Gloo\][^\n]*\n')
+    PREFIX = b'[Gloo]'
+
+    def __init__(self, out):
+        self.out, self.held = out, b''
+
+    def feed(self, data):
+        text = self.NOTICE.sub(b'', self.held + data)
+        cut = text.find(self.PREFIX)  # a notice not yet ended, or the start of one
+        if cut < 0:
+            ends = [n for n in range(1, len(self.PREFIX)) if text.endswith(self.PREFIX[:n])]
+            cut = len(text) - max(ends) if ends else len(text)
+        text, self.held = text[:cut], text[cut:]
+        self.out.write(text)
+        self.out.flush()
+
+    def close(self):
+        self.out.write(self.NOTICE.sub(b'', self.held))
+        self.out.flush()
+
+    def pump(self, stream):
+        """Copy `stream` (a binary pipe) through, until it ends."""
+        for data in iter(lambda: os.read(stream.fileno(), 65536), b''):
+            self.feed(data)
+        self.close()
+
+
 class Log:
     """The output of process N > 0: kept in memory until WORKDIR exists, then appended to
     WORKDIR/logs/process_N.log; remembers the last non-empty line."""
@@ -106,7 +142,9 @@ class Log:
         self.pending, self.file, self.last_line = [], None, ''
 
     def add(self, line):
-        if line.strip() and not line.startswith('[Gloo]'):  # gloo's connection notices
+        if line.startswith('[Gloo]'):  # gloo's connection notices
+            return
+        if line.strip():
             self.last_line = line.strip()
         self.pending.append(line)
         self.flush()
@@ -145,8 +183,8 @@ def start(args):
     processes, logs, readers = [], {}, []
     for index in range(args.processes):
         env = process_env(index, args.processes, args.devices_per_process, port)
-        piped = {}
-        if index:  # process 0 keeps this terminal (its progress bar draws in place)
+        piped = dict(stderr=subprocess.PIPE)  # process 0: this terminal's, gloo's notices out
+        if index:
             piped = dict(
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -162,7 +200,12 @@ def start(args):
             **piped,
         )
         processes.append(process)
-        if index:
+        if not index:
+            quiet = QuietGloo(sys.stderr.buffer)
+            reader = threading.Thread(target=quiet.pump, args=(process.stderr,), daemon=True)
+            reader.start()
+            readers.append(reader)
+        else:
             logs[index] = Log(index, workdir)
             reader = threading.Thread(
                 target=lambda p=process, log=logs[index]: [log.add(line) for line in p.stdout],

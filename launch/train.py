@@ -20,7 +20,7 @@ SLURM (launch/slurm/train.sbatch), Open MPI, or with --coordinator, --num_proces
 
 import sys
 
-from mtnlg_jax.run import cli, distributed
+from mtnlg_jax.run import cli, distributed, rundir
 from mtnlg_jax.xla import flags as xla_flags
 from mtnlg_jax.run.cli import fail
 from mtnlg_jax.run.rundir import RunDir, RunDirError
@@ -30,6 +30,11 @@ def parse_args(argv):
     parser = cli.ArgumentParser(description=__doc__)
     parser.add_config()
     parser.add_argument('--workdir', required=True, help='directory of the run (created)')
+    parser.add_argument(
+        '--accept_changes',
+        action='store_true',
+        help='continue the workdir with another recipe or data stream (docs/checkpoints.md)',
+    )
     distributed.add_arguments(parser)
     return parser.parse_args(argv)
 
@@ -47,16 +52,75 @@ def check_tokenizer(config):
         fail(f'{e} (--config.data.tokenizer= trains on token ids with none)')
 
 
-def changed_inputs(before, after, prefix=''):
-    """['key: old -> new', ...] between two input dicts (a continued run says what changed)."""
-    lines = []
-    for key in sorted(set(before) | set(after)):
-        old, new = before.get(key), after.get(key)
-        if isinstance(old, dict) and isinstance(new, dict):
-            lines += changed_inputs(old, new, f'{prefix}{key}.')
-        elif old != new:
-            lines.append(f'{prefix}{key}: {old!r} -> {new!r}')
-    return lines
+def run_identity(config):
+    """identity.json's record of this run (data/identity.py's run_record); fail() on data
+    that cannot be read or whose tokenizers disagree with data.tokenizer or each other."""
+    from mtnlg_jax.data import identity
+    from mtnlg_jax.data.indexed import DataError
+
+    try:
+        return identity.run_record(config)
+    except DataError as e:
+        fail(str(e))
+
+
+def warn_unchecked(record):
+    """Once every check has passed: a warning per source whose files name no tokenizer."""
+    from mtnlg_jax.data import identity
+
+    for source in record['data']['sources']:
+        if source['tokenizer'] is None:
+            identity.warn_once(source['prefix'])
+
+
+def check_continuation(args, run_dir, config, now):
+    """The identity to record when this command continues run_dir: what changed is printed;
+    a change the key table's resume column (config/keys.py) calls never is refused, one it
+    calls explicit (or another data stream) is refused without --accept_changes. The rules
+    hold once the workdir has a checkpoint of a run that recorded its identity (not an
+    import, not a run from before)."""
+    from mtnlg_jax.config import keys
+    from mtnlg_jax.data import identity
+
+    try:
+        before, recorded = run_dir.read_inputs(), run_dir.read_identity()
+    except RunDirError as e:
+        fail(str(e))
+    changes = rundir.changed_inputs(before, config.inputs.to_dict())
+    if distributed.is_primary():
+        listed = ', '.join(f'{key}: {old!r} -> {new!r}' for key, old, new in changes)
+        print(
+            f'config       continues {run_dir.config_path}; '
+            + (f'changed: {listed}' if changes else 'no input changed'),
+            flush=True,
+        )
+    steps = run_dir.saved_steps()
+    if not (recorded and steps):
+        return now
+    refused, asked = [], []
+    then_tokenizer, tokenizer = recorded.get('tokenizer'), now['tokenizer']
+    if then_tokenizer and not (tokenizer and identity.same(then_tokenizer, tokenizer)):
+        new = identity.describe(tokenizer) if tokenizer else 'none known (data.tokenizer empty)'
+        refused.append(f'the tokenizer {identity.describe(then_tokenizer)} -> {new}')
+    for key, old, new in changes:
+        rule = keys.BY_NAME[key].resume if key in keys.BY_NAME else 'explicit'
+        if key != 'data.tokenizer' and rule != 'free':  # the tokenizer: by identity, above
+            (refused if rule == 'never' else asked).append(f'{key}: {old!r} -> {new!r}')
+    asked += identity.stream_changes(recorded.get('data', {}), now['data'])
+    if refused:
+        fail(
+            f'--workdir {args.workdir} cannot continue with {"; ".join(refused)}: a run keeps '
+            'its model and tokenizer (docs/checkpoints.md; a new workdir with '
+            f'--config.checkpoint.init_from={args.workdir} starts from its parameters)'
+        )
+    if asked and not args.accept_changes:
+        fail(
+            f'--workdir {args.workdir} would continue with another data stream: '
+            f'{"; ".join(asked)} (give the run\'s own values, or --accept_changes to continue '
+            'with these: docs/checkpoints.md)'
+        )
+    history = recorded.get('changes', [])
+    return dict(now, changes=history + [dict(after_step=steps[-1], changed=asked)] * bool(asked))
 
 
 def main(argv):
@@ -94,20 +158,12 @@ def main(argv):
             f'{config.train.steps} (raise --config.train.steps to train on)'
         )
     check_tokenizer(config)
+    record = run_identity(config)
     if run_dir.has_config():
-        try:
-            before = run_dir.read_inputs()
-        except RunDirError as e:
-            fail(str(e))
-        changes = changed_inputs(before, config.inputs.to_dict())
-        if distributed.is_primary():
-            print(
-                f'config       continues {run_dir.config_path}; '
-                + (f'changed: {", ".join(changes)}' if changes else 'no input changed'),
-                flush=True,
-            )
+        record = check_continuation(args, run_dir, config, record)
+    warn_unchecked(record)
     try:
-        loop.train(config, args.workdir)
+        loop.train(config, args.workdir, identity=record)
     except (DataError, CheckpointError, config_lib.ConfigError) as e:
         fail(str(e))
     except (faults.NonFiniteError, faults.SaveFailedError) as e:  # a run gone wrong: status 1

@@ -85,7 +85,7 @@ CASES = [
     ('train.py', (*TINY, '--config.model=3'), '--config.model: is a section'),
     ('train.py', (*TINY, '--config.train.eval_every=-5'), 'train.eval_every: must be'),
     ('train.py', (*TINY, '--config.train.steps'), '--config.train.steps: give a value'),
-    ('train.py', (*TINY, '--wrokdir', 'x'), 'unrecognized arguments: --wrokdir'),
+    ('train.py', (*TINY, '--wrokdir', 'x'), 'unrecognized argument --wrokdir; did you mean'),
     ('train.py', (*TINY[:3], '{tmp}/a_file'), '--workdir {tmp}/a_file: exists and is not a dir'),
     (
         'train.py',

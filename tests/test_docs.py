@@ -1,9 +1,12 @@
 """The README and docs/ say what exists: every relative link resolves (file and heading), and
 every command in a code block names a script, flags, config keys, make targets and repository
-files that exist (each script's own `--help` says which flags it takes)."""
+files that exist (each script's own `--help` says which flags it takes); and the cheap
+commands run as written: the README's tour end to end on a small committed corpus (a clean
+clone has no data/), the planner's arithmetic, a typo's error line."""
 
 import functools
 import pathlib
+import os
 import re
 import shlex
 import subprocess
@@ -51,9 +54,10 @@ def test_every_relative_link_resolves(page):
     assert not broken, f'{page.relative_to(ROOT)}: ' + '; '.join(broken)
 
 
-def command_lines(page):
-    """Every command of the page's code blocks, continuation lines joined, comments cut."""
-    for block in FENCE.findall(page.read_text()):
+def command_lines(page, text=None):
+    """Every command of the page's code blocks (or of `text`), continuation lines joined,
+    comments cut."""
+    for block in FENCE.findall(page.read_text() if text is None else text):
         lines = block.splitlines()[1:-1]
         joined, pending = [], ''
         for line in lines:
@@ -162,3 +166,97 @@ def test_the_checks_find_what_is_wrong(tmp_path):
         'no make target trian',
         'no file launch/slurm/none.sbatch',
     ]
+
+
+# The tour as written, on a committed corpus of 30 Bible chapters: only what must shrink for
+# 120 KB of text and a minute of suite time changes (its tokenizer's size, and the model and
+# steps appended as later overrides, which win).
+TOUR_CORPUS = ROOT / 'tests/fixtures/curation/good.jsonl'
+TOUR_VOCAB = 320
+TOUR_TRAIN = [
+    f'--config.model.vocab_size={TOUR_VOCAB}',
+    *('--config.mesh.data=4', '--config.mesh.stage=1', '--config.mesh.tensor=2'),
+    *('--config.pipeline.repeats=1', '--config.model.remat=none'),
+    *('--config.model.num_layers=2', '--config.model.hidden=64', '--config.model.seq_len=64'),
+    *('--config.train.steps=2', '--config.train.eval_every=0', '--config.train.micro_batch=2'),
+]
+
+
+def section(page, heading):
+    text = page.read_text()
+    start = text.index(f'\n## {heading}')
+    end = text.find('\n## ', start + 1)
+    return text[start : end if end > 0 else None]
+
+
+def as_run(words):
+    """A tour command's words with the corpus and sizes of the committed fixture."""
+    words = [str(TOUR_CORPUS) if w == 'my.jsonl' else w for w in words]
+    if '--vocab-size' in words:
+        words[words.index('--vocab-size') + 1] = str(TOUR_VOCAB)
+    if words[0] == 'launch/train.py':
+        words += TOUR_TRAIN
+    return words
+
+
+def run_in(folder, words, timeout=600):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop('XLA_FLAGS', None)  # the tools make their own devices, as for a user
+    return subprocess.run(
+        [sys.executable, *words], capture_output=True, text=True, cwd=folder, env=env,
+        timeout=timeout,
+    )  # fmt: skip
+
+
+def test_the_readme_tour_runs_as_written(tmp_path):
+    for name in ('launch', 'configs'):
+        (tmp_path / name).symlink_to(ROOT / name)
+    commands = list(command_lines(PAGES[0], section(PAGES[0], 'A five-minute tour')))
+    scripts = [shlex.split(rest)[0] for _, rest in commands]
+    assert scripts == [f'launch/{name}.py' for name in
+                       ('curate', 'preprocess', 'train', 'evaluate', 'generate')]  # fmt: skip
+    for program, rest in commands:
+        assert program == 'python'
+        result = run_in(tmp_path, as_run(shlex.split(rest)))
+        assert result.returncode == 0, f'{rest}\n{result.stderr[-3000:]}'
+    assert (tmp_path / 'data/mine/text.identity.json').is_file()
+    assert list((tmp_path / 'runs/mine/eval').glob('perplexity_text_valid_step2.json'))
+
+
+def test_the_planners_arithmetic_runs_as_written():
+    commands = [
+        shlex.split(rest)
+        for page in PAGES
+        for program, rest in command_lines(page)
+        if program == 'python' and rest.startswith('launch/plan.py') and '--cluster' in rest
+        and not {'--search', '--target', '--compile'} & set(shlex.split(rest))
+    ]  # fmt: skip
+    assert commands
+    for words in commands[:3]:
+        result = run_in(ROOT, words, timeout=120)
+        assert result.returncode == 0, f'{words}\n{result.stderr[-2000:]}'
+
+
+def test_a_typo_of_a_required_flag_names_the_typo():
+    result = run_in(ROOT, ['launch/train.py', '--config', 'configs/tiny.py', '--workdri', 'x'])
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        'error: unrecognized argument --workdri; did you mean --workdir?'
+    )
+
+
+def test_the_change_of_layout_example_resolves_on_its_config():
+    """docs/checkpoints.md's resume under another layout: its overrides fit configs/tiny.py
+    (the ramp-up's first batch divides the new layout)."""
+    from mtnlg_jax import config as config_lib
+    from mtnlg_jax.run import cli
+
+    page = ROOT / 'docs/checkpoints.md'
+    commands = [shlex.split(rest) for program, rest in command_lines(page) if program == 'python']
+    layout = next(words for words in commands if '--config.mesh.data=4' in words)
+    overrides, rest = cli.split_overrides(layout[1:])
+    config = cli.apply_overrides(
+        cli.load_config(str(ROOT / rest[rest.index('--config') + 1])), overrides
+    )
+    resolved = config_lib.resolve(config, 8)
+    assert (resolved.mesh.data, resolved.mesh.stage, resolved.mesh.tensor) == (4, 1, 2)

@@ -323,3 +323,45 @@ def test_after_a_hang_a_preemption_and_a_pause_the_same_command_resumes_exactly(
     stopped = re.search(r'stopped +at step (\d+)', results['preempted'][2]).group(1)
     assert f'resumed      from step {stopped}' in stdout
     np.testing.assert_allclose(losses(workdir), losses(one_by_eight), rtol=1e-6, atol=0)
+
+
+def spawn_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location('spawn', ROOT / 'launch/spawn.py')
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_spawn_takes_the_command_with_or_without_the_double_dash():
+    spawn = spawn_module()
+    command = ['launch/train.py', '--config', 'configs/tiny.py', '--processes', '3']
+    flags = ['--processes', '2', '--devices_per_process', '4']
+    with_dash = spawn.parse_args([*flags, '--', *command])
+    without = spawn.parse_args([*flags, *command])
+    assert with_dash.command == without.command == command and without.processes == 2
+
+
+def test_spawn_passes_process_zeros_output_on_without_gloos_notices():
+    """Chunks as they arrive: a notice split across reads, a progress bar's carriage returns
+    passed on at once (not held for a newline)."""
+    import io
+
+    out = io.BytesIO()
+    quiet = spawn_module().QuietGloo(out)
+    chunks = [
+        b'config ok\n[Gl',
+        b'oo] Rank 0 is connected to 1 peer ranks. Expected',
+        b' 1\n',
+        b'\r 50%|#####',
+        b'\r100%|##########|\n[Gloo] Rank 0 is connected\n',
+        b'done [',
+    ]
+    seen = []
+    for chunk in chunks:
+        quiet.feed(chunk)
+        seen.append(out.getvalue())
+    quiet.close()
+    assert seen[3].endswith(b'\r 50%|#####')  # drawn in place at once
+    assert out.getvalue() == b'config ok\n\r 50%|#####\r100%|##########|\ndone ['

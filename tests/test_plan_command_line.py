@@ -73,7 +73,7 @@ def test_a_bf16_pipelined_step_compiles_through_the_tool(tmp_path):
         (['--devices', '7'], 'mesh: data x stage x tensor = 2 x 2 x 2 = 8, but there are 7'),
         (['--devices', '0'], '--devices must be a positive integer, got 0'),
         (['--config.model.hidden=abc'], 'config.model.hidden'),
-        (['--json', '/nonexistent/dir/plan.json'], '--json /nonexistent/dir/plan.json'),
+        (['--json', 'README.md/plan.json'], '--json README.md/plan.json: '),  # its folder a file
         (['--target', 'h200'], "--target 'h200' is not one of a100-80gb, h100-80gb"),
         (['--target', 'a100-80gb', '--num_processes', '2'], 'leave out --num_processes'),
         (['--target', 'a100-80gb', '--config.mesh.tensor=16', '--config.mesh.data=1',

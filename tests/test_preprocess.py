@@ -9,7 +9,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from mtnlg_jax.data import ray_engine
+from mtnlg_jax.data import identity, ray_engine
 from mtnlg_jax.data.indexed import IndexedDataset
 from mtnlg_jax.data.tokenizer import Tokenizer
 from mtnlg_jax.data.tokenizer import load as load_tokenizer
@@ -108,6 +108,16 @@ def test_two_workers_write_the_same_files_as_one(corpus, tokenizer, tmp_path):
         assert (tmp_path / f'w1{suffix}').read_bytes() == (tmp_path / f'w2{suffix}').read_bytes()
 
 
+def test_the_output_folder_is_made_and_the_tokenizer_named_beside_the_files(
+    corpus, tokenizer, tmp_path
+):
+    prefix = tmp_path / 'new' / 'folder' / 'text'
+    args = ['--tokenizer-model', tokenizer.model_path, '--output-prefix', prefix]
+    assert preprocess('--input', *corpus[0], *args) == 0
+    assert sorted(os.listdir(prefix.parent)) == ['text.bin', 'text.identity.json', 'text.idx']
+    assert identity.read(str(prefix))['identity'] == tokenizer.identity
+
+
 def test_train_only_writes_a_usable_deterministic_tokenizer(corpus, tokenizer, tmp_path):
     path = tmp_path / 'again.model'
     args = ['--train-tokenizer', '--vocab-size', 320, '--tokenizer-model', path]
@@ -142,7 +152,11 @@ def earlier(tokenizer, tmp_path_factory):
             ['--tokenizer-model', str(ROOT / 'README.md')],
             'not a sentencepiece',
         ),
-        (lambda d: d / 'ok.txt', ['--output-prefix', 'no/such/folder/out'], 'no folder'),
+        (  # a folder that cannot be made (new folders are: test_the_output_folder_is_made)
+            lambda d: d / 'ok.txt',
+            ['--output-prefix', str(ROOT / 'README.md' / 'out')],
+            'README.md is not a folder',
+        ),
         (lambda d: d / 'ok.txt', ['--vocab-file', 'v.json'], '--tokenizer-model is sentencepie'),
         (lambda d: d / 'ok.txt', ['--json-keys', 'a', 'b'], 'several --json-keys need jsonl'),
     ],

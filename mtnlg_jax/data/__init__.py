@@ -8,6 +8,7 @@ preprocess.py         raw text -> token ids -> indexed.py, on Ray
 pieces.py             input files cut at line ends into the pieces Ray tasks take
 ray_engine.py         the embedded (loopback) or joined Ray cluster curation and preprocessing use
 indexed.py            Megatron's .bin / .idx
+identity.py           the tokenizer identity beside a .bin / .idx, the data stream's fingerprint
 gpt_dataset.py        splits and samples (Megatron's GPTDataset)
 blend.py              weighted blends of datasets
 megatron_order.py     Megatron-LM's own sample order, index for index

@@ -195,9 +195,9 @@ class IndexedDatasetWriter:
                 os.remove(path)
 
 
-def merge(prefixes, output_prefix, dtype):
+def merge(prefixes, output_prefix, dtype, finish=IndexedDatasetWriter.finish):
     """Concatenate the datasets at `prefixes`, in order, into output_prefix.bin/.idx (what one
-    writer fed their documents in that order would write); the writer, finished."""
+    writer fed their documents in that order would write); the writer, finish(writer) done."""
     writer = IndexedDatasetWriter(output_prefix, dtype)
     try:
         for prefix in prefixes:
@@ -206,7 +206,7 @@ def merge(prefixes, output_prefix, dtype):
                 sizes = np.asarray(part.sizes[start : start + _CHUNK])
                 first = int(part.pointers[start]) // part.dtype.itemsize if len(sizes) else 0
                 writer.add_documents(part.tokens[first : first + int(sizes.sum())], sizes)
-        writer.finish()
+        finish(writer)
     except BaseException:
         writer.abort()
         raise

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from mtnlg_jax.data import megatron_order
+from mtnlg_jax.data import identity, megatron_order
 from mtnlg_jax.data.blend import BlendedDataset
 from mtnlg_jax.data.gpt_dataset import GPTDataset, split_ranges
 from mtnlg_jax.data.indexed import DataError, IndexedDataset
@@ -42,11 +42,13 @@ Batch = collections.namedtuple('Batch', 'samples_consumed global_batch micro_ste
 
 def open_datasets(config):
     """{'train': blend, 'valid': blend} of config.data (data.order = megatron: and 'test', if
-    data.split gives it a share); DataError naming the file if unusable."""
+    data.split gives it a share); DataError naming the file if unusable or made by another
+    tokenizer (identity.check_sources)."""
     weights = [weight for weight, _ in config.data.sources]
-    indexed_sources = [
-        (weight, open_source(config, prefix)) for weight, prefix in config.data.sources
-    ]
+    indexed_sources = [(weight, IndexedDataset(prefix)) for weight, prefix in config.data.sources]
+    identity.check_sources(config)  # before the ids: a tokenizer mismatch names both
+    for (_, prefix), (_, indexed) in zip(config.data.sources, indexed_sources):
+        check_vocabulary(config, prefix, indexed)
     if config.data.order == 'megatron':
         total = rampup.total_samples(config.train, config.model.seq_len)
         return megatron_order.open_splits(
@@ -66,16 +68,14 @@ def open_datasets(config):
     return {name: BlendedDataset(datasets, weights) for name, datasets in splits.items()}
 
 
-def open_source(config, prefix):
-    """The indexed dataset `prefix`, its leading token ids checked against the vocabulary."""
-    indexed = IndexedDataset(prefix)
+def check_vocabulary(config, prefix, indexed):
+    """DataError unless the leading token ids of `indexed` fit the model's vocabulary."""
     head = indexed.tokens[:VOCAB_CHECK_TOKENS]
     if len(head) and int(head.max()) >= config.model.vocab_size:
         raise DataError(
             f'{prefix}.bin holds token id {int(head.max())}, but '
             f'model.vocab_size={config.model.vocab_size}'
         )
-    return indexed
 
 
 def rows_of(index, leading_shape):

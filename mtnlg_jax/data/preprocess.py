@@ -13,7 +13,8 @@ Megatron-LM's tools/preprocess_data.py does.
              files), all of them into PREFIX.bin/.idx: the same bytes one writer would write
 
 Only the merge holds anything per document: the .idx's sizes, as the format needs. The outputs
-appear only once complete. launch/preprocess.py is the command line.
+appear only once complete, each with the tokenizer's identity beside it (PREFIX.identity.json,
+identity.py). launch/preprocess.py is the command line.
 """
 
 import os
@@ -22,8 +23,10 @@ import time
 
 import numpy as np
 
+from mtnlg_jax.data import identity
 from mtnlg_jax.data import pieces as pieces_lib
-from mtnlg_jax.data.indexed import IndexedDatasetWriter, merge, token_dtype
+from mtnlg_jax.data.indexed import IndexedDatasetWriter, token_dtype
+from mtnlg_jax.data.indexed import merge as merge_datasets
 from mtnlg_jax.data.pieces import (  # noqa: F401  (InputError, input_files: used from here)
     JSON_SUFFIXES,
     InputError,
@@ -175,16 +178,21 @@ def tokenize(
                           append_eod=append_eod, folder=folder)  # fmt: skip
             items = ray.data.from_items(pieces, override_num_blocks=len(pieces))
             items.map_batches(_tokenize_piece, batch_size=1, fn_kwargs=kwargs).materialize()
-            writers = _merge(scans, pieces, prefixes, folder, token_dtype(tokenizer.vocab_size))
+            writers = _merge(scans, pieces, prefixes, folder, tokenizer)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
     seconds = max(time.perf_counter() - start, 1e-9)
     return (writers if json_keys else writers[0]), seconds
 
 
-def _merge(scans, pieces, prefixes, folder, dtype):
-    """The pieces into one dataset per shard (input file; with several) and the merged one."""
-    writers = []
+def _merge(scans, pieces, prefixes, folder, tokenizer):
+    """The pieces into one dataset per shard (input file; with several) and the merged one,
+    each with the tokenizer's identity beside it."""
+    dtype, writers = token_dtype(tokenizer.vocab_size), []
+
+    def merge(parts, prefix, dtype):
+        return merge_datasets(parts, prefix, dtype, lambda w: identity.finish(w, tokenizer))
+
     for k, prefix in enumerate(prefixes):
         parts = [f'{folder}/piece-{p["piece"]:05d}-{k}' for p in pieces]
         if len(scans) > 1:

@@ -31,7 +31,6 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from mtnlg_jax.data import tokenizer as tokenizer_lib
 from mtnlg_jax.eval import completion
 from mtnlg_jax.eval import workdir as workdir_lib
 from mtnlg_jax.eval.generation import Generator
@@ -64,9 +63,7 @@ class HarnessModel(TemplateLM):
         batch_size = int(batch_size) if str(batch_size).isdigit() else 8
         step, data, tensor = map(_optional_int, (step, data, tensor))
         config = workdir_lib.inference_config(workdir_lib.read_saved_config(workdir), data, tensor)
-        self.tokenizer = tokenizer_lib.open_tokenizer(
-            tokenizer or config.data.tokenizer, config.model
-        )
+        self.tokenizer, _ = workdir_lib.run_tokenizer(workdir, config, tokenizer)
         self.loaded = workdir_lib.load(workdir, step, data, tensor)
         self.batch_size = int(batch_size)
         self.seq_len = self.loaded.config.model.seq_len

@@ -11,6 +11,7 @@ their bytes, stay on disk.
 
 import dataclasses
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,45 @@ def inference_config(saved, data=None, tensor=None):
     padded_vocab = saved.get('derived', saved)['model'].get('padded_vocab')
     config.model.padded_vocab = padded_vocab or config.model.padded_vocab
     return config
+
+
+def run_tokenizer(workdir, config, path=None, needed=True):
+    """(the tokenizer, its identity record) a read of `workdir` uses: `path` (--tokenizer) or
+    the run's data.tokenizer, which must be the tokenizer the run was trained with (its
+    identity.json), not only of its size: a tokenizer file replaced since, or another one of
+    the same size, is a WorkdirError naming both. needed=False (token files alone are read):
+    (None, the run's record) when there is no tokenizer file to open."""
+    from mtnlg_jax.data import identity
+    from mtnlg_jax.data import tokenizer as tokenizer_lib
+
+    name = '--tokenizer' if path else "the run's data.tokenizer (or --tokenizer)"
+    trained = read_identity(workdir).get('tokenizer')
+    path = path or config.data.tokenizer
+    if not needed and not (path and os.path.exists(path)):
+        return None, trained
+    if not path and trained is not None:
+        raise WorkdirError(
+            f'{name}: the run names no tokenizer file, but was trained on ids of '
+            f'{identity.describe(trained)}: give that one with --tokenizer'
+        )
+    try:
+        tokenizer = tokenizer_lib.open_tokenizer(path, config.model, name)
+    except tokenizer_lib.TokenizerError as e:
+        raise WorkdirError(str(e)) from None
+    found = identity.record(tokenizer)
+    if trained is not None and not identity.same(found, trained):
+        raise WorkdirError(
+            f'{name} {path} is {identity.describe(found)}, but {workdir} was trained with '
+            f'{identity.describe(trained)}: its ids would mean other pieces'
+        )
+    return tokenizer, found
+
+
+def read_identity(workdir):
+    try:
+        return RunDir(workdir).read_identity()
+    except RunDirError as e:
+        raise WorkdirError(str(e)) from None
 
 
 def read_saved_config(workdir):

@@ -16,8 +16,10 @@ then sets the CPU device count it needs (`cpu_devices`), and only then imports J
 import argparse
 import ast
 import difflib
+import json
 import os
 import sys
+import tempfile
 
 CONFIG_PREFIX = '--config.'
 DEVICE_COUNT_FLAG = '--xla_force_host_platform_device_count'
@@ -50,7 +52,23 @@ class ArgumentParser(argparse.ArgumentParser):
         self._config_flag = None
 
     def error(self, message):
-        fail(message)
+        fail(self._typo(message) or message)
+
+    def _typo(self, message):
+        """For a missing or unrecognized flag: the flag given that looks like a typo of a known
+        one ('unrecognized argument --workdri; did you mean --workdir?'), else None."""
+        if 'required' not in message and 'unrecognized' not in message:
+            return None
+        known = [flag for flag in self._option_string_actions if flag.startswith('--')]
+        for arg in getattr(self, '_argv', []):
+            flag = arg.split('=', 1)[0]
+            if flag == '--':
+                break
+            if flag.startswith('--') and flag not in known:
+                close = difflib.get_close_matches(flag, known, n=1)
+                if close:
+                    return f'unrecognized argument {flag}; did you mean {close[0]}?'
+        return None
 
     def add_config(self, default=None, help='an ml_collections file with get_config()'):
         self._config_flag = dict(default=default)
@@ -70,6 +88,7 @@ class ArgumentParser(argparse.ArgumentParser):
             overrides, rest = split_overrides(argv)
         else:
             rest = argv
+        self._argv = rest
         args = super().parse_args(rest)
         if self._config_flag is not None:
             args.config_path = args.config
@@ -243,12 +262,61 @@ def workdir_config(workdir):
         fail(str(e))
 
 
+def output_problem(path, directory=False):
+    """Why `path` cannot be written (as a file; directory=True: as a folder to write into), or
+    None: a file that is a folder (or the reverse), a folder that cannot be made, or one
+    (or a file) this process may not write. Probes by creating a nameless file, so it holds
+    for root without CAP_DAC_OVERRIDE and on read-only mounts alike."""
+    path = os.path.abspath(path)
+    if directory and os.path.exists(path) and not os.path.isdir(path):
+        return 'exists and is not a folder'
+    if not directory and os.path.isdir(path):
+        return 'is a folder; give a file name'
+    existing = path if directory else os.path.dirname(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f'{existing} is not a folder'
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        return f'cannot be written under {existing} ({e.strerror})'
+    if not directory and os.path.exists(path) and not os.access(path, os.W_OK):
+        return 'is not writable'
+    return None
+
+
+def check_output(path, flag='--output', directory=False, make=False):
+    """Error line naming `flag` unless `path` can be written (output_problem); make: create
+    its folder (the folder itself with directory=True) now, before the work."""
+    problem = output_problem(path, directory)
+    if problem:
+        fail(f'{flag} {path}: {problem}')
+    if make:
+        folder = path if directory else os.path.dirname(os.path.abspath(path))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            fail(f'{flag} {path}: cannot make {folder} ({e.strerror})')
+
+
+def write_json(path, value, flag='--output'):
+    """`value` as JSON at `path`, atomically: a failure at the end (a full disk, a folder made
+    read-only meanwhile) is one error line naming `flag`, and leaves the old file, or none,
+    never a half-written one."""
+    tmp = f'{path}.tmp{os.getpid()}'
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(tmp, 'w') as f:
+            json.dump(value, f, indent=2)
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        fail(f'{flag} {path}: not written ({e.strerror or e})')
+
+
 def check_output_file(path, flag='--output'):
     """Error unless `path` can be written as a file (not a folder, its folder creatable)."""
-    if os.path.isdir(path):
-        fail(f'{flag} {path}: is a directory; give a file name')
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        fail(f'{flag} {path}: cannot be written under {parent}')
+    check_output(path, flag)

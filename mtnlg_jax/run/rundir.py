@@ -4,6 +4,9 @@
                                      "derived" (what resolve() computed from them) and the
                                      resolved sections, which evaluation reads
     WORKDIR/checkpoints/<step>/      orbax checkpoints (mtnlg_jax/checkpoint/store.py writes them)
+    WORKDIR/identity.json            what the run reads: its tokenizer's identity and vocabulary,
+                                     and its data stream's fingerprint (data/identity.py);
+                                     checked on every resume and every read of the run
     WORKDIR/metrics.jsonl            one record per logged step (train/metrics.py)
     WORKDIR/tensorboard/, loss.png   the same numbers for people
     WORKDIR/eval/<name>.json         evaluation results (launch/evaluate.py), one per task,
@@ -19,12 +22,29 @@ import json
 import os
 
 CONFIG = 'config.json'
+IDENTITY = 'identity.json'
 CHECKPOINTS = 'checkpoints'
 METRICS = 'metrics.jsonl'
 TENSORBOARD = 'tensorboard'
 LOSS_PNG = 'loss.png'
 EVAL = 'eval'
 LOGS = 'logs'
+
+
+def changed_inputs(before, after, prefix=''):
+    """[(dotted key, old, new), ...] between two input dicts (lists and tuples alike)."""
+    changes = []
+    for key in sorted(set(before) | set(after)):
+        old, new = before.get(key), after.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            changes += changed_inputs(old, new, f'{prefix}{key}.')
+        elif _tuple(old) != _tuple(new):
+            changes.append((f'{prefix}{key}', _tuple(old), _tuple(new)))
+    return changes
+
+
+def _tuple(value):
+    return tuple(map(_tuple, value)) if isinstance(value, (list, tuple)) else value
 
 
 class RunDirError(ValueError):
@@ -37,6 +57,7 @@ class RunDir:
     def __init__(self, path):
         self.path = str(path)
         self.config_path = self.join(CONFIG)
+        self.identity_path = self.join(IDENTITY)
         self.checkpoints = self.join(CHECKPOINTS)
         self.metrics = self.join(METRICS)
         self.tensorboard = self.join(TENSORBOARD)
@@ -60,7 +81,7 @@ class RunDir:
             parent = os.path.dirname(parent)
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
             raise RunDirError(f'{flag} {self.path}: cannot be created under {parent}')
-        for name in (CONFIG, METRICS, CHECKPOINTS):
+        for name in (CONFIG, IDENTITY, METRICS, CHECKPOINTS):
             path = self.join(name)
             if os.path.exists(path) and not os.access(path, os.W_OK):
                 raise RunDirError(f'{flag} {self.path}: {path} is not writable')
@@ -102,11 +123,38 @@ class RunDir:
 
     def write_config(self, config_dict):
         """config.json (atomically: a killed write leaves the old one)."""
-        os.makedirs(self.path, exist_ok=True)
-        tmp = self.config_path + '.tmp'
+        _write_json(self.config_path, config_dict)
+
+    def read_identity(self):
+        """identity.json as a dict ({} for a run from before it was kept, or an import);
+        RunDirError if it is not JSON."""
+        if not os.path.isfile(self.identity_path):
+            return {}
+        try:
+            with open(self.identity_path) as f:
+                found = json.load(f)
+        except (OSError, ValueError) as e:
+            raise RunDirError(f'{self.identity_path}: not readable JSON ({e})') from None
+        if not isinstance(found, dict):
+            raise RunDirError(f'{self.identity_path}: not the identity of a run')
+        return found
+
+    def write_identity(self, identity):
+        """identity.json (atomically)."""
+        _write_json(self.identity_path, identity)
+
+
+def _write_json(path, value):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + '.tmp'
+    try:
         with open(tmp, 'w') as f:
-            json.dump(config_dict, f, indent=2)
-        os.replace(tmp, self.config_path)
+            json.dump(value, f, indent=2)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: the old file stays, no half-written one beside it
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def _tuples(value):

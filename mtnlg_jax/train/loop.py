@@ -99,12 +99,14 @@ class CompiledSteps:
         return self._compiled['evaluation']
 
 
-def train(config, workdir):
+def train(config, workdir, identity=None):
     """Train a resolved config in workdir, resuming from its newest checkpoint if it has one.
     Raises DataError, CheckpointError or ConfigError (data.eod_id with no tokenizer to take
     it from) before anything is written, NonFiniteError after train.max_consecutive_skips
     non-finite steps, SaveFailedError after a failed save (checkpoint.on_save_error=stop). A
-    stalled phase ends the process (train/watchdog.py). Returns the final state."""
+    stalled phase ends the process (train/watchdog.py). identity: what the workdir records of
+    the run (identity.json; launch/train.py checks it against the workdir's before). Returns
+    the final state."""
     config = packing.resolve_eod_id(config)
     train_data, valid_data = open_data(config)
     mesh = mesh_from_config(config)
@@ -116,6 +118,8 @@ def train(config, workdir):
         os.makedirs(workdir, exist_ok=True)  # every process: checkpoints go under it
         if primary:
             RunDir(workdir).write_config(config.to_dict())
+            if identity is not None:
+                RunDir(workdir).write_identity(identity)
         first_step = position.step
         compiled = CompiledSteps(config, setup, mesh, position.state)
         compiled.first_step(position, banner_of(config, setup, train_data, primary))
