@@ -24,8 +24,8 @@ end-of-document token (without it, none); `--tokenizer-type` SentencePieceTokeni
 Face's `tokenizers`) or HuggingFaceTokenizer (`--tokenizer-model` a tokenizer.json, Llama 3's
 for one: each document starts with the BOS its post-processor adds); `--workers` CPUs of an
 embedded Ray (or the running cluster at `--ray_address HOST:PORT`). Beyond them: several
-`--input` files and folders (a curated folder's shards in its manifest's order; with several
-input files, each also gets its own PREFIX.shards/NAME.bin/.idx), plain-text files (one
+`--input` files and folders (a curated folder's shards in its manifest's order, each also
+written to its own PREFIX.shards/NAME.bin/.idx), plain-text files (one
 document each), `--json-key K` (one key, written to PREFIX.bin/.idx itself), and
 `--train-tokenizer` (sentencepiece or a byte-level BPE). See mtnlg_jax/data/preprocess.py for
 how input is read and written. Tokens are stored as uint16 when the vocabulary fits, else int32.

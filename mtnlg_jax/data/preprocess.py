@@ -147,11 +147,11 @@ def tokenize(
 ):
     """Tokenize the documents of `paths` on Ray (data/ray_engine.py: embedded with `workers`
     CPUs, or joined at `address`), a task per piece of input (pieces.py, piece_mb each), into
-    output_prefix.bin/.idx; with json_keys, one dataset per key at output_prefixes(..). With
-    several input files, each (a shard) also gets its own OUTPUT_PREFIX.shards/NAME.bin/.idx,
-    and the merged prefix holds them in input order. tokenizer: a path (tokenizer.load) or a
-    tokenizer. Returns (the finished writers of the merged prefix, one per key, or the one
-    writer without json_keys; seconds). InputError, before anything is written, for an
+    output_prefix.bin/.idx; with json_keys, one dataset per key at output_prefixes(..). A
+    curated folder's shards (launch/curate.py --output DIR/) also get their own
+    OUTPUT_PREFIX.shards/NAME.bin/.idx; the merged prefix holds them in order. tokenizer: a
+    path (tokenizer.load) or a tokenizer. Returns (the finished writers of the merged prefix,
+    one per key, or the one writer without json_keys; seconds). InputError, before anything is written, for an
     unreadable input, a bad line anywhere, or no document at all."""
     from mtnlg_jax.data import ray_engine
 
@@ -178,16 +178,17 @@ def tokenize(
                           append_eod=append_eod, folder=folder)  # fmt: skip
             items = ray.data.from_items(pieces, override_num_blocks=len(pieces))
             items.map_batches(_tokenize_piece, batch_size=1, fn_kwargs=kwargs).materialize()
-            writers = _merge(scans, pieces, prefixes, folder, tokenizer)
+            curated = any(os.path.isfile(os.path.join(p, 'manifest.json')) for p in paths)
+            writers = _merge(scans, pieces, prefixes, folder, tokenizer, curated)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
     seconds = max(time.perf_counter() - start, 1e-9)
     return (writers if json_keys else writers[0]), seconds
 
 
-def _merge(scans, pieces, prefixes, folder, tokenizer):
-    """The pieces into one dataset per shard (input file; with several) and the merged one,
-    each with the tokenizer's identity beside it."""
+def _merge(scans, pieces, prefixes, folder, tokenizer, curated):
+    """The pieces into one dataset per shard (each file of a curated folder) and the merged
+    one, each with the tokenizer's identity beside it."""
     dtype, writers = token_dtype(tokenizer.vocab_size), []
 
     def merge(parts, prefix, dtype):
@@ -195,7 +196,7 @@ def _merge(scans, pieces, prefixes, folder, tokenizer):
 
     for k, prefix in enumerate(prefixes):
         parts = [f'{folder}/piece-{p["piece"]:05d}-{k}' for p in pieces]
-        if len(scans) > 1:
+        if curated and len(scans) > 1:
             names = [os.path.splitext(os.path.basename(s['path']))[0] for s in scans]
             unique = len(set(names)) == len(names)
             for number, (scanned, name) in enumerate(zip(scans, names)):
