@@ -151,8 +151,8 @@ def tokenize(
     curated folder's shards (launch/curate.py --output DIR/) also get their own
     OUTPUT_PREFIX.shards/NAME.bin/.idx; the merged prefix holds them in order. tokenizer: a
     path (tokenizer.load) or a tokenizer. Returns (the finished writers of the merged prefix,
-    one per key, or the one writer without json_keys; seconds). InputError, before anything is written, for an
-    unreadable input, a bad line anywhere, or no document at all."""
+    one per key, or the one writer without json_keys; seconds). InputError, before anything
+    is written, for an unreadable input, a bad line anywhere, or no document at all."""
     from mtnlg_jax.data import ray_engine
 
     if isinstance(tokenizer, str):
