@@ -10,7 +10,7 @@ WORKDIR ?= runs/$(basename $(notdir $(CONFIG)))
 DATA := data/default
 SOURCES := kjv python_stdlib
 
-.PHONY: setup dev gpu-compile data train train-multiprocess test lint bench clean
+.PHONY: setup dev gpu-compile gpu-check data train train-multiprocess test lint bench clean
 
 setup: $(VENV)/.installed
 dev: $(VENV)/.dev-installed  # setup + the pinned developer tools (pytest, ruff)
@@ -37,6 +37,14 @@ gpu-compile: .gpu-compile/.installed
 		-r requirements-gpu-compile.txt
 	touch $@
 
+# Everything on the first GPU machine, on the JAX it carries (not our pinned venv: GPU images
+# bring their own jax and CUDA plugin): kernels against the reference and cuDNN, their speed,
+# a ~2 B model's step, memory, the HLO checks, a profile. Needs only pure-Python extras
+# (bench/gpu_check.py names any missing); exits 2 with one line on a machine without a GPU.
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHONPATH=. $(GPU_PYTHON) bench/gpu_check.py --out runs/gpu_check
+
 # The default corpus: each source exported to jsonl and curated (launch/curate.py: exact and
 # fuzzy deduplication; DATA/curated/SOURCE.report.json says what was removed and why), one
 # tokenizer trained on both, then each source preprocessed into its own .bin/.idx pair
@@ -51,7 +59,8 @@ $(DATA)/raw/.exported: $(VENV)/.installed launch/export_corpus.py mtnlg_jax/data
 	$(PY) launch/export_corpus.py --out $(DATA)/raw
 	touch $@
 
-$(DATA)/curated/%.jsonl: $(DATA)/raw/.exported launch/curate.py $(wildcard mtnlg_jax/data/curate/*.py)
+$(DATA)/curated/%.jsonl: $(DATA)/raw/.exported launch/curate.py $(wildcard mtnlg_jax/data/curate/*.py) \
+		mtnlg_jax/data/ray_engine.py mtnlg_jax/data/pieces.py
 	$(PY) launch/curate.py --input $(DATA)/raw/$*.jsonl --output $@ --workers 2 $(CURATE_$*)
 
 $(DATA)/tokenizer.model: $(SOURCES:%=$(DATA)/curated/%.jsonl)

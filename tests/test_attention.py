@@ -110,36 +110,39 @@ def test_fused_attention_where_no_kernel_can_is_refused():
         block.attention_kernel(_model_cfg('fused'), A100)
     with pytest.raises(config_lib.ConfigError, match='cannot take head dim 512'):
         block.attention_kernel(_model_cfg('fused', compute_dtype='bfloat16', hidden=8 * 512), A100)
-    with pytest.raises(config_lib.ConfigError, match='cannot take sequence length 48'):
-        block.attention_kernel(_model_cfg('flash', seq_len=48), CPU)
+    with pytest.raises(config_lib.ConfigError, match='cannot take sequence length 40'):
+        block.attention_kernel(_model_cfg('flash', seq_len=40), CPU)
 
 
-@pytest.mark.parametrize('rate', [0.0, 0.1])
-@pytest.mark.parametrize('dtype, relative', [('float32', 1e-5), ('bfloat16', 2e-2)])
-def test_flash_kernel_gives_its_reference_output_and_gradients(rate, dtype, relative):
-    """The Pallas kernels (interpreted) against materialised scores with the same dropout
-    bits: MT-NLG's head dim 160 (padded to 256 inside), four forward query blocks and eight
-    backward blocks, so every block pairing and the online softmax across key blocks run."""
-    batch, seq, heads, head_dim = 1, 256, 2, 160
-    keys = jax.random.split(jax.random.key(0), 5)
-    q, k, v, weight = (
-        jax.random.normal(key, (batch, seq, heads, head_dim)).astype(dtype) for key in keys[:4]
+def _flash_against_reference(shape, kv_heads, dtype, relative, rate=0.0, segments=False):
+    """The Pallas kernels (interpreted) against materialised scores with repeated key/value
+    heads, the same dropout bits and the same segment mask: the output and the gradient of
+    every input, per leaf relative to its scale."""
+    batch, seq, heads, head_dim = shape
+    keys = jax.random.split(jax.random.key(0), 6)
+    q, weight = (jax.random.normal(key, shape).astype(dtype) for key in keys[:2])
+    k, v = (
+        jax.random.normal(key, (batch, seq, kv_heads, head_dim)).astype(dtype) for key in keys[2:4]
     )
     seeds = flash_attention.head_seeds(jax.random.split(keys[4], batch), 3, heads)
+    segment_ids = None
+    if segments:  # documents of random lengths, some shorter than a block, some longer
+        segment_ids = jnp.cumsum(jax.random.bernoulli(keys[5], 0.04, (batch, seq)), axis=1)
+
+    def flash(q, k, v):
+        return flash_attention.flash_attention(
+            q, k, v, seeds, rate, segment_ids=segment_ids, interpret=True
+        )
+
+    def reference(q, k, v):
+        return flash_attention.reference(q, k, v, seeds, rate, segment_ids)
 
     def loss(attend):
         return lambda q, k, v: (attend(q, k, v).astype(jnp.float32) * weight).sum()
 
-    def flash(q, k, v):
-        return flash_attention.flash_attention(q, k, v, seeds, rate, True)
-
-    def reference(q, k, v):
-        return flash_attention.reference(q, k, v, seeds, rate)
-
     out, want = jax.jit(flash)(q, k, v), jax.jit(reference)(q, k, v)
-    scale = float(jnp.abs(want.astype(jnp.float32)).max())
-    np.testing.assert_allclose(
-        out.astype(jnp.float32), want.astype(jnp.float32), atol=relative * scale
+    support.assert_within_leaf_scale(
+        [out.astype(jnp.float32)], [want.astype(jnp.float32)], relative, what='output'
     )
     grads = jax.jit(jax.grad(loss(flash), argnums=(0, 1, 2)))(q, k, v)
     wanted = jax.jit(jax.grad(loss(reference), argnums=(0, 1, 2)))(q, k, v)
@@ -149,14 +152,74 @@ def test_flash_kernel_gives_its_reference_output_and_gradients(rate, dtype, rela
     )  # fmt: skip
 
 
+def test_flash_kernel_with_dropout_and_grouped_heads_gives_its_reference():
+    """MT-NLG's head dim 160 (lanes 128 + 32), two query heads per key/value head, dropout 0.1:
+    two forward query blocks and four backward blocks at seq 128 (A100 blocks), so unmasked
+    blocks below the diagonal, diagonal blocks and the online softmax across key blocks run."""
+    _flash_against_reference((1, 128, 4, 160), 2, jnp.float32, 1e-5, rate=0.1)
+
+
+def test_flash_kernel_with_packed_documents_gives_its_reference():
+    """Segment ids (documents that do not see each other) in bf16, multi-query attention (one
+    key/value head), head dim 20 (one 32-lane piece, 12 lanes masked)."""
+    _flash_against_reference((1, 128, 2, 20), 1, jnp.bfloat16, 2e-2, segments=True)
+
+
+def test_flash_kernel_packed_document_equals_the_document_alone():
+    """A document packed after another gets the context it gets alone at position 0 (its
+    keys, not the first document's): the kernel with segment ids against the kernel on the
+    document by itself."""
+    keys = jax.random.split(jax.random.key(2), 3)
+    q, k, v = (jax.random.normal(key, (1, 64, 2, 16)) for key in keys)
+    segment_ids = (jnp.arange(64) >= 16).astype(jnp.int32)[None] + (jnp.arange(64) >= 48)
+    packed = flash_attention.flash_attention(q, k, v, segment_ids=segment_ids, interpret=True)
+    alone = flash_attention.flash_attention(*(a[:, 16:48] for a in (q, k, v)), interpret=True)
+    np.testing.assert_allclose(packed[:, 16:48], alone, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    'head_dim, pieces',
+    [
+        (160, ((0, 128), (128, 32))),
+        (128, ((0, 128),)),
+        (8, ((0, 16),)),
+        (96, ((0, 64), (64, 32))),
+        (200, ((0, 128), (128, 128))),
+    ],
+)
+def test_flash_lanes_of_head_dim_160_are_128_plus_32_not_256(head_dim, pieces):
+    assert flash_attention.lane_pieces(head_dim) == pieces
+
+
+@pytest.mark.parametrize('seq, head_dim', [(96, 64), (96, 160), (48, 128), (2048, 160)])
+def test_flash_blocks_are_powers_of_two_dividing_the_sequence(seq, head_dim):
+    """Triton tiles are powers of two: seq 96 takes 32-row blocks, not 96; a sequence that is
+    no multiple of 16 is refused."""
+    for generation in (8, 9):
+        chosen = flash_attention.blocks(seq, head_dim, generation)
+        for size in chosen[:3]:
+            assert size & (size - 1) == 0 and seq % size == 0 and size >= 16
+        assert flash_attention.refusal(seq, head_dim, generation) is None
+    assert 'sequence length 40' in flash_attention.refusal(40, 64)
+
+
 def test_flash_dropout_keeps_the_rate_and_differs_by_sequence_head_and_site():
+    """Four decisions per hash (a byte each), the rate rounded to 1/256: 0.1 -> 26/256."""
     seq, rate = 128, 0.1
     pos = jnp.arange(seq)
     seeds = flash_attention.head_seeds(jax.random.split(jax.random.key(1), 2), 0, 4)
     other_site = flash_attention.head_seeds(jax.random.split(jax.random.key(1), 2), 1, 4)
-    keep = jax.vmap(jax.vmap(lambda s: flash_attention.keep_mask(s, pos, pos, seq, rate)))
+    keep = jax.vmap(jax.vmap(lambda s: flash_attention.keep_mask(s, pos, 0, seq, rate)))
     masks, masks_other_site = keep(seeds), keep(other_site)
-    assert abs(float(masks.mean()) - (1 - rate)) < 0.005  # 131,072 draws: 4 sigma ~ 0.0033
+    kept = 1 - 26 / 256
+    assert flash_attention.keep_scale(rate) == pytest.approx(1 / kept)
+    assert abs(float(masks.mean()) - kept) < 0.005  # 131,072 draws: 4 sigma ~ 0.0033
+    # neighbouring keys share a hash but not a decision: as often equal as independent ones
+    neighbours = float((masks[..., 0::4] == masks[..., 1::4]).mean())
+    assert abs(neighbours - (kept**2 + (1 - kept) ** 2)) < 0.01
+    # a block of keys gets the same block of the whole row's mask (blocks do not matter)
+    part = flash_attention.keep_mask(seeds[0, 0], pos[32:64], 64, 32, rate)
+    np.testing.assert_array_equal(part, masks[0, 0, 32:64, 64:96])
     flat = masks.reshape(8, -1)
     agreement = (flat[:, None] == flat[None]).mean(-1)
     off_diagonal = agreement[~np.eye(8, dtype=bool)]
@@ -169,6 +232,15 @@ def test_the_flash_path_gives_the_plain_loss_and_gradients():
     and every gradient per leaf."""
     flash_loss, flash = _loss_and_grads(_model_cfg('flash'))
     plain_loss, plain = _loss_and_grads(_model_cfg('plain'))
+    np.testing.assert_allclose(flash_loss, plain_loss, rtol=1e-5)
+    support.assert_within_leaf_scale(flash, plain, 1e-5, what='gradient')
+
+
+def test_the_flash_path_with_grouped_heads_gives_the_plain_loss_and_gradients():
+    """Grouped-query attention (8 query heads over 2 key/value heads) through the whole GPT:
+    the kernel reads each group's key/value head, never a repeated copy."""
+    flash_loss, flash = _loss_and_grads(_model_cfg('flash', kv_heads=2))
+    plain_loss, plain = _loss_and_grads(_model_cfg('plain', kv_heads=2))
     np.testing.assert_allclose(flash_loss, plain_loss, rtol=1e-5)
     support.assert_within_leaf_scale(flash, plain, 1e-5, what='gradient')
 

@@ -108,11 +108,21 @@ def test_planned_collective_bytes_against_the_gpu_compile(name):
     assert compiled.get('all-reduce', {}).get('data', 0.0) < 1024  # a few scalars
 
 
+@functools.lru_cache(maxsize=None)
+def fused_pipelined(dropout, remat='none'):
+    """The 'pipelined' layout in bf16 with hidden 256 (head dim 32): attention fused."""
+    config = support.small_config(
+        **support.PLAN_LAYOUTS['pipelined'], hidden=256, vocab_size=1500,
+        compute_dtype='bfloat16', attention_dropout=dropout, remat=remat,
+    )  # fmt: skip
+    return _gpu_plan(config)['compiled']
+
+
 @pytest.mark.parametrize(
     'dropout, kernels',
     [
         (0.0, {'__cudnn$fmhaSoftmax', '__cudnn$fmhaSoftmaxBackward'}),
-        (0.1, {'flash_attention_forward', 'flash_attention_backward'}),
+        (0.1, {'flash_attention_forward', 'flash_attention_dkv', 'flash_attention_dq'}),
     ],
 )
 def test_fused_attention_compiles_inside_the_pipeline(dropout, kernels):
@@ -122,17 +132,23 @@ def test_fused_attention_compiles_inside_the_pipeline(dropout, kernels):
     FLOPs count them (dense, as 6N + 12LHQT does: the ratio stays that of the plain path,
     whose einsums it replaces)."""
     plain = gpu_plan('pipelined')['compiled']  # the same layout in fp32: plain attention
-    config = support.small_config(
-        **support.PLAN_LAYOUTS['pipelined'], hidden=256, vocab_size=1500,
-        compute_dtype='bfloat16', attention_dropout=dropout,
-    )  # fmt: skip
-    compiled = _gpu_plan(config)['compiled']
+    compiled = fused_pipelined(dropout)
     assert compiled['attention']['fused']
     assert set(compiled['attention']['kernels']) == kernels
-    # flash attention's backward recomputes the scores: 7 matmuls of the scores' size where
-    # the plain path runs 6; everything else is the same work
+    # the backward kernels recompute the scores: 7 matmuls of the scores' size where the
+    # plain path runs 6 (cuDNN: 7 as well); everything else is the same work
     assert compiled['flops_vs_model'] >= plain['flops_vs_model']
     assert compiled['flops_vs_model'] == pytest.approx(plain['flops_vs_model'], rel=0.05)
+
+
+def test_selective_recompute_does_not_run_the_flash_forward_again():
+    """model.remat=selective keeps the flash kernel's out and log-sum-exp (by name), so the
+    train step holds as many forward kernel calls as without recompute (before: one more per
+    backward kernel site, the forward rerun to get the log-sum-exp back)."""
+    kept = fused_pipelined(0.1)['attention']['kernels']
+    selective = fused_pipelined(0.1, 'selective')['attention']['kernels']
+    assert selective == kept
+    assert selective['flash_attention_forward'] > 0
 
 
 def _overlap_of(step, mesh, x, w):

@@ -87,7 +87,7 @@ def _loss_and_grads_of(graphdef, params, row, document, flags=(True, True, True)
     return jax.jit(jax.value_and_grad(loss))(params)
 
 
-@pytest.mark.parametrize('attention', ['plain', 'fused'])
+@pytest.mark.parametrize('attention', ['plain', 'fused', 'flash'])
 def test_a_document_packed_after_another_gets_its_loss_and_gradients_alone(attention):
     """Document B after A in one row, and B alone at position 0 (another document after it):
     B's summed loss and every parameter's gradient from it agree, per leaf relative to its

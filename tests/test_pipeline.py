@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import support
+from mtnlg_jax.data import batch as batch_lib
 from mtnlg_jax.model import gpt
 from mtnlg_jax.parallel import pipeline, stage_order
 from mtnlg_jax.parallel import schedule as schedule_lib
@@ -147,6 +148,26 @@ def test_each_stage_holds_only_its_own_blocks_and_their_optimizer_state():
         assert array.addressable_shards[0].data.shape == (4, 32, 128)
     first_stage_layers = stage_order.schedule_order(8, stages=2, repeats=2)[:4]
     assert list(first_stage_layers) == [0, 1, 4, 5]  # chunks 0 and 2 of 2 layers each
+
+
+def _eval_loss(config, batch):
+    mesh, setup = support.layout(config)
+    with jax.set_mesh(mesh):
+        state = state_lib.init_state(config, setup)
+        tokens, _ = batch_lib.place_batch(
+            *batch_lib.to_micro_steps(batch.astype(np.int32), config.train.micro_steps), mesh
+        )
+        loss_sum, count = step_lib.make_eval_step(config, setup)(state['params'], tokens)
+    return float(loss_sum) / float(count)
+
+
+def test_pipelined_sequence_parallel_eval_loss_equals_one_device():
+    """The eval step on data x stage x tensor with sequence parallelism runs (no collective
+    that only some stages reach) and gives the one-device loss."""
+    batch = support.random_batches(1)[0]
+    layout = (2, 2, 2, 1, 4, '1f1b', dict(sequence_parallel=True))
+    expected = _eval_loss(support.small_config(num_layers=LAYERS), batch)
+    np.testing.assert_allclose(_eval_loss(_config(layout), batch), expected, rtol=1e-6)
 
 
 @pytest.mark.parametrize('schedule,ticks', [('1f1b', 4 + 2 * 2 - 2), ('gpipe', 2 * 4 + 2 - 1)])

@@ -35,7 +35,8 @@ from mtnlg_jax.parallel.rules import constrain, local_call
 # selective recompute (arXiv 2205.05198): cheap FLOPs, large memory. With GQA 'qkv' is the
 # query and the (smaller) key/value projections, before rope (the rotation is recomputed);
 # with SwiGLU 'mlp_in' is both the gate and the up projection (silu(gate) * up recomputed).
-SELECTIVE_SAVED = ('qkv', 'context', 'attn_out', 'mlp_in', 'mlp_out')
+# The flash kernel's own out and log-sum-exp are kept too, so its forward does not run again.
+SELECTIVE_SAVED = ('qkv', 'context', 'attn_out', 'mlp_in', 'mlp_out', *flash_attention.SAVED_NAMES)
 
 # The largest head dimension of cuDNN's flash attention by compute capability major (JAX 0.10:
 # 128 before Hopper, 256 from it); MT-NLG's 160 fits H100's, not A100's. The Pallas flash
@@ -71,9 +72,7 @@ def attention_kernel(cfg, device=None):
     choice = cfg.get('attention', 'plain')
     on_gpu = device is not None and device.platform == 'gpu'
     heads, kv_heads, head_dim = attention_dims(cfg)
-    flash_refuses = flash_attention.refusal(cfg.seq_len, head_dim)
-    if kv_heads != heads and not flash_refuses:  # until the kernel reads grouped heads
-        flash_refuses = f'grouped key/value heads ({kv_heads} for {heads} query heads)'
+    flash_refuses = flash_attention.refusal(cfg.seq_len, head_dim, gpu_generation(device))
     if choice == 'plain':
         return choice
     if choice == 'flash' and flash_refuses:
@@ -84,7 +83,7 @@ def attention_kernel(cfg, device=None):
         if choice == 'auto':
             return 'plain'
         return 'flash_interpreted' if cfg.attention_dropout > 0 else 'xla'
-    major = int(str(getattr(device, 'compute_capability', '8.0')).split('.')[0])
+    major = gpu_generation(device)
     half = cfg.compute_dtype in ('bfloat16', 'float16')
     limit = CUDNN_MAX_HEAD_DIM.get(major, 256 if major > 9 else 0)
     cudnn_refuses = [
@@ -110,6 +109,13 @@ def attention_kernel(cfg, device=None):
     return 'plain'
 
 
+def gpu_generation(device):
+    """The compute capability major of a GPU device (8: A100, 9: H100), else None."""
+    if device is None or device.platform != 'gpu':
+        return None
+    return int(str(getattr(device, 'compute_capability', '8.0')).split('.')[0])
+
+
 # Dropout sites of one block, told apart in the per-sequence keys.
 _ATTN_PROBS, _ATTN_RESIDUAL, _MLP_RESIDUAL = range(3)
 SITES_PER_BLOCK = 3
@@ -133,7 +139,7 @@ class Attention(nnx.Module):
     row parallel out), so each rank holds whole groups: a query head's key/value head is on
     its own rank. mesh.tensor must divide kv_heads (config/checks.py refuses otherwise)."""
 
-    def __init__(self, cfg, rngs, kernel='plain'):
+    def __init__(self, cfg, rngs, kernel='plain', gpu_generation=None):
         heads, kv_heads, head_dim = attention_dims(cfg)
         hidden, std = cfg.hidden, cfg.init_std
         if kv_heads == heads:
@@ -158,6 +164,7 @@ class Attention(nnx.Module):
         self.dropout_rate = cfg.attention_dropout
         self.dtype = cfg.compute_dtype
         self.kernel = kernel  # attention_kernel()'s choice
+        self.gpu_generation = gpu_generation  # the flash kernel's blocks are chosen for it
 
     def project_qkv(self, x, positions=None):
         """(batch, seq, embed) -> q (batch, seq, heads, head_dim), k and v (batch, seq,
@@ -224,23 +231,27 @@ class Attention(nnx.Module):
         q = constrain(q, CONTEXT_AXES)
         k, v = (constrain(a.astype(q.dtype), KV_AXES) for a in (k, v))
         if self.kernel in ('flash', 'flash_interpreted'):
-            if segment_ids is not None:
-                raise NotImplementedError('the Pallas flash kernel takes no segment ids yet')
             rate = self.dropout_rate if row_keys is not None else 0.0
             if rate:
                 seeds = flash_attention.head_seeds(row_keys.reshape(-1), site, q.shape[2])
             else:
                 seeds = jnp.zeros(q.shape[0:1] + q.shape[2:3], jnp.uint32)
             interpret = self.kernel == 'flash_interpreted'  # decided by the mesh's device
-            context = local_call(
-                lambda q, k, v, seeds: flash_attention.flash_attention(
-                    q, k, v, seeds, rate, interpret
-                ),
-                (q, k, v, constrain(seeds, SEED_AXES)),
-                CONTEXT_AXES,
-                args_axes=(CONTEXT_AXES,) * 3 + (SEED_AXES,),
-            )
-            return checkpoint_name(constrain(context, CONTEXT_AXES), 'context')
+
+            def flash(q, k, v, seeds, *segments):  # k, v hold kv_heads: never repeated
+                return flash_attention.flash_attention(
+                    q, k, v, seeds, rate, segment_ids=segments[0] if segments else None,
+                    interpret=interpret, generation=self.gpu_generation,
+                )  # fmt: skip
+
+            args = (q, k, v, constrain(seeds, SEED_AXES))
+            axes = (CONTEXT_AXES, KV_AXES, KV_AXES, SEED_AXES)
+            if segment_ids is not None:
+                args, axes = args + (segment_ids,), axes + (SEGMENT_AXES,)
+            context = local_call(flash, args, CONTEXT_AXES, args_axes=axes)
+            # not named 'context': selective recompute keeps the kernel's own out (and its
+            # log-sum-exp) by name, and the same values twice would cost a context per layer
+            return constrain(context, CONTEXT_AXES)
 
         def kernel(q, k, v, *segments_or_visible):
             lengths = mask = None
@@ -323,9 +334,9 @@ class Block(nnx.Module):
     `model.mlp` (GeLU or SwiGLU) pick the pieces (model/layers.py). GPT-3's block is
     LayerNorm + GeLU with learned positions; Llama's RMSNorm + SwiGLU with rope and GQA."""
 
-    def __init__(self, cfg, rngs, attention_kernel='plain'):
+    def __init__(self, cfg, rngs, attention_kernel='plain', gpu_generation=None):
         self.ln_attn = norm(cfg)
-        self.attention = Attention(cfg, rngs, attention_kernel)
+        self.attention = Attention(cfg, rngs, attention_kernel, gpu_generation)
         self.ln_mlp = norm(cfg)
         self.mlp = mlp(cfg, rngs)
         self.hidden_dropout = cfg.hidden_dropout

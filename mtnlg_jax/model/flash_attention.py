@@ -1,65 +1,141 @@
-"""Causal flash attention with attention dropout, in Pallas (Triton on NVIDIA GPUs).
+"""Causal flash attention with attention dropout, grouped-query heads and packed documents, in
+Pallas (Triton on NVIDIA GPUs).
+
+    flash_attention(q, k, v, seeds=None, rate=0.0, *, segment_ids=None, interpret=False,
+                    generation=None, tiles=None) -> context
+
+    q            (batch, seq, heads, head_dim)       bf16 / fp16 on a GPU; any float interpreted
+    k, v         (batch, seq, kv_heads, head_dim)    kv_heads divides heads: query head h reads
+                                                     key/value head h // (heads / kv_heads);
+                                                     the repeated heads are never materialised
+    seeds        (batch, heads) uint32 (head_seeds), read only when rate > 0
+    segment_ids  (batch, seq) int32 or None: a query sees the keys at or before it with its
+                 own segment id (packed documents that do not see each other); no
+                 (seq x seq) mask is ever made
+    generation   the GPU's compute capability major (8: A100, 9: H100) for the block sizes,
+                 None: the A100's (they fit every GPU since)
+    tiles        a Blocks to use instead (bench/gpu_check.py's sweep)
+    context      (batch, seq, heads, head_dim) in q's dtype
 
 Why by hand: cuDNN's flash attention (jax.nn.dot_product_attention) takes head dimensions of at
 most 128 before Hopper (MT-NLG's is 160) and draws its dropout masks from a seed fixed when the
 step is compiled; JAX's own Pallas kernel (jax.experimental.pallas.ops.gpu.attention) has no
-dropout. This one pads the head dimension to a power of two inside the kernel (the padded
-lanes are masked) and draws each dropout bit from a counter hash of
+dropout, GQA or segments. This one draws each dropout byte from a counter hash of
 
-    (seed of the sequence and head, query position, key position)
+    (seed of the sequence and head, query position, key position // 4)
 
 so a mask depends on nothing but the sequence's own dropout key, the site and the global head:
 the same whatever the mesh layout, micro-batching or pipeline schedule (the promise the plain
 path keeps with jax.random, parallel/rules.py's per-sequence keys). The two paths draw
-different masks from the same keys; each is reproducible.
+different masks from the same keys; each is reproducible. The rate is rounded to 1/256
+(flash_kernels.dropout_threshold).
 
     forward   grid (query block, batch, head): one query block against the visible key
-              blocks with an online softmax; keeps the log-sum-exp per query
-    backward  grid (batch, head, block): dK, dV of a key block over the query blocks that see
-              it, then dQ of a query block over the key blocks it sees; the scores are
-              recomputed from q, k and the log-sum-exp (as FlashAttention does), never stored
+              blocks with an online softmax (exp2); keeps the log-sum-exp per query
+    dK, dV    grid (batch, kv head, key block): over the group's query heads and the query
+              blocks that see the key block (4 score-sized matmuls: S, dP, dV, dK)
+    dQ        grid (batch, head, query block): over the key blocks it sees (3: S, dP, dQ)
+              -- the scores are recomputed from q, k and the log-sum-exp in both backward
+              kernels (FlashAttention-2), never stored
 
-With dropout, P' = keep * P / (1 - rate) is what multiplies V, the softmax normaliser is P's,
-and dS = P * (keep * dP' / (1 - rate) - rowsum(dO * O)).
-
-`interpret=True` runs the same kernels on any backend (the tests, on CPU).
+With dropout, P' = keep * P / (kept fraction) is what multiplies V, the softmax normaliser is
+P's, and dS = P * (keep * dP' / (kept fraction) - rowsum(dO * O)). The kernel bodies are in
+model/flash_kernels.py. `interpret=True` runs the same kernels on any backend (the tests, on
+CPU). Under `model.remat=selective` the forward's out and log-sum-exp are kept by name
+(SAVED_NAMES), so the backward does not run the forward kernel again.
 """
 
 import functools
-import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-_MASKED = -1e30  # finite: a fully masked padding row never produces NaN
-# The kernels' names (they name the compiled custom calls) and the matmuls each runs over the
-# scores, for the planner's FLOP count: QK^T and PV forward; QK^T again, dV, dP, dQ and dK
-# backward (the scores are recomputed, not stored).
-FORWARD, BACKWARD = 'flash_attention_forward', 'flash_attention_backward'
-KERNEL_MATMULS = {FORWARD: 2, BACKWARD: 5}
-MAX_HEAD_DIM = 256  # padded: one (block, 256) tile of q, k, v each fits an A100's shared memory
+from mtnlg_jax.model import flash_kernels
+from mtnlg_jax.model.flash_kernels import MASKED, keep_mask, keep_scale
+
+# The kernels' names (they name the compiled custom calls) and the score-sized matmuls each
+# runs, for the planner's FLOP count.
+FORWARD, KEY_VALUE, QUERY = (
+    'flash_attention_forward',
+    'flash_attention_dkv',
+    'flash_attention_dq',
+)
+KERNEL_MATMULS = {FORWARD: 2, KEY_VALUE: 4, QUERY: 3}
+# What the forward keeps for the backward, by name (model.remat=selective saves them).
+SAVED_NAMES = ('flash_out', 'flash_lse')
+MAX_HEAD_DIM = 256
+MIN_BLOCK = 16  # Triton's smallest matmul tile
 
 
-def _fmix32(x):
-    """MurmurHash3's 32-bit finaliser: every input bit flips each output bit with p ~ 1/2."""
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = x * jnp.uint32(0xC2B2AE35)
-    return x ^ (x >> 16)
+class Blocks(NamedTuple):
+    forward_q: int
+    forward_k: int
+    backward: int
+    forward_warps: int
+    backward_warps: int
+    stages: int = 2
 
 
-def keep_mask(seed, query_pos, key_pos, num_keys, rate):
-    """Which (query, key) probabilities survive dropout at `rate`: a (len(query_pos),
-    len(key_pos)) bool from the uint32 `seed` of one sequence and head. Runs inside the kernels
-    and, for the tests, outside them."""
-    counter = query_pos[:, None].astype(jnp.uint32) * jnp.uint32(num_keys) + key_pos[
-        None, :
-    ].astype(jnp.uint32)
-    bits = _fmix32(_fmix32(counter ^ seed) + seed)
-    return bits >= jnp.uint32(min(int(rate * 2.0**32), 2**32 - 1))
+# Blocks per GPU generation and lane width (what passes XLA:GPU's shared-memory check: A100s
+# have 164 KiB a multiprocessor, H100s 228 KiB), the largest first; bench/gpu_check.py sweeps
+# them on a device.
+_BLOCKS = {
+    8: ((64, Blocks(128, 64, 32, 4, 4)), (128, Blocks(128, 64, 32, 8, 4)),
+        (256, Blocks(64, 64, 32, 8, 4))),
+    9: ((64, Blocks(128, 128, 64, 4, 4)), (128, Blocks(128, 64, 64, 8, 8)),
+        (256, Blocks(128, 64, 32, 8, 4))),
+}  # fmt: skip
+
+
+def lane_pieces(head_dim):
+    """The head dimension as at most two (offset, width) pieces of powers of two, >= 16 each:
+    160 -> 128 + 32, 96 -> 64 + 32, 64 -> 64, 8 -> 16 (lanes past head_dim load as zeros)."""
+    total = max(MIN_BLOCK, -(-head_dim // MIN_BLOCK) * MIN_BLOCK)
+    first = 1 << (total.bit_length() - 1)
+    if first == total:
+        return ((0, first),)
+    return ((0, first), (first, max(MIN_BLOCK, pl.next_power_of_2(total - first))))
+
+
+def lane_width(head_dim):
+    """The lanes every score-sized matmul runs over (what the planner counts)."""
+    return sum(width for _, width in lane_pieces(head_dim))
+
+
+def _largest_block(seq, most):
+    """The largest power of two <= most dividing seq (Triton tiles are powers of two)."""
+    block = most
+    while block > 1 and seq % block:
+        block //= 2
+    return block
+
+
+def blocks(seq, head_dim, generation=None):
+    """The Blocks of this shape on a GPU of this compute capability major (None: A100)."""
+    table = _BLOCKS.get(generation, _BLOCKS[8] if (generation or 8) < 9 else _BLOCKS[9])
+    width = lane_width(head_dim)
+    chosen = (
+        next(b for lanes, b in table if width <= lanes) if width <= MAX_HEAD_DIM else table[-1][1]
+    )
+    return chosen._replace(
+        forward_q=_largest_block(seq, chosen.forward_q),
+        forward_k=_largest_block(seq, chosen.forward_k),
+        backward=_largest_block(seq, chosen.backward),
+    )
+
+
+def refusal(seq, head_dim, generation=None):
+    """Why the kernel cannot take this shape (one phrase), or None."""
+    if lane_width(head_dim) > MAX_HEAD_DIM:
+        return f'head dim {head_dim} (at most {MAX_HEAD_DIM})'
+    chosen = blocks(seq, head_dim, generation)
+    if min(chosen.forward_q, chosen.forward_k, chosen.backward) < MIN_BLOCK:
+        return f'sequence length {seq} (a multiple of {MIN_BLOCK})'
+    return None
 
 
 def head_seeds(row_keys, site, heads):
@@ -71,226 +147,170 @@ def head_seeds(row_keys, site, heads):
     ).astype(jnp.uint32)
 
 
-def _block_sizes(head_dim_padded, seq):
-    """(forward block, backward block): what fits an A100's shared memory at this width."""
-    forward = 64 if head_dim_padded > 128 else 128
-    return min(forward, seq), min(32, seq)
+class _Static(NamedTuple):
+    """What the kernels are specialised on (hashable: custom_vjp's nondiff argument)."""
+
+    rate: float
+    interpret: bool
+    generation: int | None
+    segments: bool
+    tiles: Blocks | None = None
 
 
-def refusal(seq, head_dim):
-    """Why the kernel cannot take this shape (one phrase), or None."""
-    width = _padded(head_dim)
-    if width > MAX_HEAD_DIM:
-        return f'head dim {head_dim} (at most {MAX_HEAD_DIM})'
-    if any(seq % block for block in _block_sizes(width, seq)):
-        return f'sequence length {seq} (a multiple of {max(_block_sizes(width, seq))})'
-    return None
-
-
-def _scores(q, k, query_pos, key_pos, scale):
-    """Scaled causal scores of a query block against a key block, fp32."""
-    s = plgpu.dot(q, k.T) * scale
-    return jnp.where(query_pos[:, None] >= key_pos[None, :], s, _MASKED)
-
-
-def _dropped(p, seed_ref, query_pos, key_pos, num_keys, rate):
-    """p with dropout applied (inverted), or p when rate is 0."""
-    if rate == 0.0:
-        return p
-    keep = keep_mask(seed_ref[0], query_pos, key_pos, num_keys, rate)
-    return jnp.where(keep, p * (1.0 / (1.0 - rate)), 0.0)
-
-
-def _forward_kernel(q_ref, k_ref, v_ref, seed_ref, o_ref, lse_ref, *, rate, block_k, head_dim):
-    block_q, width = q_ref.shape
-    seq = k_ref.shape[0]
-    start_q = pl.program_id(0)
-    lanes = (jnp.arange(width) < head_dim)[None, :]
-    q = plgpu.load(q_ref, mask=lanes, other=0.0)
-    query_pos = start_q * block_q + jnp.arange(block_q)
-    scale = 1.0 / math.sqrt(head_dim)
-
-    def over_keys(start_k, carry):
-        o, row_max, row_sum = carry
-        block = pl.ds(start_k * block_k, block_k)
-        key_pos = start_k * block_k + jnp.arange(block_k)
-        k = plgpu.load(k_ref.at[block, :], mask=lanes, other=0.0)
-        s = _scores(q, k, query_pos, key_pos, scale)
-        m_next = jnp.maximum(row_max, s.max(axis=-1))
-        p = jnp.exp(s - m_next[:, None])
-        correction = jnp.exp(row_max - m_next)
-        v = plgpu.load(v_ref.at[block, :], mask=lanes, other=0.0)
-        p_kept = _dropped(p, seed_ref, query_pos, key_pos, seq, rate)
-        o = correction[:, None] * o + plgpu.dot(p_kept.astype(v.dtype), v)
-        return o, m_next, correction * row_sum + p.sum(axis=-1)
-
-    visible_blocks = jax.lax.div(block_q * (start_q + 1) + block_k - 1, block_k)
-    o, row_max, row_sum = jax.lax.fori_loop(
-        0,
-        visible_blocks,
-        over_keys,
-        (
-            jnp.zeros((block_q, width), jnp.float32),
-            jnp.full((block_q,), _MASKED, jnp.float32),
-            jnp.zeros((block_q,), jnp.float32),
-        ),
-    )
-    lse_ref[...] = row_max + jnp.log(row_sum)
-    plgpu.store(o_ref, (o / row_sum[:, None]).astype(o_ref.dtype), mask=lanes)
-
-
-def _backward_kernel(
-    q_ref, k_ref, v_ref, seed_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref,
-    *, rate, block, head_dim,
-):  # fmt: skip
-    seq, width = q_ref.shape
-    lanes = (jnp.arange(width) < head_dim)[None, :]
-    scale = 1.0 / math.sqrt(head_dim)
-    index = pl.program_id(2)
-
-    def gradient_of_scores(q, k, v, do, lse, delta, query_pos, key_pos):
-        """(dS, P') of one (query block, key block): dS already scaled by the softmax scale."""
-        p = jnp.exp(_scores(q, k, query_pos, key_pos, scale) - lse[:, None])
-        dp = plgpu.dot(do, v.T)
-        if rate:
-            keep = keep_mask(seed_ref[0], query_pos, key_pos, seq, rate)
-            inverse = 1.0 / (1.0 - rate)
-            dp = jnp.where(keep, dp * inverse, 0.0)
-            p_kept = jnp.where(keep, p * inverse, 0.0)
-        else:
-            p_kept = p
-        return p * (dp - delta[:, None]) * scale, p_kept
-
-    # dK, dV of key block `index` over the query blocks that see it (causal: from it on).
-    key_block = pl.ds(index * block, block)
-    key_pos = index * block + jnp.arange(block)
-    k = plgpu.load(k_ref.at[key_block, :], mask=lanes, other=0.0)
-    v = plgpu.load(v_ref.at[key_block, :], mask=lanes, other=0.0)
-
-    def over_queries(start_q, carry):
-        dk, dv = carry
-        rows = pl.ds(start_q * block, block)
-        query_pos = start_q * block + jnp.arange(block)
-        q = plgpu.load(q_ref.at[rows, :], mask=lanes, other=0.0)
-        do = plgpu.load(do_ref.at[rows, :], mask=lanes, other=0.0)
-        ds, p_kept = gradient_of_scores(
-            q, k, v, do, lse_ref[rows], delta_ref[rows], query_pos, key_pos
-        )
-        dv = dv + plgpu.dot(p_kept.astype(do.dtype).T, do)
-        return dk + plgpu.dot(ds.astype(q.dtype).T, q), dv
-
-    zeros = jnp.zeros((block, width), jnp.float32)
-    dk, dv = jax.lax.fori_loop(index, pl.cdiv(seq, block), over_queries, (zeros, zeros))
-    plgpu.store(dk_ref, dk.astype(dk_ref.dtype), mask=lanes)
-    plgpu.store(dv_ref, dv.astype(dv_ref.dtype), mask=lanes)
-
-    # dQ of query block `index` over the key blocks it sees (causal: up to it).
-    rows = pl.ds(index * block, block)
-    query_pos = index * block + jnp.arange(block)
-    q = plgpu.load(q_ref.at[rows, :], mask=lanes, other=0.0)
-    do = plgpu.load(do_ref.at[rows, :], mask=lanes, other=0.0)
-    lse, delta = lse_ref[rows], delta_ref[rows]
-
-    def over_keys(start_k, dq):
-        keys = pl.ds(start_k * block, block)
-        key_pos = start_k * block + jnp.arange(block)
-        k = plgpu.load(k_ref.at[keys, :], mask=lanes, other=0.0)
-        v = plgpu.load(v_ref.at[keys, :], mask=lanes, other=0.0)
-        ds, _ = gradient_of_scores(q, k, v, do, lse, delta, query_pos, key_pos)
-        return dq + plgpu.dot(ds.astype(k.dtype), k)
-
-    dq = jax.lax.fori_loop(0, index + 1, over_keys, zeros)
-    plgpu.store(dq_ref, dq.astype(dq_ref.dtype), mask=lanes)
-
-
-def _padded(head_dim):
-    return max(16, pl.next_power_of_2(head_dim))
-
-
-def _seed_spec(order):
-    """The BlockSpec of the (batch, heads, 1) seeds: one per program; `order` picks batch and
-    head out of the grid indices."""
-    return pl.BlockSpec((None, None, 1), lambda *grid: (*order(*grid), 0))
-
-
-def _forward(q, k, v, seeds, rate, interpret):
+def _common(q, static):
     batch, seq, heads, head_dim = q.shape
-    width = _padded(head_dim)
-    block_q, _ = _block_sizes(width, seq)
+    chosen = static.tiles or blocks(seq, head_dim, static.generation)
+    return dict(
+        head_dim=head_dim,
+        pieces=lane_pieces(head_dim),
+        rate=static.rate,
+        segments=static.segments,
+    ), chosen
+
+
+def _forward(q, k, v, seeds, segment_ids, static):
+    batch, seq, heads, head_dim = q.shape
+    group = heads // k.shape[2]
+    width = lane_width(head_dim)
+    common, chosen = _common(q, static)
+    block_q = chosen.forward_q
     rows = pl.BlockSpec((None, block_q, None, width), lambda i, b, h: (b, i, h, 0))
-    whole = pl.BlockSpec((None, seq, None, width), lambda i, b, h: (b, 0, h, 0))
+    whole = pl.BlockSpec((None, seq, None, width), lambda i, b, h: (b, 0, h // group, 0))
+    specs = [rows, whole, whole, pl.BlockSpec((None, None, 1), lambda i, b, h: (b, h, 0))]
+    args = [q, k, v, seeds[..., None]]
+    if static.segments:
+        specs.append(pl.BlockSpec((None, seq), lambda i, b, h: (b, 0)))
+        args.append(segment_ids)
     return pl.pallas_call(
-        functools.partial(_forward_kernel, rate=rate, block_k=block_q, head_dim=head_dim),
+        functools.partial(flash_kernels.forward_kernel, block_k=chosen.forward_k, **common),
         grid=(seq // block_q, batch, heads),
-        in_specs=[rows, whole, whole, _seed_spec(lambda i, b, h: (b, h))],
+        in_specs=specs,
         out_specs=[rows, pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))],
         out_shape=[q, jax.ShapeDtypeStruct((batch, heads, seq), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=2),
-        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(
+            num_warps=chosen.forward_warps, num_stages=chosen.stages
+        ),
+        interpret=static.interpret,
         name=FORWARD,
-    )(q, k, v, seeds)
+    )(*args)
 
 
-def _backward(q, k, v, seeds, out, lse, d_out, rate, interpret):
+def _backward(q, k, v, seeds, segment_ids, out, lse, d_out, static):
     batch, seq, heads, head_dim = q.shape
-    width = _padded(head_dim)
-    _, block = _block_sizes(width, seq)
-    # rowsum(dO * O): elementwise, left to XLA.
+    kv_heads = k.shape[2]
+    group = heads // kv_heads
+    width = lane_width(head_dim)
+    common, chosen = _common(q, static)
+    block = chosen.backward
+    # rowsum(dO * O), base-2 units as the log-sum-exp: elementwise, left to XLA.
     delta = jnp.einsum('bqhd,bqhd->bhq', d_out.astype(jnp.float32), out.astype(jnp.float32))
-    whole = pl.BlockSpec((None, seq, None, width), lambda b, h, i: (b, 0, h, 0))
-    per_query = pl.BlockSpec((None, None, seq), lambda b, h, i: (b, h, 0))
-    block_out = pl.BlockSpec((None, block, None, width), lambda b, h, i: (b, i, h, 0))
-    return pl.pallas_call(
-        functools.partial(_backward_kernel, rate=rate, block=block, head_dim=head_dim),
+    params = plgpu.CompilerParams(num_warps=chosen.backward_warps, num_stages=chosen.stages)
+    segments = [segment_ids] if static.segments else []
+    segment_spec = [pl.BlockSpec((None, seq), lambda b, h, i: (b, 0))] if static.segments else []
+
+    # dK, dV: one program per (batch, kv head, key block), over the group's query heads.
+    grouped = pl.BlockSpec((None, seq, group, width), lambda b, h, i: (b, 0, h, 0))
+    key_rows = pl.BlockSpec((None, block, None, width), lambda b, h, i: (b, i, h, 0))
+    per_group = pl.BlockSpec((None, group, seq), lambda b, h, i: (b, h, 0))
+    dk, dv = pl.pallas_call(
+        functools.partial(flash_kernels.key_value_kernel, block=block, **common),
+        grid=(batch, kv_heads, seq // block),
+        in_specs=[
+            grouped,
+            key_rows,
+            key_rows,
+            pl.BlockSpec((None, group, 1), lambda b, h, i: (b, h, 0)),
+            grouped,
+            per_group,
+            per_group,
+            *segment_spec,
+        ],  # fmt: skip
+        out_specs=[key_rows, key_rows],
+        out_shape=[k, v],
+        compiler_params=params,
+        interpret=static.interpret,
+        name=KEY_VALUE,
+    )(q, k, v, seeds[..., None], d_out, lse, delta, *segments)
+
+    # dQ: one program per (batch, query head, query block).
+    query_rows = pl.BlockSpec((None, block, None, width), lambda b, h, i: (b, i, h, 0))
+    whole_kv = pl.BlockSpec((None, seq, None, width), lambda b, h, i: (b, 0, h // group, 0))
+    per_query = pl.BlockSpec((None, None, block), lambda b, h, i: (b, h, i))
+    dq = pl.pallas_call(
+        functools.partial(flash_kernels.query_kernel, block=block, **common),
         grid=(batch, heads, seq // block),
         in_specs=[
-            whole,
-            whole,
-            whole,
-            _seed_spec(lambda b, h, i: (b, h)),
-            whole,
+            query_rows,
+            whole_kv,
+            whole_kv,
+            pl.BlockSpec((None, None, 1), lambda b, h, i: (b, h, 0)),
+            query_rows,
             per_query,
             per_query,
-        ],
-        out_specs=[block_out] * 3,
-        out_shape=[q, k, v],
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-        interpret=interpret,
-        name=BACKWARD,
-    )(q, k, v, seeds, d_out, lse, delta)
+            *segment_spec,
+        ],  # fmt: skip
+        out_specs=query_rows,
+        out_shape=q,
+        compiler_params=params,
+        interpret=static.interpret,
+        name=QUERY,
+    )(q, k, v, seeds[..., None], d_out, lse, delta, *segments)
+    return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def flash_attention(q, k, v, seeds, rate=0.0, interpret=False):
-    """Causal attention context (batch, seq, heads, head_dim) of q, k, v of that shape, in
-    their dtype; seeds: (batch, heads) uint32 (head_seeds), read only when rate > 0."""
-    return _forward(q, k, v, seeds[..., None], rate, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(q, k, v, seeds, segment_ids, static):
+    return _forward(q, k, v, seeds, segment_ids, static)[0]
 
 
-def _flash_forward(q, k, v, seeds, rate, interpret):
-    out, lse = _forward(q, k, v, seeds[..., None], rate, interpret)
-    return out, (q, k, v, seeds, out, lse)
+def _attention_forward(q, k, v, seeds, segment_ids, static):
+    out, lse = _forward(q, k, v, seeds, segment_ids, static)
+    out, lse = checkpoint_name(out, SAVED_NAMES[0]), checkpoint_name(lse, SAVED_NAMES[1])
+    return out, (q, k, v, seeds, segment_ids, out, lse)
 
 
-def _flash_backward(rate, interpret, saved, d_out):
-    q, k, v, seeds, out, lse = saved
-    dq, dk, dv = _backward(q, k, v, seeds[..., None], out, lse, d_out, rate, interpret)
-    return dq, dk, dv, None
+def _attention_backward(static, saved, d_out):
+    q, k, v, seeds, segment_ids, out, lse = saved
+    dq, dk, dv = _backward(q, k, v, seeds, segment_ids, out, lse, d_out, static)
+    return dq, dk, dv, None, None
 
 
-flash_attention.defvjp(_flash_forward, _flash_backward)
+_attention.defvjp(_attention_forward, _attention_backward)
 
 
-def reference(q, k, v, seeds, rate=0.0):
-    """What flash_attention computes, with materialised scores and the same dropout bits:
-    the tests' yardstick."""
+def flash_attention(
+    q, k, v, seeds=None, rate=0.0, *, segment_ids=None, interpret=False, generation=None,
+    tiles=None,
+):  # fmt: skip
+    """Causal attention context of q over k, v; see the module docstring for the shapes."""
     batch, seq, heads, head_dim = q.shape
+    if k.shape != v.shape or k.shape[:2] != (batch, seq) or heads % k.shape[2]:
+        raise ValueError(f'flash_attention: q {q.shape} against k {k.shape}, v {v.shape}')
+    if refusal(seq, head_dim, generation):
+        raise ValueError(f'flash_attention cannot take {refusal(seq, head_dim, generation)}')
+    if seeds is None or not rate:
+        seeds = jnp.zeros((batch, heads), jnp.uint32)
+    static = _Static(float(rate), bool(interpret), generation, segment_ids is not None, tiles)
+    if segment_ids is not None:
+        segment_ids = segment_ids.astype(jnp.int32)
+    return _attention(q, k, v, seeds.astype(jnp.uint32), segment_ids, static)
+
+
+def reference(q, k, v, seeds=None, rate=0.0, segment_ids=None):
+    """What flash_attention computes, with materialised scores, repeated key/value heads and
+    the same dropout bits: the tests' yardstick."""
+    batch, seq, heads, head_dim = q.shape
+    group = heads // k.shape[2]
+    k, v = (jnp.repeat(a, group, axis=2) for a in (k, v))
     s = jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32)
-    s = s / math.sqrt(head_dim)
+    s = s / jnp.sqrt(jnp.float32(head_dim))
     pos = jnp.arange(seq)
-    s = jnp.where(pos[:, None] >= pos[None, :], s, _MASKED)
+    visible = (pos[:, None] >= pos[None, :])[None, None]
+    if segment_ids is not None:
+        visible = visible & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    s = jnp.where(visible, s, MASKED)
     p = jax.nn.softmax(s, axis=-1)
     if rate:
-        keep = jax.vmap(jax.vmap(lambda seed: keep_mask(seed, pos, pos, seq, rate)))(seeds)
-        p = jnp.where(keep, p / (1.0 - rate), 0.0)
+        keep = jax.vmap(jax.vmap(lambda seed: keep_mask(seed, pos, 0, seq, rate)))(seeds)
+        p = jnp.where(keep, p * keep_scale(rate), 0.0)
     return jnp.einsum('bhqk,bkhd->bqhd', p.astype(q.dtype), v).astype(q.dtype)

@@ -48,7 +48,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtnlg_jax.model.block import SELECTIVE_SAVED, SITES_PER_BLOCK, Block, attention_kernel
+from mtnlg_jax.model.block import (
+    SELECTIVE_SAVED,
+    SITES_PER_BLOCK,
+    Block,
+    attention_kernel,
+    gpu_generation,
+)
 from mtnlg_jax.model.layers import dropout, norm, param, use
 from mtnlg_jax.model import loss
 from mtnlg_jax.model.loss import cross_entropy  # also the callers' name: gpt.cross_entropy
@@ -84,7 +90,7 @@ class GPT(nnx.Module):
         )
         kernel = attention_kernel(cfg, device)
         make_blocks = nnx.vmap(
-            lambda key: Block(cfg, nnx.Rngs(params=key), kernel),
+            lambda key: Block(cfg, nnx.Rngs(params=key), kernel, gpu_generation(device)),
             transform_metadata={nnx.PARTITION_NAME: 'layers', 'logical_axes': 'layers'},
         )
         self.blocks = make_blocks(layer_keys)

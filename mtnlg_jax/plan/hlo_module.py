@@ -270,7 +270,8 @@ def _dims(type_text):
 # Fused attention kernels and the matmuls each runs over the (batch, heads, q, k) scores:
 # cuDNN's (forward 2; backward 5: flash attention recomputes the scores, then dV, dP, dQ, dK),
 # named by their custom call targets, and the Pallas flash kernels of model/flash_attention.py
-# (the same counts), Triton custom calls named by their op_name.
+# (forward 2; dK/dV 4 and dQ 3: each backward kernel recomputes the scores and their
+# gradient), Triton custom calls named by their op_name (`jvp(name)/pallas_call` and kin).
 FUSED_ATTENTION_MATMULS = {
     '__cudnn$fmhaSoftmax': 2,
     '__cudnn$fmhaSoftmaxBackward': 5,
@@ -278,7 +279,7 @@ FUSED_ATTENTION_MATMULS = {
 }
 _CUSTOM_TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _SCORES_SHAPE = re.compile(r'"intermediate_tensor_shape":\s*\{[^{}]*?"dimensions":\s*\[([^\]]*)\]')
-_PALLAS_KERNEL = re.compile(r'op_name="[^"]*?/(\w+)/pallas_call')
+_PALLAS_KERNEL = re.compile(r'op_name="[^"]*?(\w+)\)*/pallas_call')
 _FIRST_OPERAND = re.compile(r'operand_layout_constraints=\{\s*\w+\[([^\]]*)\]')
 
 
@@ -314,7 +315,8 @@ def fused_attention_flops(instruction):
     matmuls = FUSED_ATTENTION_MATMULS[kernel]
     if kernel in flash_attention.KERNEL_MATMULS:  # q: (batch, seq, heads, head_dim)
         batch, seq, heads, head_dim = ints(_FIRST_OPERAND.search(instruction.rest).group(1))
-        return 2 * matmuls * batch * heads * seq * seq * head_dim
+        lanes = flash_attention.lane_width(head_dim)  # what its tiles multiply, padding too
+        return 2 * matmuls * batch * heads * seq * seq * lanes
     scores = _SCORES_SHAPE.search(instruction.rest)
     if not scores:
         return 0

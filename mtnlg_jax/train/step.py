@@ -76,14 +76,13 @@ def accumulate_gradients(config, setup, params, tokens, row_ids, step):
         grads = rules.constrain_tree(grads, setup.logical_axes)
         return totals, jax.tree.map(lambda g: g[None], grads)  # stacked over replicas
 
-    batch_spec = rules.logical_to_spec(BATCH_AXES)
-    totals, replica_grads = jax.shard_map(
+    totals, replica_grads = _over_replicas(
         per_replica,
-        in_specs=(PartitionSpec(), batch_spec, PartitionSpec(*batch_spec[:2])),
-        out_specs=(PartitionSpec(), PartitionSpec(rules.DATA_AXIS)),
-        axis_names={rules.DATA_AXIS},
-        check_vma=False,  # gradients stay per replica: no implicit psum in the transpose
-    )(compute_params, tokens, row_ids)
+        (PartitionSpec(), PartitionSpec(rules.DATA_AXIS)),
+        compute_params,
+        tokens,
+        row_ids,
+    )
     loss_sum, token_count = totals[0], totals[1]
     grads = jax.tree.map(
         lambda g, sharding: jax.lax.with_sharding_constraint(g / token_count, sharding),
@@ -91,6 +90,21 @@ def accumulate_gradients(config, setup, params, tokens, row_ids, step):
         setup.state_shardings['params'],
     )
     return loss_sum / token_count, grads
+
+
+def _over_replicas(per_replica, out_specs, compute_params, tokens, *per_row):
+    """per_replica(compute_params, tokens, *per_row) in a region manual over 'data': each
+    replica its own rows of tokens (micro_steps, rows, seq + 1) and of per_row (micro_steps,
+    rows), the whole compute copy."""
+    batch_spec = rules.logical_to_spec(BATCH_AXES)
+    row_spec = PartitionSpec(*batch_spec[:2])
+    return jax.shard_map(
+        per_replica,
+        in_specs=(PartitionSpec(), batch_spec) + (row_spec,) * len(per_row),
+        out_specs=out_specs,
+        axis_names={rules.DATA_AXIS},
+        check_vma=False,  # gradients stay per replica: no implicit psum in the transpose
+    )(compute_params, tokens, *per_row)
 
 
 def _replica_sums(config, setup, compute_params, tokens, row_ids, step):
@@ -157,8 +171,22 @@ def make_eval_step(config, setup):
     def _eval_loss_sum(params, tokens):
         tokens = rules.constrain(tokens, BATCH_AXES)
         compute_params = compute_copy(config, setup, params)
+        engine = engine_lib.engine(config)
+        if engine.pipelined:
+            totals = _over_replicas(_pipelined_sums, PartitionSpec(), compute_params, tokens)
+            return totals[0], totals[1]
+        stage_fns = gpt.stage_functions(setup.graphdef, setup.logical_axes)
+        return engine.loss_sum(stage_fns, compute_params, _micro_batches(config, tokens))
+
+    def _pipelined_sums(compute_params, tokens):
+        """One replica's (loss sum, token count), summed over 'data'. Per replica, as in the
+        train step: at top level the partitioner moves the embedding's tokens between 'data'
+        and 'tensor' (sequence parallel) with a collective-permute whose pairs span every
+        stage, inside the first chunk's conditional, which only the first stage takes: XLA:CPU
+        waits for the other stages' devices forever."""
         stage_fns = gpt.stage_functions(setup.graphdef, setup.logical_axes)
         batch = _micro_batches(config, tokens)
-        return engine_lib.engine(config).loss_sum(stage_fns, compute_params, batch)
+        loss, count = engine_lib.engine(config).loss_sum(stage_fns, compute_params, batch)
+        return zero.psum(jnp.stack([loss, count]))
 
     return jax.jit(eval_step)

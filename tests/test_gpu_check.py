@@ -1,0 +1,71 @@
+"""bench/gpu_check.py on a machine without a GPU: one error line and exit 2, nothing written;
+its report keeps every section as it finishes (a run cut off keeps what it measured), a failed
+section records its error and the next one runs, and the markdown holds the same figures."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import support
+
+sys.path.insert(0, str(support.ROOT / 'bench'))
+import gpu_check  # noqa: E402
+
+
+def test_without_a_gpu_the_check_says_so_in_one_line_and_exits_2(tmp_path):
+    out = tmp_path / 'check'
+    result = subprocess.run(
+        [sys.executable, str(support.ROOT / 'bench/gpu_check.py'), '--out', str(out)],
+        capture_output=True, text=True, cwd=support.ROOT,
+        env=dict(support.TRAIN_ENV, JAX_PLATFORMS='cpu'), timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith('error: no GPU'), result.stderr
+    assert 'cpu' in lines[0] and result.stdout == ''
+    assert not out.exists()
+
+
+def test_the_report_keeps_each_section_as_it_finishes(tmp_path):
+    report = gpu_check.Report(tmp_path, 'python bench/gpu_check.py')
+    speeds = [dict(kind='flash', head_dim=160, fwd_bwd_ms=1.5), dict(kind='cudnn', head_dim=64)]
+    report.run('kernel_speed', lambda: dict(shape='seq 2048', rows=speeds))
+
+    def cut_off():
+        written = json.loads((tmp_path / 'gpu_check.json').read_text())
+        assert written['sections']['kernel_speed']['rows'] == speeds  # already on disk
+        raise RuntimeError('out of memory\nsecond line')
+
+    report.run('train_step', cut_off)
+    report.run('hlo', lambda: dict(loop_copies_over_1_mib=0))
+    sections = json.loads((tmp_path / 'gpu_check.json').read_text())['sections']
+    assert list(sections) == ['kernel_speed', 'train_step', 'hlo']
+    assert sections['train_step']['status'] == 'failed'
+    assert sections['train_step']['error'] == 'RuntimeError: out of memory'
+    assert sections['hlo']['status'] == 'ok' and sections['hlo']['loop_copies_over_1_mib'] == 0
+    text = (tmp_path / 'gpu_check.md').read_text()
+    assert '| kind | head_dim | fwd_bwd_ms |' in text
+    assert '| flash | 160 | 1.5 |' in text and '| cudnn | 64 |  |' in text
+    assert '| error | RuntimeError: out of memory |' in text
+    assert not list(tmp_path.glob('*.partial'))
+
+
+@pytest.mark.parametrize(
+    'name, kind',
+    [
+        ('flash_attention_dkv', 'attention'),
+        ('sm90_xmma_gemm_bf16bf16_bf16f32', 'matmuls'),
+        ('loop_dynamic_update_slice_fusion_3', 'slicing'),
+        ('wrapped_copy_2', 'copies'),
+        ('input_transpose_fusion', 'transposes'),
+        ('ncclDevKernel_AllReduce_Sum_bf16', 'collectives'),
+        ('loop_add_fusion_12', 'elementwise'),
+    ],
+)
+def test_profiled_kernels_are_split_by_kind(name, kind):
+    pytest.importorskip('flax')
+    import gpu_check_train  # noqa: PLC0415
+
+    assert gpu_check_train.kind_of(name) == kind
