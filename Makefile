@@ -59,7 +59,8 @@ $(DATA)/raw/.exported: $(VENV)/.installed launch/export_corpus.py mtnlg_jax/data
 	$(PY) launch/export_corpus.py --out $(DATA)/raw
 	touch $@
 
-$(DATA)/curated/%.jsonl: $(DATA)/raw/.exported launch/curate.py $(wildcard mtnlg_jax/data/curate/*.py)
+$(DATA)/curated/%.jsonl: $(DATA)/raw/.exported launch/curate.py $(wildcard mtnlg_jax/data/curate/*.py) \
+		mtnlg_jax/data/ray_engine.py mtnlg_jax/data/pieces.py
 	$(PY) launch/curate.py --input $(DATA)/raw/$*.jsonl --output $@ --workers 2 $(CURATE_$*)
 
 $(DATA)/tokenizer.model: $(SOURCES:%=$(DATA)/curated/%.jsonl)

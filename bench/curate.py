@@ -23,11 +23,19 @@
    decontamination nothing to time (the tests check what it separates). Per run: wall
    seconds, documents/s and MB/s of the whole run, and the peak resident memory of the main
    process and of the largest worker (ru_maxrss).
+3. On Ray (the engine since round four; data/ray_engine.py):
+   a. start-up: ray.init(address='local') and a first trivial Ray Data job, in a fresh process;
+   b. throughput per core, --workers 1 and 2, all four stages, on the synthetic corpus of
+      --synthetic-mb (the 1x of c);
+   c. peak resident memory of the driver and of the largest Ray worker process (sampled every
+      0.2 s over the run's whole process tree; Ray's own GCS, raylet and agents apart), and the
+      largest LSH bucket, as the synthetic corpus grows 1x -> 4x -> 16x of --memory-mb.
 Timings on a shared machine are noisy: read them as orders of magnitude.
 """
 
 import argparse
 import json
+import threading
 import os
 import random
 import subprocess
@@ -143,7 +151,31 @@ def synthetic(path, megabytes, verses):
     return written
 
 
-def run_pipeline(name, inputs, folder, workers, reference, evaluation):
+def _sampled_peaks(process, stop, peaks):
+    """Peak RSS (MB) per role of `process` and its descendants until `stop` is set."""
+    import psutil
+
+    while not stop.is_set():
+        try:
+            tree = [process] + process.children(recursive=True)
+        except psutil.Error:
+            break
+        for p in tree:
+            try:
+                name, rss = p.name(), p.memory_info().rss / 2**20
+                cmdline = ' '.join(p.cmdline()[:3])
+            except psutil.Error:
+                continue
+            role = 'driver' if p.pid == process.pid else 'worker'
+            if name in ('gcs_server', 'raylet') or 'Agent' in name or 'agent' in cmdline:
+                role = 'ray'
+            elif 'default_worker' not in cmdline and not name.startswith('ray::'):
+                role = 'ray' if p.pid != process.pid else role
+            peaks[role] = max(peaks.get(role, 0.0), rss)
+        stop.wait(0.2)
+
+
+def run_pipeline(name, inputs, folder, workers, reference, evaluation, quiet=False):
     output = os.path.join(folder, f'{name}.curated.jsonl')
     command = [
         sys.executable,
@@ -161,16 +193,25 @@ def run_pipeline(name, inputs, folder, workers, reference, evaluation):
         '--eval',
         evaluation,
     ]
-    start = time.perf_counter()
-    subprocess.run(
+    import psutil
+
+    start, stop, peaks = time.perf_counter(), threading.Event(), {}
+    child = subprocess.Popen(
         command,
-        check=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env={**os.environ, 'PYTHONPATH': ROOT},
     )
+    sampler = threading.Thread(target=_sampled_peaks, args=(psutil.Process(child.pid), stop, peaks))
+    sampler.start()
+    assert child.wait() == 0, command
+    stop.set()
+    sampler.join()
     wall = time.perf_counter() - start
     report = json.load(open(os.path.join(folder, f'{name}.curated.report.json')))
+    report['wall'], report['peaks'] = wall, peaks
+    if quiet:
+        return report
     mb = report['bytes_in'] / 1e6
     print(
         f'\n2{name[0]}. {name} (load average {os.getloadavg()[0]:.1f} at the end): '
@@ -196,6 +237,55 @@ def run_pipeline(name, inputs, folder, workers, reference, evaluation):
             f"{s['seconds']:>10.1f} {s['documents_in'] / seconds:>12,.0f} "
             f"{s['bytes_in'] / 1e6 / seconds:>10.2f}"
         )
+    return report
+
+
+def ray_start_up():
+    """Seconds to ray.init(address='local') and to a first trivial Ray Data job."""
+    code = (
+        'import time; t = time.perf_counter()\n'
+        'from mtnlg_jax.data import ray_engine\n'
+        'with ray_engine.started(2) as ray:\n'
+        '    up = time.perf_counter() - t\n'
+        '    ray.data.range(10).map_batches(lambda b: b).materialize()\n'
+        '    print(up, time.perf_counter() - t)\n'
+    )
+    done = subprocess.run(
+        [sys.executable, '-c', code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, 'PYTHONPATH': ROOT},
+    )
+    return [float(x) for x in done.stdout.split()[-2:]]
+
+
+def ray_rows(args, folder, verses, reference, evaluation):
+    up, first = ray_start_up()
+    print(f'\n3a. Ray start-up: ray.init {up:.1f} s; with a first Ray Data job {first:.1f} s')
+    path = os.path.join(folder, 'synthetic.jsonl')
+    if not os.path.exists(path):
+        synthetic(path, args.synthetic_mb, verses)
+    print('\n3b. throughput per core, all four stages, synthetic corpus')
+    print('    | workers | MB | wall s | compute s (stages) | MB/s per core | MB/s wall |')
+    for workers in (1, 2):
+        r = run_pipeline(f'ray{workers}', [path], folder, workers, reference, evaluation, True)
+        mb, compute = r['bytes_in'] / 1e6, sum(s['seconds'] for s in r['stages'])
+        print(f'    | {workers} | {mb:.0f} | {r["wall"]:.0f} | {compute:.0f} | '
+              f'{mb / compute:.2f} | {mb / r["wall"]:.2f} |')  # fmt: skip
+    print('\n3c. peak resident memory as the corpus grows (MB)')
+    print('    | corpus | MB | documents | driver | largest worker | Ray (GCS, raylet, agents) '
+          '| largest bucket | wall s |')  # fmt: skip
+    for scale in (1, 4, 16):
+        scaled = os.path.join(folder, f'memory{scale}.jsonl')
+        synthetic(scaled, args.memory_mb * scale, verses)
+        r = run_pipeline(f'memory{scale}', [scaled], folder, 2, reference, evaluation, True)
+        fuzzy_stage = next(s for s in r['stages'] if s['stage'] == 'fuzzy')
+        p = r['peaks']
+        print(f'    | {scale}x | {r["bytes_in"] / 1e6:.0f} | {r["documents_in"]:,} | '
+              f'{p.get("driver", 0):.0f} | {p.get("worker", 0):.0f} | {p.get("ray", 0):.0f} | '
+              f'{fuzzy_stage["largest_bucket"]} | {r["wall"]:.0f} |')  # fmt: skip
+        os.remove(scaled)
 
 
 def main():
@@ -203,6 +293,8 @@ def main():
     parser.add_argument('--workers', type=int, default=2)
     parser.add_argument('--synthetic-mb', type=float, default=200)
     parser.add_argument('--no-synthetic', action='store_true')
+    parser.add_argument('--memory-mb', type=float, default=200, help='the 1x of part 3c')
+    parser.add_argument('--only-ray', action='store_true', help='part 3 alone')
     args = parser.parse_args()
     print(f'command: python bench/curate.py {" ".join(sys.argv[1:])}'.strip())
     print(
@@ -217,20 +309,23 @@ def main():
             env={**os.environ, 'PYTHONPATH': ROOT},
         )
         inputs = [os.path.join(folder, f'{s}.jsonl') for s in ('kjv', 'python_stdlib')]
-        texts = [json.loads(line)['text'] for path in inputs for line in open(path)]
-        library_or_own(texts)
-
         verses = [v for chapter in bible_documents() for v in chapter.split('\n')[1:] if v]
         rng = random.Random(1)
         evaluation = os.path.join(folder, 'evaluation.jsonl')
         with open(evaluation, 'w') as f:
             f.writelines(json.dumps({'text': v}) + '\n' for v in rng.sample(verses, 500))
+        if args.only_ray:
+            ray_rows(args, folder, verses, inputs[0], evaluation)
+            return
+        texts = [json.loads(line)['text'] for path in inputs for line in open(path)]
+        library_or_own(texts)
         run_pipeline('default corpus', inputs, folder, args.workers, inputs[0], evaluation)
         if not args.no_synthetic:
             path = os.path.join(folder, 'synthetic.jsonl')
             size, seconds = timed(synthetic, path, args.synthetic_mb, verses)
             print(f'\n(synthetic corpus: {size / 1e6:.0f} MB written in {seconds:.0f} s)')
             run_pipeline('synthetic corpus', [path], folder, args.workers, inputs[0], evaluation)
+        ray_rows(args, folder, verses, inputs[0], evaluation)
 
 
 if __name__ == '__main__':

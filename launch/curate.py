@@ -2,11 +2,14 @@
 """Curate documents as MT-NLG did: deduplicate, filter by quality, decontaminate (jsonl out).
 
 Exact and fuzzy deduplication, quality filtering, decontamination against evaluation sets;
-jsonl (or any input preprocess.py reads) in, jsonl out.
+jsonl (or any input preprocess.py reads) in, jsonl out, on Ray (an embedded one of --workers
+CPUs, or the cluster at --ray_address).
 
     python launch/curate.py --input raw/web.jsonl --output curated/web.jsonl [--workers 2] \\
         [--stages exact fuzzy quality decontaminate] [--threshold 0.8] \\
         [--quality_reference good.jsonl --classifier_threshold 0.5] [--eval lambada.jsonl ...]
+    python launch/curate.py --input crawl/ --output curated/crawl/ --ray_address HEAD:6379
+        # -> curated/crawl/part-NNNNN.jsonl, manifest.json, report.json
 
 Stages run in that order, whatever order they are named in: exact (normalised text), fuzzy
 (MinHash + LSH, Jaccard >= --threshold, one document kept per cluster), quality (Gopher's
@@ -14,7 +17,10 @@ heuristics; with --quality_reference also a classifier trained on that good text
 sample of the input), decontaminate (GPT-3's 13-gram rule against the --eval files; the
 default stages include it when --eval is given). Writes OUTPUT and OUTPUT's .report.json
 (documents and bytes in, out and removed per stage, why, and examples), each only once
-complete. Bad input prints one line `error: ...` and exits with status 2.
+complete. `--output DIR/` writes one part-NNNNN.jsonl per piece of input (--shard_mb), a
+manifest.json (inputs and their SHA-256, options, documents per shard) and report.json.
+Partial work lives in --work_dir (default OUTPUT.work): a failed run, rerun alike, resumes at
+the stage that failed. Bad input prints one line `error: ...` and exits with status 2.
 """
 
 import os
@@ -26,25 +32,32 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mtnlg_jax.run.cli import ArgumentParser, output_problem
-from mtnlg_jax.data.curate import decontaminate, pipeline, quality
+from mtnlg_jax.data.curate import decontaminate, engine, pipeline, quality, workdir
 from mtnlg_jax.data.curate.report import report_path, table
+from mtnlg_jax.data.pieces import sha256
 from mtnlg_jax.data.preprocess import InputError, documents, input_files
+from mtnlg_jax.run.cli import ArgumentParser, output_problem
 
 
 def parse_args(argv):
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--input', nargs='+', required=True, help='jsonl / text files or folders')
-    p.add_argument('--output', required=True, help='the curated jsonl ({"text": ...} lines)')
+    p.add_argument(
+        '--output', required=True, help='FILE.jsonl ({"text": ...} lines), or DIR/ for shards'
+    )
     p.add_argument(
         '--stages',
         nargs='+',
         choices=pipeline.STAGES,
         help='default: exact fuzzy quality, and decontaminate when --eval is given',
     )
-    p.add_argument('--workers', type=int, default=1)
+    p.add_argument('--workers', type=int, default=1, help='CPUs of Ray used')
+    p.add_argument('--ray_address', help="HOST:PORT of a running Ray cluster's GCS")
+    p.add_argument('--work_dir', help='partial work, for a rerun to resume (OUTPUT.work)')
+    p.add_argument('--shard_mb', type=float, default=32.0, help='input MB per piece and shard')
+    p.add_argument('--part_documents', type=int, default=20000, help='per shuffle partition')
+    p.add_argument('--drill', choices=('signatures',), help='kill one worker once (a drill)')
     p.add_argument('--json_key', default='text')
-    p.add_argument('--chunk_documents', type=int, default=256, help='documents per worker task')
     p.add_argument('--examples', type=int, default=3, help='removed documents shown per stage')
     g = p.add_argument_group('fuzzy deduplication')
     g.add_argument('--threshold', type=float, default=0.8, help='Jaccard of duplicates, (0, 1]')
@@ -84,6 +97,8 @@ def _check(args):
                     open(name, 'rb').close()
                 except OSError as e:
                     raise InputError(f'{flag} {name}: {e.strerror or e}') from None
+    if not 0 < args.shard_mb <= 1 << 20:
+        raise InputError(f'--shard_mb must be positive, got {args.shard_mb}')
     for flag, value in (
         ('--threshold', args.threshold),
         ('--classifier_threshold', args.classifier_threshold),
@@ -95,7 +110,7 @@ def _check(args):
         ('--num_perm', args.num_perm, 8, 1024),
         ('--shingle_words', args.shingle_words, 1, 64),
         ('--ngram', args.ngram, 1, 64),
-        ('--chunk_documents', args.chunk_documents, 1, 1 << 20),
+        ('--part_documents', args.part_documents, 1, 1 << 30),
         ('--classifier_samples', args.classifier_samples, 2, 1 << 24),
         ('--min_words', args.min_words, 0, 1 << 30),
         ('--examples', args.examples, 0, 1000),
@@ -109,11 +124,30 @@ def _check(args):
     if args.quality_reference and 'quality' not in args.stages:
         raise InputError("--quality_reference given but 'quality' is not in --stages")
     output = os.path.abspath(args.output)
-    problem = output_problem(output) or output_problem(report_path(output))
+    if os.path.isdir(output) and not args.output.endswith(os.sep):
+        raise InputError(f'--output {args.output}: is a folder (end it with / for shards)')
+    shards = args.output.endswith(os.sep)
+    problem = output_problem(output, directory=shards) or (
+        None if shards else output_problem(report_path(output))
+    )
     if problem:
         raise InputError(f'--output {args.output}: {problem}')
     if any(os.path.abspath(name) == output for name in input_files(args.input)):
         raise InputError(f'--output {args.output}: is one of the inputs')
+    if args.output.endswith(os.sep) and os.path.isdir(output):
+        foreign = [n for n in os.listdir(output) if not n.startswith(('part-', 'manifest.json',
+                   'report.json'))]  # fmt: skip
+        if foreign:
+            raise InputError(f'--output {args.output}: holds {foreign[0]}, not curated shards')
+
+
+def identity(args):
+    """What the classifier and the evaluation n-grams are made from: the files' hashes."""
+    found = {}
+    for flag in ('quality_reference', 'eval'):
+        files = [f for path in getattr(args, flag) or () for f in input_files([path])]
+        found[flag] = [sha256(f) for f in files]
+    return {**found, 'classifier_samples': args.classifier_samples, 'ngram': args.ngram}
 
 
 def options(args):
@@ -128,8 +162,10 @@ def options(args):
         rules=quality.Rules(min_words=args.min_words),
         classifier_threshold=args.classifier_threshold,
         workers=args.workers,
-        chunk_documents=args.chunk_documents,
         json_key=args.json_key,
+        shard_mb=args.shard_mb,
+        part_documents=args.part_documents,
+        drill=args.drill,
         examples=args.examples,
         rule=decontaminate.Rule(n=args.ngram),
     )
@@ -159,12 +195,21 @@ def options(args):
     return chosen
 
 
+def _report_path(output):
+    if workdir.is_folder_output(output):
+        return os.path.join(output, 'report.json')
+    return report_path(output)
+
+
 def main(argv=None):
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
-        if os.path.dirname(args.output):
-            os.makedirs(os.path.dirname(args.output), exist_ok=True)
-        report = pipeline.curate(args.input, args.output, options(args))
+        folder = os.path.dirname(args.output.rstrip(os.sep))
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+        chosen = options(args)
+        report = engine.curate(args.input, args.output, chosen, args.work_dir, args.ray_address,
+                               identity(args))  # fmt: skip
     except (InputError, OSError) as e:
         if isinstance(e, OSError) and os.path.exists(args.output + '.tmp'):
             os.remove(args.output + '.tmp')  # a full disk: no half-written output left
@@ -173,8 +218,8 @@ def main(argv=None):
     print(table(report))
     print(
         f"wrote {args.output}: {report['documents_out']:,} of {report['documents_in']:,} "
-        f"documents in {report['seconds']:.1f} s with {report['workers']} worker(s); "
-        f'report: {report_path(args.output)}'
+        f"documents in {report['seconds']:.1f} s with {report['workers']} worker(s), "
+        f"{report['shards']} shard(s); report: {_report_path(args.output)}"
     )
     return 0
 

@@ -22,11 +22,13 @@ named PREFIX_K_document as Megatron names them; `--append-eod` ends every docume
 end-of-document token (without it, none); `--tokenizer-type` SentencePieceTokenizer (with
 `--tokenizer-model`), GPT2BPETokenizer (with `--vocab-file` and `--merge-file`, through Hugging
 Face's `tokenizers`) or HuggingFaceTokenizer (`--tokenizer-model` a tokenizer.json, Llama 3's
-for one: each document starts with the BOS its post-processor adds); `--workers` tokenizer
-processes. Beyond them: several `--input` files and folders, plain-text files (one document
-each), `--json-key K` (one key, written to PREFIX.bin/.idx itself), and `--train-tokenizer`
-(sentencepiece or a byte-level BPE). See mtnlg_jax/data/preprocess.py for how input is read and
-streamed to disk. Tokens are stored as uint16 when the vocabulary fits, else int32.
+for one: each document starts with the BOS its post-processor adds); `--workers` CPUs of an
+embedded Ray (or the running cluster at `--ray_address HOST:PORT`). Beyond them: several
+`--input` files and folders (a curated folder's shards in its manifest's order, each also
+written to its own PREFIX.shards/NAME.bin/.idx), plain-text files (one
+document each), `--json-key K` (one key, written to PREFIX.bin/.idx itself), and
+`--train-tokenizer` (sentencepiece or a byte-level BPE). See mtnlg_jax/data/preprocess.py for
+how input is read and written. Tokens are stored as uint16 when the vocabulary fits, else int32.
 Bad input prints one line `error: ...` naming the argument or file and exits with status 2;
 the output files appear only once complete, so a failed run leaves earlier ones as they were.
 """
@@ -61,19 +63,20 @@ def parse_args(argv):
     p.add_argument('--vocab-file', help='GPT-2 BPE vocab.json to use or train')
     p.add_argument('--merge-file', help='GPT-2 BPE merges.txt to use or train')
     p.add_argument('--append-eod', action='store_true', help='end each document with eod')
-    p.add_argument('--workers', type=int, default=1)
+    p.add_argument('--workers', type=int, default=1, help='CPUs of Ray used')
+    p.add_argument('--ray_address', help="HOST:PORT of a running Ray cluster's GCS")
     p.add_argument('--train-tokenizer', action='store_true', help='train the tokenizer first')
     p.add_argument('--tokenizer-input', nargs='+', help='what to train it on (default: --input)')
     p.add_argument('--vocab-size', type=int, default=8192)
     p.add_argument('--model-type', choices=('bpe', 'unigram'), default='bpe', help='sentencepiece')
     p.add_argument('--seed', type=int, default=0, help='of the sentencepiece training')
-    p.add_argument('--chunk-documents', type=int, default=64, help='documents per worker task')
+    p.add_argument('--piece-mb', type=float, default=4.0, help='input MB per Ray task')
     args = p.parse_args(argv)
     for path in args.input + (args.tokenizer_input or []):
         if not os.path.exists(path):
             raise InputError(f'--input {path}: no such file or folder')
-    if args.workers < 1 or args.chunk_documents < 1:
-        raise InputError('--workers and --chunk-documents must be at least 1')
+    if args.workers < 1 or not args.piece_mb > 0:
+        raise InputError('--workers must be at least 1 and --piece-mb positive')
     if args.tokenizer_type is None:
         hf = (args.tokenizer_model or '').endswith('.json')
         args.tokenizer_type = KINDS[1] if args.vocab_file else KINDS[2] if hf else KINDS[0]
@@ -188,9 +191,10 @@ def main(argv=None):
             args.output_prefix,
             args.json_key,
             args.workers,
-            args.chunk_documents,
+            args.piece_mb,
             append_eod=args.append_eod,
             json_keys=args.json_keys,
+            address=args.ray_address,
         )
         for writer in writers if args.json_keys else [writers]:
             print(

@@ -9,7 +9,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from mtnlg_jax.data import identity
+from mtnlg_jax.data import identity, ray_engine
 from mtnlg_jax.data.indexed import IndexedDataset
 from mtnlg_jax.data.tokenizer import Tokenizer
 from mtnlg_jax.data.tokenizer import load as load_tokenizer
@@ -23,6 +23,14 @@ def preprocess(*args):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.main([str(a) for a in args])
+
+
+@pytest.fixture(scope='module', autouse=True)
+def embedded_ray():
+    """One embedded Ray for the module: preprocess.tokenize uses it instead of starting its
+    own per call (ray_engine.started takes a Ray already running in the process)."""
+    with ray_engine.started(2, object_store_mb=80):
+        yield
 
 
 @pytest.fixture(scope='module')
@@ -95,7 +103,7 @@ def test_two_workers_write_the_same_files_as_one(corpus, tokenizer, tmp_path):
     for workers in (1, 2):
         assert preprocess('--input', *corpus[0], '--tokenizer-model', tokenizer.model_path,
                           '--output-prefix', tmp_path / f'w{workers}', '--workers', workers,
-                          '--chunk-documents', 4) == 0  # fmt: skip
+                          '--piece-mb', 0.001) == 0  # fmt: skip
     for suffix in ('.bin', '.idx'):
         assert (tmp_path / f'w1{suffix}').read_bytes() == (tmp_path / f'w2{suffix}').read_bytes()
 
@@ -116,6 +124,16 @@ def test_train_only_writes_a_usable_deterministic_tokenizer(corpus, tokenizer, t
     assert preprocess('--input', *corpus[0], *args) == 0
     assert Tokenizer(str(path)).identity == tokenizer.identity
     assert sorted(os.listdir(tmp_path)) == ['again.model', 'again.vocab']
+
+
+@pytest.fixture(scope='module')
+def earlier(tokenizer, tmp_path_factory):
+    """An earlier output (of one plain-text document) that a failed run must leave as it was."""
+    folder = tmp_path_factory.mktemp('earlier')
+    (folder / 'ok.txt').write_text('fine')
+    assert preprocess('--input', folder / 'ok.txt', '--tokenizer-model',
+                      tokenizer.model_path, '--output-prefix', folder / 'out') == 0  # fmt: skip
+    return {suffix: (folder / f'out{suffix}').read_bytes() for suffix in ('.bin', '.idx')}
 
 
 @pytest.mark.parametrize(
@@ -144,15 +162,15 @@ def test_train_only_writes_a_usable_deterministic_tokenizer(corpus, tokenizer, t
     ],
 )
 def test_bad_input_is_one_error_line_and_earlier_output_is_kept(
-    tokenizer, tmp_path, capsys, make_input, extra, message
+    tokenizer, earlier, tmp_path, capsys, make_input, extra, message
 ):
     (tmp_path / 'bad.jsonl').write_text('{"text": "fine"}\n{"body": "no text"}\n')
     (tmp_path / 'latin1.txt').write_bytes('caf\xe9'.encode('latin-1'))
     (tmp_path / 'ok.txt').write_text('fine')
     (tmp_path / 'empty.jsonl').write_text('\n')
     prefix = tmp_path / 'out'
-    assert preprocess('--input', tmp_path / 'ok.txt', '--tokenizer-model',
-                      tokenizer.model_path, '--output-prefix', prefix) == 0  # fmt: skip
+    for suffix in ('.bin', '.idx'):
+        (tmp_path / f'out{suffix}').write_bytes(earlier[suffix])
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     model = tmp_path / 'tok.model' if '--train-tokenizer' in extra else tokenizer.model_path
     capsys.readouterr()

@@ -4,7 +4,9 @@ tokenizer.py          sentencepiece, a Hugging Face tokenizer.json, and load() /
                       of any kind
 gpt2_bpe.py           GPT-2 BPE (Megatron's GPT2BPETokenizer)
 tokenizer_error.py    the error every tokenizer raises
-preprocess.py         raw text -> token ids -> indexed.py
+preprocess.py         raw text -> token ids -> indexed.py, on Ray
+pieces.py             input files cut at line ends into the pieces Ray tasks take
+ray_engine.py         the embedded (loopback) or joined Ray cluster curation and preprocessing use
 indexed.py            Megatron's .bin / .idx
 identity.py           the tokenizer identity beside a .bin / .idx, the data stream's fingerprint
 gpt_dataset.py        splits and samples (Megatron's GPTDataset)
@@ -14,5 +16,5 @@ batch.py              the batch layout on the mesh
 packing.py            positions, segment ids and loss mask of packed documents
 loader.py             batches on the mesh, step by step
 corpus.py             the default corpus (King James Bible, Python standard library)
-curate/               exact and fuzzy deduplication, quality, decontamination
+curate/               exact and fuzzy deduplication, quality, decontamination, on Ray
 """

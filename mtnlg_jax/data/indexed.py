@@ -193,3 +193,21 @@ class IndexedDatasetWriter:
         for path in self._tmp.values():
             if os.path.exists(path):
                 os.remove(path)
+
+
+def merge(prefixes, output_prefix, dtype, finish=IndexedDatasetWriter.finish):
+    """Concatenate the datasets at `prefixes`, in order, into output_prefix.bin/.idx (what one
+    writer fed their documents in that order would write); the writer, finish(writer) done."""
+    writer = IndexedDatasetWriter(output_prefix, dtype)
+    try:
+        for prefix in prefixes:
+            part = IndexedDataset(prefix)
+            for start in range(0, len(part.sizes), _CHUNK):
+                sizes = np.asarray(part.sizes[start : start + _CHUNK])
+                first = int(part.pointers[start]) // part.dtype.itemsize if len(sizes) else 0
+                writer.add_documents(part.tokens[first : first + int(sizes.sum())], sizes)
+        finish(writer)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer

@@ -1,54 +1,43 @@
-"""Raw text to a Megatron indexed dataset: read documents, tokenize them in parallel, write.
+"""Raw text to a Megatron indexed dataset: read documents, tokenize them on Ray, write.
 
 Inputs: `.jsonl`/`.json` files hold one JSON object per line with the document under a key
 (Megatron's convention, "text"); any other file is one plain-text document; folders are walked
-in sorted order (hidden entries skipped). Empty documents are dropped; with append_eod every
-other one gets the end-of-document token appended (Tokenizer.encode_document). Several json
-keys write one dataset per key, as Megatron-LM's tools/preprocess_data.py does.
+in sorted order (hidden entries skipped; a curated folder's part files in manifest order).
+Empty documents are dropped; with append_eod every other one gets the end-of-document token
+appended (Tokenizer.encode_document). Several json keys write one dataset per key, as
+Megatron-LM's tools/preprocess_data.py does.
 
-    reader (this process) --chunks of documents--> N worker processes (tokenize)
-            --> in order --> IndexedDatasetWriter (streams .bin; the .idx is built at the end)
+    scan     a Ray task per input file: every line checked, pieces cut (pieces.py)
+    tokenize Ray Data map over the pieces: each piece's .bin/.idx in PREFIX.work/
+    merge    (driver, streamed) each input file's pieces into its shard (with several
+             files), all of them into PREFIX.bin/.idx: the same bytes one writer would write
 
-At most a few chunks per worker are in flight, so memory stays flat however large the corpus;
-the output appears only once complete, with the tokenizer's identity beside it
-(PREFIX.identity.json, identity.py). launch/preprocess.py is the command line.
+Only the merge holds anything per document: the .idx's sizes, as the format needs. The outputs
+appear only once complete, each with the tokenizer's identity beside it (PREFIX.identity.json,
+identity.py). launch/preprocess.py is the command line.
 """
 
-import collections
-import itertools
-import json
-import multiprocessing
 import os
+import shutil
 import time
 
 import numpy as np
-from tqdm import tqdm
 
 from mtnlg_jax.data import identity
+from mtnlg_jax.data import pieces as pieces_lib
 from mtnlg_jax.data.indexed import IndexedDatasetWriter, token_dtype
+from mtnlg_jax.data.indexed import merge as merge_datasets
+from mtnlg_jax.data.pieces import (  # noqa: F401  (InputError, input_files: used from here)
+    JSON_SUFFIXES,
+    InputError,
+    input_files,
+    parse_line,
+    plain_text_keys,
+)
 from mtnlg_jax.data.tokenizer import from_files
 from mtnlg_jax.data.tokenizer import load as load_tokenizer
 
-JSON_SUFFIXES = ('.jsonl', '.json')
-IN_FLIGHT_PER_WORKER = 4
 CHUNK_CHARACTERS = 1 << 17
-
-
-class InputError(ValueError):
-    """Unusable input: the message names the file (and line)."""
-
-
-def input_files(paths):
-    """The files of `paths`, folders expanded recursively in sorted order."""
-    for path in paths:
-        if os.path.isdir(path):
-            for root, dirs, files in os.walk(path):
-                dirs[:] = sorted(d for d in dirs if not d.startswith('.'))
-                for name in sorted(files):
-                    if not name.startswith('.'):
-                        yield os.path.join(root, name)
-        else:
-            yield path
 
 
 def records(paths, json_keys=('text',)):
@@ -58,27 +47,14 @@ def records(paths, json_keys=('text',)):
         try:
             with open(path, encoding='utf-8') as f:
                 if not path.endswith(JSON_SUFFIXES):
-                    if len(json_keys) > 1:
-                        raise InputError(
-                            f'{path}: a plain-text file has no keys; several --json-keys '
-                            'need jsonl input'
-                        )
+                    plain_text_keys(path, json_keys)
                     text = f.read()
                     if text:
                         yield (text,)
                     continue
                 for number, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                        texts = tuple(record[key] for key in json_keys)
-                    except (ValueError, TypeError, KeyError):
-                        texts = (None,)
-                    if not all(isinstance(text, str) for text in texts):
-                        keys = ', '.join(map(repr, json_keys))
-                        raise InputError(f'{path}:{number}: not a JSON object with a string {keys}')
-                    if any(texts):
+                    texts = parse_line(path, number, line, json_keys)
+                    if texts is not None and any(texts):
                         yield texts
         except UnicodeDecodeError as e:
             raise InputError(f'{path}: not UTF-8 text ({e.reason} at byte {e.start})') from None
@@ -109,19 +85,10 @@ def chunks(items, max_documents, max_characters=CHUNK_CHARACTERS, size=_characte
         yield chunk
 
 
-_worker = None  # (tokenizer, token dtype, append_eod) of this worker process
-
-
-def _start_worker(kind, files, append_eod):
-    global _worker
-    tokenizer = from_files(kind, files)
-    _worker = tokenizer, token_dtype(tokenizer.vocab_size), append_eod
-
-
-def _encode(chunk):
+def _encode(chunk, tokenizer, append_eod):
     """One chunk of documents (tuples of texts, one per key) -> per key: (the token ids of its
     non-empty texts, an eod after each with append_eod; tokens per document)."""
-    tokenizer, dtype, append_eod = _worker
+    dtype = token_dtype(tokenizer.vocab_size)
     encode = tokenizer.encode_document if append_eod else tokenizer.encode
     results = []
     for texts in zip(*chunk):
@@ -138,70 +105,103 @@ def output_prefixes(output_prefix, json_keys):
     return [f'{output_prefix}_{key}_document' for key in json_keys]
 
 
+_tokenizers = {}
+
+
+def _tokenize_piece(batch, kind, files, keys, append_eod, folder):
+    """A Ray task: one piece's documents into folder/piece-NNNNN[-k].bin/.idx, one per key."""
+    piece = {k: v[0].item() if hasattr(v[0], 'item') else v[0] for k, v in batch.items()}
+    if (kind, files) not in _tokenizers:
+        _tokenizers[(kind, files)] = from_files(kind, files)
+    tokenizer = _tokenizers[(kind, files)]
+    dtype = token_dtype(tokenizer.vocab_size)
+    writers = [IndexedDatasetWriter(f'{folder}/piece-{piece["piece"]:05d}-{k}', dtype)
+               for k in range(len(keys))]  # fmt: skip
+    texts = (t for _, t in pieces_lib.read(piece, keys))
+    for chunk in chunks(texts, 64):
+        for writer, (tokens, lengths) in zip(writers, _encode(chunk, tokenizer, append_eod)):
+            if len(lengths):
+                writer.add_documents(tokens, lengths)
+    for writer in writers:
+        writer.finish()
+    return {'piece': np.array([piece['piece']]), 'documents': np.array([writers[0].documents])}
+
+
+def _scan(path, keys, piece_bytes):
+    try:
+        return pieces_lib.scan(path, keys, piece_bytes)
+    except InputError as e:
+        return {'error': str(e)}
+
+
 def tokenize(
     paths,
     tokenizer,
     output_prefix,
     json_key='text',
     workers=1,
-    chunk_documents=64,
+    piece_mb=4,
     append_eod=True,
     json_keys=None,
+    address=None,
 ):
-    """Stream the documents of `paths` through `workers` tokenizer processes into
-    output_prefix.bin/.idx; with json_keys, one dataset per key at output_prefixes(..).
-    tokenizer: a path (tokenizer.load) or a tokenizer. Returns (the finished writers, one per
-    key, or the one writer without json_keys; seconds). InputError, before anything is
-    written or shown, if the inputs hold no document at all."""
+    """Tokenize the documents of `paths` on Ray (data/ray_engine.py: embedded with `workers`
+    CPUs, or joined at `address`), a task per piece of input (pieces.py, piece_mb each), into
+    output_prefix.bin/.idx; with json_keys, one dataset per key at output_prefixes(..). A
+    curated folder's shards (launch/curate.py --output DIR/) also get their own
+    OUTPUT_PREFIX.shards/NAME.bin/.idx; the merged prefix holds them in order. tokenizer: a
+    path (tokenizer.load) or a tokenizer. Returns (the finished writers of the merged prefix,
+    one per key, or the one writer without json_keys; seconds). InputError, before anything
+    is written, for an unreadable input, a bad line anywhere, or no document at all."""
+    from mtnlg_jax.data import ray_engine
+
     if isinstance(tokenizer, str):
         tokenizer = load_tokenizer(tokenizer)
     keys = tuple(json_keys) if json_keys else (json_key,)
-    texts = records(paths, keys)
-    first = next(texts, None)  # read before anything is written or shown
-    if first is None:
-        raise InputError(f'--input {" ".join(paths)}: no documents (every input is empty)')
-    texts = itertools.chain([first], texts)
     prefixes = output_prefixes(output_prefix, keys) if json_keys else [output_prefix]
-    writers = [IndexedDatasetWriter(p, token_dtype(tokenizer.vocab_size)) for p in prefixes]
-    # delay: the bar appears only once the work takes a while, so an input that fails at once
-    # leaves its error line alone on the terminal.
-    progress = tqdm(desc='tokenizing', unit=' docs', unit_scale=True, mininterval=0.5, delay=1.0)
     start = time.perf_counter()
-    worker_args = (tokenizer.kind, tokenizer.files, append_eod)
-
-    def write(results):
-        for writer, (tokens, lengths) in zip(writers, results):
-            if len(lengths):
-                writer.add_documents(tokens, lengths)
-        progress.update(max(len(lengths) for _, lengths in results))
-        rate = sum(w.tokens for w in writers) / max(time.perf_counter() - start, 1e-9)
-        progress.set_postfix_str(f'{rate:,.0f} tokens/s', refresh=False)
-
-    pool = None
-    try:
-        work = chunks(texts, chunk_documents)
-        if workers == 1:
-            _start_worker(*worker_args)
-            for chunk in work:
-                write(_encode(chunk))
-        else:
-            pool = multiprocessing.get_context('spawn').Pool(workers, _start_worker, worker_args)
-            pending = collections.deque()
-            for chunk in work:
-                pending.append(pool.apply_async(_encode, (chunk,)))
-                if len(pending) >= IN_FLIGHT_PER_WORKER * workers:
-                    write(pending.popleft().get())
-            while pending:
-                write(pending.popleft().get())
-        for writer in writers:
-            identity.finish(writer, tokenizer)  # .bin/.idx and the tokenizer's sidecar
-    except BaseException:
-        for writer in writers:
-            writer.abort()
-        raise
-    finally:
-        progress.close()
-        if pool is not None:
-            pool.terminate()
+    with ray_engine.started(workers, address) as ray:
+        scan = ray.remote(_scan)
+        files = pieces_lib.files(paths)
+        scans = ray.get([scan.remote(p, keys, int(piece_mb * (1 << 20))) for p in files])
+        for found in scans:
+            if 'error' in found:
+                raise InputError(found['error'])
+        pieces = pieces_lib.numbered(scans)
+        if not sum(p['documents'] for p in pieces):
+            raise InputError(f'--input {" ".join(paths)}: no documents (every input is empty)')
+        folder = f'{output_prefix}.work'
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(folder)
+        try:
+            kwargs = dict(kind=tokenizer.kind, files=tuple(tokenizer.files), keys=keys,
+                          append_eod=append_eod, folder=folder)  # fmt: skip
+            items = ray.data.from_items(pieces, override_num_blocks=len(pieces))
+            items.map_batches(_tokenize_piece, batch_size=1, fn_kwargs=kwargs).materialize()
+            curated = any(os.path.isfile(os.path.join(p, 'manifest.json')) for p in paths)
+            writers = _merge(scans, pieces, prefixes, folder, tokenizer, curated)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
     seconds = max(time.perf_counter() - start, 1e-9)
     return (writers if json_keys else writers[0]), seconds
+
+
+def _merge(scans, pieces, prefixes, folder, tokenizer, curated):
+    """The pieces into one dataset per shard (each file of a curated folder) and the merged
+    one, each with the tokenizer's identity beside it."""
+    dtype, writers = token_dtype(tokenizer.vocab_size), []
+
+    def merge(parts, prefix, dtype):
+        return merge_datasets(parts, prefix, dtype, lambda w: identity.finish(w, tokenizer))
+
+    for k, prefix in enumerate(prefixes):
+        parts = [f'{folder}/piece-{p["piece"]:05d}-{k}' for p in pieces]
+        if curated and len(scans) > 1:
+            names = [os.path.splitext(os.path.basename(s['path']))[0] for s in scans]
+            unique = len(set(names)) == len(names)
+            for number, (scanned, name) in enumerate(zip(scans, names)):
+                own = [part for part, p in zip(parts, pieces) if p['path'] == scanned['path']]
+                shard = f'{prefix}.shards/{name if unique else f"{number:05d}-{name}"}'
+                merge(own, shard, dtype)
+        writers.append(merge(parts, prefix, dtype))
+    return writers

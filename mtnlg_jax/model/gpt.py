@@ -223,12 +223,14 @@ def merge(graphdef, params):
     return nnx.merge(graphdef, nnx.State(params))
 
 
-def stage_functions(graphdef):
-    """The GPT's pieces as the pipeline engines run them (parallel/stage_functions.py says
-    what each takes), from its graphdef alone. The settings and the blocks' graph come from a
-    skeleton: the graph with a placeholder for every array. The embedding, final norm and head
-    run on a view of the caller's shared parameters whose blocks are those placeholders,
-    which they never read."""
+def stage_functions(graphdef, param_axes=None):
+    """The GPT's pieces as the engines run them (parallel/stage_functions.py says what each
+    takes), from its graphdef alone; param_axes: the parameters' logical axes (split's third).
+    The settings and the blocks' graph come from a skeleton: the graph with a placeholder for
+    every array. The embedding, final norm and head run on a view of the caller's shared
+    parameters whose blocks are those placeholders, which they never read. A micro-batch's
+    positions, segment ids and loss mask (packed documents) reach the embedding, the blocks
+    and the loss."""
     placeholder = jax.ShapeDtypeStruct((), jnp.float32)
     skeleton = nnx.merge(graphdef, [placeholder] * graphdef.num_leaves)
     block_graphdef, placeholder_blocks = nnx.split(skeleton.blocks)
@@ -237,21 +239,30 @@ def stage_functions(graphdef):
     def view(shared):
         return merge(graphdef, {**shared, 'blocks': placeholder_blocks})
 
-    def embed(shared, tokens, row_keys):
-        return view(shared).embed(tokens, row_keys)
+    def embed(shared, batch):
+        return view(shared).embed(batch.tokens, batch.row_keys, batch.positions)
 
-    def apply_blocks(chunk, hidden, row_keys, first_layer, remat, used=None):
+    def apply_blocks(chunk, hidden, batch, first_layer, remat, used=None):
+        keys, positions, segment_ids = batch.row_keys, batch.positions, batch.segment_ids
         return apply_block_stack(
-            block_graphdef, chunk, hidden, row_keys, remat, first_layer, used=used
+            block_graphdef,
+            chunk,
+            hidden,
+            keys,
+            remat,
+            first_layer,
+            positions,
+            segment_ids,
+            used=used,
         )
 
-    def head_loss_sum(shared, hidden, labels):
+    def head_loss_sum(shared, hidden, batch):
         model = view(shared)
-        return model.token_loss_sum(model.final_norm(hidden), labels)
+        return model.token_loss_sum(model.final_norm(hidden), batch.labels, batch.loss_mask)
 
-    def logits_loss_sum(shared, hidden, labels):
+    def logits_loss_sum(shared, hidden, batch):
         model = view(shared)
-        return cross_entropy(model.logits(model.final_norm(hidden)), labels).sum()
+        return cross_entropy(model.logits(model.final_norm(hidden)), batch.labels).sum()
 
     return StageFunctions(
         embed=embed,
@@ -261,4 +272,5 @@ def stage_functions(graphdef):
         remat=skeleton.remat,
         remat_policy=REMAT_POLICIES.get(skeleton.remat),
         dtype=jnp.dtype(skeleton.dtype),
+        param_axes=param_axes,
     )

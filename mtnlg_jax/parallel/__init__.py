@@ -4,11 +4,13 @@ mesh.py              the mesh (data x stage x tensor), made in one place
 rules.py             logical axis names -> mesh axes; ZeRO-1 specs
 footprint.py         bytes per device of a sharded state
 zero.py              the reduce-scatter / all-gather of ZeRO-1
+engine.py            engine(config): the sequential, 1F1B / interleaved or GPipe engine
 schedule.py          the 1F1B / interleaved schedule as a table
 pipeline.py          the 1F1B / interleaved engine in shard_map
+stage.py             one stage's work per tick of that engine
 gpipe.py             the GPipe engine (autodiff through the forwards)
-stage_functions.py   the model's pieces an engine is handed
+stage_functions.py   the model's pieces an engine is handed, the micro-batch a chunk gets
 stage_order.py       blocks stored stage-major
 residuals.py         a VJP taken apart for the residual slots
-branches.py          slot kinds and how often each conditional branch runs
+branches.py          slot kinds, the table's columns in groups, how often each branch runs
 """

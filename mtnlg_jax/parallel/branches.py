@@ -10,8 +10,15 @@ The engine (pipeline.py) runs every stage's slot of a tick through `lax.cond` on
 Named scopes wrap those conditionals. XLA keeps them in each conditional's op_name, so the
 plan's HLO inventory (plan/hlo_module.py) weighs a branch by how often the table takes it
 (`branch_fractions`) instead of counting every branch as taken.
+
+`columns(table)` groups the table's per-(tick, stage) arrays as the engine's tick reads them:
+Columns(forward: Forward, backward: Backward, arrivals: Arrivals).
 """
 
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
 import numpy as np
 
 from mtnlg_jax.parallel.schedule import IDLE
@@ -58,6 +65,101 @@ def branch_fractions(table):
         (FORWARD, FIRST): [1.0 - first_f, first_f],  # cond(first, embed, hand-off)
         (BACKWARD,): [1.0 - bwd_idle, bwd_idle],
         (BACKWARD, FIRST): [1.0 - first_b, first_b],
+        (BACKWARD, LAST, FIRST): [1.0 - first_b, first_b],  # the VJP inside cond(last, ...)
         (BACKWARD, LAST): [1.0 - last_b, last_b],  # cond(last, head, gradient in)
         (EVAL, LAST): [1.0 - share(bwd, SLOT_LAST, slots), share(bwd, SLOT_LAST, slots)],
     }
+
+
+class Forward(NamedTuple):
+    """A tick's forward slot: its kind, micro-batch, repeat (the stage's chunk), the stash slot
+    of its input and the residual slot it writes."""
+
+    kind: Any
+    micro: Any
+    repeat: Any
+    slot: Any
+    resid_slot: Any
+
+
+class Backward(NamedTuple):
+    """A tick's backward slot: kind, micro-batch, repeat, the stash slot of the last chunk's
+    input, the residual slot it reads and the gradient slot of its output's gradient."""
+
+    kind: Any
+    micro: Any
+    repeat: Any
+    slot: Any
+    resid_slot: Any
+    grad_slot: Any
+
+
+class Arrivals(NamedTuple):
+    """What the tick's start receives: the stash slot an activation goes to and whether one
+    arrives (act), the same for a gradient."""
+
+    act_slot: Any
+    act: Any
+    grad_slot: Any
+    grad: Any
+
+
+# Leaves in the order of their flat names: the engine's scan carries them in this order.
+_FLAT = {
+    'act': ('arrivals', 'act'),
+    'bwd_grad_slot': ('backward', 'grad_slot'),
+    'bwd_kind': ('backward', 'kind'),
+    'bwd_micro': ('backward', 'micro'),
+    'bwd_repeat': ('backward', 'repeat'),
+    'bwd_resid_slot': ('backward', 'resid_slot'),
+    'bwd_slot': ('backward', 'slot'),
+    'fwd_kind': ('forward', 'kind'),
+    'fwd_micro': ('forward', 'micro'),
+    'fwd_repeat': ('forward', 'repeat'),
+    'fwd_resid_slot': ('forward', 'resid_slot'),
+    'fwd_slot': ('forward', 'slot'),
+    'grad': ('arrivals', 'grad'),
+    'recv_act_slot': ('arrivals', 'act_slot'),
+    'recv_grad_slot': ('arrivals', 'grad_slot'),
+}
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class Columns:
+    """The table's columns in groups, (ticks, stages) each, or one stage's row of them."""
+
+    forward: Forward
+    backward: Backward
+    arrivals: Arrivals
+
+    def tree_flatten(self):
+        return [getattr(getattr(self, group), name) for group, name in _FLAT.values()], None
+
+    @classmethod
+    def tree_unflatten(cls, _, leaves):
+        fields = {'forward': {}, 'backward': {}, 'arrivals': {}}
+        for (group, name), leaf in zip(_FLAT.values(), leaves):
+            fields[group][name] = leaf
+        return cls(Forward(**fields['forward']), Backward(**fields['backward']),
+                   Arrivals(**fields['arrivals']))  # fmt: skip
+
+
+def columns(table):
+    """The Columns of a Schedule: kinds from slot_kinds, IDLE slots indexing 0 (unused)."""
+    fwd_kind, bwd_kind = slot_kinds(table)
+    used = lambda a: np.maximum(a, 0)  # noqa: E731
+    t = table
+    return Columns(
+        Forward(fwd_kind, *map(used, (t.fwd_micro, t.fwd_repeat, t.fwd_slot, t.fwd_resid_slot))),
+        Backward(
+            bwd_kind,
+            *map(used, (t.bwd_micro, t.bwd_repeat, t.bwd_slot, t.bwd_resid_slot, t.bwd_grad_slot)),
+        ),  # fmt: skip
+        Arrivals(
+            used(t.recv_act_slot),
+            t.recv_act_slot >= 0,
+            used(t.recv_grad_slot),
+            t.recv_grad_slot >= 0,
+        ),  # fmt: skip
+    )

@@ -23,14 +23,17 @@ summed over `stage`. The 1F1B engine (parallel/pipeline.py) bounds both. The emb
 chunks' blocks and the head are the caller's functions (parallel/stage_functions.py).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from mtnlg_jax.parallel.rules import constrain
-from mtnlg_jax.parallel.stage_functions import shared_params
+from mtnlg_jax.parallel.stage_functions import Inputs, shared_params
 
 STAGE_AXIS = 'stage'
+_STAGED = ('positions', 'segment_ids', 'loss_mask', 'row_keys')  # split as the windows
 
 
 def num_iterations(stages, repeats, micro_batches):
@@ -42,27 +45,64 @@ def bubble_fraction(stages, repeats, micro_batches):
     return (stages - 1) / num_iterations(stages, repeats, micro_batches)
 
 
-def run_pipeline(stage_fns, stacked, x, row_keys, *, stages, repeats, bubble_fill=0.0):
+@dataclasses.dataclass(frozen=True)
+class GPipeEngine:
+    """GPipe order over p > 1 stages, v repeats (engine.engine(config)'s for 'gpipe')."""
+
+    stages: int
+    repeats: int
+    name = 'gpipe'
+    pipelined = True
+
+    def table(self, micro_batches):
+        return None  # no table: autodiff orders the backward
+
+    def ticks(self, micro_batches):
+        return num_iterations(self.stages, self.repeats, micro_batches)
+
+    def bubble_fraction(self, micro_batches):
+        return bubble_fraction(self.stages, self.repeats, micro_batches)
+
+    def loss_and_grads(self, stage_fns, params, batch):
+        """(loss sum, token count, fp32 gradients): autodiff of the pipelined loss, in fp32
+        (the model casts each parameter to the compute dtype where it uses it, so the scans'
+        transposes sum every iteration's gradient in fp32)."""
+        params = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+
+        def loss(p):
+            return pipelined_loss_sum(stage_fns, p, batch, stages=self.stages, repeats=self.repeats)
+
+        (loss, count), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        return loss, count, grads
+
+    def loss_sum(self, stage_fns, params, batch):
+        return pipelined_loss_sum(
+            stage_fns, params, batch, stages=self.stages, repeats=self.repeats
+        )
+
+
+def run_pipeline(stage_fns, stacked, x, batch, *, stages, repeats, bubble_fill=0.0):
     """The block stack over micro-batches x (m, rows, seq, embed), pipelined over 'stage'.
 
     stage_fns: the model's pieces (stage_functions.StageFunctions); stacked: the stage-major
-    stacked block parameters (split over 'stage' on axis 0). row_keys: dropout keys (m, rows)
-    or None. bubble_fill: what the activation slots hold before real work reaches them (tests
-    fill NaN to show it never leaks).
+    stacked block parameters (split over 'stage' on axis 0). batch: the MicroBatch of the m
+    micro-batches (dropout keys, positions, ...). bubble_fill: what the activation slots hold
+    before real work reaches them (tests fill NaN to show it never leaks).
     """
     micro_batches = x.shape[0]
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
     per_chunk = num_layers // (stages * repeats)
     stage_spec = jax.tree.map(lambda _: PartitionSpec(STAGE_AXIS), stacked)
-    key_spec = None if row_keys is None else PartitionSpec()
+    batch = dataclasses.replace(batch, windows=None)  # what the blocks read: not the tokens
+    batch_spec = batch.map(lambda _: PartitionSpec())
 
-    def apply_chunk(chunk, h, keys, first_layer):  # recomputed as a whole chunk (below)
-        return stage_fns.apply_blocks(chunk, h, keys, first_layer, 'none')
+    def apply_chunk(chunk, h, micro_batch, first_layer):  # recomputed as a whole chunk (below)
+        return stage_fns.apply_blocks(chunk, h, micro_batch, first_layer, 'none')
 
     if stage_fns.remat != 'none':
         apply_chunk = jax.checkpoint(apply_chunk, policy=stage_fns.remat_policy, prevent_cse=False)
 
-    def per_stage(local, x, row_keys):
+    def per_stage(local, x, batch):
         stage = jax.lax.axis_index(STAGE_AXIS)
         # This stage's chunks, repeat-major: (v, L / (p v), ...).
         chunks = jax.tree.map(lambda a: a.reshape(repeats, per_chunk, *a.shape[1:]), local)
@@ -86,9 +126,9 @@ def run_pipeline(stage_fns, stacked, x, row_keys, *, stages, repeats, bubble_fil
             h = jnp.where(stage == 0, first_input, received)
             h = jnp.where(valid, h, jnp.zeros_like(h))  # the bubble computes on zeros
             chunk = jax.tree.map(lambda a: a[repeat], chunks)
-            keys = None if row_keys is None else row_keys[micro]
+            inputs = Inputs(row_keys=None if batch.row_keys is None else batch.row_keys[micro])
             first_layer = (repeat * stages + stage) * per_chunk
-            y = apply_chunk(chunk, h, keys, first_layer)
+            y = apply_chunk(chunk, h, inputs, first_layer)
             done = valid & (stage == stages - 1) & (repeat == repeats - 1)
             outputs = jnp.where(done, outputs.at[micro].set(y), outputs)
             ring = [(i, (i + 1) % stages) for i in range(stages)]
@@ -103,48 +143,49 @@ def run_pipeline(stage_fns, stacked, x, row_keys, *, stages, repeats, bubble_fil
 
     run = jax.shard_map(
         per_stage,
-        in_specs=(stage_spec, PartitionSpec(), key_spec),
+        in_specs=(stage_spec, PartitionSpec(), batch_spec),
         out_specs=PartitionSpec(),
         axis_names={STAGE_AXIS},
         check_vma=False,
     )
-    return run(stacked, x, row_keys)
+    return run(stacked, x, batch)
 
 
-def pipelined_loss_sum(stage_fns, params, tokens, row_keys, *, stages, repeats):
-    """Summed loss and token count of micro-batches tokens (m, rows, seq + 1) under params
+def pipelined_loss_sum(stage_fns, params, batch, *, stages, repeats):
+    """Summed loss and token count of batch (MicroBatch of m micro-batches) under params
     (blocks stage-major), the block stack pipelined. Embedding, final norm and head run
     outside the pipeline; when p divides m, each stage takes m / p of the micro-batches, so
     none of that work is repeated on every stage (otherwise, as for MT-NLG's m = 240 over
     p = 35, every stage does all of it)."""
-    micro_batches = tokens.shape[0]
+    micro_batches = batch.micro_batches
     split = stages if micro_batches % stages == 0 else 1
     stage_axes = ('stages',) if split > 1 else ()
 
     def by_stage(a):  # (m, ...) -> (m / split, split, ...), the split axis over 'stage'
         return a.reshape(micro_batches // split, split, *a.shape[1:])
 
-    tokens = constrain(by_stage(tokens), stage_axes + ('batch', 'seq'))
-    keys = None if row_keys is None else by_stage(row_keys)
+    windows = constrain(by_stage(batch.windows), stage_axes + ('batch', 'seq'))
+    fields = {k: by_stage(getattr(batch, k)) for k in _STAGED if getattr(batch, k) is not None}
+    staged = dataclasses.replace(batch, windows=windows, **fields)
     shared = shared_params(params)
-    x = stage_fns.embed(shared, tokens[..., :-1], keys)
+    x = stage_fns.embed(shared, staged)
     x = constrain(x, stage_axes + ('batch', 'seq', 'embed'))
     x = run_pipeline(
         stage_fns,
         params['blocks'],
         x.reshape(micro_batches, *x.shape[2:]),
-        row_keys,
+        batch,
         stages=stages,
         repeats=repeats,
     )
     x = constrain(by_stage(x), stage_axes + ('batch', 'seq', 'embed'))
 
     @jax.checkpoint  # keep `split` micro-batches' logits at a time, in the backward pass too
-    def add_loss(total, hidden_and_labels):
-        hidden, labels = hidden_and_labels  # (split, rows, seq, ...): one per stage
+    def add_loss(total, hidden_and_inputs):
+        hidden, inputs = hidden_and_inputs  # (split, rows, seq, ...): one per stage
         hidden = constrain(hidden, stage_axes + ('batch', 'seq', 'embed'))
-        return total + stage_fns.logits_loss_sum(shared, hidden, labels), None
+        return total + stage_fns.logits_loss_sum(shared, hidden, inputs), None
 
-    labels = tokens[..., 1:]
-    total, _ = jax.lax.scan(add_loss, jnp.zeros((), jnp.float32), (x, labels))
-    return total, jnp.asarray(labels.size, jnp.float32)
+    inputs = Inputs(labels=staged.labels, loss_mask=staged.loss_mask)
+    total, _ = jax.lax.scan(add_loss, jnp.zeros((), jnp.float32), (x, inputs))
+    return total, batch.token_count()

@@ -29,3 +29,18 @@ def join_vjp(layout, kept, params):
     treedef, where = layout
     kept, leaves = iter(kept), jax.tree.leaves(params)
     return jax.tree.unflatten(treedef, [next(kept) if w is None else leaves[w] for w in where])
+
+
+def probe_layout(forward, *args):
+    """(shapes of the kept residuals, the layout join_vjp needs) of `forward(*args)`, a
+    function returning split_vjp's triple, traced abstractly (nothing computed): every call
+    of the same program keeps the same layout, so an engine probes it once, before its loop."""
+    layouts = []
+
+    def kept_only(*args):
+        _, kept, layout = forward(*args)
+        layouts.append(layout)  # static: eval_shape returns arrays only
+        return kept
+
+    shapes = jax.eval_shape(kept_only, *args)
+    return shapes, layouts[0]

@@ -8,7 +8,8 @@
     search.py       the layouts that fit, ranked by predicted step time
     hlo_module.py   an optimized HLO module's text read: computations, runs per step, FLOPs
     hlo.py          the collective inventory of an optimized HLO module
-    overlap.py      the replay of a compiled step: compute, communication, what overlaps
+    overlap.py      the replay of a compiled step: compute by kind, communication, overlap
+    loop_copies.py  the copies a compiled step makes inside its loops
     gpu_target.py   XLA:GPU compile-only devices for a named GPU
     compile.py      the train and eval steps launch/train.py runs, compiled on abstract state
     report.py       the plan as JSON and as a table

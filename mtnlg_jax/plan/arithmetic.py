@@ -17,8 +17,8 @@ from flax import nnx
 from mtnlg_jax.model import counts, gpt
 from mtnlg_jax.model.counts import model_flops_per_token
 from mtnlg_jax.model.layers import attention_dims
-from mtnlg_jax.parallel import gpipe, rules, stage_order
-from mtnlg_jax.parallel import schedule as schedule_lib
+from mtnlg_jax.parallel import engine as engine_lib
+from mtnlg_jax.parallel import rules, stage_order
 
 
 def megatron_flops_per_step(model_cfg, global_batch, recompute=True):
@@ -124,17 +124,9 @@ def chunk_slots(config):
 
 
 def engine_table(config, micro_steps=None):
-    """The 1F1B engine's schedule table of a config (parallel/schedule.py); None without a
-    pipeline or with GPipe's scan (a run saved before pipeline.schedule existed is GPipe)."""
-    pipeline = config.pipeline
-    if config.mesh.stage == 1 or pipeline.get('schedule', 'gpipe') == 'gpipe':
-        return None
-    return schedule_lib.build(
-        config.mesh.stage,
-        pipeline.repeats,
-        micro_steps or config.train.micro_steps,
-        pipeline.max_in_flight or None,
-    )
+    """The 1F1B engine's schedule table of a config (parallel/schedule.py); None for the
+    engines without one (no pipeline, GPipe's scan)."""
+    return engine_lib.engine(config).table(micro_steps or config.train.micro_steps)
 
 
 def layer_activation_bytes(model_cfg, rows, tensor, remat):
@@ -196,13 +188,13 @@ def activation_bytes(config):
         output buffers, and `split` micro-batches of logits and their gradient (gpipe
         differentiates GPT.logits and cross_entropy, not the fused loss)."""
     model, train = config.model, config.train
-    stages, tensor, repeats = config.mesh.stage, config.mesh.tensor, config.pipeline.repeats
+    stages, tensor = config.mesh.stage, config.mesh.tensor
     rows, micro = train.micro_batch, train.micro_steps
     e = itemsize(model.compute_dtype)
     boundary = model.seq_len * rows * model.hidden * e
     logits = loss_bytes(model, rows, tensor)
     full_layer = layer_activation_bytes(model, rows, tensor, 'none')
-    if stages == 1:
+    if not engine_lib.engine(config).pipelined:
         kept = model.num_layers * layer_activation_bytes(model, rows, tensor, model.remat)
         recomputed = full_layer if model.remat != 'none' else 0
         return dict(layers=kept, recomputed=recomputed, pipeline_buffers=0, logits=logits)
@@ -217,7 +209,7 @@ def activation_bytes(config):
             pipeline_buffers=(table.stash_slots + table.grad_slots + 2) * handoff,
             logits=logits,
         )
-    iterations = gpipe.num_iterations(stages, repeats, micro)
+    iterations = engine_lib.engine(config).ticks(micro)
     if model.remat == 'none':
         per_iteration = chunk_layers * full_layer
         recomputed = 0

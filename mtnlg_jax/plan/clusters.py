@@ -18,6 +18,7 @@ fractions fitted on published step times, the bubble from the engine's own table
 
 import dataclasses
 
+from mtnlg_jax.parallel import engine as engine_lib
 from mtnlg_jax.plan import predict
 from mtnlg_jax.plan.arithmetic import GIGA
 
@@ -61,6 +62,13 @@ CLUSTERS = {
 }
 
 
+def _ideal_bubble(config):
+    """(p - 1) / (v m) with stages, 0 without."""
+    if not engine_lib.engine(config).pipelined:
+        return 0.0
+    return (config.mesh.stage - 1) / (config.pipeline.repeats * config.train.micro_steps)
+
+
 def estimate(cluster, config, per_device_total, hardware_flops, comm):
     """Fit and time bound of one step on `cluster` ({...} of JSON-ready numbers).
 
@@ -85,10 +93,8 @@ def estimate(cluster, config, per_device_total, hardware_flops, comm):
         else cluster.internode_bandwidth
     )
     exposed_s = tensor_bytes / tensor_link + stage_bytes / stage_link
-    bubble_s = 0.0
-    if mesh.stage > 1:
-        micro_batches = config.pipeline.repeats * config.train.micro_steps
-        bubble_s = compute_s * (mesh.stage - 1) / micro_batches
+    # (p - 1) / (v m) of the ideal time: Narayanan et al.'s interleaved bubble
+    bubble_s = compute_s * _ideal_bubble(config)
     data_link = cluster.internode_bandwidth if devices > cluster.gpus_per_node else tensor_link
     time_s = compute_s + exposed_s + bubble_s
     step = predict.step_time(config, cluster)

@@ -30,6 +30,7 @@ Scalars (loss, gradient norm, the cross-entropy's (b, s) reductions over the voc
 left out: kilobytes against gigabytes.
 """
 
+from mtnlg_jax.parallel import engine as engine_lib
 from mtnlg_jax.plan.arithmetic import (
     chunk_slots,
     engine_table,
@@ -127,10 +128,10 @@ def comm_bytes_per_device(config):
             add('all-gather', 'tensor', gathers * _ring('all-gather', activation, mesh.tensor))
         runs = edge_runs + (0 if sequence_parallel else layer_runs)
         add('all-reduce', 'tensor', runs * _ring('all-reduce', activation, mesh.tensor))
-    if mesh.stage > 1:
-        iterations = config.pipeline.repeats * config.train.micro_steps + mesh.stage - 1
+    engine = engine_lib.engine(config)
+    if engine.pipelined:
+        iterations = engine.ticks(config.train.micro_steps)
         if table is not None:
-            iterations = table.ticks
             # the fp32 gradients of what every stage holds, summed once
             shared = 4 * local_shared_params(config)
             add('all-reduce', 'stage', _ring('all-reduce', shared, mesh.stage))

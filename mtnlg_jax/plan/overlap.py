@@ -24,6 +24,11 @@ where the compute that needs them waits. The replay walks that order:
   multiplied by the runs per step (hlo_module.execution_counts).
 
 It times nothing that ran: it says what the schedule lets overlap on the target's figures.
+`time_by_kind` splits the replayed step by what each instruction is (KINDS): matmuls
+(dots, GEMM calls, fusions with a dot), attention kernels (fused attention calls), copies,
+slicing and slot writes (dynamic-slice / dynamic-update-slice, slices, gathers, scatters,
+concatenations, pads), transposes, everything else as elementwise, and the exposed
+communication, so a user sees what to fix before renting the cluster.
 """
 
 import collections
@@ -37,6 +42,11 @@ _FREE = frozenset(
 )  # fmt: skip
 _CALLS = frozenset(('while', 'conditional', 'call', 'async-start'))
 _OPERANDS = re.compile(r'%([\w.\-]+)')
+KINDS = ('matmuls', 'attention kernels', 'copies', 'slicing and slot writes', 'transposes',
+         'elementwise', 'exposed communication')  # fmt: skip
+_SLICING = frozenset(('dynamic-slice', 'dynamic-update-slice', 'slice', 'gather', 'scatter',
+                      'concatenate', 'pad'))  # fmt: skip
+_LAYOUT = frozenset(('parameter', 'bitcast', 'reshape', 'constant', 'tuple', 'get-tuple-element'))
 
 
 class Target:
@@ -74,6 +84,7 @@ class _Replay:
         self.collectives = {(op['computation'], op['name']): op for op in inventory}
         self.num_devices = None
         self.durations = {}  # computation -> seconds of one run
+        self.by_kind = {}  # computation -> {kind: seconds of one run}
         self.exposed = collections.defaultdict(float)  # (computation, name) -> s per run
 
     def link(self, op, instruction):
@@ -141,18 +152,37 @@ class _Replay:
             flops += sum(self.fused_flops(c) for a, c in instruction.callees() if a == 'calls')
         return flops
 
-    def called_seconds(self, instruction, callees):
+    def called(self, instruction, callees):
+        """[(runs per run of the instruction, computation)] of a while, conditional or call."""
         if instruction.opcode == 'while':
-            body = dict(callees)['body']
             trips = hlo_module.trip_count(instruction, self.computations) or 1
-            return trips * self.duration(body)
-        total = 0.0
-        for attr, callee in callees:
-            factor = hlo_module.branch_factor(
-                instruction, attr, callee, self.branch_weights, self.scopes
-            )
-            total += factor * self.duration(callee)
-        return total
+            return [(trips, dict(callees)['body'])]
+        return [
+            (hlo_module.branch_factor(instruction, attr, callee, self.branch_weights, self.scopes),
+             callee)
+            for attr, callee in callees
+        ]  # fmt: skip
+
+    def called_seconds(self, instruction, callees):
+        return sum(runs * self.duration(c) for runs, c in self.called(instruction, callees))
+
+    def kind(self, instruction, types):
+        """Which of KINDS a non-control-flow instruction's time counts as."""
+        if hlo_module.attention_kernel(instruction):
+            return 'attention kernels'
+        fused = [c for a, c in instruction.callees() if a == 'calls']
+        body = self.computations.get(fused[0], []) if fused else [instruction]
+        ops = {i.opcode for i in body} - _LAYOUT
+        if ops & {'dot', 'convolution'} or hlo_module.instruction_flops(instruction, types) > 0:
+            return 'matmuls'
+        if ops <= {'copy', 'copy-start', 'copy-done'} and ops:
+            return 'copies'
+        root = next((i.opcode for i in body if i.is_root), instruction.opcode)
+        if root in _SLICING or (ops and ops <= _SLICING | {'copy', 'select', 'compare'}):
+            return 'slicing and slot writes'
+        if root == 'transpose' or ops == {'transpose'}:
+            return 'transposes'
+        return 'elementwise'
 
     def duration(self, name):
         """Seconds of one run of a computation, replayed (memoised)."""
@@ -164,6 +194,7 @@ class _Replay:
     def replay(self, name):
         instructions = self.computations.get(name, [])
         types = {instruction.name: instruction.type_text for instruction in instructions}
+        kinds = self.by_kind[name] = collections.defaultdict(float)
         now = 0.0
         link_free = collections.defaultdict(float)  # link -> when its stream is idle
         arrives = {}  # start name -> (op key, when its bytes have arrived)
@@ -178,6 +209,7 @@ class _Replay:
                     arrives[instruction.name] = ((op['computation'], op['name']), end)
                 else:  # synchronous: the compute stream waits for it
                     self.exposed[name, instruction.name] += end - now
+                    kinds['exposed communication'] += end - now
                     now = end
                 continue
             if instruction.opcode.endswith('-done'):
@@ -186,9 +218,17 @@ class _Replay:
                     key, end = arrives.pop(start)
                     if end > now:
                         self.exposed[key] += end - now
+                        kinds['exposed communication'] += end - now
                         now = end
                 continue
-            now += self.instruction_seconds(instruction, types)
+            seconds = self.instruction_seconds(instruction, types)
+            now += seconds
+            if instruction.opcode in _CALLS:
+                for runs, callee in self.called(instruction, instruction.callees()):
+                    for kind, t in self.by_kind.get(callee, {}).items():
+                        kinds[kind] += runs * t
+            elif seconds:
+                kinds[self.kind(instruction, types)] += seconds
         return now
 
     def collective(self, computation, instruction):
@@ -215,7 +255,8 @@ def collective_overlap(hlo_text, mesh, target, branch_weights=None):
                         (per step: x runs per step),
          'table': [{kind, axes, link, wire_bytes, wire_s, exposed_s, overlapped}] by kind,
                   axes and link, 'overlapped' = 1 - exposed / wire time,
-         'step_s': the replayed step (compute at peak + exposed), 'exposed_s', 'compute_s'}
+         'step_s': the replayed step (compute at peak + exposed), 'exposed_s', 'compute_s',
+         'time_by_kind': {kind: seconds of the replayed step} (KINDS)}
 
     mesh: the compiled step's mesh (positions in its device array are the HLO's device ids;
     consecutive gpus_per_node positions share a node, as parallel/mesh.py lays devices out)."""
@@ -269,4 +310,5 @@ def collective_overlap(hlo_text, mesh, target, branch_weights=None):
         step_s=step_s,
         compute_s=step_s - exposed_s,
         exposed_s=exposed_s,
+        time_by_kind={k: replay.by_kind[entry].get(k, 0.0) for k in KINDS},
     )

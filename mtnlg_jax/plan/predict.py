@@ -51,6 +51,7 @@ import numpy as np
 
 from mtnlg_jax.model import block, counts
 from mtnlg_jax.model.layers import attention_dims
+from mtnlg_jax.parallel import engine as engine_lib
 from mtnlg_jax.plan import arithmetic, comm
 from mtnlg_jax.plan.arithmetic import itemsize
 from mtnlg_jax.parallel.schedule import IDLE
@@ -189,7 +190,7 @@ def slot_costs(config, rates, semantics, exposed, accumulate):
     last_backward = dict(
         backward, compute=backward['compute'] + 2 * head, flops=backward['flops'] + 2 * head_flops
     )
-    if semantics == 'ours' and config.mesh.stage > 1:
+    if semantics == 'ours' and engine_lib.engine(config).pipelined:
         # The last chunk's forward tick is empty: its backward's tick runs it (and the head).
         last_backward = {k: last_backward[k] + last_forward[k] for k in COMPONENTS}
         last_forward = dict.fromkeys(COMPONENTS, 0.0)
@@ -204,10 +205,11 @@ def _timeline(config, forward, backward, handoff):
     device runs (mean over stages), from the schedule table: a tick takes its slowest stage
     plus the hand-off. Without a pipeline: m micro-batches one after another."""
     micro = config.train.micro_steps
-    table = arithmetic.engine_table(config)
+    engine = engine_lib.engine(config)
+    table = engine.table(micro)
     if table is None:
-        stages, repeats = config.mesh.stage, config.pipeline.repeats
-        if stages == 1:  # every chunk on the one stage, the last with the head
+        repeats = config.pipeline.repeats
+        if not engine.pipelined:  # every chunk on the one stage, the last with the head
             work = {
                 k: micro * ((repeats - 1) * (forward[k][0] + backward[k][0]) + forward[k][1]
                             + backward[k][1])
@@ -215,7 +217,7 @@ def _timeline(config, forward, backward, handoff):
             }  # fmt: skip
             return work, sum(v for k, v in work.items() if k != 'flops'), work['flops']
         # GPipe's circular scan: v m + p - 1 iterations of a chunk's forward and backward.
-        iterations = repeats * micro + stages - 1
+        iterations = engine.ticks(micro)
         work = {k: micro * repeats * (forward[k][0] + backward[k][0]) for k in COMPONENTS}
         per = sum(forward[k][1] + backward[k][1] for k in COMPONENTS if k != 'flops')
         return work, iterations * per + iterations * 2 * handoff, work['flops']
@@ -272,7 +274,8 @@ def step_time(config, cluster, figures=None, semantics='ours', overlap=None, cou
     )
     handoff = 0.0
     replica = mesh.stage * mesh.tensor
-    if mesh.stage > 1:
+    engine = engine_lib.engine(config)
+    if engine.pipelined:
         activation = train.micro_batch * model.seq_len * model.hidden * e
         split = mesh.tensor if model.seq_len % mesh.tensor == 0 else 1
         handoff = rates.link(activation / split, replica) + rates.link(
@@ -292,9 +295,9 @@ def step_time(config, cluster, figures=None, semantics='ours', overlap=None, cou
     stage_s = per_step('stage', ('all-reduce',), replica)
     optimizer_s = rates.bytes(ADAM_BYTES_PER_PARAM * counts['zero'] + 4 * counts['compute'])
     busy = sum(v for k, v in work.items() if k != 'flops')
-    handoffs = pipeline_s - busy if mesh.stage > 1 else 0.0
-    ticks = arithmetic.engine_table(config)
-    pipeline_comm_s = handoff * (ticks.ticks if ticks is not None else 0)
+    handoffs = pipeline_s - busy if engine.pipelined else 0.0
+    table = engine.table(train.micro_steps)
+    pipeline_comm_s = handoff * (table.ticks if table is not None else 0)
     total = pipeline_s + data_s + stage_s + optimizer_s
     peak = cluster.peak_tflops[model.compute_dtype] * 1e12
     model_flops = arithmetic.model_flops_per_step(config) / devices

@@ -6,22 +6,18 @@ from mtnlg_jax.xla import flags as xla_flags
 from mtnlg_jax.model import counts
 from mtnlg_jax.xla import devices
 from mtnlg_jax.parallel import footprint
-from mtnlg_jax.parallel import pipeline
+from mtnlg_jax.parallel import engine as engine_lib
 from mtnlg_jax.config import rampup
 
 
 def pipeline_line(config):
-    options, micro = pipeline.options(config), config.train.micro_steps
-    stages, repeats, schedule = options['stages'], options['repeats'], options['schedule']
-    if stages == 1:
-        return 'none (mesh.stage = 1)'
-    name = 'interleaved 1F1B' if schedule != 'gpipe' and repeats > 1 else schedule
-    if options['max_in_flight']:
-        name += f' (at most {options["max_in_flight"]} stage inputs in flight)'
+    engine, micro = engine_lib.engine(config), config.train.micro_steps
+    if not engine.pipelined:
+        return engine.name
     return (
-        f'{name}, {stages} stages x {repeats} repeats, {micro} micro-batches: '
-        f'{pipeline.num_ticks(micro_batches=micro, **options)} ticks, predicted bubble fraction '
-        f'{pipeline.bubble_fraction(micro_batches=micro, **options):.3f}'
+        f'{engine.name}, {config.mesh.stage} stages x {config.pipeline.repeats} repeats, '
+        f'{micro} micro-batches: {engine.ticks(micro)} ticks, predicted bubble fraction '
+        f'{engine.bubble_fraction(micro):.3f}'
     )
 
 

@@ -10,7 +10,7 @@ import numpy as np
 from tqdm import tqdm
 
 from mtnlg_jax.run import distributed
-from mtnlg_jax.parallel import pipeline
+from mtnlg_jax.parallel import engine as engine_lib
 from mtnlg_jax.train import metrics as metrics_lib
 
 
@@ -52,9 +52,7 @@ def step_record(config, position, batch, losses, step_metrics, throughput):
         tflops_per_device=tflops,
         mfu=tflops / peak if peak else None,
         skipped_steps=position.counters['skipped_steps'],
-        pipeline_bubble_fraction=pipeline.bubble_fraction(
-            micro_batches=batch.micro_steps, **pipeline.options(config)
-        ),
+        pipeline_bubble_fraction=engine_lib.engine(config).bubble_fraction(batch.micro_steps),
     )
 
 

@@ -6,15 +6,12 @@
         v
     compute copy: rule table (split over tensor / stage, whole over data)
     +-- shard_map manual over 'data': one data replica, its own rows -----------------------+
-    |   scan over micro-steps (mesh.stage == 1):                                            |
-    |       loss, grads = value_and_grad(micro-batch)   over 'tensor' only, by the rule      |
-    |                                                   table: 2 all-reduces per layer       |
-    |                                                   forward (sequence parallel: 2        |
-    |                                                   reduce-scatters + 2 all-gathers),    |
-    |                                                   the same backward                    |
-    |       acc += fp32(grads)                          local: nothing over 'data'           |
-    |   or pipeline.loss_and_grads (mesh.stage > 1): its own shard_map over 'stage',        |
-    |       fp32 gradient sums of all micro-batches, nothing over 'data'                    |
+    |   engine(config).loss_and_grads (parallel/engine.py), over the micro-steps:           |
+    |     Sequential (no stages): scan of value_and_grad(micro-batch), over 'tensor' only   |
+    |       by the rule table: 2 all-reduces per layer forward (sequence parallel: 2        |
+    |       reduce-scatters + 2 all-gathers), the same backward; acc += fp32(grads)         |
+    |     1F1B / interleaved / GPipe: their own shard_map over 'stage'                      |
+    |     fp32 gradient sums of all micro-batches, nothing over 'data'                      |
     |   REDUCE-SCATTER over 'data', fp32 ............. once per step, onto the ZeRO shards  |
     |   all-reduce over 'data' of loss sum and token count (2 scalars)                      |
     +---------------------------------------------------------------------------------------+
@@ -36,7 +33,9 @@ from jax.sharding import PartitionSpec
 from mtnlg_jax.data.batch import BATCH_AXES
 from mtnlg_jax.data import packing
 from mtnlg_jax.model import gpt
-from mtnlg_jax.parallel import pipeline, rules, stage_order, zero
+from mtnlg_jax.parallel import engine as engine_lib
+from mtnlg_jax.parallel import rules, zero
+from mtnlg_jax.parallel.stage_functions import MicroBatch
 from mtnlg_jax.train.optimizer import learning_rate_schedule
 
 
@@ -110,40 +109,20 @@ def _over_replicas(per_replica, out_specs, compute_params, tokens, *per_row):
 
 def _replica_sums(config, setup, compute_params, tokens, row_ids, step):
     """(loss sum, token count, fp32 gradient sums) of one data replica's rows: tokens
-    (micro_steps, local rows, seq + 1). Runs inside the region manual over 'data'."""
-    if config.mesh.stage > 1:
-        row_keys = _row_keys(config, step, row_ids)
-        stage_fns = gpt.stage_functions(setup.graphdef)
-        return pipeline.loss_and_grads(
-            stage_fns,
-            compute_params,
-            tokens,
-            row_keys,
-            stage_layers=stage_order.of_config(config),
-            **pipeline.options(config),
-        )
+    (micro_steps, local rows, seq + 1), through the config's engine (parallel/engine.py).
+    Runs inside the region manual over 'data'."""
+    batch = _micro_batches(config, tokens, _row_keys(config, step, row_ids))
+    stage_fns = gpt.stage_functions(setup.graphdef, setup.logical_axes)
+    return engine_lib.engine(config).loss_and_grads(stage_fns, compute_params, batch)
 
+
+def _micro_batches(config, tokens, row_keys=None):
+    """The engine's MicroBatch of token windows (micro_steps, rows, seq + 1): packed
+    documents' positions, segment ids and loss mask where data.* asks for them
+    (data/packing.py, None otherwise), one dropout key per row or None."""
     pack = packing.of_config(config)
-
-    def micro_step(carry, micro_batch):
-        grads_sum, loss_sum, token_count = carry
-        micro_tokens, micro_rows = micro_batch
-        packed = None if pack is None else pack(micro_tokens[:, :-1])
-
-        def loss_fn(p):
-            keys = _row_keys(config, step, micro_rows)
-            return gpt.loss_sum(gpt.merge(setup.graphdef, p), micro_tokens, keys, packed)
-
-        (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(compute_params)
-        grads_sum = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), grads_sum, grads)
-        grads_sum = rules.constrain_tree(grads_sum, setup.logical_axes)
-        return (grads_sum, loss_sum + loss, token_count + count), None
-
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), compute_params)
-    zeros = rules.constrain_tree(zeros, setup.logical_axes)
-    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-    (grads_sum, loss_sum, token_count), _ = jax.lax.scan(micro_step, init, (tokens, row_ids))
-    return loss_sum, token_count, grads_sum
+    packed = packing.UNPACKED if pack is None else pack(tokens[..., :-1])
+    return MicroBatch(tokens, *packed, row_keys=row_keys)
 
 
 def make_train_step(config, setup, inject=None):
@@ -192,19 +171,12 @@ def make_eval_step(config, setup):
     def _eval_loss_sum(params, tokens):
         tokens = rules.constrain(tokens, BATCH_AXES)
         compute_params = compute_copy(config, setup, params)
-        if config.mesh.stage > 1:
+        engine = engine_lib.engine(config)
+        if engine.pipelined:
             totals = _over_replicas(_pipelined_sums, PartitionSpec(), compute_params, tokens)
             return totals[0], totals[1]
-        model = gpt.merge(setup.graphdef, compute_params)
-        pack = packing.of_config(config)
-
-        def add_micro_batch(total, micro_tokens):
-            packed = None if pack is None else pack(micro_tokens[:, :-1])
-            loss, count = gpt.loss_sum(model, micro_tokens, packed=packed)
-            return total + jnp.stack([loss, count]), None
-
-        total, _ = jax.lax.scan(add_micro_batch, jnp.zeros(2, jnp.float32), tokens)
-        return total[0], total[1]
+        stage_fns = gpt.stage_functions(setup.graphdef, setup.logical_axes)
+        return engine.loss_sum(stage_fns, compute_params, _micro_batches(config, tokens))
 
     def _pipelined_sums(compute_params, tokens):
         """One replica's (loss sum, token count), summed over 'data'. Per replica, as in the
@@ -212,11 +184,9 @@ def make_eval_step(config, setup):
         and 'tensor' (sequence parallel) with a collective-permute whose pairs span every
         stage, inside the first chunk's conditional, which only the first stage takes: XLA:CPU
         waits for the other stages' devices forever."""
-        stage_fns = gpt.stage_functions(setup.graphdef)
-        layers = stage_order.of_config(config)
-        loss, count = pipeline.loss_sum(
-            stage_fns, compute_params, tokens, stage_layers=layers, **pipeline.options(config)
-        )
+        stage_fns = gpt.stage_functions(setup.graphdef, setup.logical_axes)
+        batch = _micro_batches(config, tokens)
+        loss, count = engine_lib.engine(config).loss_sum(stage_fns, compute_params, batch)
         return zero.psum(jnp.stack([loss, count]))
 
     return jax.jit(eval_step)

@@ -150,10 +150,26 @@ def clusters(pairs, shingle_sets, threshold):
         if similarity >= threshold:
             components.union(a, b)
             edges[(a, b)] = similarity
+    return _groups(components), checked, edges
+
+
+def _groups(components):
     groups = {}
     for index in sorted(components.parent):
         groups.setdefault(components.find(index), []).append(index)
-    return [g for g in groups.values() if len(g) > 1], checked, edges
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def components_of_edges(similarities):
+    """clusters() from verified edges: {(a, b): jaccard} of pairs at or above the threshold,
+    wherever they were verified. The edges are taken in (a, b) order, as clusters() takes its
+    pairs. Returns (groups, {(a, b): jaccard} of the edges that joined components)."""
+    components, joined = _Components(), {}
+    for a, b in sorted(similarities):
+        if components.find(a) != components.find(b):
+            components.union(a, b)
+            joined[(a, b)] = similarities[(a, b)]
+    return _groups(components), joined
 
 
 def kept_of_clusters(groups, sizes, content_hashes):

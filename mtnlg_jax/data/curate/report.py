@@ -73,3 +73,30 @@ def table(report):
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return '\n'.join('  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def merged(name, parts, max_examples):
+    """One stage's report (a dict, as StageReport.as_dict) from those of consecutive pieces:
+    counts and seconds summed, reasons counted, the first examples kept, details summed when
+    numbers (and taken from the first piece otherwise)."""
+    total = StageReport(name, max_examples)
+    details = {}
+    for part in parts:
+        total.documents_in += part['documents_in']
+        total.bytes_in += part['bytes_in']
+        total.documents_out += part['documents_out']
+        total.bytes_out += part['bytes_out']
+        total.seconds += part['seconds']
+        total.reasons.update(part.get('reasons', {}))
+        total.examples += part['examples'][: max_examples - len(total.examples)]
+        for key, value in part.items():
+            if key not in _FIELDS:
+                details[key] = details.get(key, 0) + value if isinstance(value, int) else value
+    total.details = details
+    return total
+
+
+_FIELDS = {
+    'stage', 'documents_in', 'bytes_in', 'documents_out', 'bytes_out', 'documents_removed',
+    'bytes_removed', 'seconds', 'reasons', 'examples',
+}  # fmt: skip

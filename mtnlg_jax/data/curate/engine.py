@@ -1,0 +1,297 @@
+"""The curation run on Ray (data/ray_engine.py): pieces in, shards and a report out.
+
+    scan        a Ray task per input file: hashes, every line checked, pieces cut
+    signatures  Ray Data map over the pieces              -> WORK/signatures/ (parquet)
+    exact       groupby(fingerprint part).map_groups       -> WORK/exact/
+    fuzzy       band rows -> groupby(bucket part) -> members -> groupby(piece) shingles ->
+                groupby(bucket part) verified edges -> the driver: clusters from the edges
+                                                           -> WORK/fuzzy.json (removed only)
+    filter      groupby(piece) over the removed rows and one marker row per piece:
+                each piece's survivors filtered into WORK/parts/part-NNNNN.jsonl (+ .json:
+                its stage reports)
+    outputs     workdir.place: the parts concatenated into FILE.jsonl, or moved into DIR/
+
+Each stage's output marks it done (a folder's .done file, a file renamed into place), so a
+rerun with the same inputs and options starts at the stage that failed and, in the filter
+stage, at the pieces not yet written. What the driver holds: per input file and per piece a
+few numbers, the verified edges and the removed documents of fuzzy deduplication; every other
+per-document row lives in Ray's object store or the work folder.
+"""
+
+import os
+import shutil
+import time
+
+import numpy as np
+
+from mtnlg_jax.data import pieces as pieces_lib
+from mtnlg_jax.data import ray_engine
+from mtnlg_jax.data.curate import exact, fuzzy, pipeline, stages, workdir
+from mtnlg_jax.data.curate.report import merged
+from mtnlg_jax.data.preprocess import InputError
+
+_cache = {}
+
+
+def _shared(ref):
+    """An object put once in Ray's store (the options, the pieces), read once per worker."""
+    import ray
+
+    key = ref.hex()
+    if key not in _cache:
+        if len(_cache) > 4:
+            _cache.clear()
+        _cache[key] = ray.get(ref)
+    return _cache[key]
+
+
+def _drill(options, folder, piece):
+    """--drill signatures: the worker of piece 0 exits once, as a killed process would."""
+    marker = os.path.join(folder, 'drill.signatures')
+    if options.drill == 'signatures' and piece == 0 and not os.path.exists(marker):
+        open(marker, 'w').close()
+        os._exit(1)
+
+
+def _signatures(batch, options_ref, folder, parts):
+    options = _shared(options_ref)
+    piece = {k: v[0].item() if hasattr(v[0], 'item') else v[0] for k, v in batch.items()}
+    _drill(options, folder, piece['piece'])
+    rows = stages.signature_rows(piece, options, parts)
+    seconds = {s: float(rows.pop(f'{s}_s').sum()) for s in ('exact', 'fuzzy')}
+    seconds['rss_mb'] = workdir.peak_rss_mb()
+    workdir.write_json(os.path.join(folder, f'signatures-{piece["piece"]:05d}.json'), seconds)
+    return rows
+
+
+def _shingles(batch, pieces_ref):
+    options, pieces = _shared(pieces_ref)
+    return stages.candidate_shingles(batch, pieces[int(batch['piece'][0])], options)
+
+
+def _filter(batch, pieces_ref, folder):
+    options, pieces = _shared(pieces_ref)
+    piece = int(batch['piece'][0])
+    removed = {}
+    for index, stage, kept, jaccard in zip(
+        batch['index'], batch['stage'], batch['kept'], batch['jaccard']
+    ):
+        if index >= 0:
+            jaccard = None if np.isnan(jaccard) else float(jaccard)
+            removed[int(index)] = (pipeline.STAGES[stage], int(kept), jaccard)
+    path = os.path.join(folder, f'part-{piece:05d}.jsonl')
+    reports, written = pipeline.filter_piece(pieces[piece], removed, options, path)
+    workdir.write_json(path[: -len('.jsonl')] + '.json', {'stages': reports, 'written': written,
+                       'rss_mb': workdir.peak_rss_mb()})  # fmt: skip
+    return {'piece': np.array([piece])}
+
+
+class Curation:
+    """One run of the stages of `options` over `paths` into `output` (FILE.jsonl or DIR/)."""
+
+    def __init__(self, paths, output, options, work=None, address=None, identity=None):
+        self.paths, self.output, self.options, self.address = paths, output, options, address
+        self.work = workdir.Work(work or workdir.default_folder(output), identity or {})
+
+    def run(self):
+        started = time.perf_counter()
+        with ray_engine.started(self.options.workers, self.address) as ray:
+            scans = self._scan(ray)
+            self.pieces = pieces_lib.numbered(scans)
+            self.documents = sum(p['documents'] for p in self.pieces)
+            if not self.documents:
+                raise InputError(f'--input {" ".join(map(str, self.paths))}: no documents')
+            self.work.open(scans, self.options)
+            self.parts = max(
+                self.options.workers, -(-self.documents // self.options.part_documents)
+            )
+            self.options_ref = ray.put(self.options)
+            self.pieces_ref = ray.put((self.options, self.pieces))
+            self.seconds = {'exact': 0.0, 'fuzzy': 0.0}
+            self._signatures(ray)
+            self._exact(ray)
+            fuzzy_state = self._fuzzy(ray)
+            self._filter(ray, fuzzy_state)
+        report = self._report(scans, fuzzy_state, time.perf_counter() - started)
+        workdir.place(self.work, self.output, self.pieces, scans, self.options, report)
+        return report
+
+    def _scan(self, ray):
+        scan = ray.remote(_scan_task)
+        keys = (self.options.json_key,)
+        piece_bytes = int(self.options.shard_mb * (1 << 20))
+        found = ray.get([scan.remote(p, keys, piece_bytes) for p in pieces_lib.files(self.paths)])
+        for result in found:
+            if 'error' in result:
+                raise InputError(result['error'])
+        return found
+
+    def _map(self, ray, name, build):
+        """Run build() -> a Dataset into WORK/name/ (parquet) unless done; read it back."""
+        folder = self.work.path(name)
+        if not self.work.done(name):
+            shutil.rmtree(folder, ignore_errors=True)
+            build().write_parquet(folder)
+            self.work.mark(name)
+        return ray.data.read_parquet(folder)
+
+    def _signatures(self, ray):
+        def build():
+            items = ray.data.from_items(self.pieces, override_num_blocks=len(self.pieces))
+            kwargs = dict(options_ref=self.options_ref, folder=self.work.folder, parts=self.parts)
+            return items.map_batches(_signatures, batch_size=1, fn_kwargs=kwargs)
+
+        self.signatures = self._map(ray, 'signatures', build)
+
+    def _exact(self, ray):
+        if 'exact' not in self.options.stages:
+            self.exact = self.signatures.map_batches(
+                lambda b: {**b, 'kept': b['index']}, batch_format='numpy'
+            )
+            return
+
+        def build():
+            grouped = self.signatures.groupby('part', num_partitions=self.parts)
+            return grouped.map_groups(stages.exact_groups, batch_format='numpy')
+
+        self.exact = self._map(ray, 'exact', build)
+
+    def _fuzzy(self, ray):
+        """{'removed': [[index, piece, kept, jaccard]], 'details': {...}} (saved)."""
+        if 'fuzzy' not in self.options.stages:
+            return {'removed': [], 'details': {}}
+        if self.work.done('fuzzy'):
+            return self.work.read_json('fuzzy.json')
+        bands, rows = fuzzy.bands_and_rows(self.options.threshold, self.options.num_perm)
+        band_kwargs = dict(bands=bands, rows=rows, parts=self.parts)
+        members = (
+            self.exact.map_batches(stages.band_rows, batch_format='numpy', fn_kwargs=band_kwargs)
+            .groupby('part', num_partitions=self.parts)
+            .map_groups(stages.bucket_members, batch_format='numpy')
+        )
+        pieces_kwargs = dict(pieces_ref=self.pieces_ref)
+        edges = (
+            members.groupby('piece', num_partitions=self.parts)
+            .map_groups(_shingles, batch_format='numpy', fn_kwargs=pieces_kwargs)
+            .groupby('part', num_partitions=self.parts)
+            .map_groups(
+                stages.verified_edges,
+                batch_format='numpy',
+                fn_kwargs={'threshold': self.options.threshold},
+            )
+        )
+        state = self._clusters(edges)
+        state['details'].update(bands=bands, rows=rows)
+        self.work.write_json('fuzzy.json', state)
+        self.work.mark('fuzzy')
+        return state
+
+    def _clusters(self, edges):
+        """The driver's share of fuzzy deduplication: clusters from the verified edges."""
+        similarities, facts, seconds = {}, {}, 0.0
+        checked = largest = pairs = 0
+        for batch in edges.iter_batches(batch_format='numpy'):
+            seconds += float(batch['fuzzy_s'].sum())
+            checked += int(batch['checked'].sum())
+            largest = max(largest, int(batch['largest'].max(initial=0)))
+            pairs += int(batch['pairs'].sum())
+            for row in zip(*(batch[k] for k in stages._EDGE)):
+                a, b, similarity, piece_a, piece_b, size_a, size_b, hash_a, hash_b = row
+                if a < 0:
+                    continue
+                similarities[(int(a), int(b))] = float(similarity)
+                facts[int(a)] = (int(piece_a), int(size_a), int(hash_a))
+                facts[int(b)] = (int(piece_b), int(size_b), int(hash_b))
+        started = time.process_time()
+        groups, joined = fuzzy.components_of_edges(similarities)
+        similarity, removed = {}, []
+        for (a, b), value in joined.items():
+            similarity.setdefault(a, value)
+            similarity.setdefault(b, value)
+        for group in groups:
+            sizes = np.array([facts[i][1] for i in group], np.int64)
+            hashes = np.array([facts[i][2] for i in group], np.uint64)
+            best = group[exact.preference_order(sizes, hashes)[0]]
+            removed += [[i, facts[i][0], best, round(similarity.get(i, 0.0), 3)]
+                        for i in group if i != best]  # fmt: skip
+        seconds += time.process_time() - started
+        details = {
+            'bucket_pairs': pairs,
+            'largest_bucket': largest,
+            'verified_pairs': checked,
+            'clusters': len(groups),
+            'seconds': seconds,
+        }
+        return {'removed': sorted(removed), 'details': details}
+
+    def _filter(self, ray, fuzzy_state):
+        folder = self.work.path('parts')
+        os.makedirs(folder, exist_ok=True)
+        undone = [p['piece'] for p in self.pieces if not self.work.part_done(p['piece'])]
+        if not undone:
+            return
+        rows = [{'piece': p, 'index': -1, 'stage': 0, 'kept': -1, 'jaccard': np.nan}
+                for p in undone]  # fmt: skip
+        pending = set(undone)
+        rows += [{'piece': p, 'index': i, 'stage': 1, 'kept': k, 'jaccard': j}
+                 for i, p, k, j in fuzzy_state['removed'] if p in pending]  # fmt: skip
+        wanted = np.array(undone)
+
+        def exact_removed(batch):
+            keep = (batch['kept'] != batch['index']) & np.isin(batch['piece'], wanted)
+            n = int(keep.sum())
+            return {'piece': batch['piece'][keep], 'index': batch['index'][keep],
+                    'stage': np.zeros(n, np.int64), 'kept': batch['kept'][keep],
+                    'jaccard': np.full(n, np.nan)}  # fmt: skip
+
+        removed = ray.data.from_items(rows)
+        if 'exact' in self.options.stages:
+            removed = removed.union(self.exact.map_batches(exact_removed, batch_format='numpy'))
+        kwargs = dict(pieces_ref=self.pieces_ref, folder=folder)
+        grouped = removed.groupby('piece', num_partitions=min(len(undone), self.parts))
+        grouped.map_groups(_filter, batch_format='numpy', fn_kwargs=kwargs).materialize()
+
+    def _report(self, scans, fuzzy_state, seconds):
+        per_piece = [self.work.read_json(f'parts/part-{p["piece"]:05d}.json') for p in self.pieces]
+        stages_out = []
+        for name in (s for s in pipeline.STAGES if s in self.options.stages):
+            report = merged(name, [p['stages'][name] for p in per_piece], self.options.examples)
+            if name == 'fuzzy':
+                details = dict(fuzzy_state['details'])
+                report.seconds += details.pop('seconds', 0.0)
+                report.details = {
+                    'threshold': self.options.threshold,
+                    'num_perm': self.options.num_perm,
+                    'shingle_words': self.options.shingle_words,
+                    **details,
+                }
+            stages_out.append(report)
+        signatures = [self.work.read_json(f'signatures-{p["piece"]:05d}.json') for p in self.pieces]
+        for report in stages_out:
+            if report.name in ('exact', 'fuzzy'):
+                report.seconds += sum(s[report.name] for s in signatures)
+        return {
+            'input': [s['path'] for s in scans],
+            'output': self.output,
+            'documents_in': self.documents,
+            'bytes_in': stages_out[0].bytes_in,
+            'documents_out': sum(p['written'] for p in per_piece),
+            'shards': len(self.pieces),
+            'workers': self.options.workers,
+            'seconds': round(seconds, 2),
+            'peak_rss_main_mb': round(workdir.peak_rss_mb(), 1),
+            'peak_rss_worker_mb': round(max(p['rss_mb'] for p in per_piece + signatures), 1),
+            'stages': [r.as_dict() for r in stages_out],
+        }
+
+
+def _scan_task(path, keys, piece_bytes):
+    try:
+        return pieces_lib.scan(path, keys, piece_bytes)
+    except InputError as e:
+        return {'error': str(e)}
+
+
+def curate(paths, output, options, work=None, address=None, identity=None):
+    """Run the stages of `options` over the documents of `paths` into `output`; the report."""
+    return Curation(paths, output, options, work, address, identity).run()

@@ -1,0 +1,101 @@
+"""The engines behind one seam: `engine(config)` returns the one a config's layout runs.
+
+    mesh.stage == 1                   Sequential   value_and_grad of the whole model per
+                                                   micro-batch, scanned over the m of a step
+    stage > 1, schedule 1f1b /        TableEngine  the static 1F1B table (pipeline.py, one
+      interleaved                                  tick per stage.Stage.tick)
+    stage > 1, schedule gpipe         GPipeEngine  autodiff of a forward scan (gpipe.py)
+
+Every engine has the same face, which the train step, the banner, the reporter and the
+planner use instead of asking the mesh or the schedule's name:
+
+    loss_and_grads(stage_fns, params, batch)  (loss sum, token count, fp32 gradients shaped as
+                                              params) of batch (stage_functions.MicroBatch of
+                                              m micro-batches)
+    loss_sum(stage_fns, params, batch)        (loss sum, token count), no gradients
+    ticks(m)                                  iterations of its loop over a step of m
+    bubble_fraction(m)                        predicted share of the step stages wait
+    table(m)                                  the 1F1B table (schedule.Schedule), or None
+    name, pipelined                           how the banner names it; whether over 'stage'
+
+stage_fns: the model's pieces (stage_functions.StageFunctions); params: the compute-dtype
+parameters (blocks stage-major when pipelined).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from mtnlg_jax.parallel import pipeline, rules, stage_order
+from mtnlg_jax.parallel.stage_functions import shared_params
+
+
+@dataclasses.dataclass(frozen=True)
+class Sequential:
+    """No pipeline: the whole model per micro-batch, fp32 gradient sums over the m."""
+
+    name = 'none (mesh.stage = 1)'
+    pipelined = False
+
+    def table(self, micro_batches):
+        return None
+
+    def ticks(self, micro_batches):
+        return micro_batches
+
+    def bubble_fraction(self, micro_batches):
+        return 0.0
+
+    def loss_and_grads(self, stage_fns, params, batch):
+        def micro_step(carry, micro_batch):
+            grads_sum, loss_sum, token_count = carry
+
+            def loss_fn(p):
+                return _model_loss_sum(stage_fns, p, micro_batch)
+
+            (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+            grads_sum = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), grads_sum, grads)
+            grads_sum = _constrain(grads_sum, stage_fns)
+            return (grads_sum, loss_sum + loss, token_count + count), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        zeros = _constrain(zeros, stage_fns)
+        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+        (grads_sum, loss_sum, token_count), _ = jax.lax.scan(micro_step, init, batch)
+        return loss_sum, token_count, grads_sum
+
+    def loss_sum(self, stage_fns, params, batch):
+        def add_micro_batch(total, micro_batch):
+            loss, count = _model_loss_sum(stage_fns, params, micro_batch)
+            return total + jnp.stack([loss, count]), None
+
+        total, _ = jax.lax.scan(add_micro_batch, jnp.zeros(2, jnp.float32), batch)
+        return total[0], total[1]
+
+
+def _model_loss_sum(stage_fns, params, batch):
+    """(summed loss, token count) of one micro-batch through the whole model."""
+    shared = shared_params(params)
+    x = stage_fns.embed(shared, batch)
+    x = stage_fns.apply_blocks(params['blocks'], x, batch, 0, stage_fns.remat)
+    return stage_fns.head_loss_sum(shared, x, batch), batch.token_count()
+
+
+def _constrain(grads, stage_fns):
+    if stage_fns.param_axes is None:
+        return grads
+    return rules.constrain_tree(grads, stage_fns.param_axes)
+
+
+def for_layout(stages, repeats=1, schedule='1f1b', max_in_flight=0, stage_layers=None):
+    """The engine of a layout: Sequential without stages, else pipeline.engine_for's."""
+    if stages == 1:
+        return Sequential()
+    return pipeline.engine_for(stages, repeats, schedule, max_in_flight, stage_layers)
+
+
+def engine(config):
+    """The engine a config runs (pipeline.options), its stages' depths from
+    stage_order.of_config."""
+    return for_layout(**pipeline.options(config), stage_layers=stage_order.of_config(config))

@@ -1,0 +1,324 @@
+"""Curation and preprocessing on Ray: the golden outputs of the engine before Ray
+(tests/fixtures/curation, made by make_golden.py) byte for byte from an embedded Ray and from a
+cluster started apart with token authentication; shards, resume, a killed worker, bad input;
+fuzzy deduplication's per-bucket edges against the one-process clusters.
+
+One embedded Ray (this process) and one head started here (`ray start --head --block` on
+127.0.0.1, free ports, a small object store, ended by its process id) serve every test.
+"""
+
+import importlib
+import json
+import os
+import pathlib
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from mtnlg_jax.data import ray_engine
+from mtnlg_jax.data.curate import engine, fuzzy, pipeline, quality, stages
+from mtnlg_jax.data.preprocess import InputError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / 'tests/fixtures/curation'
+RAY = pathlib.Path(sys.executable).parent / 'ray'
+sys.path.insert(0, str(GOLDEN))
+PLANTED = ('--quality_reference', GOLDEN / 'good.jsonl', '--eval', GOLDEN / 'eval.jsonl',
+           '--min_words', '10')  # fmt: skip
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope='module')
+def cluster(tmp_path_factory):
+    """A Ray head started apart, token authentication on: (address, the env that joins it)."""
+    token = os.urandom(16).hex()
+    env = {**os.environ, 'RAY_AUTH_MODE': 'token', 'RAY_AUTH_TOKEN': token,
+           'RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER': '0', 'PYTHONPATH': str(ROOT)}  # fmt: skip
+    port = free_port()
+    head = subprocess.Popen(
+        [RAY, 'start', '--head', '--block', '--node-ip-address', '127.0.0.1', '--port', str(port),
+         '--num-cpus', '2', '--object-store-memory', str(80 << 20), '--include-dashboard',
+         'false', '--disable-usage-stats', '--temp-dir', str(tmp_path_factory.mktemp('ray'))],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    address, waited = f'127.0.0.1:{port}', time.monotonic()
+    while True:  # a loaded machine can take minutes
+        try:
+            ray_engine.check_address(address)
+            break
+        except InputError:
+            if head.poll() is not None or time.monotonic() - waited > 600:
+                pytest.fail(f'the Ray head did not start (exit status {head.poll()})')
+            time.sleep(0.5)
+    yield address, env
+    head.terminate()
+    head.wait(60)
+
+
+@pytest.fixture(scope='module')
+def embedded():
+    """The embedded Ray of ray_engine.started, kept up for this module's in-process runs."""
+    with ray_engine.started(2, object_store_mb=80) as ray:
+        yield ray
+
+
+def tool(name, *args, env=None):
+    command = [sys.executable, str(ROOT / 'launch' / name), *map(str, args)]
+    env = env or {**os.environ, 'PYTHONPATH': str(ROOT)}
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+
+
+def concatenated(folder):
+    manifest = json.loads((folder / 'manifest.json').read_text())
+    return b''.join((folder / s['file']).read_bytes() for s in manifest['shards'])
+
+
+def test_a_cluster_joined_with_its_token_writes_the_golden_shards_and_tokens(cluster, tmp_path):
+    """2 workers, pieces of 16 kB (10 shards), partitions of 7 documents, a worker killed
+    in pass 1: the shards concatenate to the golden curated file, and their tokens (one
+    .bin/.idx per shard, and the merged prefix) to the golden tokens."""
+    address, env = cluster
+    out = tmp_path / 'curated'
+    done = tool('curate.py', '--input', GOLDEN / 'planted.raw.jsonl', '--output', f'{out}/',
+                '--workers', 2, '--ray_address', address, '--shard_mb', 1 / 64,
+                '--part_documents', 7, '--drill', 'signatures', *PLANTED, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    manifest = json.loads((out / 'manifest.json').read_text())
+    assert len(manifest['shards']) >= 8 and manifest['inputs'][0]['sha256']
+    assert concatenated(out) == (GOLDEN / 'planted.jsonl').read_bytes()
+    golden = importlib.import_module('make_golden')  # tests/fixtures/curation
+    assert golden.comparable(json.loads((out / 'report.json').read_text())) == golden.comparable(
+        json.loads((GOLDEN / 'planted.report.json').read_text())
+    )
+    assert not (tmp_path / 'curated.work').exists()
+    prefix = tmp_path / 'tokens'
+    done = tool('preprocess.py', '--input', out, '--tokenizer-model',
+                GOLDEN / 'planted.tokenizer.model', '--output-prefix', prefix, '--append-eod',
+                '--workers', 2, '--ray_address', address, '--piece-mb', 1 / 64,
+                env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    for suffix in ('.bin', '.idx'):
+        golden = (GOLDEN / f'planted{suffix}').read_bytes()
+        assert pathlib.Path(f'{prefix}{suffix}').read_bytes() == golden
+    shards = sorted(pathlib.Path(f'{prefix}.shards').glob('part-*.bin'))
+    assert len(shards) == len(manifest['shards'])
+    assert b''.join(s.read_bytes() for s in shards) == (GOLDEN / 'planted.bin').read_bytes()
+
+
+def test_the_embedded_ray_listens_on_loopback_only(embedded):
+    ours = {p.pid for p in psutil.Process().children(recursive=True)}
+    listening = [
+        c.laddr.ip
+        for c in psutil.net_connections('inet')
+        if c.status == psutil.CONN_LISTEN and c.pid in ours
+    ]
+    assert listening and set(listening) <= {'127.0.0.1', '::ffff:127.0.0.1', '::1'}, listening
+
+
+def _planted_options(**changes):
+    good = [json.loads(line)['text'] for line in open(GOLDEN / 'good.jsonl')]
+    raw = [json.loads(line)['text'] for line in open(GOLDEN / 'planted.raw.jsonl')]
+    from mtnlg_jax.data.curate import decontaminate
+
+    options = pipeline.Options(
+        stages=pipeline.STAGES,
+        rules=quality.Rules(min_words=10),
+        classifier=quality.Classifier().fit(good, quality.sample_by_hash(raw, 5000)),
+        contaminants=decontaminate.contaminants(
+            decontaminate.evaluation_texts([str(GOLDEN / 'eval.jsonl')])
+        ),
+    )
+    for key, value in changes.items():
+        setattr(options, key, value)
+    return options
+
+
+def test_a_rerun_resumes_from_the_work_folder_and_refuses_other_options(embedded, tmp_path):
+    """One worker, pieces of 32 kB: a run dies after its last stage; a rerun with another
+    threshold is refused; the same rerun writes only what was missing: the golden file."""
+    raw, work = str(GOLDEN / 'planted.raw.jsonl'), tmp_path / 'work'
+    options = _planted_options(workers=1, shard_mb=1 / 32)
+    run = engine.Curation([raw], str(tmp_path / 'out.jsonl'), options, str(work))
+    original = run._filter
+    run._filter = lambda *a: (original(*a), exec('raise KeyboardInterrupt'))  # dies at the end
+    with pytest.raises(KeyboardInterrupt):
+        run.run()
+    assert (work / 'fuzzy.done').exists() and not (tmp_path / 'out.jsonl').exists()
+    changed = _planted_options(workers=1, shard_mb=1 / 32, threshold=0.7)
+    with pytest.raises(InputError, match='work_dir .*other options .*threshold'):
+        engine.curate([raw], str(tmp_path / 'out.jsonl'), changed, str(work))
+    parts = {p: p.stat().st_mtime_ns for p in (work / 'parts').glob('*.jsonl')}
+    engine.curate([raw], str(tmp_path / 'out.jsonl'), options, str(work))
+    assert parts and all(p.stat().st_mtime_ns == t for p, t in parts.items() if p.exists())
+    assert (tmp_path / 'out.jsonl').read_bytes() == (GOLDEN / 'planted.jsonl').read_bytes()
+    assert not work.exists()
+
+
+@pytest.mark.parametrize(
+    'content, message',
+    [
+        (b'{"text": "a"}\n' * 50 + b'not json\n' + b'{"text": "b"}\n', 'bad.jsonl:51: not a JSON'),
+        (b'{"text": "a"}\n{"text": "caf\xe9"}\n', 'not UTF-8 text'),
+        (b'\n{"text": ""}\n', 'no documents'),
+    ],
+)
+def test_a_bad_line_anywhere_is_one_error_line_before_anything_is_written(
+    cluster, tmp_path, content, message
+):
+    address, env = cluster
+    (tmp_path / 'bad.jsonl').write_bytes(content)
+    output = tmp_path / 'curated.jsonl'
+    output.write_text('earlier output\n')
+    done = tool('curate.py', '--input', tmp_path / 'bad.jsonl', '--output', output,
+                '--ray_address', address, env=env)  # fmt: skip
+    assert done.returncode == 2 and done.stderr.count('\n') == 1, done.stderr
+    assert done.stderr.startswith('error: ') and message in done.stderr
+    assert output.read_text() == 'earlier output\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['bad.jsonl', 'curated.jsonl']
+
+
+def test_an_unreachable_address_is_one_error_line(tmp_path):
+    (tmp_path / 'ok.jsonl').write_text('{"text": "a"}\n')
+    address = f'127.0.0.1:{free_port()}'
+    done = tool('curate.py', '--input', tmp_path / 'ok.jsonl', '--output', tmp_path / 'o.jsonl',
+                '--ray_address', address)  # fmt: skip
+    assert done.returncode == 2 and done.stderr == f'error: --ray_address {address}: ' + (
+        'unreachable (Connection refused)\n'
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['ok.jsonl']
+
+
+def _partitioned(batch, parts, rng):
+    """A batch cut at random into `parts` partitions by its 'part' column, shuffled rows."""
+    for p in range(parts):
+        rows = np.flatnonzero(batch['part'] % parts == p)
+        rng.shuffle(rows)
+        if len(rows):
+            yield {k: v[rows] for k, v in batch.items()}
+
+
+@pytest.mark.parametrize('seed', range(6))
+def test_components_of_per_bucket_edges_equal_the_one_process_clusters(seed):
+    """Random near-copy families of short random documents (some shorter than a shingle):
+    the band-keyed shuffle, per-bucket verification and components of the edges give the
+    clusters of fuzzy.candidate_pairs + fuzzy.clusters."""
+    rng = random.Random(seed)
+    words = [f'w{i}' for i in range(60)]
+    docs = []
+    for _ in range(40):
+        base = rng.choices(words, k=rng.randint(2, 30))
+        docs.append(base)
+        for _ in range(rng.randint(0, 3)):
+            copy = list(base)
+            for i in rng.sample(range(len(copy)), rng.randint(0, max(len(copy) // 6, 1))):
+                copy[i] = rng.choice(words)
+            docs.append(copy)
+    texts = [' '.join(d) for d in docs]
+    shingle_sets = {i: fuzzy.shingles(t, 5) for i, t in enumerate(texts)}
+    signer = fuzzy.Signer(128, 1)
+    signatures = np.stack([signer(shingle_sets[i]) for i in range(len(texts))])
+    threshold = 0.6
+    pairs, (bands, rows) = fuzzy.candidate_pairs(signatures, np.arange(len(texts)), threshold, 128)
+    expected, _, _ = fuzzy.clusters(pairs, shingle_sets, threshold)
+    n, parts, np_rng = len(texts), rng.randint(1, 5), np.random.default_rng(seed)
+    batch = {'index': np.arange(n), 'piece': np.arange(n) // 7, 'size': np.ones(n, np.int64),
+             'hash': np.arange(n, dtype=np.uint64), 'sig': signatures,
+             'kept': np.arange(n)}  # fmt: skip
+    banded = stages.band_rows(batch, bands, rows, parts)
+    members = [stages.bucket_members(b) for b in _partitioned(banded, parts, np_rng)]
+    members = {k: np.concatenate([m[k] for m in members]) for k in members[0]}
+    members['shingles'] = np.array(
+        [shingle_sets[i].tobytes() for i in members['index']] + [b''], object
+    )[:-1]
+    similarities = {}
+    for part in _partitioned(members, parts, np_rng):
+        edges = stages.verified_edges(part, threshold)
+        for a, b, j in zip(edges['a'], edges['b'], edges['jaccard']):
+            if a >= 0:
+                similarities[(int(a), int(b))] = j
+    groups, _ = fuzzy.components_of_edges(similarities)
+    assert sorted(groups) == sorted(expected)
+    assert len(expected) >= 5
+
+
+def test_the_cluster_recipe_turns_token_authentication_on():
+    recipe = (ROOT / 'launch/slurm/curate.sbatch').read_text()
+    assert 'RAY_AUTH_MODE=token' in recipe and 'RAY_AUTH_TOKEN' in recipe
+    assert 'ray symmetric-run' in recipe or 'ray start --head' in recipe
+    shutil.which('bash') and subprocess.run(['bash', '-n', ROOT / 'launch/slurm/curate.sbatch'],
+                                            check=True)  # fmt: skip
+
+
+def one_process_survivors(texts, threshold):
+    """Exact and fuzzy deduplication in this process with the pure functions (the rule the
+    engine before Ray ran): the surviving texts, in input order."""
+    from mtnlg_jax.data.curate import exact
+
+    sizes = np.array([len(t.encode()) for t in texts], np.int64)
+    hashes = np.array([exact.content_hash(t) for t in texts], np.uint64)
+    removed, _ = exact.duplicates(np.stack([exact.fingerprint(t) for t in texts]), sizes, hashes)
+    alive = np.flatnonzero(~removed)
+    signer = fuzzy.Signer()
+    shingle_sets = {int(i): fuzzy.shingles(texts[i], 5) for i in alive}
+    signatures = np.stack([signer(shingle_sets[int(i)]) for i in alive])
+    pairs, _ = fuzzy.candidate_pairs(signatures, alive, threshold, 128)
+    groups, _, _ = fuzzy.clusters(pairs, shingle_sets, threshold)
+    gone = set(fuzzy.kept_of_clusters(groups, sizes, hashes))
+    return [texts[i] for i in alive if int(i) not in gone]
+
+
+@pytest.fixture(scope='module')
+def planted_pairs_run(embedded, tmp_path_factory):
+    """test_curate_fuzzy's planted pairs, shuffled, curated with 2 workers, 5 pieces and
+    partitions of 50 documents: (texts, kept, report)."""
+    from test_curate_fuzzy import THRESHOLD, planted_documents
+
+    docs, pairs, exact_pairs = planted_documents()
+    shuffled = list(docs)
+    random.Random(1).shuffle(shuffled)
+    folder = tmp_path_factory.mktemp('pairs')
+    source = folder / 'in.jsonl'
+    source.write_text(''.join(json.dumps({'text': d}) + '\n' for d in shuffled))
+    options = pipeline.Options(
+        stages=('exact', 'fuzzy'), threshold=THRESHOLD, workers=2, shard_mb=0.03,
+        part_documents=50,
+    )  # fmt: skip
+    report = engine.curate([str(source)], str(folder / 'out.jsonl'), options)
+    kept = [json.loads(line)['text'] for line in open(folder / 'out.jsonl')]
+    return shuffled, kept, report, pairs, exact_pairs, THRESHOLD
+
+
+def test_recall_and_precision_against_exact_jaccard(planted_pairs_run):
+    _, kept, report, pairs, exact_pairs, threshold = planted_pairs_run
+    kept = set(kept)
+    above = [(a, b) for a, b, j in pairs if j >= threshold]
+    assert 30 <= len(above) <= 170  # both sides of the threshold are well represented
+    recall = sum((a in kept) != (b in kept) for a, b in above) / len(above)
+    # Removed documents whose pair is truly below the threshold are false positives.
+    removed = [(a, b, j) for a, b, j in pairs if not (a in kept and b in kept)]
+    precision = sum(j >= threshold for _, _, j in removed) / max(len(removed), 1)
+    assert recall >= 0.95 and precision >= 0.95, (recall, precision)
+    assert all(a in kept or b in kept for a, b, _ in pairs)  # never both removed
+    assert all((a in kept) + (b in kept) == 1 for a, b in exact_pairs)  # exact: one of two
+    stages_by_name = {s['stage']: s for s in report['stages']}
+    assert stages_by_name['exact']['documents_removed'] == len(exact_pairs)
+    assert stages_by_name['fuzzy']['documents_out'] == len(kept)
+    assert stages_by_name['fuzzy']['bands'] * stages_by_name['fuzzy']['rows'] <= 128
+
+
+def test_sharded_partitioned_survivors_equal_the_one_process_rule(planted_pairs_run):
+    shuffled, kept, report, _, _, threshold = planted_pairs_run
+    assert report['workers'] == 2 and report['shards'] >= 5
+    assert kept == one_process_survivors(shuffled, threshold)  # the same, in input order
