@@ -3,6 +3,7 @@ compiles nothing: --help everywhere; bad input is one line `error: ...` naming t
 file, exit status 2 and nothing written; nothing to do is said, exit 0; a continued run
 derives its values again from its inputs."""
 
+import json
 import os
 import subprocess
 import sys
@@ -67,7 +68,8 @@ def places(tmp_path):
     (tmp_path / 'a_file').write_text('not a directory')
     hf = tmp_path / 'hf'
     hf.mkdir()
-    (hf / 'config.json').write_text('{"n_embd": 64}')
+    gpt2 = dict(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=256)
+    (hf / 'config.json').write_text(json.dumps(gpt2))
     (hf / 'model.safetensors').write_bytes(b'\x10\x00\x00\x00\x00\x00\x00\x00{"a": 1}garbage')
     return tmp_path
 
@@ -101,7 +103,7 @@ CASES = [
         ),
         "has 300 pieces, but the model's vocabulary (model.vocab_size) is 32",
     ),
-    ('convert.py', ('--import_hf', '{tmp}/hf', '--workdir', '{run}'), 'not a readable safetensors'),
+    ('convert.py', ('--import_hf', '{tmp}/hf', '--workdir', '{run}'), 'model.safetensors: not a safetensors file'),
     (
         'convert.py',
         ('--import_hf', '{tmp}/hf', '--workdir', '{tmp}/a_file'),
