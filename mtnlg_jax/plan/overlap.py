@@ -32,6 +32,7 @@ communication, so a user sees what to fix before renting the cluster.
 """
 
 import collections
+import math
 import re
 
 from mtnlg_jax.plan import hlo, hlo_module
@@ -67,6 +68,43 @@ class Target:
             cluster.internode_bandwidth,
             cluster.gpus_per_node,
         )
+
+
+def _elements(type_text):
+    """Elements of an array type (the largest array of a tuple), None if none is given."""
+    counts = [
+        math.prod(int(d) for d in re.findall(r'\d+', dims) or [1])
+        for _, dims in hlo_module.ARRAY.findall(re.sub(r'/\*.*?\*/', '', type_text))
+    ]
+    return max(counts) if counts else None
+
+
+def _element_bytes(type_text):
+    """Bytes of one element of an array type; None for a tuple or an unknown type."""
+    arrays = hlo_module.ARRAY.findall(re.sub(r'/\*.*?\*/', '', type_text))
+    if len(arrays) != 1:
+        return None
+    return hlo_module.DTYPE_BYTES.get(arrays[0][0])
+
+
+def _source_of_bitcasts(name, by_name):
+    """The instruction a chain of bitcasts starts from (XLA:GPU writes a dynamic-update-slice
+    in place when its buffer is a fusion parameter seen through bitcasts, and the buffer
+    assignment shares the parameter's allocation with the fusion's output)."""
+    while name in by_name and by_name[name].opcode == 'bitcast':
+        name = _operand_names(by_name[name])[0]
+    return name
+
+
+def _uses_through_bitcasts(name, users):
+    """The instructions that read `name`, looking through bitcasts of it."""
+    uses = []
+    for user in users.get(name, []):
+        if user.opcode == 'bitcast':
+            uses += _uses_through_bitcasts(user.name, users) or [user]
+        else:
+            uses.append(user)
+    return uses
 
 
 def _operand_names(instruction):
@@ -129,21 +167,31 @@ class _Replay:
             return result + sum(sizes)
         body = self.computations.get(fused, [])
         params = {i.name: hlo_module.ints(i.rest)[0] for i in body if i.opcode == 'parameter'}
+        by_name = {i.name: i for i in body}
         users = collections.defaultdict(list)
         for i in body:
             for name in _operand_names(i) if i.opcode != 'parameter' else ():
                 users[name].append(i)
-        body_types = {i.name: i.type_text for i in body}
         for name, index in params.items():
-            uses = users.get(name, [])
+            uses = _uses_through_bitcasts(name, users)
             if uses and index < len(sizes) and all(u.opcode == 'dynamic-slice' for u in uses):
                 sizes[index] = sum(hlo_module.shape_bytes(u.type_text) for u in uses)
         root = next((i for i in body if i.is_root), None)
+        root = root and by_name[_source_of_bitcasts(root.name, by_name)]
         if root is not None and root.opcode == 'dynamic-update-slice':
             buffer, update = (_operand_names(root) + [None, None])[:2]
+            buffer = _source_of_bitcasts(buffer, by_name)
             if buffer in params and params[buffer] < len(sizes):
-                small = hlo_module.shape_bytes(body_types.get(update, ''))
+                small = hlo_module.shape_bytes(
+                    by_name[update].type_text if update in by_name else ''
+                )
                 sizes[params[buffer]], result = 0, small  # the update: read, then written
+        if 'kind=kLoop' in instruction.rest:  # each output element reads one of each operand
+            elements = _elements(instruction.type_text)
+            for index, name in enumerate(operands):
+                if name in types and elements is not None:
+                    width = _element_bytes(types[name])
+                    sizes[index] = min(sizes[index], elements * width) if width else sizes[index]
         return result + sum(sizes)
 
     def fused_flops(self, name):
