@@ -54,6 +54,7 @@ def test_a_collective_with_compute_between_start_and_done_is_hidden():
     assert row['exposed_s'] == pytest.approx(0.0)
     assert result['step_s'] == pytest.approx(12e-3)  # the fusion's HBM time
     assert result['table'][0]['overlapped'] == pytest.approx(1.0)
+    assert result['heaviest'] == []  # matmuls are the model's work, not a share to fix
 
 
 def test_a_collective_awaited_at_once_is_exposed_whole():
@@ -133,3 +134,7 @@ ENTRY %main (b: f32[1000,1000], u: f32[1,1000], i: s32[]) -> f32[1000,1000] {
     )
     result = overlap.collective_overlap(text, MESH, TARGET)
     assert result['step_s'] == pytest.approx(2 * 4000 / 1e9 + 4 / 1e9)
+    (heaviest,) = result['heaviest']  # the one instruction, named by its kind and type
+    assert heaviest['kind'] == 'slicing and slot writes' and heaviest['runs'] == 1
+    assert heaviest['type'] == 'f32[1000,1000]'
+    assert heaviest['seconds'] == pytest.approx(result['step_s'])

@@ -45,6 +45,7 @@ _CALLS = frozenset(('while', 'conditional', 'call', 'async-start'))
 _OPERANDS = re.compile(r'%([\w.\-]+)')
 KINDS = ('matmuls', 'attention kernels', 'copies', 'slicing and slot writes', 'transposes',
          'elementwise', 'exposed communication')  # fmt: skip
+HEAVIEST = 6
 _SLICING = frozenset(('dynamic-slice', 'dynamic-update-slice', 'slice', 'gather', 'scatter',
                       'concatenate', 'pad'))  # fmt: skip
 _LAYOUT = frozenset(('parameter', 'bitcast', 'reshape', 'constant', 'tuple', 'get-tuple-element'))
@@ -124,6 +125,7 @@ class _Replay:
         self.durations = {}  # computation -> seconds of one run
         self.by_kind = {}  # computation -> {kind: seconds of one run}
         self.exposed = collections.defaultdict(float)  # (computation, name) -> s per run
+        self.spent = []  # (computation, instruction, kind, seconds of one run)
 
     def link(self, op, instruction):
         """'nvlink' if every replica group (or permute pair) stays inside a node."""
@@ -276,8 +278,26 @@ class _Replay:
                     for kind, t in self.by_kind.get(callee, {}).items():
                         kinds[kind] += runs * t
             elif seconds:
-                kinds[self.kind(instruction, types)] += seconds
+                kind = self.kind(instruction, types)
+                kinds[kind] += seconds
+                self.spent.append((name, instruction, kind, seconds))
         return now
+
+    def heaviest(self, top):
+        """The `top` largest shares of the replayed step outside matmuls and attention, each
+        instructions of one kind, result type and JAX operation (the last two parts of its
+        op_name) summed over the step: [{kind, type, op, seconds, runs}]."""
+        groups = collections.defaultdict(lambda: dict(seconds=0.0, runs=0.0))
+        for computation, instruction, kind, seconds in self.spent:
+            if kind in ('matmuls', 'attention kernels'):
+                continue
+            runs = self.counts.get(computation, (0, False))[0]
+            op = '/'.join(instruction.op_name().split('/')[-2:])
+            group = groups[kind, instruction.type_text.split('{')[0], op]
+            group['seconds'] += runs * seconds
+            group['runs'] += runs
+        rows = [dict(kind=k, type=t, op=o, **g) for (k, t, o), g in groups.items()]
+        return sorted(rows, key=lambda row: -row['seconds'])[:top]
 
     def collective(self, computation, instruction):
         """The inventory's entry for a collective instruction (an async-start: the collective
@@ -304,7 +324,9 @@ def collective_overlap(hlo_text, mesh, target, branch_weights=None):
          'table': [{kind, axes, link, wire_bytes, wire_s, exposed_s, overlapped}] by kind,
                   axes and link, 'overlapped' = 1 - exposed / wire time,
          'step_s': the replayed step (compute at peak + exposed), 'exposed_s', 'compute_s',
-         'time_by_kind': {kind: seconds of the replayed step} (KINDS)}
+         'time_by_kind': {kind: seconds of the replayed step} (KINDS),
+         'heaviest': the largest shares of the step beyond matmuls and attention (HEAVIEST
+                     rows of _Replay.heaviest: what to fix first)}
 
     mesh: the compiled step's mesh (positions in its device array are the HLO's device ids;
     consecutive gpus_per_node positions share a node, as parallel/mesh.py lays devices out)."""
@@ -359,4 +381,5 @@ def collective_overlap(hlo_text, mesh, target, branch_weights=None):
         compute_s=step_s - exposed_s,
         exposed_s=exposed_s,
         time_by_kind={k: replay.by_kind[entry].get(k, 0.0) for k in KINDS},
+        heaviest=replay.heaviest(HEAVIEST),
     )
