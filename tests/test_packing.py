@@ -5,6 +5,7 @@ loss is the token-weighted mean; the train step's layouts, pipelined ones (1F1B,
 GPipe) included, agree with packing on, and the pipelined eval loss counts only the tokens the
 loss mask keeps; bad keys are one error naming the key."""
 
+import functools
 import itertools
 
 import jax
@@ -21,8 +22,17 @@ from mtnlg_jax.model import gpt
 from mtnlg_jax.model.loss import cross_entropy
 
 EOD = 7
-# 1F1B d2 s2 t2, interleaved d2 s2 t2 with 2 repeats, GPipe d2 s2 t2 with 2 repeats
-PIPELINED = [test_pipeline.LAYOUTS[i] for i in (0, 1, 4)]
+# 1F1B d2 s2 t2 and GPipe d2 s2 t2 with 2 repeats (GPT's block: learned positions), interleaved
+# d2 s2 t2 with 2 repeats (Llama's block: rope, the positions in every chunk)
+PIPELINED = [
+    test_pipeline.LAYOUTS[0],
+    (*test_pipeline.LAYOUTS[1][:-1], support.LLAMA_BLOCK),
+    test_pipeline.LAYOUTS[4],
+]
+
+
+def _pipelined_name(layout):
+    return test_pipeline._name(layout) + ('-llama' if layout[-1] is support.LLAMA_BLOCK else '')
 
 
 def megatron_masks(data, eod, reset_position_ids, reset_attention_mask, eod_mask_loss):
@@ -174,32 +184,33 @@ def test_a_packed_layout_equals_one_device():
     support.assert_gradients_close(grads_many, grads_one)
 
 
-@pytest.fixture(scope='module')
-def packed_one_device():
+@functools.cache
+def packed_one_device(llama=False):
     """(loss, gradients) of the packed batch on one device, the three keys on, at
-    test_pipeline's depth."""
-    _, loss, grads = support.gradients(
-        _packed_config(num_layers=test_pipeline.LAYERS), _packed_batch()
-    )
+    test_pipeline's depth, GPT's block or Llama's."""
+    model = support.LLAMA_BLOCK if llama else {}
+    config = _packed_config(num_layers=test_pipeline.LAYERS, **model)
+    _, loss, grads = support.gradients(config, _packed_batch())
     return loss, grads
 
 
-@pytest.mark.parametrize('layout', PIPELINED, ids=test_pipeline._name)
-def test_a_packed_pipelined_layout_equals_one_device(packed_one_device, layout):
+@pytest.mark.parametrize('layout', PIPELINED, ids=_pipelined_name)
+def test_a_packed_pipelined_layout_equals_one_device(layout):
     """The three keys on, rows of several documents: each engine hands every chunk its
-    micro-batch's positions, segment ids and loss mask, and gives one device's loss and
-    gradients (per leaf, relative to its scale)."""
-    loss, grads = packed_one_device
+    micro-batch's positions (learned: the first chunk's embedding; rope: every chunk's
+    blocks), segment ids and loss mask, and gives one device's loss and gradients (per leaf,
+    relative to its scale)."""
+    loss, grads = packed_one_device(llama=layout[-1] is support.LLAMA_BLOCK)
     config = _packed(test_pipeline._config(layout))
     _, loss_piped, grads_piped = support.gradients(config, _packed_batch())
     np.testing.assert_allclose(loss_piped, loss, rtol=1e-6)
     support.assert_gradients_close(grads_piped, grads)
 
 
-def test_the_keys_change_the_packed_batchs_loss_and_gradients(packed_one_device):
+def test_the_keys_change_the_packed_batchs_loss_and_gradients():
     """What the pipelined layouts are held to depends on the keys: without them the step's
     loss of the packed batch moves 100 x the layouts' tolerance, its gradients beyond it."""
-    loss, grads = packed_one_device
+    loss, grads = packed_one_device()
     plain_config = support.small_config(num_layers=test_pipeline.LAYERS)
     _, plain_loss, plain = support.gradients(plain_config, _packed_batch())
     assert abs(plain_loss - loss) > 1e-4 * loss
@@ -207,10 +218,10 @@ def test_the_keys_change_the_packed_batchs_loss_and_gradients(packed_one_device)
         support.assert_gradients_close(plain, grads)
 
 
-def test_the_pipelined_eval_loss_counts_only_the_loss_masks_tokens(packed_one_device):
+def test_the_pipelined_eval_loss_counts_only_the_loss_masks_tokens():
     """The eval step on 1F1B d2 s2 t2, the three keys on: the one-device loss, its sum and
     count over the tokens the loss mask keeps (every input but the EODs)."""
-    loss, _ = packed_one_device
+    loss, _ = packed_one_device()
     batch = _packed_batch()
     config = _packed(test_pipeline._config(test_pipeline.LAYOUTS[0]))
     loss_sum, count = test_pipeline.eval_sums(config, batch)
