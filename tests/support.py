@@ -281,3 +281,13 @@ def run_launch(script, *args, env=None):
         env=env,
         timeout=300,
     )
+
+
+def main_in_process(main, capsys, *args):
+    """A launch tool's `main(argv)` run in this process: (exit status, stderr lines)."""
+    try:
+        main([str(a) for a in args])
+        status = 0
+    except SystemExit as e:
+        status = e.code
+    return status, capsys.readouterr().err.strip().splitlines()

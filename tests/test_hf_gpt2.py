@@ -27,6 +27,8 @@ from mtnlg_jax.eval import workdir as workdir_lib
 from mtnlg_jax.eval.scoring import Scorer
 from mtnlg_jax.model import gpt
 
+import support
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / 'launch'))
 import convert  # noqa: E402
@@ -258,12 +260,7 @@ def test_an_imported_model_trains_on_from_its_weights(original, tmp_path):
 
 def convert_main(capsys, *args):
     """launch/convert.py's main in this process: (exit status, stderr lines)."""
-    try:
-        convert.main([str(a) for a in args])
-        status = 0
-    except SystemExit as e:
-        status = e.code
-    return status, capsys.readouterr().err.strip().splitlines()
+    return support.main_in_process(convert.main, capsys, *args)
 
 
 @pytest.mark.parametrize(

@@ -281,12 +281,7 @@ def test_generation_from_the_import_starts_with_bos_and_gives_transformers_argma
 
 def convert_main(capsys, *args):
     """launch/convert.py's main in this process: (exit status, stderr lines)."""
-    try:
-        convert.main([str(a) for a in args])
-        status = 0
-    except SystemExit as e:
-        status = e.code
-    return status, capsys.readouterr().err.strip().splitlines()
+    return support.main_in_process(convert.main, capsys, *args)
 
 
 @pytest.mark.parametrize(

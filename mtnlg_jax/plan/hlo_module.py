@@ -32,7 +32,7 @@ DTYPE_BYTES = {
 }  # fmt: skip
 _COMPUTATION = re.compile(r'^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$')
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$')
-_ARRAY = re.compile(r'\b([a-z][a-z0-9]*)\[([^\]]*)\]')
+ARRAY = re.compile(r'\b([a-z][a-z0-9]*)\[([^\]]*)\]')
 _CALLEES = re.compile(
     r'\b(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)'
 )
@@ -75,7 +75,7 @@ def shape_bytes(type_text):
     """Bytes of an HLO type: an array `f32[4,32]{1,0}` or a tuple of them, summed."""
     type_text = re.sub(r'/\*.*?\*/', '', type_text)
     total = 0
-    for dtype, dims in _ARRAY.findall(type_text):
+    for dtype, dims in ARRAY.findall(type_text):
         if dtype not in DTYPE_BYTES:
             continue
         sizes = [int(re.sub(r'\D', '', d)) for d in dims.split(',') if re.sub(r'\D', '', d)]
@@ -243,7 +243,7 @@ def largest_buffers(hlo_text, top=10):
     found = []
     for instructions in computations.values():
         for instruction in instructions:
-            for dtype, dims in _ARRAY.findall(instruction.type_text):
+            for dtype, dims in ARRAY.findall(instruction.type_text):
                 found.append((shape_bytes(f'{dtype}[{dims}]'), f'{dtype}[{dims}]',
                               instruction.opcode, instruction.name))  # fmt: skip
     return sorted(found, reverse=True)[:top]
@@ -256,14 +256,14 @@ def array_shapes(hlo_text):
     for instructions in computations.values():
         for instruction in instructions:
             text = re.sub(r'/\*.*?\*/', '', instruction.type_text)
-            for dtype, dims in _ARRAY.findall(text):
+            for dtype, dims in ARRAY.findall(text):
                 sizes = tuple(int(re.sub(r'\D', '', d)) for d in dims.split(',') if d.strip())
                 shapes.add((dtype, sizes))
     return shapes
 
 
 def _dims(type_text):
-    match = _ARRAY.search(type_text)
+    match = ARRAY.search(type_text)
     return [int(re.sub(r'\D', '', d)) for d in match.group(2).split(',') if d.strip()]
 
 

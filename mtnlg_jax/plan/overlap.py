@@ -32,6 +32,7 @@ communication, so a user sees what to fix before renting the cluster.
 """
 
 import collections
+import math
 import re
 
 from mtnlg_jax.plan import hlo, hlo_module
@@ -44,6 +45,7 @@ _CALLS = frozenset(('while', 'conditional', 'call', 'async-start'))
 _OPERANDS = re.compile(r'%([\w.\-]+)')
 KINDS = ('matmuls', 'attention kernels', 'copies', 'slicing and slot writes', 'transposes',
          'elementwise', 'exposed communication')  # fmt: skip
+HEAVIEST = 6
 _SLICING = frozenset(('dynamic-slice', 'dynamic-update-slice', 'slice', 'gather', 'scatter',
                       'concatenate', 'pad'))  # fmt: skip
 _LAYOUT = frozenset(('parameter', 'bitcast', 'reshape', 'constant', 'tuple', 'get-tuple-element'))
@@ -69,6 +71,43 @@ class Target:
         )
 
 
+def _elements(type_text):
+    """Elements of an array type (the largest array of a tuple), None if none is given."""
+    counts = [
+        math.prod(int(d) for d in re.findall(r'\d+', dims) or [1])
+        for _, dims in hlo_module.ARRAY.findall(re.sub(r'/\*.*?\*/', '', type_text))
+    ]
+    return max(counts) if counts else None
+
+
+def _element_bytes(type_text):
+    """Bytes of one element of an array type; None for a tuple or an unknown type."""
+    arrays = hlo_module.ARRAY.findall(re.sub(r'/\*.*?\*/', '', type_text))
+    if len(arrays) != 1:
+        return None
+    return hlo_module.DTYPE_BYTES.get(arrays[0][0])
+
+
+def _source_of_bitcasts(name, by_name):
+    """The instruction a chain of bitcasts starts from (XLA:GPU writes a dynamic-update-slice
+    in place when its buffer is a fusion parameter seen through bitcasts, and the buffer
+    assignment shares the parameter's allocation with the fusion's output)."""
+    while name in by_name and by_name[name].opcode == 'bitcast':
+        name = _operand_names(by_name[name])[0]
+    return name
+
+
+def _uses_through_bitcasts(name, users):
+    """The instructions that read `name`, looking through bitcasts of it."""
+    uses = []
+    for user in users.get(name, []):
+        if user.opcode == 'bitcast':
+            uses += _uses_through_bitcasts(user.name, users) or [user]
+        else:
+            uses.append(user)
+    return uses
+
+
 def _operand_names(instruction):
     """Names of the operands: the %names inside the opcode's parentheses."""
     end = hlo_module.matching_bracket(instruction.rest, 0)
@@ -86,6 +125,7 @@ class _Replay:
         self.durations = {}  # computation -> seconds of one run
         self.by_kind = {}  # computation -> {kind: seconds of one run}
         self.exposed = collections.defaultdict(float)  # (computation, name) -> s per run
+        self.spent = []  # (computation, instruction, kind, seconds of one run)
 
     def link(self, op, instruction):
         """'nvlink' if every replica group (or permute pair) stays inside a node."""
@@ -129,21 +169,31 @@ class _Replay:
             return result + sum(sizes)
         body = self.computations.get(fused, [])
         params = {i.name: hlo_module.ints(i.rest)[0] for i in body if i.opcode == 'parameter'}
+        by_name = {i.name: i for i in body}
         users = collections.defaultdict(list)
         for i in body:
             for name in _operand_names(i) if i.opcode != 'parameter' else ():
                 users[name].append(i)
-        body_types = {i.name: i.type_text for i in body}
         for name, index in params.items():
-            uses = users.get(name, [])
+            uses = _uses_through_bitcasts(name, users)
             if uses and index < len(sizes) and all(u.opcode == 'dynamic-slice' for u in uses):
                 sizes[index] = sum(hlo_module.shape_bytes(u.type_text) for u in uses)
         root = next((i for i in body if i.is_root), None)
+        root = root and by_name[_source_of_bitcasts(root.name, by_name)]
         if root is not None and root.opcode == 'dynamic-update-slice':
             buffer, update = (_operand_names(root) + [None, None])[:2]
+            buffer = _source_of_bitcasts(buffer, by_name)
             if buffer in params and params[buffer] < len(sizes):
-                small = hlo_module.shape_bytes(body_types.get(update, ''))
+                small = hlo_module.shape_bytes(
+                    by_name[update].type_text if update in by_name else ''
+                )
                 sizes[params[buffer]], result = 0, small  # the update: read, then written
+        if 'kind=kLoop' in instruction.rest:  # each output element reads one of each operand
+            elements = _elements(instruction.type_text)
+            for index, name in enumerate(operands):
+                if name in types and elements is not None:
+                    width = _element_bytes(types[name])
+                    sizes[index] = min(sizes[index], elements * width) if width else sizes[index]
         return result + sum(sizes)
 
     def fused_flops(self, name):
@@ -228,8 +278,26 @@ class _Replay:
                     for kind, t in self.by_kind.get(callee, {}).items():
                         kinds[kind] += runs * t
             elif seconds:
-                kinds[self.kind(instruction, types)] += seconds
+                kind = self.kind(instruction, types)
+                kinds[kind] += seconds
+                self.spent.append((name, instruction, kind, seconds))
         return now
+
+    def heaviest(self, top):
+        """The `top` largest shares of the replayed step outside matmuls and attention, each
+        instructions of one kind, result type and JAX operation (the last two parts of its
+        op_name) summed over the step: [{kind, type, op, seconds, runs}]."""
+        groups = collections.defaultdict(lambda: dict(seconds=0.0, runs=0.0))
+        for computation, instruction, kind, seconds in self.spent:
+            if kind in ('matmuls', 'attention kernels'):
+                continue
+            runs = self.counts.get(computation, (0, False))[0]
+            op = '/'.join(instruction.op_name().split('/')[-2:])
+            group = groups[kind, instruction.type_text.split('{')[0], op]
+            group['seconds'] += runs * seconds
+            group['runs'] += runs
+        rows = [dict(kind=k, type=t, op=o, **g) for (k, t, o), g in groups.items()]
+        return sorted(rows, key=lambda row: -row['seconds'])[:top]
 
     def collective(self, computation, instruction):
         """The inventory's entry for a collective instruction (an async-start: the collective
@@ -256,7 +324,9 @@ def collective_overlap(hlo_text, mesh, target, branch_weights=None):
          'table': [{kind, axes, link, wire_bytes, wire_s, exposed_s, overlapped}] by kind,
                   axes and link, 'overlapped' = 1 - exposed / wire time,
          'step_s': the replayed step (compute at peak + exposed), 'exposed_s', 'compute_s',
-         'time_by_kind': {kind: seconds of the replayed step} (KINDS)}
+         'time_by_kind': {kind: seconds of the replayed step} (KINDS),
+         'heaviest': the largest shares of the step beyond matmuls and attention (HEAVIEST
+                     rows of _Replay.heaviest: what to fix first)}
 
     mesh: the compiled step's mesh (positions in its device array are the HLO's device ids;
     consecutive gpus_per_node positions share a node, as parallel/mesh.py lays devices out)."""
@@ -311,4 +381,5 @@ def collective_overlap(hlo_text, mesh, target, branch_weights=None):
         compute_s=step_s - exposed_s,
         exposed_s=exposed_s,
         time_by_kind={k: replay.by_kind[entry].get(k, 0.0) for k in KINDS},
+        heaviest=replay.heaviest(HEAVIEST),
     )

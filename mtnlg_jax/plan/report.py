@@ -153,6 +153,7 @@ def add_gpu_figures(compiled, config, text, mesh, target, weights):
         exposed_s=replay['exposed_s'],
         exposed_vs_compute=replay['exposed_s'] / replay['compute_s'],
         time_by_kind=replay['time_by_kind'],
+        heaviest=replay['heaviest'],
         links=dict(
             nvlink_bytes_per_s=cluster.nvlink_bandwidth,
             network_bytes_per_s=cluster.internode_bandwidth,
@@ -388,6 +389,11 @@ def gpu_lines(compiled):
         f'{links["gpus_per_node"]}, network {links["network_bytes_per_s"] / 1e9:.0f} GB/s',
         '  time by kind (replayed s): '
         + ', '.join(f'{k} {v:.2f}' for k, v in over['time_by_kind'].items()),
+        *(
+            f'  {"heaviest" if i == 0 else "":<10} {row["seconds"]:.2f} s {row["kind"]}: '
+            f'{row["type"]} {row["op"]}, {row["runs"]:.0f} runs'
+            for i, row in enumerate(over.get('heaviest', []))
+        ),
         f'  copies inside loops (over 1 MiB): {compiled["loop_copies"]["count"]}, '
         f'{compiled["loop_copies"]["bytes_per_step"] / 2**30:.1f} GiB a step',
         f'  {"kind":<19}{"axes":<19}{"link":<9}{"GB/step":>10}{"overlapped":>12}{"exposed s":>11}',
