@@ -1,9 +1,11 @@
 """Packed documents that do not see each other (data/packing.py): the positions, segment ids
 and loss mask are Megatron's get_ltor_masks_and_position_ids; a document packed after another
 gets the loss and gradients it gets alone at position 0, on every attention kernel; the masked
-loss is the token-weighted mean; the train step's layouts agree with packing on; bad keys are
-one error naming the key."""
+loss is the token-weighted mean; the train step's layouts, pipelined ones (1F1B, interleaved,
+GPipe) included, agree with packing on, and the pipelined eval loss counts only the tokens the
+loss mask keeps; bad keys are one error naming the key."""
 
+import functools
 import itertools
 
 import jax
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 
 import support
+import test_pipeline  # its layouts, depth and eval step
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.data import packing
 from mtnlg_jax.data.tokenizer import Tokenizer
@@ -19,6 +22,17 @@ from mtnlg_jax.model import gpt
 from mtnlg_jax.model.loss import cross_entropy
 
 EOD = 7
+# 1F1B d2 s2 t2 and GPipe d2 s2 t2 with 2 repeats (GPT's block: learned positions), interleaved
+# d2 s2 t2 with 2 repeats (Llama's block: rope, the positions in every chunk)
+PIPELINED = [
+    test_pipeline.LAYOUTS[0],
+    (*test_pipeline.LAYOUTS[1][:-1], support.LLAMA_BLOCK),
+    test_pipeline.LAYOUTS[4],
+]
+
+
+def _pipelined_name(layout):
+    return test_pipeline._name(layout) + ('-llama' if layout[-1] is support.LLAMA_BLOCK else '')
 
 
 def megatron_masks(data, eod, reset_position_ids, reset_attention_mask, eod_mask_loss):
@@ -138,17 +152,29 @@ def test_the_masked_loss_is_the_token_weighted_mean_and_its_gradient_autodiffs()
 PACKING = dict(reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
 
 
-def _packed_config(eod_id=EOD, **layout):
-    config = config_lib.inputs_of(support.small_config(**layout))
+def _packed(config, eod_id=EOD):
+    """A resolved config with the three keys on."""
+    mesh = config.mesh
+    config = config_lib.inputs_of(config)
     config.data.update(PACKING, eod_id=eod_id)
-    return config_lib.resolve(config, layout.get('data', 1) * layout.get('tensor', 1))
+    return config_lib.resolve(config, mesh.data * mesh.stage * mesh.tensor)
+
+
+def _packed_config(eod_id=EOD, **layout):
+    return _packed(support.small_config(**layout), eod_id)
+
+
+def _packed_batch():
+    """A global batch whose rows hold several documents: an EOD every 9 tokens."""
+    batch = support.random_batches(1)[0]
+    batch[:, 3::9] = EOD
+    return batch
 
 
 def test_a_packed_layout_equals_one_device():
     """The train step with all three keys on, rows of several documents: data 2 x tensor 2
     (sequence parallel) gives one device's loss and gradients."""
-    batch = support.random_batches(1)[0]
-    batch[:, 3::9] = EOD
+    batch = _packed_batch()
     _, loss_one, grads_one = support.gradients(_packed_config(micro_steps=1), batch)
     layout = dict(data=2, tensor=2, micro_steps=2)
     config = config_lib.inputs_of(_packed_config(**layout))
@@ -158,12 +184,56 @@ def test_a_packed_layout_equals_one_device():
     support.assert_gradients_close(grads_many, grads_one)
 
 
+@functools.cache
+def packed_one_device(llama=False):
+    """(loss, gradients) of the packed batch on one device, the three keys on, at
+    test_pipeline's depth, GPT's block or Llama's."""
+    model = support.LLAMA_BLOCK if llama else {}
+    config = _packed_config(num_layers=test_pipeline.LAYERS, **model)
+    _, loss, grads = support.gradients(config, _packed_batch())
+    return loss, grads
+
+
+@pytest.mark.parametrize('layout', PIPELINED, ids=_pipelined_name)
+def test_a_packed_pipelined_layout_equals_one_device(layout):
+    """The three keys on, rows of several documents: each engine hands every chunk its
+    micro-batch's positions (learned: the first chunk's embedding; rope: every chunk's
+    blocks), segment ids and loss mask, and gives one device's loss and gradients (per leaf,
+    relative to its scale)."""
+    loss, grads = packed_one_device(llama=layout[-1] is support.LLAMA_BLOCK)
+    config = _packed(test_pipeline._config(layout))
+    _, loss_piped, grads_piped = support.gradients(config, _packed_batch())
+    np.testing.assert_allclose(loss_piped, loss, rtol=1e-6)
+    support.assert_gradients_close(grads_piped, grads)
+
+
+def test_the_keys_change_the_packed_batchs_loss_and_gradients():
+    """What the pipelined layouts are held to depends on the keys: without them the step's
+    loss of the packed batch moves 100 x the layouts' tolerance, its gradients beyond it."""
+    loss, grads = packed_one_device()
+    plain_config = support.small_config(num_layers=test_pipeline.LAYERS)
+    _, plain_loss, plain = support.gradients(plain_config, _packed_batch())
+    assert abs(plain_loss - loss) > 1e-4 * loss
+    with pytest.raises(AssertionError):
+        support.assert_gradients_close(plain, grads)
+
+
+def test_the_pipelined_eval_loss_counts_only_the_loss_masks_tokens():
+    """The eval step on 1F1B d2 s2 t2, the three keys on: the one-device loss, its sum and
+    count over the tokens the loss mask keeps (every input but the EODs)."""
+    loss, _ = packed_one_device()
+    batch = _packed_batch()
+    config = _packed(test_pipeline._config(test_pipeline.LAYOUTS[0]))
+    loss_sum, count = test_pipeline.eval_sums(config, batch)
+    assert count == batch[:, :-1].size - (batch[:, :-1] == EOD).sum()
+    np.testing.assert_allclose(loss_sum / count, loss, rtol=1e-6)
+
+
 @pytest.mark.parametrize(
     'key, value, words',
     [
         ('data.eod_id', 5000, 'below model.vocab_size'),
         ('data.eod_id', -2, 'must be -1 or'),
-        ('mesh.stage', 2, 'without pipeline stages'),
     ],
 )
 def test_bad_packing_keys_are_one_error_naming_the_key(key, value, words):

@@ -150,7 +150,8 @@ def test_each_stage_holds_only_its_own_blocks_and_their_optimizer_state():
     assert list(first_stage_layers) == [0, 1, 4, 5]  # chunks 0 and 2 of 2 layers each
 
 
-def _eval_loss(config, batch):
+def eval_sums(config, batch):
+    """(summed loss, token count) of the eval step on one global batch, initial parameters."""
     mesh, setup = support.layout(config)
     with jax.set_mesh(mesh):
         state = state_lib.init_state(config, setup)
@@ -158,7 +159,12 @@ def _eval_loss(config, batch):
             *batch_lib.to_micro_steps(batch.astype(np.int32), config.train.micro_steps), mesh
         )
         loss_sum, count = step_lib.make_eval_step(config, setup)(state['params'], tokens)
-    return float(loss_sum) / float(count)
+    return float(loss_sum), float(count)
+
+
+def _eval_loss(config, batch):
+    loss_sum, count = eval_sums(config, batch)
+    return loss_sum / count
 
 
 def test_pipelined_sequence_parallel_eval_loss_equals_one_device():

@@ -303,19 +303,10 @@ def check_data(data):
     check_values({'data': data}, ('data',))
 
 
-PACKING_KEYS = ('reset_position_ids', 'reset_attention_mask', 'eod_mask_loss')
-
-
 def check_packing(config):
-    """data.eod_id below the vocabulary; packed documents without pipeline stages (so far)."""
+    """data.eod_id below the vocabulary."""
     data = config.data
     eod, vocab = data.eod_id, config.model.vocab_size
     _require(
         eod < vocab, 'data.eod_id', f'must be a token id below model.vocab_size={vocab}, got {eod}'
-    )
-    on = [name for name in PACKING_KEYS if data[name]]
-    _require(
-        config.mesh.stage == 1 or not on,
-        f'data.{on[0] if on else ""}',
-        f'packed documents run without pipeline stages so far (mesh.stage={config.mesh.stage})',
     )

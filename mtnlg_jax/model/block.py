@@ -192,9 +192,9 @@ class Attention(nnx.Module):
 
     def attend(self, q, k, v, visible, row_keys=None, site=0):
         """Context of queries q (batch, len, heads, head_dim) over keys k and values v (batch,
-        len, kv_heads, head_dim); visible: (q_len, k_len) bool, which keys each query may
-        see. Grouped: the query heads of one key/value head form a `q_per_kv` axis, so the
-        keys and values are never repeated."""
+        len, kv_heads, head_dim); visible: (q_len, k_len) or (batch, 1, q_len, k_len) bool,
+        which keys each query may see. Grouped: the query heads of one key/value head form a
+        `q_per_kv` axis, so the keys and values are never repeated."""
         scale = 1.0 / math.sqrt(q.shape[-1])
         if self.grouped:
             return self.attend_grouped(q, k, v, visible, row_keys, site)
@@ -210,6 +210,8 @@ class Attention(nnx.Module):
         """attend() for kv_heads < heads: scores (batch, kv_heads, q_per_kv, q_len, k_len)."""
         b, s, h, d = q.shape
         kv = k.shape[2]
+        if visible.ndim == 4:  # (batch, 1, q_len, k_len), packed documents: over both head axes
+            visible = visible[:, None]
         q = constrain(q.reshape(b, s, kv, h // kv, d), GROUPED_AXES)
         scores = jnp.einsum('bqkgd,bskd->bkgqs', q, k, preferred_element_type=jnp.float32)
         scores = jnp.where(visible, scores / math.sqrt(d), jnp.finfo(jnp.float32).min)

@@ -262,7 +262,8 @@ def stage_functions(graphdef, param_axes=None):
 
     def logits_loss_sum(shared, hidden, batch):
         model = view(shared)
-        return cross_entropy(model.logits(model.final_norm(hidden)), batch.labels).sum()
+        losses = cross_entropy(model.logits(model.final_norm(hidden)), batch.labels)
+        return (losses if batch.loss_mask is None else losses * batch.loss_mask).sum()
 
     return StageFunctions(
         embed=embed,

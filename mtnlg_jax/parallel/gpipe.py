@@ -86,14 +86,17 @@ def run_pipeline(stage_fns, stacked, x, batch, *, stages, repeats, bubble_fill=0
 
     stage_fns: the model's pieces (stage_functions.StageFunctions); stacked: the stage-major
     stacked block parameters (split over 'stage' on axis 0). batch: the MicroBatch of the m
-    micro-batches (dropout keys, positions, ...). bubble_fill: what the activation slots hold
-    before real work reaches them (tests fill NaN to show it never leaks).
+    micro-batches, of which each chunk reads its micro-batch's dropout keys, positions and
+    segment ids (indexed on every stage; the loss mask stays outside). bubble_fill: what the
+    activation slots hold before real work reaches them (tests fill NaN to show it never
+    leaks).
     """
     micro_batches = x.shape[0]
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
     per_chunk = num_layers // (stages * repeats)
     stage_spec = jax.tree.map(lambda _: PartitionSpec(STAGE_AXIS), stacked)
-    batch = dataclasses.replace(batch, windows=None)  # what the blocks read: not the tokens
+    # what the blocks read (dropout keys, positions, segment ids): not the tokens, nor the loss
+    batch = dataclasses.replace(batch, windows=None, loss_mask=None)
     batch_spec = batch.map(lambda _: PartitionSpec())
 
     def apply_chunk(chunk, h, micro_batch, first_layer):  # recomputed as a whole chunk (below)
@@ -126,7 +129,12 @@ def run_pipeline(stage_fns, stacked, x, batch, *, stages, repeats, bubble_fill=0
             h = jnp.where(stage == 0, first_input, received)
             h = jnp.where(valid, h, jnp.zeros_like(h))  # the bubble computes on zeros
             chunk = jax.tree.map(lambda a: a[repeat], chunks)
-            inputs = Inputs(row_keys=None if batch.row_keys is None else batch.row_keys[micro])
+            picked = batch.at(micro)
+            inputs = Inputs(
+                positions=picked.positions,
+                segment_ids=picked.segment_ids,
+                row_keys=picked.row_keys,
+            )
             first_layer = (repeat * stages + stage) * per_chunk
             y = apply_chunk(chunk, h, inputs, first_layer)
             done = valid & (stage == stages - 1) & (repeat == repeats - 1)

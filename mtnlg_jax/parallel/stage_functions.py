@@ -13,10 +13,16 @@ holds.
                  first_layer, remat)          first_layer first (dropout), each under the
                                               policy `remat` names ('none': none)
     head_loss_sum(shared, hidden, batch)      summed loss of batch.labels under hidden (rows,
-                                              seq, embed): final norm, tied head and
-                                              cross-entropy fused
+                                              seq, embed), each weighted by batch.loss_mask:
+                                              final norm, tied head and cross-entropy fused
     logits_loss_sum(shared, hidden, batch)    the same through the whole fp32 logits, which
                                               autodiff keeps (GPipe order's head)
+
+Which piece reads which field: embed the tokens, positions (learned positions) and dropout
+keys; apply_blocks the positions (rope), segment ids (the attention's mask: plain, cuDNN or
+flash) and dropout keys; the heads the labels and loss mask. An engine indexes each field by
+micro-batch on the stage that runs the piece; none is (seq x seq): masks are made from the
+segment ids inside the attention.
 
 `batch` is a MicroBatch: everything a chunk may need of its micro-batch, indexed by the engine
 (`batch.at(micro)`) and never read from the parameters' shapes. Optional fields are None when
