@@ -1,15 +1,15 @@
 """Several processes through jax.distributed (gloo on CPU, localhost), at the command line:
 launch/spawn.py runs launch/train.py as 2 processes x 4 devices.
 
-- 2 x 4 devices give the losses of 1 x 8 (mesh data 2 x stage 2 x tensor 2, data spanning
-  the processes: the same global batches), a process lost mid-run ends the other through the
-  heartbeat, and the same command resumes to the uninterrupted losses;
+- faults in one workdir, each run the same command (2 x 4 devices, mesh data 2 x stage 2 x
+  tensor 2, data spanning the processes: the same global batches as 1 x 8): a process lost
+  mid-run ends the other through the heartbeat; SIGTERM to every process saves one step and
+  exits 0; a paused process (SIGSTOP) ends the job; the last run resumes to the losses of the
+  uninterrupted 1 x 8 run;
+- a process that hangs (the drill, a fresh run of its own) ends itself through its watchdog,
+  naming itself, and the job with it;
 - checkpoints written by 2 processes restore under 1, and the reverse, in another layout;
-- bad input (coordinator, process count) is one `error:` line, exit 2, nothing written;
-- faults in one workdir, each run the same command: a process that hangs (the drill) ends
-  itself through its watchdog, naming itself, and the job with it; SIGTERM to every process
-  saves one step and exits 0; a paused process (SIGSTOP) ends the job; the last run resumes
-  to the uninterrupted losses.
+- bad input (coordinator, process count) is one `error:` line, exit 2, nothing written.
 
 Every process is bounded by `timeout -k` (JAX's preemption notifier takes SIGTERM).
 """
@@ -77,10 +77,13 @@ def losses(workdir):
     return np.array([r['loss'] for r in records if not r.get('eval')])
 
 
-def without_last_checkpoint(source, into):
-    """A copy of a finished 10-step run as it was after step 5."""
+def as_of(source, into, step):
+    """A copy of a run's workdir as it was after `step` (its later checkpoints removed)."""
     shutil.copytree(source, into)
-    shutil.rmtree(into / 'checkpoints' / '10')
+    for checkpoint in (into / 'checkpoints').iterdir():
+        if not checkpoint.name.isdigit() or int(checkpoint.name) > step:
+            shutil.rmtree(checkpoint)
+    assert (into / 'checkpoints' / str(step)).is_dir()
     return into
 
 
@@ -92,46 +95,18 @@ def one_by_eight(tmp_path_factory, token_data):
     return workdir
 
 
-@pytest.fixture(scope='module')
-def two_by_four(tmp_path_factory, token_data, one_by_eight):
-    """The same run as 2 processes x 4 devices, process 1 lost at step 7, then the same
-    command again; returns (workdir, the killed run, the resumed run)."""
-    workdir = tmp_path_factory.mktemp('two_by_four')
-    drill = ['--config.train.inject_kill_at_step=7', '--config.train.inject_kill_process=1']
-    killed = two_processes(workdir, *PIPELINED, *drill, data=token_data, grace_s=60)
-    resumed = two_processes(workdir, *PIPELINED, *drill, data=token_data)
-    return workdir, killed, resumed
-
-
-def test_two_processes_give_one_process_losses_and_survive_a_lost_process(
-    one_by_eight, two_by_four
-):
-    workdir, killed, resumed = two_by_four
-    # The lost process ends the survivor by itself (heartbeat 10 s; spawn's grace is 60 s),
-    # non-zero, and spawn says so in one line naming the lost process.
-    assert killed.returncode == 1, killed.stderr[-3000:]
-    last = killed.stderr.strip().splitlines()[-1]
-    lost = re.match(r'error: process 1 of 2 was killed by SIGKILL after (\d+) s', last)
-    survivor = re.search(r'; process 0 (.*) after (\d+) s([^;]*)$', last)
-    assert lost and survivor and 'stopped by spawn' not in survivor.group(3), last
-    assert survivor.group(1) != 'exited with status 0', last
-    assert int(survivor.group(2)) - int(lost.group(1)) < 60, last
-    assert (workdir / 'logs' / 'process_1.log').exists()
-    # The same command resumes from the checkpoint of step 5 and ends where 1 x 8 ended.
-    ok(resumed)
-    assert 'resumed      from step 5' in resumed.stdout
-    np.testing.assert_allclose(losses(workdir), losses(one_by_eight), rtol=1e-6, atol=0)
-
-
 def test_checkpoints_restore_across_process_counts_and_layouts(
-    tmp_path, token_data, one_by_eight, two_by_four
+    tmp_path, token_data, one_by_eight, faults
 ):
     expected = losses(one_by_eight)
-    from_one = without_last_checkpoint(one_by_eight, tmp_path / 'from_one')
-    ok(two_processes(from_one, *NO_PIPELINE, data=token_data))
+    from_one = as_of(one_by_eight, tmp_path / 'from_one', 5)
+    resumed = ok(two_processes(from_one, *NO_PIPELINE, data=token_data))
+    assert 'resumed      from step 5' in resumed.stdout
     np.testing.assert_allclose(losses(from_one), expected, atol=1e-4, rtol=0)
-    from_two = without_last_checkpoint(two_by_four[0], tmp_path / 'from_two')
-    ok(one_process(from_two, *NO_PIPELINE, data=token_data))
+    # The checkpoint the lost-process run wrote (2 processes) before process 1 was lost.
+    from_two = as_of(faults[1]['after_loss'], tmp_path / 'from_two', SAVED_BEFORE_KILL)
+    resumed = ok(one_process(from_two, *NO_PIPELINE, data=token_data))
+    assert f'resumed      from step {SAVED_BEFORE_KILL}' in resumed.stdout
     np.testing.assert_allclose(losses(from_two), expected, atol=1e-4, rtol=0)
 
 
@@ -189,13 +164,23 @@ def test_spawn_names_the_killed_process_when_its_peer_ends_in_the_same_poll():
 
 # Faults, each run the same command on one workdir: no run ends on its own (train.steps 1000;
 # the schedule does not depend on it) until the last, which sets 10 to compare with 1 x 8.
-HANG_S = 10  # train.hang_timeout_s; the heartbeat timeout (MODEL) is 10 s too
+HANG_S = 10  # the hang run's train.hang_timeout_s; the heartbeat timeout (MODEL) is 10 s too
+KILL_AT, SAVED_BEFORE_KILL = 4, 3  # process 1 lost after step 4; the checkpoint of step 3
 FAULTS = [
     *PIPELINED,
     '--config.train.steps=1000',
     '--config.checkpoint.every=3',
+    f'--config.train.inject_kill_at_step={KILL_AT}',  # in a run started from scratch only
+    '--config.train.inject_kill_process=1',
+]
+# The hang drill, in a fresh run of its own (the drills act in runs started from scratch),
+# made before any other of this program: process 1 never reads the compilation cache (JAX
+# writes it from process 0 only), so a process 0 that did would wait in its first step for
+# process 1's compile, a wait a fixed hang_timeout_s would count as a stall.
+HANG = [
+    *FAULTS[:-2],
     f'--config.train.hang_timeout_s={HANG_S}',
-    '--config.train.inject_hang_at_step=5',  # in a run started from scratch only
+    '--config.train.inject_hang_at_step=5',
     '--config.train.inject_hang_process=1',
 ]
 
@@ -251,20 +236,33 @@ class Background:
 
 
 @pytest.fixture(scope='module')
-def faults(tmp_path_factory, token_data):
-    """The workdir through: process 1 hanging at step 5 (checkpoint at 3); the same command
-    again (it resumes from 3), SIGTERM to every process once step 5 is logged; again, SIGSTOP
-    to process 1 once a step is logged; again with train.steps 10, to the end."""
+def hang(tmp_path_factory, token_data):
+    """A fresh run whose process 1 hangs at step 5: (its result, process 1's log)."""
+    workdir = tmp_path_factory.mktemp('hang') / 'run'
+    workdir.parent.mkdir(exist_ok=True)
+    hung = Background(workdir, *HANG, data=token_data)
+    log = workdir / 'logs' / 'process_1.log'
+    hung.wait_until(lambda: log.exists() and 'hangs at step 5' in log.read_text())
+    return hung.finish(), log.read_text()
+
+
+@pytest.fixture(scope='module')
+def faults(tmp_path_factory, token_data, hang):  # after the hang run: see HANG
+    """The workdir through: process 1 lost after step 4 (checkpoint at 3, spawn's grace 60 s:
+    the survivor must end itself); the same command again (it resumes from 3), SIGTERM to
+    every process once a step past 4 is logged; again, SIGSTOP to process 1 once a step is
+    logged; again with train.steps 10, to the end."""
     workdir = tmp_path_factory.mktemp('faults') / 'run'
     workdir.parent.mkdir(exist_ok=True)
     results = {}
-    hang = Background(workdir, *FAULTS, data=token_data)
+    killed = Background(workdir, *FAULTS, data=token_data, grace_s=60)
+    results['killed'] = killed.finish()
     log = workdir / 'logs' / 'process_1.log'
-    hang.wait_until(lambda: log.exists() and 'hangs at step 5' in log.read_text())
-    results['hang'] = hang.finish()
-    results['hang_log'] = log.read_text()  # each run writes process 1's log anew
+    results['killed_log'] = log.exists()  # each run writes process 1's log anew
+    results['after_loss'] = workdir.parent / 'after_loss'  # later runs' saves replace its 3
+    shutil.copytree(workdir, results['after_loss'])
     preempted = Background(workdir, *FAULTS, data=token_data)
-    preempted.wait_until(lambda: preempted.logged_step() >= 5)
+    preempted.wait_until(lambda: preempted.logged_step() > KILL_AT)
     preempted.process.send_signal(signal.SIGTERM)  # timeout passes it on to spawn, spawn to all
     results['preempted'] = preempted.finish()
     results['preempted_log'] = log.read_text()
@@ -278,9 +276,26 @@ def faults(tmp_path_factory, token_data):
     return workdir, results
 
 
-def test_a_hung_process_ends_itself_with_its_stacks_and_the_job_with_it(faults):
+def test_two_processes_end_when_one_is_lost_and_the_same_command_resumes(faults):
     _, results = faults
-    status, seconds, _, stderr = results['hang']
+    # The lost process ends the survivor by itself (heartbeat 10 s; spawn's grace is 60 s),
+    # non-zero, and spawn says so in one line naming the lost process.
+    status, _, _, stderr = results['killed']
+    assert status == 1, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    lost = re.match(r'error: process 1 of 2 was killed by SIGKILL after (\d+) s', last)
+    survivor = re.search(r'; process 0 (.*) after (\d+) s([^;]*)$', last)
+    assert lost and survivor and 'stopped by spawn' not in survivor.group(3), last
+    assert survivor.group(1) != 'exited with status 0', last
+    assert int(survivor.group(2)) - int(lost.group(1)) < 60, last
+    assert results['killed_log']
+    # The same command resumes from the checkpoint before the loss (the last run of the
+    # workdir ends with the uninterrupted losses: the test after the next three).
+    assert f'resumed      from step {SAVED_BEFORE_KILL}' in results['preempted'][2]
+
+
+def test_a_hung_process_ends_itself_with_its_stacks_and_the_job_with_it(hang):
+    (status, seconds, _, stderr), log = hang
     assert status == 1, stderr[-3000:]
     assert seconds < HANG_S + 30, seconds  # every process, counted from process 1's hang
     # spawn names process 1 and its line; process 1's own log holds every thread's stack.
@@ -292,7 +307,6 @@ def test_a_hung_process_ends_itself_with_its_stacks_and_the_job_with_it(faults):
         'mtnlg_jax/train/faults.py'
     )
     assert f'(its last line: {stalled}' in last, last
-    log = results['hang_log']
     assert 'process 1 of 2: stacks of every thread' in log
     assert re.search(r'File ".*mtnlg_jax/train/faults.py", line \d+ in hang_if_drilled', log)
     assert re.search(r'File ".*mtnlg_jax/data/loader.py", line \d+ in _produce', log)  # a thread
@@ -302,7 +316,7 @@ def test_sigterm_to_every_process_saves_one_step_and_exits_0(faults):
     workdir, results = faults
     status, _, stdout, stderr = results['preempted']
     assert status == 0, stderr[-3000:]
-    assert 'resumed      from step 3' in stdout
+    assert f'resumed      from step {SAVED_BEFORE_KILL}' in stdout
     stopped = re.findall(r'stopped +at step (\d+) on request', stdout + results['preempted_log'])
     assert len(stopped) == 2 and stopped[0] == stopped[1], stopped  # process 0's and 1's
     assert (workdir / 'checkpoints' / stopped[0]).is_dir()
@@ -314,7 +328,7 @@ def test_a_paused_process_ends_the_job_within_the_timeout(faults):
     assert seconds < HANG_S + 30, seconds
 
 
-def test_after_a_hang_a_preemption_and_a_pause_the_same_command_resumes_exactly(
+def test_after_a_lost_process_a_preemption_and_a_pause_the_same_command_resumes_exactly(
     one_by_eight, faults
 ):
     workdir, results = faults
