@@ -176,9 +176,9 @@ def main(argv):
 
 
 def show(plan, json_path):
-    from mtnlg_jax.plan import report  # noqa: PLC0415 (imports JAX)
+    from mtnlg_jax.plan import printout  # noqa: PLC0415 (imports JAX)
 
-    print('\n'.join(report.lines(plan)))
+    print('\n'.join(printout.lines(plan)))
     if json_path is not None:
         write_json(json_path, plan)
         print(f'wrote {json_path}')

@@ -103,7 +103,11 @@ CASES = [
         ),
         "has 300 pieces, but the model's vocabulary (model.vocab_size) is 32",
     ),
-    ('convert.py', ('--import_hf', '{tmp}/hf', '--workdir', '{run}'), 'model.safetensors: not a safetensors file'),
+    (
+        'convert.py',
+        ('--import_hf', '{tmp}/hf', '--workdir', '{run}'),
+        'model.safetensors: not a safetensors file',
+    ),
     (
         'convert.py',
         ('--import_hf', '{tmp}/hf', '--workdir', '{tmp}/a_file'),

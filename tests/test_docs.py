@@ -201,7 +201,11 @@ def as_run(words):
 
 def run_in(folder, words, timeout=600):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop('XLA_FLAGS', None)  # the tools make their own devices, as for a user
+    # The tools make their own devices, as for a user; conftest.py's cheaper LLVM backend
+    # stays (it halves the tour's compiles, and the tour checks what runs, not its speed).
+    flags = [f for f in env.pop('XLA_FLAGS', '').split() if 'device_count' not in f]
+    if flags:
+        env['XLA_FLAGS'] = ' '.join(flags)
     return subprocess.run(
         [sys.executable, *words], capture_output=True, text=True, cwd=folder, env=env,
         timeout=timeout,

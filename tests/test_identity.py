@@ -10,7 +10,7 @@ import pytest
 
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.data import identity, loader
-from mtnlg_jax.data.indexed import DataError, IndexedDataset, IndexedDatasetWriter
+from mtnlg_jax.data.indexed import DataError, IndexedDataset, IndexedDatasetWriter, token_dtype
 from support import ROOT, SMALL_MODEL, run_launch, run_train
 
 CORPUS = ROOT / 'tests/fixtures/curation'
@@ -26,15 +26,43 @@ def preprocess(prefix, tokenizer, corpus='good.jsonl', train=False):
     assert result.returncode == 0, result.stderr
 
 
+def tokenized(prefix, model, corpus):
+    """PREFIX.bin/.idx and its identity sidecar: `corpus` under the tokenizer `model`, written
+    in this process with the calls launch/preprocess.py ends in (each document encoded with
+    its eod, identity.finish), without the embedded Ray a subprocess starts (10 to 20 s)."""
+    from mtnlg_jax.data import preprocess as preprocess_lib
+    from mtnlg_jax.data import tokenizer as tokenizer_lib
+
+    found = tokenizer_lib.load(str(model))
+    writer = IndexedDatasetWriter(str(prefix), token_dtype(found.vocab_size))
+    for text in preprocess_lib.documents([str(CORPUS / corpus)]):
+        writer.add(np.asarray(found.encode_document(text)))
+    identity.finish(writer, found)
+
+
 @pytest.fixture(scope='module')
 def corpora(tmp_path_factory):
     """Two tokenizers of the same size (320 pieces, trained on other text) and token files:
-    a/text (tokenizer a), b/text (tokenizer b), c/text (other documents, tokenizer a)."""
+    a/text (tokenizer a), b/text (tokenizer b), c/text (other documents, tokenizer a). a is
+    launch/preprocess.py's work end to end; b and c are written in this process."""
     root = tmp_path_factory.mktemp('corpora')
     preprocess(root / 'a/text', root / 'a/tokenizer.model', train=True)
-    preprocess(root / 'b/text', root / 'b/tokenizer.model', 'planted.jsonl', train=True)
-    preprocess(root / 'c/text', root / 'a/tokenizer.model', 'planted.jsonl')
+    (root / 'b').mkdir()
+    train = ['--input', str(CORPUS / 'planted.jsonl'), '--train-tokenizer', '--vocab-size']
+    train += [str(VOCAB), '--tokenizer-model', str(root / 'b/tokenizer.model')]
+    assert preprocess_tool().main(train) == 0  # training alone starts no Ray
+    tokenized(root / 'b/text', root / 'b/tokenizer.model', 'planted.jsonl')
+    tokenized(root / 'c/text', root / 'a/tokenizer.model', 'planted.jsonl')
     return root
+
+
+def preprocess_tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location('preprocess', ROOT / 'launch/preprocess.py')
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def sources(prefix):

@@ -12,7 +12,8 @@
     loop_copies.py  the copies a compiled step makes inside its loops
     gpu_target.py   XLA:GPU compile-only devices for a named GPU
     compile.py      the train and eval steps launch/train.py runs, compiled on abstract state
-    report.py       the plan as JSON and as a table
+    report.py       the plan as one JSON-ready dict, the compiled figures beside it
+    printout.py     the plan as the table launch/plan.py prints
 
 plan sits above train: it compiles the trainer's own step; train imports nothing from it.
 """

@@ -1,0 +1,171 @@
+"""The plan (plan/report.py's dict) as the readable table launch/plan.py prints.
+
+print('\\n'.join(lines(plan)))
+"""
+
+from mtnlg_jax.parallel import footprint
+from mtnlg_jax.plan.report import PER_DEVICE_KEYS
+
+
+def _gib(n):
+    if n is None:
+        return 'n/a'
+    return ('-' if n < 0 else '') + footprint.format_bytes(abs(n))
+
+
+def predicted_line(step):
+    """One line of plan/predict.py's step: the total and its parts."""
+    return (
+        f'  predicted  {step["predicted_step_s"]:.3f} s per step = compute '
+        f'{step["compute_s"]:.3f} + recompute {step["recompute_s"]:.3f} + tensor '
+        f'{step["tensor_comm_s"]:.3f} + accumulate {step["accumulate_s"]:.3f} + pipeline '
+        f'{step["pipeline_comm_s"]:.3f} + bubble {step["bubble_s"]:.3f} + data '
+        f'{step["data_comm_s"] + step["stage_comm_s"]:.3f} + optimizer '
+        f'{step["optimizer_s"]:.3f}; {step["tflops_per_gpu"]:.1f} TFLOP/s per GPU, MFU '
+        f'{100 * step["mfu"]:.1f} % ({step["efficiency"]["source"]}; docs/planner.md)'
+    )
+
+
+def lines(plan):
+    """The readable table of a plan (and its compiled figures, if any)."""
+    c = plan['config']
+    mesh = c['mesh']
+    per_device = plan['per_device_bytes']
+    out = [
+        f'model        {plan["params"] / 1e9:.3f} B parameters, {c["compute_dtype"]} compute, '
+        f'remat {c["remat"]}',
+        f'mesh         data {mesh["data"]} x stage {mesh["stage"]} x tensor {mesh["tensor"]}, '
+        f'pipeline repeats {c["repeats"]}; global batch {c["global_batch"]} = micro_batch '
+        f'{c["micro_batch"]} x data {mesh["data"]} x {c["micro_steps"]} micro-steps',
+        'per device   ' + ', '.join(f'{k} {_gib(per_device[k])}' for k in PER_DEVICE_KEYS),
+        '  activations ' + ', '.join(f'{k} {_gib(v)}' for k, v in plan['activation_bytes'].items()),
+        f'FLOPs        model {plan["model_flops_per_step"]:.4g} per step (6N + 12LHQT per '
+        f'token); Megatron hardware {plan["hardware_flops_per_step"]:.4g}',
+    ]
+    compiled = plan.get('compiled')
+    reference = (compiled or {}).get('planned_as_compiled') or plan
+    columns = [('planned', plan['comm_bytes_per_device'])]
+    if compiled:
+        if reference is not plan:
+            columns.append(('planned as compiled', reference['comm_bytes_per_device']))
+        columns.append(('compiled', compiled['comm_bytes_per_device']))
+    out.append(
+        'comm         bytes one device sends per step: ' + ' | '.join(name for name, _ in columns)
+    )
+    if compiled and reference is not plan:
+        cc = compiled['config']
+        dtype = reference.get('compute_dtype', cc['compute_dtype'])
+        out.append(
+            f'             (compiled: data {cc["mesh"]["data"]} x stage {cc["mesh"]["stage"]} x '
+            f'tensor {cc["mesh"]["tensor"]}, global batch {cc["global_batch"]}; planned as '
+            f'compiled: that layout, computed in {dtype} as XLA:CPU runs it)'
+        )
+    pairs = sorted({(k, a) for _, comm_ in columns for k, per in comm_.items() for a in per})
+    for kind, axis in pairs:
+        cells = [_gib(comm_.get(kind, {}).get(axis)) for _, comm_ in columns]
+        out.append(f'  {kind:<19}{axis:<14}' + ' | '.join(f'{c:>11}' for c in cells))
+    if 'cluster' in plan:
+        est = plan['cluster']
+        out += [
+            f'cluster      {est["description"]}: {est["devices"]} GPUs on {est["nodes"]} nodes',
+            f'  fits       {"yes" if est["fits"] else "NO"}: {_gib(per_device["total"])} '
+            f'planned per device of {est["hbm_bytes"] / 1e9:.0f} GB',
+            f'  time       >= {est["iteration_s_lower_bound"]:.3f} s per step = compute '
+            f'{est["compute_s"]:.3f} + tensor {est["tensor_comm_s"]:.3f} + pipeline '
+            f'{est["pipeline_comm_s"]:.3f} + bubble {est["bubble_s"]:.3f} (data '
+            f'{est["data_comm_s"]:.3f} s taken as overlapped); <= '
+            f'{est["tflops_per_gpu_upper_bound"]:.1f} TFLOP/s per GPU',
+            predicted_line(est['prediction'])
+            + (
+                f'; exposure from the GPU compile\'s overlap table (the rule: '
+                f'{est["predicted_step_s_rule"]:.3f} s)'
+                if 'predicted_step_s_rule' in est
+                else ''
+            ),
+        ]
+        if 'not_charged' in est:
+            extra = est['not_charged']
+            out.append(
+                '  not charged  the predicted step is analytic: it does not charge the compiled '
+                f'step\'s copies {extra["copies"]:.2f} s, slicing and slot writes '
+                f'{extra["slicing and slot writes"]:.2f} s, transposes {extra["transposes"]:.2f} s '
+                f'(replayed step {extra["replayed_step_s"]:.2f} s)'
+            )
+    if compiled:
+        planned_total = reference['per_device_bytes']['total']
+        stacked = compiled.get('per_iteration_arrays', [])
+        where = (
+            'CPU devices'
+            if compiled.get('target') is None
+            else f'compile-only {compiled["target"]} GPUs (XLA:GPU)'
+        )
+        out += [
+            f'compiled     on {compiled["devices"]} {where} in {compiled["compile_s"]:.1f} s'
+            f' (memory per device from memory_analysis):',
+            f'  arguments {_gib(compiled["argument_bytes"])}, outputs '
+            f'{_gib(compiled["output_bytes"])} (aliased {_gib(compiled["alias_bytes"])}), '
+            f'temporaries {_gib(compiled["temp_bytes"])}: peak {_gib(compiled["peak_bytes"])} '
+            f'against {_gib(planned_total)} planned as compiled '
+            f'({compiled["peak_bytes"] / planned_total:.2f} x)',
+            f'  difference compiled - planned = {_gib(compiled["peak_bytes"] - planned_total)}'
+            + (
+                '; largest arrays stacked per pipeline iteration (leading dimension v m + p - 1; '
+                'the plan keeps only the stage inputs per iteration): '
+                + ', '.join(f'{a["shape"]} {_gib(a["bytes"])}' for a in stacked)
+                if stacked
+                else ''
+            ),
+            '  largest    '
+            + ', '.join(
+                f'{b["shape"]} {b["op"]} {_gib(b["bytes"])}' for b in compiled['largest_buffers']
+            ),
+        ]
+        raw = compiled['cost_analysis_flops']
+        out.append(
+            f'  FLOPs      {compiled["flops"]:.4g} per device per step in matmuls (loops x trip '
+            f'counts): {compiled["flops_vs_model"]:.2f} x model FLOPs / devices '
+            f'(cost_analysis: {"n/a" if raw is None else format(raw, ".4g")}, loop bodies once)'
+        )
+        out += gpu_lines(compiled)
+        out += [f'  note       {note}' for note in compiled['notes']]
+    return out
+
+
+def gpu_lines(compiled):
+    """The attention kernels and the overlap table of a GPU compile ([] for a CPU one)."""
+    if compiled.get('target') is None:
+        return []
+    attention = compiled['attention']
+    kernels = ', '.join(f'{k} x {n}' for k, n in sorted(attention['kernels'].items()))
+    over = compiled['overlap']
+    links = over['links']
+    out = [
+        '  attention  '
+        + (
+            f'fused: {kernels}'
+            if attention['fused']
+            else 'NOT fused: einsums around a materialised (seq x seq) score matrix'
+        ),
+        f'  overlap    replayed step {over["step_s"]:.3f} s = compute at peak '
+        f'{over["compute_s"]:.3f} + exposed communication {over["exposed_s"]:.3f} '
+        f'({100 * over["exposed_vs_compute"]:.1f} % of compute); links per GPU: NVLink '
+        f'{links["nvlink_bytes_per_s"] / 1e9:.0f} GB/s inside a node of '
+        f'{links["gpus_per_node"]}, network {links["network_bytes_per_s"] / 1e9:.0f} GB/s',
+        '  time by kind (replayed s): '
+        + ', '.join(f'{k} {v:.2f}' for k, v in over['time_by_kind'].items()),
+        *(
+            f'  {"heaviest" if i == 0 else "":<10} {row["seconds"]:.2f} s {row["kind"]}: '
+            f'{row["type"]} {row["op"]}, {row["runs"]:.0f} runs'
+            for i, row in enumerate(over.get('heaviest', []))
+        ),
+        f'  copies inside loops (over 1 MiB): {compiled["loop_copies"]["count"]}, '
+        f'{compiled["loop_copies"]["bytes_per_step"] / 2**30:.1f} GiB a step',
+        f'  {"kind":<19}{"axes":<19}{"link":<9}{"GB/step":>10}{"overlapped":>12}{"exposed s":>11}',
+    ]
+    for row in over['table']:
+        out.append(
+            f'  {row["kind"]:<19}{row["axes"]:<19}{row["link"]:<9}'
+            f'{row["wire_bytes"] / 1e9:>10.3g}{100 * row["overlapped"]:>11.0f}%'
+            f'{row["exposed_s"]:>11.3g}'
+        )
+    return out
