@@ -220,3 +220,13 @@ def is_primary():
     import jax
 
     return jax.process_index() == 0
+
+
+def wait_for_peers(name):
+    """Every process waits here for the others (a collective over all devices; nothing with
+    one process). The heartbeat ends a wait for a peer that is gone."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)

@@ -54,7 +54,9 @@ class CompiledSteps:
     """The train step compiled ahead of time once per (micro-step count, drill): the ramp-up
     changes the count, a fault drill (see make_train_step) swaps in a variant for one step.
     The evaluation step too, on first use: compiles happen here, where the loop does not
-    watch for stalls."""
+    watch for stalls. Each compile ends with every process waiting for the others: processes
+    compile at different speeds (one reads the compilation cache, another misses it), and a
+    peer's compile must not count against the next watched phase."""
 
     def __init__(self, config, setup, mesh, state):
         self.config, self.setup, self.mesh, self.state = config, setup, mesh, state
@@ -69,6 +71,7 @@ class CompiledSteps:
             batch = loader_lib.abstract_train_batch(self.config, self.mesh, micro_steps)
             step = make_train_step(self.config, self.setup, inject=drill)
             self._compiled[key] = step.lower(self.state, *batch, jnp.float32(0)).compile()
+            distributed.wait_for_peers(f'train step {key} compiled')
         return self._compiled[key]
 
     def for_batch(self, batch, drill, report):
@@ -96,6 +99,7 @@ class CompiledSteps:
             )
             step = make_eval_step(self.config, self.setup)
             self._compiled['evaluation'] = step.lower(params, tokens).compile()
+            distributed.wait_for_peers('evaluation step compiled')
         return self._compiled['evaluation']
 
 

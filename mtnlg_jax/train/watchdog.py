@@ -15,7 +15,9 @@ its allowance:
                  max(train.hang_floor_s, 10 x the slowest phase of that kind so far)
 
 Restores and compiles are not watched (`unwatched`): the first compile of a large model and
-its restore take minutes, and neither says anything about a stall.
+its restore take minutes, and neither says anything about a stall. Nor is a peer's compile:
+the loop's compiles end with every process waiting for the others (train/loop.py,
+CompiledSteps).
 
 A phase that waits on the devices may be waiting for a stalled peer: it gets
 distributed.heartbeat_timeout_s more than its allowance. The stalled process, whose own
