@@ -187,7 +187,16 @@ class _Replay:
                 small = hlo_module.shape_bytes(
                     by_name[update].type_text if update in by_name else ''
                 )
-                sizes[params[buffer]], result = 0, small  # the update: read, then written
+                # the update is written; the buffer is read only where the fusion slices
+                # it (an accumulator's slot, read, added to and written back in place)
+                reads = [u for u in _uses_through_bitcasts(buffer, users) if u is not root]
+                sizes[params[buffer]] = sum(
+                    hlo_module.shape_bytes(u.type_text)
+                    if u.opcode == 'dynamic-slice'
+                    else sizes[params[buffer]]
+                    for u in reads
+                )
+                result = small
         if 'kind=kLoop' in instruction.rest:  # each output element reads one of each operand
             elements = _elements(instruction.type_text)
             for index, name in enumerate(operands):
