@@ -29,6 +29,11 @@ LAYER_SLOT = 'pipeline_layer_slot'
 FORWARD, BACKWARD, EVAL, FIRST, LAST = (
     'pipeline_forward', 'pipeline_backward', 'pipeline_eval', 'pipeline_first', 'pipeline_last'
 )  # fmt: skip
+# lax.switch over a stage's chunks (interleaved), and cond(skip, pass through, add) of the
+# fp32 accumulators of the chunks and of the shared parameters
+CHUNK, ACCUMULATE, ACCUMULATE_SHARED = (
+    'pipeline_chunk', 'pipeline_accumulate', 'pipeline_accumulate_shared'
+)  # fmt: skip
 
 
 def slot_kinds(table):
@@ -60,7 +65,15 @@ def branch_fractions(table):
     fwd_idle, bwd_idle = share(fwd, SLOT_IDLE, slots), share(bwd, SLOT_IDLE, slots)
     first_f, first_b = share(fwd, SLOT_FIRST), share(bwd, SLOT_FIRST)
     last_b = share(bwd, SLOT_LAST)
-    return {
+    touched = share(bwd, SLOT_FIRST, slots) + share(bwd, SLOT_LAST, slots)
+
+    def chunk_shares(kinds, repeat):  # switch branch k: chunk k's share of the slots that run
+        ran = kinds != SLOT_IDLE
+        return [float((ran & (repeat == k)).sum() / max(ran.sum(), 1)) for k in range(v)]
+
+    v = table.repeats
+    add = (1.0 - bwd_idle) / v  # each chunk has the same number of backwards
+    weights = {
         (FORWARD,): [1.0 - fwd_idle, fwd_idle],  # cond(idle, fill, run)
         (FORWARD, FIRST): [1.0 - first_f, first_f],  # cond(first, embed, hand-off)
         (BACKWARD,): [1.0 - bwd_idle, bwd_idle],
@@ -68,7 +81,17 @@ def branch_fractions(table):
         (BACKWARD, LAST, FIRST): [1.0 - first_b, first_b],  # the VJP inside cond(last, ...)
         (BACKWARD, LAST): [1.0 - last_b, last_b],  # cond(last, head, gradient in)
         (EVAL, LAST): [1.0 - share(bwd, SLOT_LAST, slots), share(bwd, SLOT_LAST, slots)],
+        (FORWARD, CHUNK): chunk_shares(fwd, table.fwd_repeat),
+        (BACKWARD, CHUNK): chunk_shares(bwd, table.bwd_repeat),
+        (EVAL, LAST, CHUNK): [0.0] * (v - 1) + [1.0],  # the last chunk's loss
+        (ACCUMULATE,): [add, 1.0 - add],  # cond(skip, pass through, add): [add, skip]
+        (ACCUMULATE_SHARED,): [touched, 1.0 - touched],
     }
+    # the conditionals inside a chunk's switch (interleaved): the same shares
+    inner = [p for p in weights if p[0] in (FORWARD, BACKWARD) and len(p) > 1 and CHUNK not in p]
+    for path in inner:
+        weights[(path[0], CHUNK, *path[1:])] = weights[path]
+    return weights
 
 
 class Forward(NamedTuple):

@@ -17,6 +17,10 @@ planner use instead of asking the mesh or the schedule's name:
     bubble_fraction(m)                        predicted share of the step stages wait
     table(m)                                  the 1F1B table (schedule.Schedule), or None
     name, pipelined                           how the banner names it; whether over 'stage'
+    block_grads_share                         the share of the block parameters one micro-step's
+                                              compute-dtype gradients cover (the planner's
+                                              memory): 1, or 1 / v where a tick differentiates
+                                              one chunk of v
 
 stage_fns: the model's pieces (stage_functions.StageFunctions); params: the compute-dtype
 parameters (blocks stage-major when pipelined).
@@ -37,6 +41,7 @@ class Sequential:
 
     name = 'none (mesh.stage = 1)'
     pipelined = False
+    block_grads_share = 1.0
 
     def table(self, micro_batches):
         return None

@@ -53,6 +53,7 @@ class GPipeEngine:
     repeats: int
     name = 'gpipe'
     pipelined = True
+    block_grads_share = 1.0
 
     def table(self, micro_batches):
         return None  # no table: autodiff orders the backward

@@ -73,6 +73,10 @@ class TableEngine:
     pipelined = True
 
     @property
+    def block_grads_share(self):
+        return 1.0 / self.repeats  # a tick's backward differentiates one chunk (stage.py)
+
+    @property
     def name(self):
         name = 'interleaved 1F1B' if self.repeats > 1 else '1f1b'
         if self.max_in_flight:
@@ -162,7 +166,8 @@ def run_table(stage_fns, params, batch, table, with_grads, bubble_fill=0.0, stag
 
     def per_stage(blocks, shared, batch):
         index = jax.lax.axis_index(STAGE_AXIS)
-        chunks = jax.tree.map(lambda a: a.reshape(v, per_chunk, *a.shape[1:]), blocks)
+        stacked = jax.tree.map(lambda a: a.reshape(v, per_chunk, *a.shape[1:]), blocks)
+        chunks = tuple(jax.tree.map(lambda a: a[k], stacked) for k in range(v))
         embedded = jax.eval_shape(lambda sh, b: stage_fns.embed(sh, b.at(0)), shared, batch)
         hidden = embedded.shape[-1]
         stage = Stage(
@@ -182,7 +187,7 @@ def run_table(stage_fns, params, batch, table, with_grads, bubble_fill=0.0, stag
         if with_grads:  # the layout of a forward's residuals: every forward has the same
             zero = jnp.zeros((), jnp.int32)
             kept_shapes, layout = probe_layout(
-                stage.forward_with_residuals, zero, stage.fill, zero, zero
+                stage.forward_with_residuals, chunks[0], zero, stage.fill, zero, 0
             )
             stage = dataclasses.replace(stage, layout=layout)
         return scan_ticks(stage, table, kept_shapes, bubble_fill)
@@ -236,5 +241,5 @@ def scan_ticks(stage, table, kept_shapes, bubble_fill):
     if not stage.with_grads:
         return (loss,)
     acc_shared = jax.lax.psum(acc_shared, STAGE_AXIS)
-    acc_blocks = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), acc_blocks)
+    acc_blocks = jax.tree.map(lambda *a: jnp.concatenate(a), *acc_blocks)
     return (loss, acc_blocks, acc_shared)

@@ -4,7 +4,8 @@ Built inside the engine's `shard_map` (manual over 'stage'), once per step: `Sta
 stage's chunks, the shared parameters, every micro-batch's inputs and the residual layout
 probed before the scan; `tick` is the body of the scan over the table's rows (branches.Columns,
 this stage's row of them). Every stage runs the same program; `lax.cond` on each slot's kind
-(branches.py) picks what it computes, so an idle slot costs nothing:
+(branches.py) picks what it computes, so an idle slot costs nothing, and (interleaved) a
+`lax.switch` on the slot's chunk runs it on that chunk's weights where they lie:
 
     arrivals -> stash[act_slot], grads[grad_slot]            (last tick's ppermute)
     forward  y, vjp = jax.vjp(chunk, stash[slot])   chunk 0: chunk(embed(tokens))
@@ -13,22 +14,31 @@ this stage's row of them). Every stage runs the same program; `lax.cond` on each
              last chunk: y, vjp = jax.vjp(chunk, stash[slot]), then final norm, head, loss;
              the loss's gradient is the cotangent
              fp32 accumulators += parameter gradients;   dx = gradient of the stage input
-             (the conditionals return gradients; the accumulators are updated after them, in
-             place: a conditional that hands a buffer through has XLA copy it in its branches)
+             (the conditionals return gradients; each chunk's accumulators, and the shared
+             ones, are updated after them, in place, by a conditional that skips them unless
+             the slot ran that chunk: a conditional that hands a buffer through its false
+             branch has XLA:GPU copy it, through its true branch not)
     y -> stage s + 1, dx -> stage s - 1 (rings), split over 'tensor' along the sequence
 
 The carry of the scan: (act_in, grad_in, stash, resids, grad_buf, sums), sums = (fp32 block
-accumulators (v, L / (p v), ...), fp32 shared accumulators, loss).
+accumulators, one tree (L / (p v), ...) a chunk, fp32 shared accumulators, loss). Chunks are
+separate trees, not one stacked (v, ...) array: slicing a chunk's weights and accumulators out
+of a stack by a traced index copies them every tick (XLA:GPU does not read a dynamic slice in
+place in a GEMM).
 """
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from mtnlg_jax.parallel.branches import (
+    ACCUMULATE,
+    ACCUMULATE_SHARED,
     BACKWARD,
+    CHUNK,
     EVAL,
     FIRST,
     FORWARD,
@@ -46,11 +56,12 @@ ACTIVATION_AXES = ('batch', 'residual_seq', 'embed')  # gathered, unless sequenc
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
-    """A stage's work: fns (stage_functions.StageFunctions), chunks (this stage's blocks,
-    (v, L / (p v), ...)), shared (the parameters every stage holds), batch (MicroBatch of all
-    micro-batches), index (this stage, traced), stages, per_chunk (layers a chunk), fill
-    (what idle outputs hold, (rows, seq, hidden)), layout (the residuals' layout,
-    residuals.split_vjp's; None without gradients), handoff_axes (a hand-off's split)."""
+    """A stage's work: fns (stage_functions.StageFunctions), chunks (this stage's v chunks, a
+    tuple of block trees (L / (p v), ...)), shared (the parameters every stage holds), batch
+    (MicroBatch of all micro-batches), index (this stage, traced), stages, per_chunk (layers
+    a chunk), fill (what idle outputs hold, (rows, seq, hidden)), layout (the residuals'
+    layout, residuals.split_vjp's; None without gradients), handoff_axes (a hand-off's
+    split)."""
 
     fns: Any
     chunks: Any
@@ -68,8 +79,15 @@ class Stage:
     def with_grads(self):
         return self.layout is not None
 
-    def chunk_at(self, repeat):
-        return jax.tree.map(lambda a: a[repeat], self.chunks)
+    def on_chunk(self, repeat, fn):
+        """fn(chunk, k) for this stage's chunk k = repeat (traced): a switch over the chunks
+        whose branch k reads chunk k's parameters where they lie. Stacked chunks sliced by a
+        traced index would copy the chunk's weights out every tick."""
+        if len(self.chunks) == 1:
+            return fn(self.chunks[0], 0)
+        branches = [functools.partial(fn, chunk, k) for k, chunk in enumerate(self.chunks)]
+        with jax.named_scope(CHUNK):
+            return jax.lax.switch(repeat, branches)
 
     def apply(self, chunk, h, micro, repeat):
         """The chunk's blocks over h, gathered over 'tensor' on arrival."""
@@ -109,25 +127,27 @@ class Stage:
 
         return run
 
-    def forward_with_residuals(self, kind, x, micro, repeat):
+    def forward_with_residuals(self, chunk, kind, x, micro, repeat):
         """(y, what the chunk's backward needs under fns.remat, its layout): the VJP's
         residuals without the parameters (residuals.split_vjp), kept instead of recomputed."""
-        params = (self.chunk_at(repeat), self.shared)
-        return split_vjp(self.chunk_fn(kind, micro, repeat), params, x)
+        return split_vjp(self.chunk_fn(kind, micro, repeat), (chunk, self.shared), x)
 
     def forward(self, fwd, stash, resids):
         """One chunk's forward (branches.Forward): y to the next stage, its residuals into
         resids[fwd.resid_slot]."""
 
-        def run():
+        def run_chunk(chunk, repeat):
             x = stash[fwd.slot]
             if not self.with_grads:
-                params = (self.chunk_at(fwd.repeat), self.shared)
-                return self.chunk_fn(fwd.kind, fwd.micro, fwd.repeat)(params, x), []
-            y, kept, layout = self.forward_with_residuals(fwd.kind, x, fwd.micro, fwd.repeat)
+                params = (chunk, self.shared)
+                return self.chunk_fn(fwd.kind, fwd.micro, repeat)(params, x), []
+            y, kept, layout = self.forward_with_residuals(chunk, fwd.kind, x, fwd.micro, repeat)
             # the same program as the probe's: the same parameters in the same places
             assert layout[1] == self.layout[1], 'a forward kept another layout'
             return y, kept
+
+        def run():
+            return self.on_chunk(fwd.repeat, run_chunk)
 
         def idle():
             return self.fill, [jnp.zeros(b.shape[1:], b.dtype) for b in resids]
@@ -155,60 +175,70 @@ class Stage:
         # The conditional returns this tick's gradients, never the accumulators: handed
         # through one, XLA:GPU copies every fp32 accumulator in both branches, every tick.
         acc_blocks, acc_shared, loss = sums
+        idle = bwd.kind == SLOT_IDLE
         with jax.named_scope(BACKWARD):
             d_chunk, d_shared, value, dx = jax.lax.cond(
-                bwd.kind == SLOT_IDLE,
-                self.no_gradients,
-                lambda: self.pull_back(bwd, h, g, kept),
+                idle, self.no_gradients, lambda: self.pull_back(bwd, h, g, kept)
             )
-        acc_blocks = add_chunk(acc_blocks, bwd.repeat, d_chunk)
-        return (acc_blocks, add(acc_shared, d_shared), loss + value), dx
+        with jax.named_scope(ACCUMULATE):
+            acc_blocks = tuple(
+                add_unless(idle | (bwd.repeat != k), acc, d_chunk)
+                for k, acc in enumerate(acc_blocks)
+            )
+        # only chunk 0 (the embedding) and the last chunk (final norm, head) touch them
+        untouched = (bwd.kind != SLOT_FIRST) & (bwd.kind != SLOT_LAST)
+        with jax.named_scope(ACCUMULATE_SHARED):
+            acc_shared = add_unless(untouched, acc_shared, d_shared)
+        return (acc_blocks, acc_shared, loss + value), dx
 
     def no_gradients(self):
         """An idle backward's: zero gradients, no loss, the fill as the input's gradient."""
-        zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
-        d_chunk = zeros(self.chunk_at(0))
-        return d_chunk, zeros32(self.shared), jnp.zeros((), jnp.float32), self.fill
+        d_chunk, d_shared = zeros(self.chunks[0]), zeros(self.shared)
+        return d_chunk, d_shared, jnp.zeros((), jnp.float32), self.fill
 
     def loss_only(self, bwd, sums, h):
         """The last chunk's loss added to sums (evaluation)."""
         acc_blocks, acc_shared, loss = sums
-        x = self.apply(
-            self.chunk_at(bwd.repeat), constrain(h, ACTIVATION_AXES), bwd.micro, bwd.repeat
-        )
-        return (
-            acc_blocks,
-            acc_shared,
-            loss + self.token_loss(self.shared, x, bwd.micro),
-        ), self.fill
+
+        def last_chunk(chunk, repeat):
+            x = self.apply(chunk, constrain(h, ACTIVATION_AXES), bwd.micro, repeat)
+            return self.token_loss(self.shared, x, bwd.micro)
+
+        return (acc_blocks, acc_shared, loss + self.on_chunk(bwd.repeat, last_chunk)), self.fill
 
     def pull_back(self, bwd, h, g, kept_earlier):
-        """(the chunk's gradients, the shared parameters' in fp32, the loss (0 but for the
-        last chunk), the stage input's gradient). Each branch applies its own VJP: a branch
-        that handed the stashed residuals through would have XLA copy them in both."""
-        params = (self.chunk_at(bwd.repeat), self.shared)
+        """(the chunk's gradients, the shared parameters', the loss (0 but for the last
+        chunk), the stage input's gradient), gradients in the compute dtype (the accumulators
+        take them in fp32). Each branch applies its own VJP: a branch that handed the stashed
+        residuals through would have XLA copy them in both."""
 
-        def pullback(kept, d_y, d_head):
-            # d_shared: the embedding's half of the tied gradient (zeros but for chunk 0)
-            (d_chunk, d_shared), d_h = join_vjp(self.layout, kept, params)(d_y)
-            return d_chunk, add(d_head, d_shared), d_h
+        def on(chunk, repeat):
+            params = (chunk, self.shared)
 
-        def head():  # the last chunk: its forward, the loss and the loss's gradient
-            y, kept, _ = self.forward_with_residuals(bwd.kind, h, bwd.micro, bwd.repeat)
-            value, (d_shared, d_y) = jax.value_and_grad(self.token_loss, argnums=(0, 1))(
-                self.shared, y, bwd.micro
-            )
-            d_head = add(zeros32(self.shared), d_shared)
-            d_chunk, d_shared, d_h = pullback(kept, d_y.astype(y.dtype), d_head)
-            return d_chunk, d_shared, value, d_h
+            def pullback(kept, d_y, d_head):
+                # d_shared: the embedding's half of the tied gradient (zeros but for chunk 0);
+                # exact in the compute dtype: chunk 0 and the last are on different stages, so
+                # one of d_head and d_shared is zero
+                (d_chunk, d_shared), d_h = join_vjp(self.layout, kept, params)(d_y)
+                return d_chunk, jax.tree.map(jnp.add, d_head, d_shared), d_h
 
-        def stashed():  # the forward ran in an earlier tick: its residuals, the gradient
-            d_y = constrain(g, ACTIVATION_AXES)
-            d_chunk, d_shared, d_h = pullback(kept_earlier, d_y, zeros32(self.shared))
-            return d_chunk, d_shared, jnp.zeros((), jnp.float32), d_h
+            def head():  # the last chunk: its forward, the loss and the loss's gradient
+                y, kept, _ = self.forward_with_residuals(chunk, bwd.kind, h, bwd.micro, repeat)
+                value, (d_shared, d_y) = jax.value_and_grad(self.token_loss, argnums=(0, 1))(
+                    self.shared, y, bwd.micro
+                )
+                d_chunk, d_shared, d_h = pullback(kept, d_y.astype(y.dtype), d_shared)
+                return d_chunk, d_shared, value, d_h
 
-        with jax.named_scope(LAST):
-            return jax.lax.cond(bwd.kind == SLOT_LAST, head, stashed)
+            def stashed():  # the forward ran in an earlier tick: its residuals, the gradient
+                d_y = constrain(g, ACTIVATION_AXES)
+                d_chunk, d_shared, d_h = pullback(kept_earlier, d_y, zeros(self.shared))
+                return d_chunk, d_shared, jnp.zeros((), jnp.float32), d_h
+
+            with jax.named_scope(LAST):
+                return jax.lax.cond(bwd.kind == SLOT_LAST, head, stashed)
+
+        return self.on_chunk(bwd.repeat, on)
 
     def handoff(self, x, ring):
         return jax.lax.ppermute(constrain(x, self.handoff_axes), STAGE_AXIS, ring)
@@ -234,15 +264,15 @@ def write(buffer, slot, arrived, value):
     return jax.lax.dynamic_update_index_in_dim(buffer, kept, slot, 0)
 
 
-def zeros32(tree):
-    return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
+def zeros(tree):
+    return jax.tree.map(jnp.zeros_like, tree)
 
 
 def add(acc, grads):
     return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
 
 
-def add_chunk(acc, repeat, grads):
-    """acc[repeat] += grads as a scatter-add: XLA:GPU updates the slot in one in-place pass
-    (a dynamic slice, an add and a dynamic update slice read and write it three times)."""
-    return jax.tree.map(lambda a, g: a.at[repeat].add(g.astype(a.dtype)), acc, grads)
+def add_unless(skip, acc, grads):
+    """acc + grads in fp32, or acc as it was where `skip`: in place either way. The
+    pass-through is the conditional's true branch: XLA:GPU copies one that is its false."""
+    return jax.lax.cond(skip, lambda a, _: a, add, acc, grads)

@@ -104,7 +104,8 @@ def state_bytes(config):
     """Bytes per device of the training state, as train/step.py holds it:
 
     params     compute-dtype copy the forward runs on (split over tensor, stage)
-    grads      a micro-step's compute-dtype gradients + the replica's fp32 accumulators, whole
+    grads      a micro-step's compute-dtype gradients (the 1F1B / interleaved engine's: one
+               chunk's and the shared parameters') + the replica's fp32 accumulators, whole
                (summed locally until the step's reduce-scatter, as Megatron's fp32 gradient
                buffer)
     optimizer  fp32 master weights + Adam's two moments on the ZeRO-1 shard
@@ -113,7 +114,9 @@ def state_bytes(config):
     data d, 8 + 12 / d."""
     compute, zero = local_param_counts(config)
     e = itemsize(config.model.compute_dtype)
-    return dict(params=compute * e, grads=compute * (e + 4), optimizer=zero * 12)
+    shared = local_shared_params(config)
+    step = (compute - shared) * engine_lib.engine(config).block_grads_share + shared
+    return dict(params=compute * e, grads=step * e + compute * 4, optimizer=zero * 12)
 
 
 def chunk_slots(config):
