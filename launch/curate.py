@@ -20,7 +20,9 @@ default stages include it when --eval is given). Writes OUTPUT and OUTPUT's .rep
 complete. `--output DIR/` writes one part-NNNNN.jsonl per piece of input (--shard_mb), a
 manifest.json (inputs and their SHA-256, options, documents per shard) and report.json.
 Partial work lives in --work_dir (default OUTPUT.work): a failed run, rerun alike, resumes at
-the stage that failed. Bad input prints one line `error: ...` and exits with status 2.
+the stage that failed. Bad input prints one line `error: ...` and exits with status 2; a run
+in which no work finishes for --stall_timeout_s (900 s) prints one line and exits with status 3,
+its finished stages kept for the rerun (mtnlg_jax/data/stall.py).
 """
 
 import os
@@ -56,7 +58,13 @@ def parse_args(argv):
     p.add_argument('--work_dir', help='partial work, for a rerun to resume (OUTPUT.work)')
     p.add_argument('--shard_mb', type=float, default=32.0, help='input MB per piece and shard')
     p.add_argument('--part_documents', type=int, default=20000, help='per shuffle partition')
-    p.add_argument('--drill', choices=('signatures',), help='kill one worker once (a drill)')
+    p.add_argument(
+        '--drill', choices=('signatures', 'stall'), help='kill / hang one worker once (a drill)'
+    )
+    p.add_argument(
+        '--stall_timeout_s', type=float, default=900.0,
+        help='end the run when no work finishes for this long (0: never; data/stall.py)',
+    )  # fmt: skip
     p.add_argument('--json_key', default='text')
     p.add_argument('--examples', type=int, default=3, help='removed documents shown per stage')
     g = p.add_argument_group('fuzzy deduplication')
@@ -97,6 +105,8 @@ def _check(args):
                     open(name, 'rb').close()
                 except OSError as e:
                     raise InputError(f'{flag} {name}: {e.strerror or e}') from None
+    if args.stall_timeout_s < 0:
+        raise InputError(f'--stall_timeout_s must be >= 0, got {args.stall_timeout_s:g}')
     if not 0 < args.shard_mb <= 1 << 20:
         raise InputError(f'--shard_mb must be positive, got {args.shard_mb}')
     for flag, value in (
@@ -166,6 +176,7 @@ def options(args):
         shard_mb=args.shard_mb,
         part_documents=args.part_documents,
         drill=args.drill,
+        stall_timeout_s=args.stall_timeout_s,
         examples=args.examples,
         rule=decontaminate.Rule(n=args.ngram),
     )

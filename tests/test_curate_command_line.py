@@ -37,6 +37,7 @@ def one_document(folder):
             '--classifier_threshold must be in (0, 1]',
         ),
         (one_document, ('--stages', 'decontaminate'), 'needs --eval'),
+        (one_document, ('--stall_timeout_s', '-1'), '--stall_timeout_s must be >= 0'),
     ],
 )
 def test_bad_input_is_one_line_and_keeps_the_old_output(tmp_path, capsys, make, flags, message):

@@ -322,3 +322,26 @@ def test_sharded_partitioned_survivors_equal_the_one_process_rule(planted_pairs_
     shuffled, kept, report, _, _, threshold = planted_pairs_run
     assert report['workers'] == 2 and report['shards'] >= 5
     assert kept == one_process_survivors(shuffled, threshold)  # the same, in input order
+
+
+def test_a_hung_worker_ends_the_run_with_one_line_and_keeps_the_work(cluster, tmp_path):
+    """--drill stall: piece 0's worker hangs in pass 1; with --stall_timeout_s 30 the run ends
+    with status 3 and one `error:` line naming the stage, no output placed, the work folder
+    (its scan and state) kept for a rerun. (At 5 s on a loaded machine the watch fires before
+    Ray's workers have started: the failure it is for, but not this drill's.) Last in the
+    module: the hung worker holds a CPU of the cluster until Ray ends the departed driver's
+    job."""
+    address, env = cluster
+    out = tmp_path / 'curated.jsonl'
+    started = time.monotonic()
+    done = tool('curate.py', '--input', GOLDEN / 'planted.raw.jsonl', '--output', out,
+                '--workers', 2, '--ray_address', address, '--shard_mb', 1 / 64,
+                '--drill', 'stall', '--stall_timeout_s', 30, *PLANTED, env=env)  # fmt: skip
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert time.monotonic() - started < 300
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1].startswith('error: curate: no progress for ') and 'signatures' in lines[-1]
+    assert [line for line in lines if line.startswith('error:')] == lines[-1:]
+    work = tmp_path / 'curated.jsonl.work'
+    assert (work / 'drill.stall').exists()  # piece 0's worker did hang (not fail otherwise)
+    assert not out.exists() and (work / 'state.json').exists()

@@ -26,6 +26,7 @@ import numpy as np
 
 from mtnlg_jax.data import pieces as pieces_lib
 from mtnlg_jax.data import ray_engine
+from mtnlg_jax.data.stall import StallWatch, beating
 from mtnlg_jax.data.curate import exact, fuzzy, pipeline, stages, workdir
 from mtnlg_jax.data.curate.report import merged
 from mtnlg_jax.data.preprocess import InputError
@@ -46,10 +47,13 @@ def _shared(ref):
 
 
 def _drill(options, folder, piece):
-    """--drill signatures: the worker of piece 0 exits once, as a killed process would."""
-    marker = os.path.join(folder, 'drill.signatures')
-    if options.drill == 'signatures' and piece == 0 and not os.path.exists(marker):
+    """--drill signatures: the worker of piece 0 exits once, as a killed process would;
+    --drill stall: it hangs (the stall watch ends the run)."""
+    marker = os.path.join(folder, f'drill.{options.drill}')
+    if options.drill and piece == 0 and not os.path.exists(marker):
         open(marker, 'w').close()
+        if options.drill == 'stall':
+            time.sleep(1e9)
         os._exit(1)
 
 
@@ -95,7 +99,11 @@ class Curation:
 
     def run(self):
         started = time.perf_counter()
-        with ray_engine.started(self.options.workers, self.address) as ray:
+        with (
+            ray_engine.started(self.options.workers, self.address) as ray,
+            StallWatch(self.work.folder, self.options.stall_timeout_s, 'curate') as watch,
+        ):
+            self.watch = watch
             scans = self._scan(ray)
             self.pieces = pieces_lib.numbered(scans)
             self.documents = sum(p['documents'] for p in self.pieces)
@@ -126,9 +134,13 @@ class Curation:
                 raise InputError(result['error'])
         return found
 
+    def _beating(self, fn):
+        return beating(fn, self.work.folder)
+
     def _map(self, ray, name, build):
         """Run build() -> a Dataset into WORK/name/ (parquet) unless done; read it back."""
         folder = self.work.path(name)
+        self.watch.stage(name)
         if not self.work.done(name):
             shutil.rmtree(folder, ignore_errors=True)
             build().write_parquet(folder)
@@ -139,7 +151,7 @@ class Curation:
         def build():
             items = ray.data.from_items(self.pieces, override_num_blocks=len(self.pieces))
             kwargs = dict(options_ref=self.options_ref, folder=self.work.folder, parts=self.parts)
-            return items.map_batches(_signatures, batch_size=1, fn_kwargs=kwargs)
+            return items.map_batches(self._beating(_signatures), batch_size=1, fn_kwargs=kwargs)
 
         self.signatures = self._map(ray, 'signatures', build)
 
@@ -152,7 +164,7 @@ class Curation:
 
         def build():
             grouped = self.signatures.groupby('part', num_partitions=self.parts)
-            return grouped.map_groups(stages.exact_groups, batch_format='numpy')
+            return grouped.map_groups(self._beating(stages.exact_groups), batch_format='numpy')
 
         self.exact = self._map(ray, 'exact', build)
 
@@ -162,20 +174,23 @@ class Curation:
             return {'removed': [], 'details': {}}
         if self.work.done('fuzzy'):
             return self.work.read_json('fuzzy.json')
+        self.watch.stage('fuzzy')
         bands, rows = fuzzy.bands_and_rows(self.options.threshold, self.options.num_perm)
         band_kwargs = dict(bands=bands, rows=rows, parts=self.parts)
         members = (
-            self.exact.map_batches(stages.band_rows, batch_format='numpy', fn_kwargs=band_kwargs)
+            self.exact.map_batches(
+                self._beating(stages.band_rows), batch_format='numpy', fn_kwargs=band_kwargs
+            )
             .groupby('part', num_partitions=self.parts)
-            .map_groups(stages.bucket_members, batch_format='numpy')
+            .map_groups(self._beating(stages.bucket_members), batch_format='numpy')
         )
         pieces_kwargs = dict(pieces_ref=self.pieces_ref)
         edges = (
             members.groupby('piece', num_partitions=self.parts)
-            .map_groups(_shingles, batch_format='numpy', fn_kwargs=pieces_kwargs)
+            .map_groups(self._beating(_shingles), batch_format='numpy', fn_kwargs=pieces_kwargs)
             .groupby('part', num_partitions=self.parts)
             .map_groups(
-                stages.verified_edges,
+                self._beating(stages.verified_edges),
                 batch_format='numpy',
                 fn_kwargs={'threshold': self.options.threshold},
             )
@@ -230,6 +245,7 @@ class Curation:
         undone = [p['piece'] for p in self.pieces if not self.work.part_done(p['piece'])]
         if not undone:
             return
+        self.watch.stage('filter')
         rows = [{'piece': p, 'index': -1, 'stage': 0, 'kept': -1, 'jaccard': np.nan}
                 for p in undone]  # fmt: skip
         pending = set(undone)
@@ -249,7 +265,10 @@ class Curation:
             removed = removed.union(self.exact.map_batches(exact_removed, batch_format='numpy'))
         kwargs = dict(pieces_ref=self.pieces_ref, folder=folder)
         grouped = removed.groupby('piece', num_partitions=min(len(undone), self.parts))
-        grouped.map_groups(_filter, batch_format='numpy', fn_kwargs=kwargs).materialize()
+        filtered = grouped.map_groups(
+            self._beating(_filter), batch_format='numpy', fn_kwargs=kwargs
+        )
+        filtered.materialize()
 
     def _report(self, scans, fuzzy_state, seconds):
         per_piece = [self.work.read_json(f'parts/part-{p["piece"]:05d}.json') for p in self.pieces]

@@ -44,7 +44,8 @@ class Options:
     examples: int = 3
     shard_mb: float = 32.0  # input bytes per piece (and output shard)
     part_documents: int = 20000  # documents per partition of a shuffle
-    drill: str = None  # 'signatures': kill the worker of piece 0 once (a fault drill)
+    drill: str = None  # 'signatures' / 'stall': the worker of piece 0 dies / hangs once
+    stall_timeout_s: float = 900.0  # no progress for this long ends the run (data/stall.py)
 
 
 def filter_documents(chunk, options):

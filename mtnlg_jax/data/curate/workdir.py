@@ -54,7 +54,7 @@ def write_json(path, value):
 def options_record(options):
     """The options that decide the output, as JSON (the classifier and the evaluation n-grams
     enter through the identity of their files, see launch/curate.py)."""
-    skip = {'classifier', 'contaminants', 'workers', 'drill'}
+    skip = {'classifier', 'contaminants', 'workers', 'drill', 'stall_timeout_s'}
     out = {}
     for field in dataclasses.fields(options):
         if field.name not in skip:
