@@ -178,11 +178,8 @@ def assert_dropout_does_not_depend_on_the_layout(layout, dropout, **model):
     gradients of one step, and dropout moves the gradients far beyond that tolerance (so the
     masks are drawn, and drawn alike)."""
     batch = random_batches(1)[0]
-    _, loss_one, grads_one = gradients(
-        small_config(data=1, micro_steps=1, **model, **dropout), batch, step=5
-    )
+    loss_one, grads_one, grads_no_dropout = _one_device_with_and_without(dropout, model)
     _, loss_many, grads_many = gradients(small_config(**layout, **model, **dropout), batch, step=5)
-    _, _, grads_no_dropout = gradients(small_config(data=1, **model), batch, step=5)
     change = max(
         np.abs(a - b).max()
         for a, b in zip(jax.tree.leaves(grads_one), jax.tree.leaves(grads_no_dropout))
@@ -190,6 +187,23 @@ def assert_dropout_does_not_depend_on_the_layout(layout, dropout, **model):
     assert change > 1e-3, 'dropout should change the gradients far beyond the tolerance'
     np.testing.assert_allclose(loss_many, loss_one, rtol=1e-6)
     assert_gradients_close(grads_many, grads_one)
+
+
+_ONE_DEVICE = {}  # the one-device side of the check above, for each (dropout, model)
+
+
+def _one_device_with_and_without(dropout, model):
+    """(loss, gradients) of one device with `dropout` and its gradients without: the same for
+    every layout a test checks, so computed once a process."""
+    key = repr((sorted(dropout.items()), sorted(model.items())))
+    if key not in _ONE_DEVICE:
+        batch = random_batches(1)[0]
+        _, loss, grads = gradients(
+            small_config(data=1, micro_steps=1, **model, **dropout), batch, step=5
+        )
+        _, _, no_dropout = gradients(small_config(data=1, **model), batch, step=5)
+        _ONE_DEVICE[key] = loss, grads, no_dropout
+    return _ONE_DEVICE[key]
 
 
 def assert_updates_close(actual, expected, initial, relative=1e-2):
