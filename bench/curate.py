@@ -1,6 +1,7 @@
 """Curation throughput (launch/curate.py): documents/s and MB/s per stage, peak memory.
 
     python bench/curate.py [--workers 2] [--synthetic-mb 200] [--no-synthetic]
+    python bench/curate.py --only-ray | --only-memory [--memory-mb 200]   (part 3 / 3c alone)
 
 1. Library or own code, on the default corpus (King James Bible + Python standard library,
    exported by launch/export_corpus.py): MinHash signatures with datasketch (integer shingle
@@ -29,7 +30,9 @@
       --synthetic-mb (the 1x of c);
    c. peak resident memory of the driver and of the largest Ray worker process (sampled every
       0.2 s over the run's whole process tree; Ray's own GCS, raylet and agents apart), and the
-      largest LSH bucket, as the synthetic corpus grows 1x -> 4x -> 16x of --memory-mb.
+      largest LSH bucket, as the synthetic corpus grows 1x -> 4x -> 16x of --memory-mb; a
+      worker's RSS counts the object store's shared pages it has read, so its private share
+      (RSS less shared) is printed beside it.
 Timings on a shared machine are noisy: read them as orders of magnitude.
 """
 
@@ -152,7 +155,9 @@ def synthetic(path, megabytes, verses):
 
 
 def _sampled_peaks(process, stop, peaks):
-    """Peak RSS (MB) per role of `process` and its descendants until `stop` is set."""
+    """Peak RSS (MB) per role of `process` and its descendants until `stop` is set, and per
+    role + '_private' the peak of RSS less its shared pages (a Ray worker maps the object
+    store's shared memory: the blocks it reads count in its RSS, not in its own heap)."""
     import psutil
 
     while not stop.is_set():
@@ -162,7 +167,8 @@ def _sampled_peaks(process, stop, peaks):
             break
         for p in tree:
             try:
-                name, rss = p.name(), p.memory_info().rss / 2**20
+                name, memory = p.name(), p.memory_info()
+                rss, private = memory.rss / 2**20, (memory.rss - memory.shared) / 2**20
                 cmdline = ' '.join(p.cmdline()[:3])
             except psutil.Error:
                 continue
@@ -172,6 +178,7 @@ def _sampled_peaks(process, stop, peaks):
             elif 'default_worker' not in cmdline and not name.startswith('ray::'):
                 role = 'ray' if p.pid != process.pid else role
             peaks[role] = max(peaks.get(role, 0.0), rss)
+            peaks[role + '_private'] = max(peaks.get(role + '_private', 0.0), private)
         stop.wait(0.2)
 
 
@@ -260,7 +267,7 @@ def ray_start_up():
     return [float(x) for x in done.stdout.split()[-2:]]
 
 
-def ray_rows(args, folder, verses, reference, evaluation):
+def ray_throughput(args, folder, verses, reference, evaluation):
     up, first = ray_start_up()
     print(f'\n3a. Ray start-up: ray.init {up:.1f} s; with a first Ray Data job {first:.1f} s')
     path = os.path.join(folder, 'synthetic.jsonl')
@@ -273,9 +280,14 @@ def ray_rows(args, folder, verses, reference, evaluation):
         mb, compute = r['bytes_in'] / 1e6, sum(s['seconds'] for s in r['stages'])
         print(f'    | {workers} | {mb:.0f} | {r["wall"]:.0f} | {compute:.0f} | '
               f'{mb / compute:.2f} | {mb / r["wall"]:.2f} |')  # fmt: skip
-    print('\n3c. peak resident memory as the corpus grows (MB)')
-    print('    | corpus | MB | documents | driver | largest worker | Ray (GCS, raylet, agents) '
-          '| largest bucket | wall s |')  # fmt: skip
+
+
+def ray_rows(args, folder, verses, reference, evaluation):
+    if not args.only_memory:
+        ray_throughput(args, folder, verses, reference, evaluation)
+    print('\n3c. peak resident memory as the corpus grows (MB; private: less shared pages)')
+    print('    | corpus | MB | documents | driver | largest worker | largest worker, private '
+          '| Ray (GCS, raylet, agents) | largest bucket | wall s |')  # fmt: skip
     for scale in (1, 4, 16):
         scaled = os.path.join(folder, f'memory{scale}.jsonl')
         synthetic(scaled, args.memory_mb * scale, verses)
@@ -283,7 +295,8 @@ def ray_rows(args, folder, verses, reference, evaluation):
         fuzzy_stage = next(s for s in r['stages'] if s['stage'] == 'fuzzy')
         p = r['peaks']
         print(f'    | {scale}x | {r["bytes_in"] / 1e6:.0f} | {r["documents_in"]:,} | '
-              f'{p.get("driver", 0):.0f} | {p.get("worker", 0):.0f} | {p.get("ray", 0):.0f} | '
+              f'{p.get("driver", 0):.0f} | {p.get("worker", 0):.0f} | '
+              f'{p.get("worker_private", 0):.0f} | {p.get("ray", 0):.0f} | '
               f'{fuzzy_stage["largest_bucket"]} | {r["wall"]:.0f} |')  # fmt: skip
         os.remove(scaled)
 
@@ -295,6 +308,7 @@ def main():
     parser.add_argument('--no-synthetic', action='store_true')
     parser.add_argument('--memory-mb', type=float, default=200, help='the 1x of part 3c')
     parser.add_argument('--only-ray', action='store_true', help='part 3 alone')
+    parser.add_argument('--only-memory', action='store_true', help='part 3c alone')
     args = parser.parse_args()
     print(f'command: python bench/curate.py {" ".join(sys.argv[1:])}'.strip())
     print(
@@ -314,7 +328,7 @@ def main():
         evaluation = os.path.join(folder, 'evaluation.jsonl')
         with open(evaluation, 'w') as f:
             f.writelines(json.dumps({'text': v}) + '\n' for v in rng.sample(verses, 500))
-        if args.only_ray:
+        if args.only_ray or args.only_memory:
             ray_rows(args, folder, verses, inputs[0], evaluation)
             return
         texts = [json.loads(line)['text'] for path in inputs for line in open(path)]
