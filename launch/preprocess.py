@@ -71,12 +71,20 @@ def parse_args(argv):
     p.add_argument('--model-type', choices=('bpe', 'unigram'), default='bpe', help='sentencepiece')
     p.add_argument('--seed', type=int, default=0, help='of the sentencepiece training')
     p.add_argument('--piece-mb', type=float, default=4.0, help='input MB per Ray task')
+    p.add_argument(
+        '--stall_timeout_s',
+        type=float,
+        default=900.0,
+        help='end the run when no piece finishes for this long (0: never)',
+    )
     args = p.parse_args(argv)
     for path in args.input + (args.tokenizer_input or []):
         if not os.path.exists(path):
             raise InputError(f'--input {path}: no such file or folder')
     if args.workers < 1 or not args.piece_mb > 0:
         raise InputError('--workers must be at least 1 and --piece-mb positive')
+    if args.stall_timeout_s < 0:
+        raise InputError(f'--stall_timeout_s must be >= 0, got {args.stall_timeout_s:g}')
     if args.tokenizer_type is None:
         hf = (args.tokenizer_model or '').endswith('.json')
         args.tokenizer_type = KINDS[1] if args.vocab_file else KINDS[2] if hf else KINDS[0]
@@ -195,6 +203,7 @@ def main(argv=None):
             append_eod=args.append_eod,
             json_keys=args.json_keys,
             address=args.ray_address,
+            stall_timeout_s=args.stall_timeout_s,
         )
         for writer in writers if args.json_keys else [writers]:
             print(

@@ -145,6 +145,7 @@ def earlier(tokenizer, tmp_path_factory):
         (lambda d: d / 'bad.jsonl', ['--train-tokenizer'], 'bad.jsonl:2: not a JSON object'),
         (lambda d: d / 'ok.txt', ['--train-tokenizer', '--vocab-size', '10'], '--vocab-size'),
         (lambda d: d / 'ok.txt', ['--workers', '0'], '--workers'),
+        (lambda d: d / 'ok.txt', ['--stall_timeout_s', '-1'], '--stall_timeout_s must be >= 0'),
         (lambda d: d / 'ok.txt', ['--tokenizer-model', 'none.model'], 'none.model: no such'),
         (lambda d: d / 'empty.jsonl', [], '--input'),  # no documents at all
         (

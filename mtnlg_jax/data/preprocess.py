@@ -144,6 +144,7 @@ def tokenize(
     append_eod=True,
     json_keys=None,
     address=None,
+    stall_timeout_s=900.0,
 ):
     """Tokenize the documents of `paths` on Ray (data/ray_engine.py: embedded with `workers`
     CPUs, or joined at `address`), a task per piece of input (pieces.py, piece_mb each), into
@@ -152,8 +153,10 @@ def tokenize(
     OUTPUT_PREFIX.shards/NAME.bin/.idx; the merged prefix holds them in order. tokenizer: a
     path (tokenizer.load) or a tokenizer. Returns (the finished writers of the merged prefix,
     one per key, or the one writer without json_keys; seconds). InputError, before anything
-    is written, for an unreadable input, a bad line anywhere, or no document at all."""
+    is written, for an unreadable input, a bad line anywhere, or no document at all. No
+    piece finished for stall_timeout_s (0: no bound) ends the process (data/stall.py)."""
     from mtnlg_jax.data import ray_engine
+    from mtnlg_jax.data.stall import StallWatch, beating
 
     if isinstance(tokenizer, str):
         tokenizer = load_tokenizer(tokenizer)
@@ -177,7 +180,12 @@ def tokenize(
             kwargs = dict(kind=tokenizer.kind, files=tuple(tokenizer.files), keys=keys,
                           append_eod=append_eod, folder=folder)  # fmt: skip
             items = ray.data.from_items(pieces, override_num_blocks=len(pieces))
-            items.map_batches(_tokenize_piece, batch_size=1, fn_kwargs=kwargs).materialize()
+            tokenized = items.map_batches(
+                beating(_tokenize_piece, folder), batch_size=1, fn_kwargs=kwargs
+            )
+            with StallWatch(folder, stall_timeout_s, 'preprocess', resumes=False) as watch:
+                watch.stage('tokenize')
+                tokenized.materialize()
             curated = any(os.path.isfile(os.path.join(p, 'manifest.json')) for p in paths)
             writers = _merge(scans, pieces, prefixes, folder, tokenizer, curated)
         finally:

@@ -5,6 +5,7 @@ or whose task hangs on a dead file system, would otherwise wait without end: Ray
 tasks whose process died, but it has no bound on a task that never finishes. The driver
 watches a heartbeat file in the work folder instead:
 
+    (curate.py's stages; preprocess.py's tokenization, whose partial work a rerun redoes)
     workers   touch WORK/.heartbeat after each batch of every transform (`beating(fn, folder)`)
     driver    touches it when a stage starts (`watch.stage(name)`); a thread checks its age
               (before the work folder exists, while the inputs are scanned, the driver's
@@ -75,8 +76,8 @@ class StallWatch:
         ...
     """
 
-    def __init__(self, folder, timeout_s, tool, on_stall=_stalled, poll_s=1.0):
-        self.folder, self.timeout_s, self.tool = folder, timeout_s, tool
+    def __init__(self, folder, timeout_s, tool, on_stall=_stalled, poll_s=1.0, resumes=True):
+        self.folder, self.timeout_s, self.tool, self.resumes = folder, timeout_s, tool, resumes
         self.on_stall, self.poll_s = on_stall, poll_s
         self.current, self.last = 'scan', time.time()
         self._stop = threading.Event()
@@ -97,14 +98,18 @@ class StallWatch:
         return time.time() - max(touched, self.last)
 
     def _run(self):
+        kept = (
+            f'finished stages are kept in {self.folder}, and a rerun resumes there'
+            if self.resumes
+            else f'a rerun starts over (the partial work in {self.folder} is removed)'
+        )
         while not self._stop.wait(self.poll_s):
             age = self.age_s()
             if age > self.timeout_s:
                 self.on_stall(
                     f'{self.tool}: no progress for {age:.0f} s in stage {self.current} '
                     f'(--stall_timeout_s {self.timeout_s:g}: a Ray worker that did not start or '
-                    f'a task that did not end); finished stages are kept in {self.folder}, '
-                    'and a rerun resumes there'
+                    f'a task that did not end); {kept}'
                 )
                 return
 
