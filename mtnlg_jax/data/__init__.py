@@ -7,6 +7,7 @@ tokenizer_error.py    the error every tokenizer raises
 preprocess.py         raw text -> token ids -> indexed.py, on Ray
 pieces.py             input files cut at line ends into the pieces Ray tasks take
 ray_engine.py         the embedded (loopback) or joined Ray cluster curation and preprocessing use
+stall.py              a Ray job that stops moving ends with one line (the transforms' heartbeat)
 indexed.py            Megatron's .bin / .idx
 identity.py           the tokenizer identity beside a .bin / .idx, the data stream's fingerprint
 gpt_dataset.py        splits and samples (Megatron's GPTDataset)
