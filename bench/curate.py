@@ -32,7 +32,9 @@
       0.2 s over the run's whole process tree; Ray's own GCS, raylet and agents apart), and the
       largest LSH bucket, as the synthetic corpus grows 1x -> 4x -> 16x of --memory-mb; a
       worker's RSS counts the object store's shared pages it has read, so its private share
-      (RSS less shared) is printed beside it.
+      (RSS less shared) is printed beside it. What one task holds is bounded by a shuffle
+      partition (curate.py --part_documents, 20,000 documents): a corpus of fewer documents
+      has smaller partitions, so --part-documents N shows the bound at a small --memory-mb.
 Timings on a shared machine are noisy: read them as orders of magnitude.
 """
 
@@ -182,7 +184,7 @@ def _sampled_peaks(process, stop, peaks):
         stop.wait(0.2)
 
 
-def run_pipeline(name, inputs, folder, workers, reference, evaluation, quiet=False):
+def run_pipeline(name, inputs, folder, workers, reference, evaluation, quiet=False, extra=()):
     output = os.path.join(folder, f'{name}.curated.jsonl')
     command = [
         sys.executable,
@@ -199,6 +201,7 @@ def run_pipeline(name, inputs, folder, workers, reference, evaluation, quiet=Fal
         '0.05',
         '--eval',
         evaluation,
+        *extra,
     ]
     import psutil
 
@@ -291,7 +294,8 @@ def ray_rows(args, folder, verses, reference, evaluation):
     for scale in (1, 4, 16):
         scaled = os.path.join(folder, f'memory{scale}.jsonl')
         synthetic(scaled, args.memory_mb * scale, verses)
-        r = run_pipeline(f'memory{scale}', [scaled], folder, 2, reference, evaluation, True)
+        extra = ('--part_documents', str(args.part_documents)) if args.part_documents else ()
+        r = run_pipeline(f'memory{scale}', [scaled], folder, 2, reference, evaluation, True, extra)
         fuzzy_stage = next(s for s in r['stages'] if s['stage'] == 'fuzzy')
         p = r['peaks']
         print(f'    | {scale}x | {r["bytes_in"] / 1e6:.0f} | {r["documents_in"]:,} | '
@@ -309,6 +313,9 @@ def main():
     parser.add_argument('--memory-mb', type=float, default=200, help='the 1x of part 3c')
     parser.add_argument('--only-ray', action='store_true', help='part 3 alone')
     parser.add_argument('--only-memory', action='store_true', help='part 3c alone')
+    parser.add_argument(
+        '--part-documents', type=int, default=0, help="3c: curate.py's --part_documents"
+    )
     args = parser.parse_args()
     print(f'command: python bench/curate.py {" ".join(sys.argv[1:])}'.strip())
     print(
