@@ -32,10 +32,6 @@ from mtnlg_jax.data.curate.report import merged
 from mtnlg_jax.data.preprocess import InputError
 
 _cache = {}
-# Every transform in a worker process of its own, ended after its one task: a long-lived
-# worker's private memory grows with the tasks it has run (heap and Arrow pool kept), 882 MB
-# at 16 x a 25 MB corpus where fresh workers peak at 540 (docs/benchmarks.md, Curation).
-FRESH_WORKER = dict(max_calls=1)
 
 
 def _shared(ref):
@@ -155,9 +151,7 @@ class Curation:
         def build():
             items = ray.data.from_items(self.pieces, override_num_blocks=len(self.pieces))
             kwargs = dict(options_ref=self.options_ref, folder=self.work.folder, parts=self.parts)
-            return items.map_batches(
-                self._beating(_signatures), **FRESH_WORKER, batch_size=1, fn_kwargs=kwargs
-            )
+            return items.map_batches(self._beating(_signatures), batch_size=1, fn_kwargs=kwargs)
 
         self.signatures = self._map(ray, 'signatures', build)
 
@@ -170,9 +164,7 @@ class Curation:
 
         def build():
             grouped = self.signatures.groupby('part', num_partitions=self.parts)
-            return grouped.map_groups(
-                self._beating(stages.exact_groups), **FRESH_WORKER, batch_format='numpy'
-            )
+            return grouped.map_groups(self._beating(stages.exact_groups), batch_format='numpy')
 
         self.exact = self._map(ray, 'exact', build)
 
@@ -187,27 +179,18 @@ class Curation:
         band_kwargs = dict(bands=bands, rows=rows, parts=self.parts)
         members = (
             self.exact.map_batches(
-                self._beating(stages.band_rows),
-                **FRESH_WORKER,
-                batch_format='numpy',
-                fn_kwargs=band_kwargs,
+                self._beating(stages.band_rows), batch_format='numpy', fn_kwargs=band_kwargs
             )
             .groupby('part', num_partitions=self.parts)
-            .map_groups(self._beating(stages.bucket_members), **FRESH_WORKER, batch_format='numpy')
+            .map_groups(self._beating(stages.bucket_members), batch_format='numpy')
         )
         pieces_kwargs = dict(pieces_ref=self.pieces_ref)
         edges = (
             members.groupby('piece', num_partitions=self.parts)
-            .map_groups(
-                self._beating(_shingles),
-                **FRESH_WORKER,
-                batch_format='numpy',
-                fn_kwargs=pieces_kwargs,
-            )
+            .map_groups(self._beating(_shingles), batch_format='numpy', fn_kwargs=pieces_kwargs)
             .groupby('part', num_partitions=self.parts)
             .map_groups(
                 self._beating(stages.verified_edges),
-                **FRESH_WORKER,
                 batch_format='numpy',
                 fn_kwargs={'threshold': self.options.threshold},
             )
@@ -283,7 +266,7 @@ class Curation:
         kwargs = dict(pieces_ref=self.pieces_ref, folder=folder)
         grouped = removed.groupby('piece', num_partitions=min(len(undone), self.parts))
         filtered = grouped.map_groups(
-            self._beating(_filter), **FRESH_WORKER, batch_format='numpy', fn_kwargs=kwargs
+            self._beating(_filter), batch_format='numpy', fn_kwargs=kwargs
         )
         filtered.materialize()
 
