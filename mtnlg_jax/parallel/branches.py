@@ -66,13 +66,13 @@ def branch_fractions(table):
     first_f, first_b = share(fwd, SLOT_FIRST), share(bwd, SLOT_FIRST)
     last_b = share(bwd, SLOT_LAST)
     touched = share(bwd, SLOT_FIRST, slots) + share(bwd, SLOT_LAST, slots)
+    v = table.repeats
+    add = (1.0 - bwd_idle) / v  # each chunk has the same number of backwards
 
     def chunk_shares(kinds, repeat):  # switch branch k: chunk k's share of the slots that run
         ran = kinds != SLOT_IDLE
         return [float((ran & (repeat == k)).sum() / max(ran.sum(), 1)) for k in range(v)]
 
-    v = table.repeats
-    add = (1.0 - bwd_idle) / v  # each chunk has the same number of backwards
     weights = {
         (FORWARD,): [1.0 - fwd_idle, fwd_idle],  # cond(idle, fill, run)
         (FORWARD, FIRST): [1.0 - first_f, first_f],  # cond(first, embed, hand-off)

@@ -81,8 +81,7 @@ class Stage:
 
     def on_chunk(self, repeat, fn):
         """fn(chunk, k) for this stage's chunk k = repeat (traced): a switch over the chunks
-        whose branch k reads chunk k's parameters where they lie. Stacked chunks sliced by a
-        traced index would copy the chunk's weights out every tick."""
+        whose branch k reads chunk k's parameters where they lie (the module docstring)."""
         if len(self.chunks) == 1:
             return fn(self.chunks[0], 0)
         branches = [functools.partial(fn, chunk, k) for k, chunk in enumerate(self.chunks)]
