@@ -159,7 +159,9 @@ def gpu_lines(compiled):
             for i, row in enumerate(over.get('heaviest', []))
         ),
         f'  copies inside loops (over 1 MiB): {compiled["loop_copies"]["count"]}, '
-        f'{compiled["loop_copies"]["bytes_per_step"] / 2**30:.1f} GiB a step',
+        f'{compiled["loop_copies"]["bytes_per_step"] / 2**30:.1f} GiB a step; zero fills '
+        f'copied from a broadcast: {compiled["loop_fills"]["count"]}, '
+        f'{compiled["loop_fills"]["bytes_per_step"] / 2**30:.1f} GiB',
         f'  {"kind":<19}{"axes":<19}{"link":<9}{"GB/step":>10}{"overlapped":>12}{"exposed s":>11}',
     ]
     for row in over['table']:

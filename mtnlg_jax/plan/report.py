@@ -135,12 +135,16 @@ def add_gpu_figures(compiled, config, text, mesh, target, weights):
     cluster = clusters.CLUSTERS[target]
     fused = hlo_module.attention_kernel_counts(text)
     compiled['attention'] = dict(fused=bool(fused), kernels=fused)
-    copies = loop_copies.loop_copies(text, branch_weights=weights)
-    compiled['loop_copies'] = dict(
-        count=len(copies),
-        bytes_per_step=loop_copies.bytes_per_step(copies),
-        largest=[dict(type=c['type'], runs=c['runs']) for c in copies[:4]],
-    )
+    for key, find in (
+        ('loop_copies', loop_copies.loop_copies),
+        ('loop_fills', loop_copies.loop_fills),
+    ):
+        found = find(text, branch_weights=weights)
+        compiled[key] = dict(
+            count=len(found),
+            bytes_per_step=loop_copies.bytes_per_step(found),
+            largest=[dict(type=c['type'], runs=c['runs']) for c in found[:4]],
+        )
     replay = overlap.collective_overlap(
         text, mesh, overlap.Target.of_cluster(cluster, config.model.compute_dtype), weights
     )
