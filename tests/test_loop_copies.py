@@ -6,9 +6,11 @@ terabytes a step. Skipped without the gpu-compile compiler (make gpu-compile).""
 import pytest
 
 import support
+from mtnlg_jax import config as config_lib
 from mtnlg_jax.xla import gpu_compile
 from mtnlg_jax.plan import compile as compile_lib
-from mtnlg_jax.plan import gpu_target
+from mtnlg_jax.parallel import branches
+from mtnlg_jax.plan import gpu_target, hlo_module
 from mtnlg_jax.plan.loop_copies import loop_copies
 
 pytestmark = pytest.mark.skipif(
@@ -27,8 +29,52 @@ def test_no_copy_over_a_mib_inside_a_loop(schedule, repeats, dtype):
         stage=2, repeats=repeats, schedule=schedule, micro_steps=4, num_layers=4,
         hidden=512, compute_dtype=dtype, remat='selective',
     )  # fmt: skip
-    devices = gpu_target.devices('a100-80gb', 2)
+    assert_no_copy_in_a_loop(config)
+
+
+def test_no_copy_inside_a_loop_of_a_llama_with_stages_of_unequal_depth():
+    """The 405 B recipe in small: Llama's block (SwiGLU: gate and up of one shape), 1F1B over
+    stages of 3, 4 and 3 layers (padding slots), full recompute. An idle backward that returned
+    a zero gradient wrote one of the chunk's size (two leaves of one shape share a broadcast,
+    copied into the second), and a padding slot wrote zero residuals for its layer's backward."""
+    config = support.small_config(
+        micro_steps=4, num_layers=10, hidden=512, compute_dtype='bfloat16', remat='full',
+        **support.LLAMA_BLOCK,
+    )  # fmt: skip
+    config = config_lib.inputs_of(config)
+    config.mesh.stage = 3
+    config.pipeline.update(first_stage_layers=3, last_stage_layers=3)
+    config = config_lib.resolve(config, 3)
+    text = assert_no_copy_in_a_loop(config)
+    computations, _ = hlo_module.parse_module(text)
+    idle = [
+        dict(instruction.callees())['true_computation']
+        for instructions in computations.values()
+        for instruction in instructions
+        if instruction.opcode == 'conditional'
+        and instruction.op_name().endswith(f'{branches.BACKWARD}/cond')
+    ]
+    assert idle
+    written = {
+        hlo_module.ARRAY.match(i.type_text).group(2)
+        for name in idle
+        for i in computations[name]
+        if i.opcode not in ('parameter', 'get-tuple-element', 'tuple')
+        and hlo_module.shape_bytes(i.type_text) >= MIB
+    }
+    # the block accumulators handed through; written: only the zero gradients of the input
+    # and output embeddings (the shared parameters' add is skipped)
+    assert written <= {f'{config.model.padded_vocab},{config.model.hidden}'}, written
+
+
+def assert_no_copy_in_a_loop(config):
+    """The step's HLO text, after checking it copies no buffer of 1 MiB or more in a loop (a
+    zero fill copied from a broadcast is a write, not a copy: plan/loop_copies.py)."""
+    count = config.mesh.data * config.mesh.stage * config.mesh.tensor
+    devices = gpu_target.devices('a100-80gb', count)
     with gpu_target.compiling_for(devices):
         compiled, _, _ = compile_lib.compile_train_step(config, devices=devices)
-    copies = loop_copies(compiled.as_text(), min_bytes=MIB)
+    text = compiled.as_text()
+    copies = loop_copies(text, min_bytes=MIB)
     assert not copies, [(c['type'], c['computation']) for c in copies]
+    return text

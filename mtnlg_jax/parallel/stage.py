@@ -171,6 +171,8 @@ class Stage:
                     lambda: self.loss_only(bwd, sums, h),
                     lambda: (sums, self.fill),
                 )
+        if len(self.chunks) == 1:
+            return self.backward_one_chunk(bwd, sums, h, g, kept)
         # The conditional returns this tick's gradients, never the accumulators: handed
         # through one, XLA:GPU copies every fp32 accumulator in both branches, every tick.
         acc_blocks, acc_shared, loss = sums
@@ -184,11 +186,36 @@ class Stage:
                 add_unless(idle | (bwd.repeat != k), acc, d_chunk)
                 for k, acc in enumerate(acc_blocks)
             )
-        # only chunk 0 (the embedding) and the last chunk (final norm, head) touch them
-        untouched = (bwd.kind != SLOT_FIRST) & (bwd.kind != SLOT_LAST)
         with jax.named_scope(ACCUMULATE_SHARED):
-            acc_shared = add_unless(untouched, acc_shared, d_shared)
+            acc_shared = add_unless(self.shared_untouched(bwd), acc_shared, d_shared)
         return (acc_blocks, acc_shared, loss + value), dx
+
+    def backward_one_chunk(self, bwd, sums, h, g, kept):
+        """One chunk a stage: its accumulators are added to inside the backward's conditional,
+        whose idle (true) branch hands them through, so an idle tick writes no zero gradient
+        of the chunk's size. The shared accumulators stay outside it: added to in a nested
+        conditional, XLA:GPU copies them in the outer one."""
+        acc_blocks, acc_shared, loss = sums
+
+        def idle(acc):
+            return acc, zeros(self.shared), jnp.zeros((), jnp.float32), self.fill
+
+        def run(acc):
+            d_chunk, d_shared, value, dx = self.pull_back(bwd, h, g, kept)
+            return add(acc, d_chunk), d_shared, value, dx
+
+        with jax.named_scope(BACKWARD):
+            acc, d_shared, value, dx = jax.lax.cond(
+                bwd.kind == SLOT_IDLE, idle, run, acc_blocks[0]
+            )
+        with jax.named_scope(ACCUMULATE_SHARED):
+            acc_shared = add_unless(self.shared_untouched(bwd), acc_shared, d_shared)
+        return ((acc,), acc_shared, loss + value), dx
+
+    def shared_untouched(self, bwd):
+        """Only chunk 0 (the embedding) and the last chunk (final norm, head) touch the shared
+        parameters."""
+        return (bwd.kind != SLOT_FIRST) & (bwd.kind != SLOT_LAST)
 
     def no_gradients(self):
         """An idle backward's: zero gradients, no loss, the fill as the input's gradient."""
