@@ -205,9 +205,7 @@ class Stage:
             return add(acc, d_chunk), d_shared, value, dx
 
         with jax.named_scope(BACKWARD):
-            acc, d_shared, value, dx = jax.lax.cond(
-                bwd.kind == SLOT_IDLE, idle, run, acc_blocks[0]
-            )
+            acc, d_shared, value, dx = jax.lax.cond(bwd.kind == SLOT_IDLE, idle, run, acc_blocks[0])
         with jax.named_scope(ACCUMULATE_SHARED):
             acc_shared = add_unless(self.shared_untouched(bwd), acc_shared, d_shared)
         return ((acc,), acc_shared, loss + value), dx
