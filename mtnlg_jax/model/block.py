@@ -331,6 +331,12 @@ class Attention(nnx.Module):
         return self.project_out(self.attend(q, keys, values, visible)), (keys, values)
 
 
+def gathered(x):
+    """A normalised input whole along the sequence: under sequence parallelism one all-gather
+    over 'tensor' that every projection reads (q and key/value, gate and up), not one each."""
+    return constrain(x, ('batch', 'seq', 'embed'))
+
+
 class Block(nnx.Module):
     """x + Attention(norm(x)), then x + MLP(norm(x)): `model.norm` (LayerNorm or RMSNorm) and
     `model.mlp` (GeLU or SwiGLU) pick the pieces (model/layers.py). GPT-3's block is
@@ -348,9 +354,9 @@ class Block(nnx.Module):
         positions: the tokens' positions for rope, None for 0 .. seq - 1; segment_ids:
         (batch, seq) packed documents' ids, or None."""
         site = layer * SITES_PER_BLOCK
-        h = self.attention(self.ln_attn(x), row_keys, site, positions, segment_ids)
+        h = self.attention(gathered(self.ln_attn(x)), row_keys, site, positions, segment_ids)
         x = x + dropout(h, self.hidden_dropout, row_keys, site + _ATTN_RESIDUAL)
-        h = self.mlp(self.ln_mlp(x))
+        h = self.mlp(gathered(self.ln_mlp(x)))
         x = x + dropout(h, self.hidden_dropout, row_keys, site + _MLP_RESIDUAL)
         return constrain(x, ('batch', 'residual_seq', 'embed'))
 
