@@ -29,6 +29,10 @@ def test_llama3_405bs_stages_hold_7_then_8_then_7_layers():
     interleaved = stage_order.StageLayers(10, 2, 2, first=2, last=8)
     pad = [-1] * 3  # stage 0: one layer a chunk, stage 1: four
     assert interleaved.storage().tolist() == [0, *pad, 5, *pad, 1, 2, 3, 4, 6, 7, 8, 9]
+    # 7 layers in 2 chunks: the embedding's and the head's chunks hold the 3
+    sizes = stage_order.StageLayers(126, 16, 2, first=7, last=7).chunk_sizes
+    assert sizes[:, 0].tolist() == [3, 4] and sizes[:, -1].tolist() == [4, 3]
+    assert (sizes[:, 1:-1] == 4).all()
 
 
 def test_the_stored_order_round_trips_and_pads_with_zeros():
@@ -59,8 +63,8 @@ def one_device():
 
 @pytest.mark.parametrize(
     'stage, repeats, schedule, first, last',
-    [(4, 1, '1f1b', 1, 1), (2, 2, 'interleaved', 2, 4)],
-    ids=['1f1b-1-2-2-1', 'interleaved-2-4'],
+    [(4, 1, '1f1b', 1, 1), (2, 2, 'interleaved', 2, 4), (2, 2, 'interleaved', 3, 3)],
+    ids=['1f1b-1-2-2-1', 'interleaved-2-4', 'interleaved-3-3-uneven-chunks'],
 )
 def test_an_unequal_layout_equals_one_device(one_device, stage, repeats, schedule, first, last):
     """Loss and every gradient per leaf, relative to its scale, with dropout on (each layer
@@ -117,7 +121,7 @@ def _restore(workdir, config):
     'overrides, words',
     [
         (dict(first=3, last=2), 'do not share evenly'),
-        (dict(first=1, last=1, repeats=2), 'do not split into 2 chunks'),
+        (dict(first=1, last=1, repeats=2), 'a stage of 1 layer cannot hold 2 chunks'),
         (dict(first=1, last=1, schedule='gpipe'), 'not gpipe'),
     ],
 )

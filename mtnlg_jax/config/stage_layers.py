@@ -5,7 +5,8 @@
 Megatron's --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers
 (`pipeline.first_stage_layers` / `pipeline.last_stage_layers`, 0: the even share): the first
 and the last stage hold what they are given, the other stages share the rest evenly, and with
-v chunks a stage (pipeline.repeats) every stage's layers split into v equal chunks. Pure
+v chunks a stage (pipeline.repeats) every stage's layers split into v chunks as evenly as they
+go (parallel/stage_order.py says which chunk gets the extra layers). Pure
 arithmetic: the config's checks and the engines' layout (parallel/stage_order.py) both use it.
 With one stage the two keys have nothing to split and change nothing.
 """
@@ -30,8 +31,8 @@ def per_stage(num_layers, stages, repeats=1, first=0, last=0):
     share = rest // others if others else 0
     layers = [share] * stages
     layers[0], layers[-1] = first or share, last or share
-    if any(n % repeats for n in layers):
-        raise ValueError(
-            f'stages of {sorted(set(layers))} layers do not split into {repeats} chunks'
-        )
+    fewest = min(layers)
+    if fewest < repeats:
+        plural = '' if fewest == 1 else 's'
+        raise ValueError(f'a stage of {fewest} layer{plural} cannot hold {repeats} chunks')
     return tuple(layers)

@@ -50,8 +50,17 @@ class StageLayers:
 
     @functools.cached_property
     def chunk_sizes(self):
-        """(v, p) int: layers in chunk r p + s."""
-        return np.tile(np.array(self.per_stage) // self.repeats, (self.repeats, 1))
+        """(v, p) int: layers in chunk r p + s. A stage's layers split as evenly as they go;
+        the chunks that hold the embedding (chunk 0 of stage 0) and the head (the last chunk of
+        the last stage) are the last to get an extra layer: 405 B interleaved x 2 runs stage 0
+        as 3 + 4 layers and stage 15 as 4 + 3."""
+        v, layers = self.repeats, np.array(self.per_stage)
+        sizes = np.tile(layers // v, (v, 1))
+        for s, extra in enumerate(layers % v):
+            order = range(v - 1, -1, -1) if s == 0 else range(v)
+            for r in list(order)[:extra]:
+                sizes[r, s] += 1
+        return sizes
 
     @property
     def slots(self):
