@@ -86,14 +86,21 @@ def test_ten_step_losses_match_one_device(one_device, layout):
     np.testing.assert_allclose(losses, one_device['losses'], atol=1e-4)
 
 
-def test_1f1b_bounded_to_p_stage_inputs_matches_one_device(one_device):
-    """pipeline.max_in_flight = p: Megatron's bound of p stage inputs per stage, reached with
-    idle ticks; the same loss and gradients."""
-    layout = (1, 4, 2, 1, 8, '1f1b', {})
+@pytest.mark.parametrize(
+    'layout, bound',
+    [((1, 4, 2, 1, 8, '1f1b', {}), 4), ((1, 2, 2, 2, 8, 'interleaved', {}), 2)],
+    ids=['1f1b-p', 'interleaved-2'],
+)
+def test_a_bounded_table_matches_one_device(one_device, layout, bound):
+    """pipeline.max_in_flight: with one chunk a stage Megatron's bound of p stage inputs per
+    stage; interleaved, at most `bound` micro-batches in the pipeline (v chunk inputs each a
+    stage). Reached with idle ticks; the same loss and gradients."""
     config = _config(layout)
-    config.pipeline.max_in_flight = 4
-    bounded, greedy = pipeline.build_table(4, 1, 8, 4), pipeline.build_table(4, 1, 8)
-    assert bounded.in_flight().max() == 4 < greedy.in_flight().max()
+    config.pipeline.max_in_flight = bound
+    _, stages, _, repeats, micro = layout[:5]
+    bounded = pipeline.build_table(stages, repeats, micro, bound)
+    greedy = pipeline.build_table(stages, repeats, micro)
+    assert bounded.in_flight().max() <= bound * repeats < greedy.in_flight().max()
     assert bounded.resid_slots < greedy.resid_slots and bounded.ticks > greedy.ticks
     _, loss, grads = support.gradients(config, support.random_batches(1)[0], step=5)
     np.testing.assert_allclose(loss, one_device['loss'], rtol=1e-6)

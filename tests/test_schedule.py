@@ -96,6 +96,19 @@ def test_capped_1f1b_holds_at_most_p_minus_s_inputs(p, m):
     assert capped.ticks > schedule.build(p, 1, m).ticks
 
 
+@pytest.mark.parametrize(
+    'p,v,m,bound', [(4, 2, 8, 2), (4, 2, 16, 4), (16, 4, 32, 12), (3, 3, 5, 1)]
+)
+def test_bounded_interleaved_holds_at_most_the_bound_times_v_chunk_inputs(p, v, m, bound):
+    """At most `bound` micro-batches in the pipeline, each with at most v chunk inputs a
+    stage: every operation runs once, with idle ticks for it."""
+    capped, free = schedule.build(p, v, m, max_in_flight=bound), schedule.build(p, v, m)
+    assert capped.in_flight().max() <= bound * v < free.in_flight().max()
+    assert (capped.fwd_micro != schedule.IDLE).sum() == (free.fwd_micro != schedule.IDLE).sum()
+    assert (capped.bwd_micro != schedule.IDLE).sum() == p * v * m
+    assert capped.ticks > free.ticks
+
+
 @pytest.mark.parametrize('p,v,m', [(2, 2, 4), (4, 2, 8), (4, 2, 16), (4, 4, 32), (3, 3, 5)])
 def test_interleaved_holds_at_most_megatrons_warmup_plus_one(p, v, m):
     """Megatron's interleaved 1F1B starts (p - s - 1) 2 + (v - 1) p forwards before its first
@@ -123,4 +136,4 @@ def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match='must be >= 1'):
         schedule.build(2, 1, 0)
     with pytest.raises(ValueError, match='max_in_flight'):
-        schedule.build(2, 2, 4, max_in_flight=2)
+        schedule.build(2, 2, 4, max_in_flight=0)

@@ -50,8 +50,8 @@ from support import ROOT, SMALL_MODEL, run_train
             'pipeline.schedule',
         ),
         (['--config.pipeline.max_in_flight=-1'], 'pipeline.max_in_flight'),
-        (  # the in-flight bound is for the 1f1b table only
-            ['--config.pipeline.repeats=2', '--config.pipeline.max_in_flight=2'],
+        (  # the in-flight bound is for the 1f1b / interleaved tables, not gpipe's scan
+            ['--config.pipeline.schedule=gpipe', '--config.pipeline.max_in_flight=2'],
             'pipeline.max_in_flight',
         ),
         (['--config.model.num_layers=3', '--config.pipeline.repeats=2'], 'model.num_layers'),

@@ -59,8 +59,9 @@ KEYS = (
         'pipeline.max_in_flight',
         0,
         'int>=0',
-        '1f1b with repeats 1: at most this many stage inputs held per stage (0: as the '
-        'lockstep table needs, 2 (p - s) - 1)',
+        'at most this many stage inputs held per stage (repeats 1), or micro-batches in the '
+        'pipeline (repeats > 1: each holds up to v chunk inputs a stage); 0: as the lockstep '
+        'table needs (2 (p - s) - 1 with repeats 1)',
     ),
     Key(
         'pipeline.first_stage_layers',

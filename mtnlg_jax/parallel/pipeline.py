@@ -80,7 +80,8 @@ class TableEngine:
     def name(self):
         name = 'interleaved 1F1B' if self.repeats > 1 else '1f1b'
         if self.max_in_flight:
-            name += f' (at most {self.max_in_flight} stage inputs in flight)'
+            held = 'micro-batches' if self.repeats > 1 else 'stage inputs'
+            name += f' (at most {self.max_in_flight} {held} in flight)'
         return name
 
     def table(self, micro_batches):

@@ -26,7 +26,12 @@ last stage's tick. Every other forward keeps what its chunk's backward needs (th
 of its VJP under model.remat) until that backward: stage s holds at most 2 (p - s) - 1
 micro-batches in flight with v = 1, whatever m (Megatron's asynchronous 1F1B holds p - s; in
 lockstep ticks a micro-batch waits a whole tick per hop both ways). `max_in_flight` caps it
-(stage s then holds at most that many) at the cost of idle ticks.
+at the cost of idle ticks: with v = 1 stage s holds at most that many inputs; with v > 1 at
+most that many micro-batches are in the pipeline at once (one enters with its chunk 0 on
+stage 0 and leaves when that chunk's backward ends), each holding at most v chunk inputs a
+stage, the memory of max_in_flight stage inputs. Bounding each stage's chunk inputs instead
+could deadlock (a stage full of chunks whose backwards wait for forwards another stage
+cannot take); bounding only entry cannot: every micro-batch inside can always move on.
 
 Slots: an arriving activation is written into a free stash slot (`recv_act_slot`) and stays
 until its forward reads it (the last chunk's: until its backward); a forward's residuals go
@@ -136,13 +141,13 @@ def _priority(micro, repeat, stages, repeats, backward):
 @functools.lru_cache(maxsize=64)  # the train loop asks for the same few tables every step
 def build(stages, repeats, micro_batches, max_in_flight=None):
     """The greedy 1F1B (repeats 1) or interleaved 1F1B (repeats > 1) table; see the module
-    docstring. max_in_flight: at most this many stage inputs held per stage (None: as many as
-    the greedy order needs); with repeats > 1 it may deadlock, so it is refused."""
+    docstring. max_in_flight: at most this many stage inputs held per stage (v = 1), or
+    micro-batches in the pipeline (v > 1); None: as many as the greedy order needs."""
     p, v, m = stages, repeats, micro_batches
     if min(p, v, m) < 1:
         raise ValueError(f'stages, repeats, micro_batches must be >= 1, got {p}, {v}, {m}')
-    if max_in_flight is not None and (v > 1 or max_in_flight < 1):
-        raise ValueError('max_in_flight needs repeats 1 and a value >= 1')
+    if max_in_flight is not None and max_in_flight < 1:
+        raise ValueError(f'max_in_flight must be >= 1, got {max_in_flight}')
     last = p * v - 1
     act_ready = {(i, 0): 0 for i in range(m)}  # (micro, chunk) -> first tick its input is here
     grad_ready = {}
@@ -153,6 +158,15 @@ def build(stages, repeats, micro_batches, max_in_flight=None):
         heapq.heappush(forwards[0], (_priority(i, 0, p, v, False), (i, 0)))
     arriving = []  # (heaps, priority, key) that become ready next tick
     rows, held, done, t = [], [0] * p, 0, 0
+    entered = 0  # v > 1: micro-batches whose chunk 0 ran forward and not yet backward
+
+    def admitted(s, key):
+        if max_in_flight is None:
+            return True
+        if v == 1:
+            return held[s] < max_in_flight
+        return key[1] != 0 or entered < max_in_flight
+
     while done < m * p * v:
         if t > 4 * (m * p * v + p * v):
             raise RuntimeError('schedule simulation made no progress')  # a bug, not bad input
@@ -162,9 +176,10 @@ def build(stages, repeats, micro_batches, max_in_flight=None):
         row = []
         for s in range(p):
             fwd = bwd = None
-            if forwards[s] and (max_in_flight is None or held[s] < max_in_flight):
-                fwd = heapq.heappop(forwards[s])[1]
+            fwd = _pop_first(forwards[s], lambda key: admitted(s, key))
+            if fwd is not None:
                 held[s] += 1
+                entered += fwd[1] == 0
                 if fwd[1] == last:  # the loss: its backward may follow in this tick
                     grad_ready[fwd] = t
                     priority = _priority(fwd[0], fwd[1] // p, p, v, True)
@@ -177,6 +192,7 @@ def build(stages, repeats, micro_batches, max_in_flight=None):
             if backwards[s]:
                 bwd = heapq.heappop(backwards[s])[1]
                 held[s] -= 1
+                entered -= bwd[1] == 0
                 done += 1
                 if bwd[1] > 0:
                     prev = (bwd[0], bwd[1] - 1)
@@ -187,6 +203,20 @@ def build(stages, repeats, micro_batches, max_in_flight=None):
         rows.append(row)
         t += 1
     return _with_slots(p, v, m, rows, act_ready, grad_ready)
+
+
+def _pop_first(heap, allowed):
+    """The key of the heap's first (priority, key) that allowed(key) takes, popped; or None."""
+    skipped, found = [], None
+    while heap and found is None:
+        item = heapq.heappop(heap)
+        if allowed(item[1]):
+            found = item[1]
+        else:
+            skipped.append(item)
+    for item in skipped:
+        heapq.heappush(heap, item)
+    return found
 
 
 def _with_slots(p, v, m, rows, act_ready, grad_ready):
