@@ -6,20 +6,19 @@ section 3.4.1's recipe, table 4's layout.
 biases, untied embeddings, vocabulary 128256): 405.85 B parameters with both embedding
 tables. AdamW, peak LR 8e-5, linear warm-up over 8,000 steps, cosine to 8e-7 over 1.2 M
 steps; 16 M tokens a step (2048 x 8192). Layout: tensor 8 x pipeline 16 x data -1 (64 on
-8,192 GPUs), sequence parallel, full recompute, bf16, the interleaved 1F1B schedule (Meta
-interleaved too) with 4 chunks a stage. As Meta, the first and the last stage hold one layer
-fewer, 7, 8 x 14, 7 (pipeline.first_stage_layers / last_stage_layers; docs/training.md,
-"Pipeline stages of unequal depth"); their 7 layers run as chunks of 1, 2, 2, 2 (stage 0,
-whose first chunk holds the embedding) and 2, 2, 2, 1 (stage 15, the head's last). Four
-chunks cut the bubble to a quarter of one chunk a stage's: predicted 463 TFLOP/s a GPU
-against 352 with one chunk and 424 with two, in 32.6 GiB (XLA:GPU's count) against 40.4 and
-35.3 (docs/benchmarks.md, "Llama blocks").
+8,192 GPUs), sequence parallel, selective recompute, bf16, the interleaved 1F1B schedule
+(Meta interleaved too) with 4 chunks a stage and at most 16 micro-batches in the pipeline
+(pipeline.max_in_flight; Megatron's 1F1B holds p = 16 on its first stage). As Meta, the
+first and the last stage hold one layer fewer, 7, 8 x 14, 7 (pipeline.first_stage_layers /
+last_stage_layers; docs/training.md, "Pipeline stages of unequal depth"); their 7 layers run
+as chunks of 1, 2, 2, 2 (stage 0, whose first chunk holds the embedding) and 2, 2, 2, 1
+(stage 15, the head's last). XLA:GPU compiles it to 70.9 GiB a GPU at 1.04 x the model's
+FLOPs; predicted 13.9 s a step, 388 model TFLOP/s a GPU (6N + 12LHQT) against Meta's 430
+(docs/benchmarks.md, "Llama blocks", has the other layouts: full recompute is slower).
 
 What differs from Meta's run:
-- Full recompute, not selective: on this engine's one-chunk table selective recompute holds
-  119.1 GiB a GPU (XLA:GPU's count; 79.7 GiB bounded to Megatron's 16 micro-batches in
-  flight, 69.1 GiB at 12, which fits but idles: predicted 221 TFLOP/s); full recompute costs
-  1.25 x the model's FLOPs (docs/benchmarks.md, "Llama blocks").
+- The in-flight bound: unbounded, selective recompute holds 119.1 GiB a GPU on one chunk a
+  stage; bounded to 16 micro-batches it costs idle ticks (predicted bubble 2.4 s of 13.9).
 - Meta ramped the sequence as well as the batch: 4 M tokens at sequence 4096, 8 M at 8192
   after 252 M tokens, 16 M after 2.87 T. Here the sequence is 8192 throughout: 8 M tokens
   (1024 sequences) until 2.87 T tokens (train.rampup), then 16 M. The warm-up and decay,
@@ -52,10 +51,10 @@ def tokens_after(steps):
 def get_config():
     config = config_lib.load(str(pathlib.Path(__file__).with_name('llama3_8b.py')))
     config.model.update(dict(num_layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248))
-    config.model.remat = 'full'  # selective does not fit 80 GB at sequence 8192 (docstring)
+    config.model.remat = 'selective'  # fits with the in-flight bound below (docstring)
     config.mesh.update(dict(data=-1, stage=16, tensor=8))
     config.pipeline.update(
-        dict(first_stage_layers=7, last_stage_layers=7, repeats=4)  # interleaved 1F1B
+        dict(first_stage_layers=7, last_stage_layers=7, repeats=4, max_in_flight=16)
     )
     config.train.update(dict(global_batch=2048, micro_batch=1, steps=DECAY_STEPS))
     config.train.rampup.update(dict(start=1024, increment=1024, tokens=int(META_SWITCHES[1])))
