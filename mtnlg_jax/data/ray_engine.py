@@ -27,6 +27,18 @@ from mtnlg_jax.data.pieces import InputError
 
 CONNECT_SECONDS = 5
 LOOPBACK = '127.0.0.1'
+# The environment of Ray's worker processes, so that a worker gives its memory back when a
+# task ends and its peak is what one task holds, not the most any task before it held: Arrow
+# allocates from the C library rather than from its own pool (mimalloc keeps freed pages),
+# and glibc maps large blocks and unmaps them when freed (by default it raises that threshold
+# as blocks are freed and keeps them in its heaps). Either alone leaves a worker at its peak
+# (docs/benchmarks.md, Curation). A value already in the environment is kept.
+WORKER_ENV = {
+    'ARROW_DEFAULT_MEMORY_POOL': 'system',
+    'MALLOC_MMAP_THRESHOLD_': '131072',
+    'MALLOC_TRIM_THRESHOLD_': '131072',
+    'MALLOC_ARENA_MAX': '2',
+}
 
 
 def check_address(address):
@@ -64,18 +76,38 @@ class StartError(OSError):
     """The embedded Ray did not start (an overloaded machine: Ray waits 30 s for its raylet)."""
 
 
+def _worker_env():
+    return {k: os.environ.get(k, v) for k, v in WORKER_ENV.items()}
+
+
+@contextlib.contextmanager
+def _environment(values):
+    """os.environ with `values` for the block (the processes Ray starts inherit it)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+
+
 def _init_local(ray, workers, object_store_mb, attempts=2):
     for attempt in range(attempts):
         try:
-            ray.init(
-                address='local',
-                num_cpus=workers,
-                include_dashboard=False,
-                _node_ip_address=LOOPBACK,
-                object_store_memory=object_store_mb and object_store_mb << 20,
-                logging_level=logging.WARNING,
-                log_to_driver=False,
-            )
+            with _environment(_worker_env()):
+                ray.init(
+                    address='local',
+                    num_cpus=workers,
+                    include_dashboard=False,
+                    _node_ip_address=LOOPBACK,
+                    object_store_memory=object_store_mb and object_store_mb << 20,
+                    logging_level=logging.WARNING,
+                    log_to_driver=False,
+                )
             return
         except Exception as e:  # Ray raises a bare Exception when its node does not come up
             ray.shutdown()
@@ -95,7 +127,12 @@ def started(workers, address=None, object_store_mb=None):
     owned = not ray.is_initialized()
     if owned and address:
         check_address(address)
-        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+        ray.init(
+            address=address,
+            logging_level=logging.WARNING,
+            log_to_driver=False,
+            runtime_env={'env_vars': _worker_env()},
+        )
     elif owned:
         _loopback_only()
         _init_local(ray, workers, object_store_mb)

@@ -2,11 +2,11 @@
 
     scan        a Ray task per input file: hashes, every line checked, pieces cut
     signatures  Ray Data map over the pieces              -> WORK/signatures/ (parquet)
-    exact       groupby(fingerprint part).map_groups       -> WORK/exact/
-    fuzzy       band rows -> groupby(bucket part) -> members -> groupby(piece) shingles ->
-                groupby(bucket part) verified edges -> the driver: clusters from the edges
+    exact       grouped by fingerprint part (_grouped)     -> WORK/exact/
+    fuzzy       band rows -> by bucket part: members -> by piece: shingles ->
+                by bucket part: verified edges -> the driver: clusters from the edges
                                                            -> WORK/fuzzy.json (removed only)
-    filter      groupby(piece) over the removed rows and one marker row per piece:
+    filter      by piece, over the removed rows and one marker row per piece:
                 each piece's survivors filtered into WORK/parts/part-NNNNN.jsonl (+ .json:
                 its stage reports)
     outputs     workdir.place: the parts concatenated into FILE.jsonl, or moved into DIR/
@@ -44,6 +44,23 @@ def _shared(ref):
             _cache.clear()
         _cache[key] = ray.get(ref)
     return _cache[key]
+
+
+def _grouped(dataset, key, values, fn, **fn_kwargs):
+    """fn(rows of one `key` value, **fn_kwargs) over every value in `values` (sorted ints),
+    each shuffle task holding one value's rows: the sort is cut at those values. (Ray Data's
+    groupby().map_groups() cuts its sort where a sample of the keys falls, as many outputs as
+    input blocks: a task merges several groups, and more of them as the corpus grows.)"""
+    cut = dataset.sort(key, boundaries=[int(v) for v in values[1:]])
+    kwargs = dict(fn=fn, key=key, fn_kwargs=fn_kwargs)
+    return cut.map_batches(_each_group, batch_size=None, batch_format='numpy', fn_kwargs=kwargs)
+
+
+def _each_group(batch, fn, key, fn_kwargs):
+    keys = batch[key]
+    starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if len(keys) else []
+    for start, end in zip(starts, [*starts[1:], len(keys)]):
+        yield fn({k: v[start:end] for k, v in batch.items()}, **fn_kwargs)
 
 
 def _drill(options, folder, piece):
@@ -163,8 +180,8 @@ class Curation:
             return
 
         def build():
-            grouped = self.signatures.groupby('part', num_partitions=self.parts)
-            return grouped.map_groups(self._beating(stages.exact_groups), batch_format='numpy')
+            exact_groups = self._beating(stages.exact_groups)
+            return _grouped(self.signatures, 'part', range(self.parts), exact_groups)
 
         self.exact = self._map(ray, 'exact', build)
 
@@ -177,23 +194,20 @@ class Curation:
         self.watch.stage('fuzzy')
         bands, rows = fuzzy.bands_and_rows(self.options.threshold, self.options.num_perm)
         band_kwargs = dict(bands=bands, rows=rows, parts=self.parts)
-        members = (
-            self.exact.map_batches(
-                self._beating(stages.band_rows), batch_format='numpy', fn_kwargs=band_kwargs
-            )
-            .groupby('part', num_partitions=self.parts)
-            .map_groups(self._beating(stages.bucket_members), batch_format='numpy')
+        band_rows = self.exact.map_batches(
+            self._beating(stages.band_rows), batch_format='numpy', fn_kwargs=band_kwargs
         )
-        pieces_kwargs = dict(pieces_ref=self.pieces_ref)
-        edges = (
-            members.groupby('piece', num_partitions=self.parts)
-            .map_groups(self._beating(_shingles), batch_format='numpy', fn_kwargs=pieces_kwargs)
-            .groupby('part', num_partitions=self.parts)
-            .map_groups(
-                self._beating(stages.verified_edges),
-                batch_format='numpy',
-                fn_kwargs={'threshold': self.options.threshold},
-            )
+        parts, pieces = range(self.parts), range(len(self.pieces))
+        members = _grouped(band_rows, 'part', parts, self._beating(stages.bucket_members))
+        shingles = _grouped(
+            members, 'piece', pieces, self._beating(_shingles), pieces_ref=self.pieces_ref
+        )
+        edges = _grouped(
+            shingles,
+            'part',
+            parts,
+            self._beating(stages.verified_edges),
+            threshold=self.options.threshold,
         )
         state = self._clusters(edges)
         state['details'].update(bands=bands, rows=rows)
@@ -264,11 +278,7 @@ class Curation:
         if 'exact' in self.options.stages:
             removed = removed.union(self.exact.map_batches(exact_removed, batch_format='numpy'))
         kwargs = dict(pieces_ref=self.pieces_ref, folder=folder)
-        grouped = removed.groupby('piece', num_partitions=min(len(undone), self.parts))
-        filtered = grouped.map_groups(
-            self._beating(_filter), batch_format='numpy', fn_kwargs=kwargs
-        )
-        filtered.materialize()
+        _grouped(removed, 'piece', undone, self._beating(_filter), **kwargs).materialize()
 
     def _report(self, scans, fuzzy_state, seconds):
         per_piece = [self.work.read_json(f'parts/part-{p["piece"]:05d}.json') for p in self.pieces]
