@@ -130,6 +130,44 @@ def test_the_embedded_ray_listens_on_loopback_only(embedded):
     assert listening and set(listening) <= {'127.0.0.1', '::ffff:127.0.0.1', '::1'}, listening
 
 
+def test_ray_workers_run_with_the_allocator_settings_that_give_memory_back(embedded):
+    @embedded.remote
+    def settings():
+        import pyarrow
+
+        names = ray_engine.WORKER_ENV
+        return pyarrow.default_memory_pool().backend_name, {k: os.environ.get(k) for k in names}
+
+    backend, environment = embedded.get(settings.remote())
+    assert environment == ray_engine._worker_env()
+    assert backend == environment['ARROW_DEFAULT_MEMORY_POOL']
+
+
+def test_a_grouping_gives_each_shuffle_task_one_group_whole(embedded):
+    """engine._grouped over blocks that each hold every key, with Ray Data's blocks capped far
+    below a group's size: each block after the cut (what a reduce task merges, what the map
+    after it reads) holds one key, all its rows, and fn sees each key once, whole."""
+    rows = [{'k': i % 4, 'v': i} for i in range(2000)] + [{'k': 9, 'v': 2000}]
+    data = embedded.data.from_items(rows, override_num_blocks=3)
+    keys = [0, 1, 2, 3, 9]
+
+    def group_facts(batch):
+        return {'key': batch['k'][:1], 'rows': [len(batch['k'])], 'keys': [len(set(batch['k']))]}
+
+    context = embedded.data.DataContext.get_current()
+    saved, context.target_max_block_size = context.target_max_block_size, 1024
+    try:
+        blocks = [b['k'] for b in engine._cut(data, 'k', keys).iter_batches(
+            batch_size=None, batch_format='numpy')]  # fmt: skip
+        facts = engine._grouped(data, 'k', keys, group_facts).take_all()
+    finally:
+        context.target_max_block_size = saved
+    assert sorted((set(b.tolist()), len(b)) for b in blocks) == [
+        ({0}, 500), ({1}, 500), ({2}, 500), ({3}, 500), ({9}, 1)]  # fmt: skip
+    assert sorted((f['key'], f['rows'], f['keys']) for f in facts) == [
+        (0, 500, 1), (1, 500, 1), (2, 500, 1), (3, 500, 1), (9, 1, 1)]  # fmt: skip
+
+
 def _planted_options(**changes):
     good = [json.loads(line)['text'] for line in open(GOLDEN / 'good.jsonl')]
     raw = [json.loads(line)['text'] for line in open(GOLDEN / 'planted.raw.jsonl')]

@@ -116,9 +116,10 @@ def _init_local(ray, workers, object_store_mb, attempts=2):
 
 
 @contextlib.contextmanager
-def started(workers, address=None, object_store_mb=None):
+def started(workers, address=None, object_store_mb=None, block_mb=None):
     """Ray up for the block: embedded on loopback, or joined at `address`; Ray Data's CPU use
-    capped at `workers`. A Ray already running in this process (a test's) is used as it is."""
+    capped at `workers`, its blocks at `block_mb` MiB if given. A Ray already running in this
+    process (a test's) is used as it is."""
     import ray
     from ray.data import DataContext
     from ray.data.context import ShuffleStrategy
@@ -140,6 +141,9 @@ def started(workers, address=None, object_store_mb=None):
     limits = context.execution_options.resource_limits
     context.execution_options.resource_limits = limits.copy(cpu=workers)
     context.print_on_execution_start = False
+    block_bytes = context.target_max_block_size
+    if block_mb:
+        context.target_max_block_size = block_mb << 20
     # Sort-based shuffles run as tasks on the workers already started (retried if one dies),
     # not as aggregator actors started per shuffle: 7.6 s against 29.5 s for a small groupby
     # on 2 loaded cores, and a killed task is retried where an actor would not be.
@@ -152,5 +156,6 @@ def started(workers, address=None, object_store_mb=None):
     finally:
         context.execution_options.resource_limits = limits
         context.shuffle_strategy = strategy
+        context.target_max_block_size = block_bytes
         if owned:
             ray.shutdown()

@@ -32,6 +32,11 @@ from mtnlg_jax.data.curate.report import merged
 from mtnlg_jax.data.preprocess import InputError
 
 _cache = {}
+# Ray Data's blocks at most this size (its default, 128 MiB, is reached only by corpora of
+# hundreds of thousands of documents; a read gives the whole of a smaller stage's output as
+# one block): a map task holds a block in and a block out, so a worker's memory stays flat as
+# the corpus grows. A shuffle's reduce task holds one group (_grouped).
+BLOCK_MB = 16
 
 
 def _shared(ref):
@@ -46,14 +51,21 @@ def _shared(ref):
     return _cache[key]
 
 
+def _cut(dataset, key, values):
+    """`dataset` sorted by `key` into one block per value of `values` (sorted ints), cut at
+    those values. (The sort of Ray Data's groupby().map_groups() cuts where a sample of the
+    keys falls, into as many blocks as its input has: a shuffle task merges several groups,
+    more of them as the corpus grows.)"""
+    return dataset.sort(key, boundaries=[int(v) for v in values[1:]])
+
+
 def _grouped(dataset, key, values, fn, **fn_kwargs):
-    """fn(rows of one `key` value, **fn_kwargs) over every value in `values` (sorted ints),
-    each shuffle task holding one value's rows: the sort is cut at those values. (Ray Data's
-    groupby().map_groups() cuts its sort where a sample of the keys falls, as many outputs as
-    input blocks: a task merges several groups, and more of them as the corpus grows.)"""
-    cut = dataset.sort(key, boundaries=[int(v) for v in values[1:]])
+    """fn(the rows of one `key` value, **fn_kwargs) for each value, a shuffle task holding
+    one value's rows: what a task holds is bounded by the largest group."""
     kwargs = dict(fn=fn, key=key, fn_kwargs=fn_kwargs)
-    return cut.map_batches(_each_group, batch_size=None, batch_format='numpy', fn_kwargs=kwargs)
+    return _cut(dataset, key, values).map_batches(
+        _each_group, batch_size=None, batch_format='numpy', fn_kwargs=kwargs
+    )
 
 
 def _each_group(batch, fn, key, fn_kwargs):
@@ -117,7 +129,7 @@ class Curation:
     def run(self):
         started = time.perf_counter()
         with (
-            ray_engine.started(self.options.workers, self.address) as ray,
+            ray_engine.started(self.options.workers, self.address, block_mb=BLOCK_MB) as ray,
             StallWatch(self.work.folder, self.options.stall_timeout_s, 'curate') as watch,
         ):
             self.watch = watch
