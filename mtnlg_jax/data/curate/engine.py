@@ -36,7 +36,7 @@ _cache = {}
 # hundreds of thousands of documents; a read gives the whole of a smaller stage's output as
 # one block): a map task holds a block in and a block out, so a worker's memory stays flat as
 # the corpus grows. A shuffle's reduce task holds one group (_grouped).
-BLOCK_MB = 16
+BLOCK_MB = 8
 
 
 def _shared(ref):
