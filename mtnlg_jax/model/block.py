@@ -333,7 +333,8 @@ class Attention(nnx.Module):
 
 def gathered(x):
     """A normalised input whole along the sequence: under sequence parallelism one all-gather
-    over 'tensor' that every projection reads (q and key/value, gate and up), not one each."""
+    across the tensor-parallel ranks that every projection reads (q and key/value, gate and
+    up), not one each."""
     return constrain(x, ('batch', 'seq', 'embed'))
 
 
