@@ -186,9 +186,7 @@ class Stage:
                 add_unless(idle | (bwd.repeat != k), acc, d_chunk)
                 for k, acc in enumerate(acc_blocks)
             )
-        with jax.named_scope(ACCUMULATE_SHARED):
-            acc_shared = add_unless(self.shared_untouched(bwd), acc_shared, d_shared)
-        return (acc_blocks, acc_shared, loss + value), dx
+        return (acc_blocks, self.add_shared(bwd, acc_shared, d_shared), loss + value), dx
 
     def backward_one_chunk(self, bwd, sums, h, g, kept):
         """One chunk a stage: its accumulators are added to inside the backward's conditional,
@@ -198,7 +196,7 @@ class Stage:
         acc_blocks, acc_shared, loss = sums
 
         def idle(acc):
-            return acc, zeros(self.shared), jnp.zeros((), jnp.float32), self.fill
+            return acc, *self.no_gradients()[1:]
 
         def run(acc):
             d_chunk, d_shared, value, dx = self.pull_back(bwd, h, g, kept)
@@ -206,14 +204,14 @@ class Stage:
 
         with jax.named_scope(BACKWARD):
             acc, d_shared, value, dx = jax.lax.cond(bwd.kind == SLOT_IDLE, idle, run, acc_blocks[0])
-        with jax.named_scope(ACCUMULATE_SHARED):
-            acc_shared = add_unless(self.shared_untouched(bwd), acc_shared, d_shared)
-        return ((acc,), acc_shared, loss + value), dx
+        return ((acc,), self.add_shared(bwd, acc_shared, d_shared), loss + value), dx
 
-    def shared_untouched(self, bwd):
-        """Only chunk 0 (the embedding) and the last chunk (final norm, head) touch the shared
-        parameters."""
-        return (bwd.kind != SLOT_FIRST) & (bwd.kind != SLOT_LAST)
+    def add_shared(self, bwd, acc_shared, d_shared):
+        """The shared accumulators + d_shared, in place, where the slot touched them: only
+        chunk 0 (the embedding) and the last chunk (final norm, head) do."""
+        untouched = (bwd.kind != SLOT_FIRST) & (bwd.kind != SLOT_LAST)
+        with jax.named_scope(ACCUMULATE_SHARED):
+            return add_unless(untouched, acc_shared, d_shared)
 
     def no_gradients(self):
         """An idle backward's: zero gradients, no loss, the fill as the input's gradient."""

@@ -25,12 +25,18 @@ _CONSTANT = ('broadcast', 'constant', 'parameter', 'bitcast', 'reshape')
 def loop_copies(hlo_text, min_bytes=1 << 20, branch_weights=None):
     """[{computation, name, type, bytes, runs}] of every copy of a live buffer, min_bytes or
     more, inside a loop, largest first; runs: per step."""
-    return [c for c in _in_loops(hlo_text, min_bytes, branch_weights) if not c['fill']]
+    return copies_and_fills(hlo_text, min_bytes, branch_weights)[0]
 
 
 def loop_fills(hlo_text, min_bytes=1 << 20, branch_weights=None):
     """The same of the copies of a broadcast constant (the module docstring)."""
-    return [c for c in _in_loops(hlo_text, min_bytes, branch_weights) if c['fill']]
+    return copies_and_fills(hlo_text, min_bytes, branch_weights)[1]
+
+
+def copies_and_fills(hlo_text, min_bytes=1 << 20, branch_weights=None):
+    """(loop_copies, loop_fills) from one reading of the module."""
+    found = _in_loops(hlo_text, min_bytes, branch_weights)
+    return [c for c in found if not c['fill']], [c for c in found if c['fill']]
 
 
 def _in_loops(hlo_text, min_bytes, branch_weights):

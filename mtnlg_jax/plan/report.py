@@ -135,15 +135,12 @@ def add_gpu_figures(compiled, config, text, mesh, target, weights):
     cluster = clusters.CLUSTERS[target]
     fused = hlo_module.attention_kernel_counts(text)
     compiled['attention'] = dict(fused=bool(fused), kernels=fused)
-    for key, find in (
-        ('loop_copies', loop_copies.loop_copies),
-        ('loop_fills', loop_copies.loop_fills),
-    ):
-        found = find(text, branch_weights=weights)
+    found = loop_copies.copies_and_fills(text, branch_weights=weights)  # one reading
+    for key, copies in zip(('loop_copies', 'loop_fills'), found):
         compiled[key] = dict(
-            count=len(found),
-            bytes_per_step=loop_copies.bytes_per_step(found),
-            largest=[dict(type=c['type'], runs=c['runs']) for c in found[:4]],
+            count=len(copies),
+            bytes_per_step=loop_copies.bytes_per_step(copies),
+            largest=[dict(type=c['type'], runs=c['runs']) for c in copies[:4]],
         )
     replay = overlap.collective_overlap(
         text, mesh, overlap.Target.of_cluster(cluster, config.model.compute_dtype), weights
