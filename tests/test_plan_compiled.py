@@ -17,7 +17,7 @@ import pytest
 import support
 from mtnlg_jax.parallel import branches, pipeline
 from mtnlg_jax.plan import compile as compile_lib
-from mtnlg_jax.plan import hlo, hlo_module, report
+from mtnlg_jax.plan import arithmetic, hlo, hlo_module, report
 
 MESH = dict(data=2, stage=2, tensor=2)  # device id = 4 data + 2 stage + tensor
 TOLERANCE = 0.10
@@ -300,6 +300,34 @@ def test_planned_memory_per_device(name):
     _, planned, compiled, _, _ = _planned_and_compiled(name)
     total = planned['per_device_bytes']['total']
     assert _close(compiled['peak_bytes'], total), (compiled['peak_bytes'], total)
+
+
+def _temporaries(block, remat, layers, sequence_parallel):
+    config = support.small_config(
+        tensor=4, remat=remat, num_layers=layers, seq_len=256, vocab_size=512,
+        sequence_parallel=sequence_parallel, **(support.LLAMA_BLOCK if block == 'llama' else {}),
+    )  # fmt: skip
+    compiled, _, _ = compile_lib.compile_train_step(config)
+    return config, compiled.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize('block,sequence_parallel', [('llama', True), ('gpt', False)])
+def test_selective_recompute_keeps_per_layer_what_the_plan_counts(block, sequence_parallel):
+    """What two more layers add to the step's temporaries under remat selective, less what
+    they add under remat full (gradients, optimizer temporaries: the same in both), plus full's
+    kept layer input: the bytes one layer keeps under selective recompute, within 10 % of
+    arithmetic.layer_activation_bytes (Korthikanti's count, which it used, was 1.6 x and 2.3 x
+    these)."""
+    grown = {}
+    for remat in ('selective', 'full'):
+        _, two = _temporaries(block, remat, 2, sequence_parallel)
+        config, four = _temporaries(block, remat, 4, sequence_parallel)
+        grown[remat] = (four - two) / 2
+    rows, model = config.train.micro_batch, config.model
+    full = arithmetic.layer_activation_bytes(model, rows, 4, 'full')
+    measured = grown['selective'] - grown['full'] + full
+    planned = arithmetic.layer_activation_bytes(model, rows, 4, 'selective')
+    assert _close(measured, planned), (measured, planned)
 
 
 def test_a_bf16_step_compiled_on_cpu_has_the_memory_of_its_fp32_twin():

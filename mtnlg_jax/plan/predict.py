@@ -98,6 +98,16 @@ def _ring(kind, size, group):
     return (2.0 if kind == 'all-reduce' else 1.0) * (group - 1) / group * size
 
 
+def fused_attention(model_cfg, cluster):
+    """Whether attention runs a fused kernel (cuDNN, the flash kernel: the scores stay on
+    chip) on `cluster`'s GPUs, as model/block.py's attention_kernel decides; None: the CPU's
+    plain path."""
+    if cluster is None:
+        return False
+    gpu = types.SimpleNamespace(platform='gpu', compute_capability=cluster.compute_capability)
+    return block.attention_kernel(model_cfg, gpu) != 'plain'
+
+
 class _Rates:
     """Seconds of a matmul, of memory traffic, and of a transfer, on one device."""
 
@@ -106,10 +116,6 @@ class _Rates:
         self.figures = figures
         self.memory = cluster.hbm_bandwidth * figures.memory_efficiency
         self.cluster = cluster
-        # what model/block.py's attention_kernel is asked about this GPU
-        self.gpu = types.SimpleNamespace(
-            platform='gpu', compute_capability=cluster.compute_capability
-        )
 
     def matmul(self, flops, width):
         f = self.figures
@@ -168,7 +174,7 @@ def slot_costs(config, rates, semantics, exposed, accumulate):
     """(forward, backward): {component: [middle chunk, last chunk]} of one slot, seconds (and
     FLOPs). Components: compute, recompute, tensor (collectives waited for), accumulate (the
     backward's gradients added to the fp32 accumulators: `accumulate` seconds), flops."""
-    fused = semantics == 'ours' and block.attention_kernel(config.model, rates.gpu) != 'plain'
+    fused = semantics == 'ours' and fused_attention(config.model, rates.cluster)
     layer = layer_forward(config, rates, exposed, fused)
     n = arithmetic.chunk_slots(config)
     again, again_flops = {

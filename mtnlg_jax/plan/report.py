@@ -22,14 +22,23 @@ from mtnlg_jax.plan import (
 PER_DEVICE_KEYS = ('params', 'grads', 'optimizer', 'update', 'activations', 'total')
 
 
-def make_plan(config, cluster=None):
-    """Everything the arithmetic says about a resolved config; cluster: a CLUSTERS name."""
+def memory(config, cluster=None):
+    """(bytes per device by part of the state with their 'total', activations by kind) on
+    `cluster` (a clusters.Cluster: its GPUs decide whether attention is fused, as
+    model/block.py's attention_kernel does; None: XLA:CPU's plain attention)."""
     state = arithmetic.state_bytes(config)
-    activations = arithmetic.activation_bytes(config)
+    fused = predict.fused_attention(config.model, cluster)
+    activations = arithmetic.activation_bytes(config, fused)
     # update: the optimizer step's new master weights and moments, held beside the old ones
     # until the non-finite check picks one (train/step.py's `where`).
     per_device = dict(state, update=state['optimizer'], activations=sum(activations.values()))
     per_device['total'] = sum(per_device.values())
+    return per_device, activations
+
+
+def make_plan(config, cluster=None):
+    """Everything the arithmetic says about a resolved config; cluster: a CLUSTERS name."""
+    per_device, activations = memory(config, cluster and clusters.CLUSTERS[cluster])
     communication = comm.comm_bytes_per_device(config)
     hardware = arithmetic.hardware_flops_per_step(config)
     plan = dict(

@@ -167,7 +167,7 @@ def search(inputs, devices, cluster, fixed=(), top=10, progress=True, figures=No
     bar = tqdm(total=top, desc='checking memory', file=out, disable=not progress)
     for _, _, config, step in ranked:
         checked += 1
-        per_device = report.make_plan(config)['per_device_bytes']
+        per_device, _ = report.memory(config, cluster)
         if per_device['total'] <= cluster.hbm_bytes:
             best.append(_entry(config, step, per_device))
             bar.update()
@@ -202,7 +202,7 @@ def baseline(inputs, devices, cluster, figures=None):
         config = config_lib.resolve(ml_collections.ConfigDict(inputs.to_dict()), devices)
     except config_lib.ConfigError:
         return None
-    per_device = report.make_plan(config)['per_device_bytes']
+    per_device, _ = report.memory(config, cluster)
     entry = _entry(config, predict.step_time(config, cluster, figures), per_device)
     entry['fits'] = per_device['total'] <= cluster.hbm_bytes
     return entry
