@@ -12,8 +12,8 @@ steps; 16 M tokens a step (2048 x 8192). Layout: tensor 8 x pipeline 16 x data -
 first and the last stage hold one layer fewer, 7, 8 x 14, 7 (pipeline.first_stage_layers /
 last_stage_layers; docs/training.md, "Pipeline stages of unequal depth"); their 7 layers run
 as chunks of 1, 2, 2, 2 (stage 0, whose first chunk holds the embedding) and 2, 2, 2, 1
-(stage 15, the head's last). XLA:GPU compiles it to 71.4 GiB a GPU at 1.03 x the model's
-FLOPs; predicted 13.4 s a step, 402 model TFLOP/s a GPU (6N + 12LHQT) against Meta's 430
+(stage 15, the head's last). XLA:GPU compiles it to 70.5 GiB a GPU at 1.05 x the model's
+FLOPs; predicted 13.1 s a step, 412 model TFLOP/s a GPU (6N + 12LHQT) against Meta's 430
 (docs/benchmarks.md, "Llama blocks", has the other layouts: full recompute is slower).
 
 What differs from Meta's run:

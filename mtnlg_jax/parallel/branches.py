@@ -24,8 +24,6 @@ import numpy as np
 from mtnlg_jax.parallel.schedule import IDLE
 
 SLOT_IDLE, SLOT_FIRST, SLOT_MIDDLE, SLOT_LAST = range(4)
-# A chunk's layer slot on a stage of unequal depth: run, or a padding slot passed through.
-LAYER_SLOT = 'pipeline_layer_slot'
 FORWARD, BACKWARD, EVAL, FIRST, LAST = (
     'pipeline_forward', 'pipeline_backward', 'pipeline_eval', 'pipeline_first', 'pipeline_last'
 )  # fmt: skip

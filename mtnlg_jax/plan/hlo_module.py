@@ -11,8 +11,7 @@ computation reached from several call sites sums them. Conditional branches coun
 unless `branch_weights` says how often each is: {scope path: [fraction per branch]}, the path
 being the named scopes of the weights' keys found in the conditional's op_name, outermost
 first (`parallel/branches.py`'s `branch_fractions`: which slots of its table run a chunk, the
-embedding, the head); a path they do not name takes its innermost scope's weights (a short
-stage's layer slots, `LAYER_SLOT`, wherever they run).
+embedding, the head); a path they do not name takes its innermost scope's weights.
 """
 
 import collections

@@ -6,7 +6,6 @@
 """
 
 from mtnlg_jax.parallel import branches
-from mtnlg_jax.parallel import stage_order
 from mtnlg_jax.plan import (
     arithmetic,
     clusters,
@@ -219,12 +218,7 @@ def branch_weights(config, micro_steps=None):
     table = arithmetic.engine_table(config, micro_steps)
     if table is None:
         return None
-    weights = branches.branch_fractions(table)
-    layers = stage_order.of_config(config)
-    if layers.padded:  # cond(slot < used, block, pass through): the layers' share of slots
-        share = layers.num_layers / layers.stored_layers
-        weights[(branches.LAYER_SLOT,)] = [1.0 - share, share]
-    return weights
+    return branches.branch_fractions(table)
 
 
 def per_iteration_arrays(hlo_text, config, top=3):
