@@ -12,8 +12,9 @@ unequal depth (`pipeline.first_stage_layers` / `last_stage_layers`, Megatron's
 --decoder-first-pipeline-num-layers / --decoder-last-...): stage s holds its n_s layers, n_s / v
 per chunk, the other stages share the rest evenly; `slots` is the largest chunk, and the
 smaller chunks' last places are padding. Llama 3 405B on 16 stages: 7, 8 x 14, 7 -> 128
-places for 126 layers. A padding slot's parameters are zeros, the engine skips it
-(apply_blocks' `used`), so it gets no gradient and stays zero under Adam and weight decay.
+places for 126 layers. A padding slot's parameters are zeros; the engine runs its layer and
+drops the result (apply_blocks' `used`: a tick lasts as long as the deepest chunk, so skipping
+saves no time), so it gets no gradient and stays zero under Adam and weight decay.
 
 Checkpoints hold the L layers in plain layer order (`to_layer_order` before saving, padding
 dropped; `to_schedule_order` after restoring, padding zeros), so any (stage, repeats, first,

@@ -69,9 +69,10 @@ def _engine_tensor_runs(config):
     step in the 1F1B engine, the mean over stages (see the module docstring)."""
     model = config.model
     stages, repeats, micro = config.mesh.stage, config.pipeline.repeats, config.train.micro_steps
-    chunks = stages * repeats  # the mean over stages: a padding slot sends nothing
+    chunks = stages * repeats
+    # a padding slot runs its layer, collectives included (model/gpt.py's apply_block_stack)
     chunk_layers = (
-        model.num_layers // chunks if model.num_layers % chunks == 0 else model.num_layers / chunks
+        model.num_layers // chunks if model.num_layers % chunks == 0 else chunk_slots(config)
     )
     passes, per_stage = repeats * micro, micro / stages
     per_backward = 2 * chunk_layers
