@@ -69,11 +69,9 @@ def _engine_tensor_runs(config):
     step in the 1F1B engine, the mean over stages (see the module docstring)."""
     model = config.model
     stages, repeats, micro = config.mesh.stage, config.pipeline.repeats, config.train.micro_steps
-    chunks = stages * repeats
-    # a padding slot runs its layer, collectives included (model/gpt.py's apply_block_stack)
-    chunk_layers = (
-        model.num_layers // chunks if model.num_layers % chunks == 0 else chunk_slots(config)
-    )
+    # every chunk runs the deepest chunk's slots: a padding slot runs its layer, collectives
+    # included (model/gpt.py's apply_block_stack)
+    chunk_layers = chunk_slots(config)
     passes, per_stage = repeats * micro, micro / stages
     per_backward = 2 * chunk_layers
     if model.remat == 'full':
