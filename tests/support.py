@@ -1,6 +1,7 @@
 """Helpers the tests share: a small model under any layout, and runs of a few steps."""
 
 import atexit
+import importlib.util
 import os
 import pathlib
 import shutil
@@ -305,3 +306,26 @@ def main_in_process(main, capsys, *args):
     except SystemExit as e:
         status = e.code
     return status, capsys.readouterr().err.strip().splitlines()
+
+
+def launch_module(script):
+    """launch/SCRIPT.py as a module (its main(argv) runs in this process: no second JAX
+    start-up, which costs a bad-input test a subprocess's 2 s)."""
+    spec = importlib.util.spec_from_file_location(script, ROOT / 'launch' / f'{script}.py')
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def launch_in_process(script, capsys, monkeypatch, *args):
+    """launch/SCRIPT.py's main(args) in this process: (exit status, stdout, stderr lines).
+    The XLA flags a tool sets before JAX starts are put back afterwards."""
+    monkeypatch.setenv('XLA_FLAGS', os.environ.get('XLA_FLAGS', ''))
+    main = launch_module(script).main
+    try:
+        main([str(a) for a in args])
+        status = 0
+    except SystemExit as e:
+        status = e.code
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err.strip().splitlines()

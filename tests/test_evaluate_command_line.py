@@ -9,6 +9,7 @@ import shutil
 
 import numpy as np
 import pytest
+from support import launch_in_process
 from support import run_launch as run
 from test_hf_gpt2 import hf_gpt2_logits, original  # noqa: F401
 
@@ -204,17 +205,22 @@ def test_bad_input_fails_with_one_line(
     original,  # noqa: F811 (the fixture imported from test_hf_gpt2)
     broken,
     tokenizer,
+    capsys,
+    monkeypatch,
     script,
     workdir,
     args,
     message,
 ):
+    """In this process (test_command_line_contract.py runs each tool's command line)."""
     workdir = broken / workdir if workdir else original[1]
     before = snapshot(broken)
     fill = dict(root=broken, tokenizer=tokenizer.model_path)
-    result = run(script, '--workdir', workdir, *(a.format(**fill) for a in args))
-    assert result.returncode == 2, result.stderr[-2000:]
-    lines = result.stderr.strip().splitlines()
+    status, _, lines = launch_in_process(
+        script.removesuffix('.py'), capsys, monkeypatch, '--workdir', workdir,
+        *(a.format(**fill) for a in args),
+    )  # fmt: skip
+    assert status == 2, lines
     assert len(lines) == 1 and lines[0].startswith('error: ') and message in lines[0], lines
     assert snapshot(broken) == before  # no eval/ results, no export written
 
@@ -227,14 +233,21 @@ def test_bad_input_fails_with_one_line(
         (['--num_return_sequences', '0'], 'num_return_sequences must be a positive integer'),
     ],
 )
-def test_bad_generation_settings_fail_with_one_line(original, tokenizer, args, message):  # noqa: F811
+def test_bad_generation_settings_fail_with_one_line(
+    original,  # noqa: F811
+    tokenizer,
+    capsys,
+    monkeypatch,
+    args,
+    message,
+):
     _, workdir = original
     prompt = tokenizer.decode(tokenizer.encode('In the beginning')[:3])
     assert len(tokenizer.encode(prompt)) == 3
-    result = run('generate.py', '--workdir', workdir, '--prompt', prompt,
-                 '--tokenizer', tokenizer.model_path, *args)  # fmt: skip
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
+    status, _, lines = launch_in_process('generate', capsys, monkeypatch, '--workdir', workdir,
+                                         '--prompt', prompt, '--tokenizer', tokenizer.model_path,
+                                         *args)  # fmt: skip
+    assert status == 2
     assert len(lines) == 1 and lines[0].startswith('error: ') and message in lines[0], lines
 
 

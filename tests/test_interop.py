@@ -4,7 +4,6 @@ the lm-evaluation-harness model class and launch/harness.py on the example tasks
 export with its tokenizer: each agrees with this project's own scorer, generator and tasks."""
 
 import atexit
-import importlib.util
 import json
 import os
 import shutil
@@ -14,7 +13,7 @@ import tempfile
 import pytest
 import tokenizers
 from lm_eval.api.instance import Instance
-from support import ROOT, SMALL_MODEL, TRAIN_ENV, run_launch, run_train
+from support import ROOT, SMALL_MODEL, TRAIN_ENV, launch_module, run_launch, run_train
 from test_data import synthetic_documents
 from test_hf_gpt2 import convert  # launch/convert.py, imported once per process
 from test_preprocess import preprocess
@@ -73,11 +72,7 @@ def harness_model(bpe_run):
 
 
 def launch_main(script, *args):
-    """A launch script's main(argv) in this process (no second JAX start-up)."""
-    spec = importlib.util.spec_from_file_location(script, ROOT / 'launch' / f'{script}.py')
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main([str(a) for a in args])
+    return launch_module(script).main([str(a) for a in args])
 
 
 def test_generate_and_the_harness_greedy_generation_agree(bpe_run, harness_model, tmp_path, capsys):

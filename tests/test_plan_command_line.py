@@ -81,14 +81,17 @@ def test_a_bf16_pipelined_step_compiles_through_the_tool(tmp_path):
          'mesh.tensor 16 with 16 devices: a100-80gb nodes hold 8 GPUs'),
     ],
 )
-def test_bad_input_is_one_line_and_status_2(args, message, tmp_path):
+def test_bad_input_is_one_line_and_status_2(args, message, tmp_path, capsys, monkeypatch):
+    """In this process (test_command_line_contract.py runs the command line itself)."""
     existing = tmp_path / 'plan.json'
     existing.write_text('keep me')
     json_args = [] if '--json' in args else ['--json', str(existing)]
-    result = run_plan('--config', 'configs/tiny.py', '--compile', *json_args, *args)
-    assert result.returncode == 2, result.stderr
-    assert result.stdout == ''
-    lines = result.stderr.strip().splitlines()
+    monkeypatch.chdir(support.ROOT)
+    status, out, lines = support.launch_in_process(
+        'plan', capsys, monkeypatch, '--config', 'configs/tiny.py', '--compile', *json_args, *args
+    )
+    assert status == 2, lines
+    assert out == ''
     assert len(lines) == 1 and lines[0].startswith('error: ') and message in lines[0], lines
     assert existing.read_text() == 'keep me'
 

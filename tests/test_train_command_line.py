@@ -8,7 +8,18 @@ import sys
 
 import pytest
 
-from support import ROOT, SMALL_MODEL, run_train
+from support import ROOT, SMALL_MODEL, launch_in_process, run_train
+
+
+def untouched(workdir):
+    workdir.mkdir()
+    (workdir / 'metrics.jsonl').write_text('{"step": 1, "loss": 1.0}\n')
+    return workdir
+
+
+def assert_untouched(workdir):
+    assert sorted(os.listdir(workdir)) == ['metrics.jsonl']
+    assert (workdir / 'metrics.jsonl').read_text() == '{"step": 1, "loss": 1.0}\n'
 
 
 @pytest.mark.parametrize(
@@ -71,17 +82,29 @@ from support import ROOT, SMALL_MODEL, run_train
         ),
     ],
 )
-def test_bad_input_is_one_error_line_exit_2_and_the_workdir_untouched(tmp_path, overrides, key):
-    workdir = tmp_path / 'run'
-    workdir.mkdir()
-    (workdir / 'metrics.jsonl').write_text('{"step": 1, "loss": 1.0}\n')
-    result = run_train(workdir, *overrides)
-    assert result.returncode == 2, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert lines[-1].startswith('error: ') and key in lines[-1], result.stderr
+def test_bad_input_is_one_error_line_exit_2_and_the_workdir_untouched(
+    tmp_path, capsys, monkeypatch, overrides, key
+):
+    """In this process (a subprocess each would cost the suite a minute; the next test runs
+    the command line itself)."""
+    workdir = untouched(tmp_path / 'run')
+    status, _, lines = launch_in_process(
+        'train', capsys, monkeypatch, '--config', ROOT / 'configs/tiny.py', '--workdir', workdir,
+        *overrides,
+    )  # fmt: skip
+    assert status == 2, lines
+    lines = [line for line in lines if line.strip()]
+    assert lines[-1].startswith('error: ') and key in lines[-1], lines
     assert sum(line.startswith('error: ') for line in lines) == 1
-    assert sorted(os.listdir(workdir)) == ['metrics.jsonl']
-    assert (workdir / 'metrics.jsonl').read_text() == '{"step": 1, "loss": 1.0}\n'
+    assert_untouched(workdir)
+
+
+def test_bad_input_at_the_command_line_is_one_line_on_stderr_and_exit_2(tmp_path):
+    workdir = untouched(tmp_path / 'run')
+    result = run_train(workdir, '--config.mesh.data=3')
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count('\n') == 1 and result.stderr.startswith('error: config key mesh')
+    assert_untouched(workdir)
 
 
 def test_token_ids_beyond_the_vocabulary_are_an_error(tmp_path, token_data):
