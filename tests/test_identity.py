@@ -11,7 +11,7 @@ import pytest
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.data import identity, loader
 from mtnlg_jax.data.indexed import DataError, IndexedDataset, IndexedDatasetWriter, token_dtype
-from support import ROOT, SMALL_MODEL, run_launch, run_train
+from support import ROOT, SMALL_MODEL, launch_in_process, launch_module, run_launch, run_train
 
 CORPUS = ROOT / 'tests/fixtures/curation'
 VOCAB = 320
@@ -50,19 +50,10 @@ def corpora(tmp_path_factory):
     (root / 'b').mkdir()
     train = ['--input', str(CORPUS / 'planted.jsonl'), '--train-tokenizer', '--vocab-size']
     train += [str(VOCAB), '--tokenizer-model', str(root / 'b/tokenizer.model')]
-    assert preprocess_tool().main(train) == 0  # training alone starts no Ray
+    assert launch_module('preprocess').main(train) == 0  # training alone starts no Ray
     tokenized(root / 'b/text', root / 'b/tokenizer.model', 'planted.jsonl')
     tokenized(root / 'c/text', root / 'a/tokenizer.model', 'planted.jsonl')
     return root
-
-
-def preprocess_tool():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location('preprocess', ROOT / 'launch/preprocess.py')
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def sources(prefix):
@@ -92,13 +83,26 @@ def copy_of(workdir, tmp_path):
     return copy
 
 
-def one_error(result, *needles):
-    lines = [line for line in result.stderr.splitlines() if line.startswith('error: ')]
-    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
-    assert result.stderr.strip().splitlines()[-1] == lines[0]
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
+@pytest.fixture
+def refused(capsys, monkeypatch):
+    """refused(tool, *args, needles=()): launch/TOOL.py's main in this process (a refusal
+    comes before any compile: test_command_line_contract.py runs the command lines) ends with
+    status 2 and one `error:` line, its last, holding each needle; returns it."""
+
+    def run(tool, *args, needles=()):
+        status, _, lines = launch_in_process(tool, capsys, monkeypatch, *args)
+        errors = [line for line in lines if line.startswith('error: ')]
+        assert status == 2 and len(errors) == 1 and lines[-1] == errors[0], lines[-20:]
+        for needle in needles:
+            assert needle in errors[0], errors[0]
+        return errors[0]
+
+    return run
+
+
+def train(workdir, *overrides):
+    """launch/train.py's arguments (configs/tiny.py) without the interpreter."""
+    return ['--config', ROOT / 'configs/tiny.py', '--workdir', workdir, *overrides]
 
 
 def sha(path):
@@ -118,23 +122,16 @@ def test_preprocessing_writes_the_tokenizer_identity_beside_the_files(corpora):
     ]  # fmt: skip
 
 
-def test_training_refuses_data_of_another_tokenizer_of_the_same_size(corpora, tmp_path):
-    result = run_train(
-        tmp_path / 'run',
-        *RUN,
-        tokenizer(corpora / 'a/tokenizer.model'),
-        sources(corpora / 'b/text'),
-    )
-    one_error(
-        result, 'b/text.bin', sha(corpora / 'b/tokenizer.model'), sha(corpora / 'a/tokenizer.model')
-    )
+def test_training_refuses_data_of_another_tokenizer_of_the_same_size(corpora, tmp_path, refused):
+    args = [*RUN, tokenizer(corpora / 'a/tokenizer.model'), sources(corpora / 'b/text')]
+    needles = ('b/text.bin', sha(corpora / 'b/tokenizer.model'), sha(corpora / 'a/tokenizer.model'))
+    refused('train', *train(tmp_path / 'run', *args), needles=needles)
     assert not (tmp_path / 'run').exists()
 
 
-def test_a_blend_of_two_tokenizers_is_refused_without_a_tokenizer(corpora, tmp_path):
+def test_a_blend_of_two_tokenizers_is_refused_without_a_tokenizer(corpora, tmp_path, refused):
     blend = f"--config.data.sources=((0.5, '{corpora}/a/text'), (0.5, '{corpora}/b/text'))"
-    result = run_train(tmp_path / 'run', *RUN, blend)
-    one_error(result, 'a/text.bin', 'b/text.bin')
+    refused('train', *train(tmp_path / 'run', *RUN, blend), needles=('a/text.bin', 'b/text.bin'))
 
 
 def config_of(corpora, data, order='layout_independent'):
@@ -166,16 +163,17 @@ def test_files_without_the_sidecar_are_read_with_one_warning(corpora, tmp_path, 
     assert len(warnings) == 1 and warnings[0].startswith('warning: ')
 
 
-def test_resuming_with_another_tokenizer_of_the_same_size_is_refused(corpora, trained, tmp_path):
+def test_resuming_with_another_tokenizer_of_the_same_size_is_refused(
+    corpora, trained, tmp_path, refused
+):
     """The issue's case: the tokenizer changed on resume (a forgotten flag, or another file
     of the same size); the workdir is a copy of another run."""
     workdir = copy_of(trained, tmp_path)
     before = {p: p.read_bytes() for p in workdir.rglob('*') if p.is_file()}
-    result = run_train(
+    refused('train', *train(
         workdir, *RUN, '--config.train.steps=3', '--accept_changes',
         tokenizer(corpora / 'b/tokenizer.model'), sources(corpora / 'b/text'),
-    )  # fmt: skip
-    one_error(result, 'cannot continue', sha(corpora / 'b/tokenizer.model'))
+    ), needles=('cannot continue', sha(corpora / 'b/tokenizer.model')))  # fmt: skip
     assert {p: p.read_bytes() for p in workdir.rglob('*') if p.is_file()} == before
 
 
@@ -186,12 +184,13 @@ def test_resuming_with_another_tokenizer_of_the_same_size_is_refused(corpora, tr
         (['--config.data.order=megatron'], 'data.order'),
     ],
 )
-def test_a_data_stream_change_on_resume_needs_accept_changes(corpora, trained, change, needle):
-    result = run_train(
+def test_a_data_stream_change_on_resume_needs_accept_changes(
+    corpora, trained, refused, change, needle
+):
+    refused('train', *train(
         trained, *RUN, '--config.train.steps=3', *change,
         tokenizer(corpora / 'a/tokenizer.model'), sources(corpora / 'a/text'),
-    )  # fmt: skip
-    one_error(result, needle, '--accept_changes')
+    ), needles=(needle, '--accept_changes'))  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -202,16 +201,17 @@ def test_a_data_stream_change_on_resume_needs_accept_changes(corpora, trained, c
     ],
 )
 def test_a_model_or_seed_change_on_resume_is_refused_even_when_accepted(
-    corpora, trained, change, needle
+    corpora, trained, refused, change, needle
 ):
-    result = run_train(
+    refused('train', *train(
         trained, *RUN, '--config.train.steps=3', *change, '--accept_changes',
         tokenizer(corpora / 'a/tokenizer.model'), sources(corpora / 'a/text'),
-    )  # fmt: skip
-    one_error(result, needle, 'cannot continue')
+    ), needles=(needle, 'cannot continue'))  # fmt: skip
 
 
-def test_files_rewritten_under_the_same_prefix_change_the_data_stream(corpora, trained, tmp_path):
+def test_files_rewritten_under_the_same_prefix_change_the_data_stream(
+    corpora, trained, tmp_path, refused
+):
     data = tmp_path / 'text'  # the run's prefix, now holding other documents (same tokenizer)
     for suffix in ('.bin', '.idx', '.identity.json'):
         shutil.copy(corpora / f'c/text{suffix}', f'{data}{suffix}')
@@ -223,14 +223,16 @@ def test_files_rewritten_under_the_same_prefix_change_the_data_stream(corpora, t
     inputs['inputs']['data']['sources'] = [[1.0, str(data)]]
     (workdir / 'config.json').write_text(json.dumps(inputs))
     args = [*RUN, '--config.train.steps=3', tokenizer(corpora / 'a/tokenizer.model')]
-    one_error(run_train(workdir, *args, sources(data)), 'bin_bytes', '--accept_changes')
+    refused(
+        'train', *train(workdir, *args, sources(data)), needles=('bin_bytes', '--accept_changes')
+    )
 
 
-def test_new_sources_continue_when_accepted_and_are_recorded(corpora, trained, tmp_path):
+def test_new_sources_continue_when_accepted_and_are_recorded(corpora, trained, tmp_path, refused):
     workdir = copy_of(trained, tmp_path)
     blend = f"--config.data.sources=((0.5, '{corpora}/a/text'), (0.5, '{corpora}/c/text'))"
     args = [*RUN, '--config.train.steps=3', tokenizer(corpora / 'a/tokenizer.model'), blend]
-    one_error(run_train(workdir, *args), 'data.sources', '--accept_changes')
+    refused('train', *train(workdir, *args), needles=('data.sources', '--accept_changes'))
     result = run_train(workdir, *args, '--accept_changes')
     assert result.returncode == 0, result.stderr[-3000:]
     assert 'resumed      from step 2' in result.stdout
@@ -240,25 +242,16 @@ def test_new_sources_continue_when_accepted_and_are_recorded(corpora, trained, t
     assert 'data.sources' in recorded['changes'][0]['changed'][0]
 
 
-def test_evaluation_refuses_another_tokenizers_data_and_tokenizer(corpora, trained):
+def test_evaluation_refuses_another_tokenizers_data_and_tokenizer(corpora, trained, refused):
     args = ['--workdir', trained, '--task', 'perplexity', '--split', 'valid']
-    result = run_launch('evaluate.py', *args, '--data', corpora / 'b/text')
-    one_error(
-        result, 'b/text.bin', sha(corpora / 'b/tokenizer.model'), sha(corpora / 'a/tokenizer.model')
-    )
-    result = run_launch(
-        'evaluate.py',
-        *args,
-        '--data',
-        corpora / 'a/text',
-        '--tokenizer',
-        corpora / 'b/tokenizer.model',
-    )
-    one_error(result, '--tokenizer', sha(corpora / 'b/tokenizer.model'))
+    needles = ('b/text.bin', sha(corpora / 'b/tokenizer.model'), sha(corpora / 'a/tokenizer.model'))
+    refused('evaluate', *args, '--data', corpora / 'b/text', needles=needles)
+    other = ['--data', corpora / 'a/text', '--tokenizer', corpora / 'b/tokenizer.model']
+    refused('evaluate', *args, *other, needles=('--tokenizer', sha(corpora / 'b/tokenizer.model')))
 
 
-@pytest.mark.parametrize('tool', ['evaluate.py', 'generate.py'])
-def test_a_tokenizer_replaced_since_training_is_refused(corpora, trained, tmp_path, tool):
+@pytest.mark.parametrize('tool', ['evaluate', 'generate'])
+def test_a_tokenizer_replaced_since_training_is_refused(corpora, trained, tmp_path, refused, tool):
     """A copied workdir whose config names a tokenizer file rewritten since (same size)."""
     workdir = copy_of(trained, tmp_path)
     model = tmp_path / 'tokenizer.model'
@@ -268,9 +261,10 @@ def test_a_tokenizer_replaced_since_training_is_refused(corpora, trained, tmp_pa
         section['data']['tokenizer'] = str(model)
     (workdir / 'config.json').write_text(json.dumps(saved))
     shutil.copy(corpora / 'b/tokenizer.model', model)  # replaced in place
-    if tool == 'evaluate.py':
+    if tool == 'evaluate':
         args = ['--task', 'lambada', '--data', CORPUS / 'eval.jsonl']
     else:
         args = ['--prompt', 'And', '--max_new_tokens', '2']
-    result = run_launch(tool, '--workdir', workdir, *args)
-    one_error(result, str(model), sha(corpora / 'a/tokenizer.model'))
+    refused(
+        tool, '--workdir', workdir, *args, needles=(str(model), sha(corpora / 'a/tokenizer.model'))
+    )
