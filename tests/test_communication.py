@@ -130,39 +130,3 @@ def test_bf16_pipelined_gradients_are_summed_in_fp32():
     unpipelined, pipelined = error(1), error(2)
     assert 0 < unpipelined < 0.05
     assert pipelined <= 1.1 * unpipelined, (pipelined, unpipelined)
-
-
-def test_overlap_grad_reduce_scatters_each_chunk_once_its_backward_ends_with_the_same_grads():
-    """pipeline.overlap_grad_reduce (interleaved, v = 2): the gradients of a step equal those
-    of the one reduce-scatter at the end; the block leaves split over 'data' off the layer
-    axis are reduce-scattered a chunk at a time (the same bytes), the tick loop is two loops,
-    and chunk 1's reduce-scatters read nothing of the second loop: XLA:GPU may run them
-    beside it (docs/gpu.md)."""
-    layout = dict(data=2, stage=2, tensor=2, repeats=2, num_layers=4, micro_steps=4)
-    batch = support.random_batches(1)[0]
-    results = {}
-    for overlap in (False, True):
-        config = support.small_config(**layout)
-        config.pipeline.overlap_grad_reduce = overlap
-        compiled, _, info = compile_lib.compile_train_step(config)
-        text = compiled.as_text()
-        inventory = hlo.collective_inventory(text, info['mesh'])
-        scatters = [
-            e for e in inventory if e['kind'] == 'reduce-scatter' and e['axes'] == ('data',)
-        ]
-        results[overlap] = support.gradients(config, batch), scatters, text
-    (_, loss, grads), scatters, _ = results[False]
-    (_, loss_on, grads_on), scatters_on, text = results[True]
-    assert loss_on == loss
-    support.assert_gradients_close(grads_on, grads, atol=1e-7, relative=1e-6)
-    sent = lambda found: sum(e['wire_bytes'] * e['count'] for e in found)  # noqa: E731
-    assert sent(scatters_on) == sent(scatters) and len(scatters_on) > len(scatters)
-    computations, entry = hlo_module.parse_module(text)
-    loops = [i.name for i in computations[entry] if i.opcode == 'while']
-    assert len(loops) == 2
-    early = [
-        e for e in scatters_on
-        if e['computation'] == entry
-        and not hlo_module.depends_on(computations[entry], e['name'], loops[-1])
-    ]  # fmt: skip
-    assert len(early) == len(scatters_on) - len(scatters)  # one per chunked leaf

@@ -64,14 +64,6 @@ KEYS = (
         'table needs (2 (p - s) - 1 with repeats 1)',
     ),
     Key(
-        'pipeline.overlap_grad_reduce',
-        False,
-        'bool',
-        "interleaved (repeats > 1): reduce-scatter each chunk's gradients over data as soon as "
-        "its last backward ends, beside the rest of the cool-down (Megatron's "
-        '--overlap-grad-reduce); the tick loop is compiled once per chunk',
-    ),
-    Key(
         'pipeline.first_stage_layers',
         0,
         'int>=0',

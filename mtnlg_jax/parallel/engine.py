@@ -10,9 +10,8 @@ Every engine has the same face, which the train step, the banner, the reporter a
 planner use instead of asking the mesh or the schedule's name:
 
     loss_and_grads(stage_fns, params, batch)  (loss sum, token count, fp32 gradients shaped as
-                                              params; the blocks' a tuple of gradient_chunks
-                                              trees where that is > 1) of batch
-                                              (stage_functions.MicroBatch of m micro-batches)
+                                              params) of batch (stage_functions.MicroBatch of
+                                              m micro-batches)
     loss_sum(stage_fns, params, batch)        (loss sum, token count), no gradients
     ticks(m)                                  iterations of its loop over a step of m
     bubble_fraction(m)                        predicted share of the step stages wait
@@ -22,9 +21,6 @@ planner use instead of asking the mesh or the schedule's name:
                                               compute-dtype gradients cover (the planner's
                                               memory): 1, or 1 / v where a tick differentiates
                                               one chunk of v
-    gradient_chunks                           in how many pieces the train step reduce-scatters
-                                              the block gradients: v with
-                                              pipeline.overlap_grad_reduce, else 1
 
 stage_fns: the model's pieces (stage_functions.StageFunctions); params: the compute-dtype
 parameters (blocks stage-major when pipelined).
@@ -46,7 +42,6 @@ class Sequential:
     name = 'none (mesh.stage = 1)'
     pipelined = False
     block_grads_share = 1.0
-    gradient_chunks = 1
 
     def table(self, micro_batches):
         return None
@@ -98,20 +93,11 @@ def _constrain(grads, stage_fns):
     return rules.constrain_tree(grads, stage_fns.param_axes)
 
 
-def for_layout(
-    stages,
-    repeats=1,
-    schedule='1f1b',
-    max_in_flight=0,
-    stage_layers=None,
-    overlap_grad_reduce=False,
-):
+def for_layout(stages, repeats=1, schedule='1f1b', max_in_flight=0, stage_layers=None):
     """The engine of a layout: Sequential without stages, else pipeline.engine_for's."""
     if stages == 1:
         return Sequential()
-    return pipeline.engine_for(
-        stages, repeats, schedule, max_in_flight, stage_layers, overlap_grad_reduce
-    )
+    return pipeline.engine_for(stages, repeats, schedule, max_in_flight, stage_layers)
 
 
 def engine(config):

@@ -54,7 +54,6 @@ class GPipeEngine:
     name = 'gpipe'
     pipelined = True
     block_grads_share = 1.0
-    gradient_chunks = 1
 
     def table(self, micro_batches):
         return None  # no table: autodiff orders the backward

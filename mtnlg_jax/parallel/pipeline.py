@@ -32,7 +32,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec
 
 from mtnlg_jax.parallel import gpipe
@@ -55,7 +54,6 @@ def options(config):
         repeats=config.pipeline.repeats,
         schedule=config.pipeline.get('schedule', 'gpipe'),
         max_in_flight=config.pipeline.get('max_in_flight', 0),
-        overlap_grad_reduce=config.pipeline.get('overlap_grad_reduce', False),
     )
 
 
@@ -72,14 +70,7 @@ class TableEngine:
     repeats: int
     max_in_flight: int = 0
     stage_layers: Any = None  # stage_order.StageLayers of unequal stages (None: equal)
-    overlap_grad_reduce: bool = False
     pipelined = True
-
-    @property
-    def gradient_chunks(self):
-        """In how many pieces the train step reduce-scatters the block gradients over 'data':
-        v, each as soon as its chunk's backward ends (pipeline.overlap_grad_reduce), or 1."""
-        return self.repeats if self.overlap_grad_reduce and self.repeats > 1 else 1
 
     @property
     def block_grads_share(self):
@@ -105,15 +96,13 @@ class TableEngine:
         return float(self.table(micro_batches).bubble_fraction())
 
     def loss_and_grads(self, stage_fns, params, batch):
-        """(loss sum, token count, fp32 gradients shaped as params, the blocks' a tuple of one
-        tree per chunk with overlap_grad_reduce) of batch (MicroBatch of m micro-batches), the
-        block stack pipelined over 'stage'. params: compute-dtype, blocks
+        """(loss sum, token count, fp32 gradients shaped as params) of batch (MicroBatch of m
+        micro-batches), the block stack pipelined over 'stage'. params: compute-dtype, blocks
         stage-major. Called by the train step inside its region manual over 'data' (one
         replica's rows); at top level with both 'data' and 'tensor' larger than 1, XLA's SPMD
         partitioner aborts on the embedding's scatter-add."""
         table = self.table(batch.micro_batches)
-        split = self.gradient_chunks > 1
-        return run_table(stage_fns, params, batch, table, True, 0.0, self.stage_layers, split)
+        return run_table(stage_fns, params, batch, table, True, stage_layers=self.stage_layers)
 
     def loss_sum(self, stage_fns, params, batch):
         """(loss sum, token count), pipelined, no gradients."""
@@ -124,13 +113,11 @@ class TableEngine:
         return loss, count
 
 
-def engine_for(
-    stages, repeats, schedule='1f1b', max_in_flight=0, stage_layers=None, overlap_grad_reduce=False
-):
+def engine_for(stages, repeats, schedule='1f1b', max_in_flight=0, stage_layers=None):
     """The engine of a pipelined layout (stages > 1): GPipe's or the table's."""
     if schedule == 'gpipe':
         return gpipe.GPipeEngine(stages, repeats)
-    return TableEngine(stages, repeats, max_in_flight, stage_layers, overlap_grad_reduce)
+    return TableEngine(stages, repeats, max_in_flight, stage_layers)
 
 
 def num_ticks(stages, repeats, micro_batches, schedule='1f1b', max_in_flight=0):
@@ -165,14 +152,10 @@ def run_schedule(
     return run_table(stage_fns, params, batch, table, with_grads, bubble_fill, stage_layers)
 
 
-def run_table(
-    stage_fns, params, batch, table, with_grads, bubble_fill=0.0, stage_layers=None, split=False
-):
+def run_table(stage_fns, params, batch, table, with_grads, bubble_fill=0.0, stage_layers=None):
     """Run `table` (schedule.Schedule) over batch (MicroBatch); returns (loss sum, token count,
     fp32 grads or None). bubble_fill: what empty slots and idle outputs hold (tests fill NaN:
-    it never leaks); stage_layers: a StageLayers of stages of unequal depth (None: equal);
-    split: scan the table in phases(table)'s ranges, and return the block gradients as a
-    tuple of v trees, every stage's chunk k in the k-th."""
+    it never leaks); stage_layers: a StageLayers of stages of unequal depth (None: equal)."""
     shared = shared_params(params)
     p, v = table.stages, table.repeats
     num_layers = jax.tree.leaves(params['blocks'])[0].shape[0]
@@ -208,16 +191,15 @@ def run_table(
                 stage.forward_with_residuals, chunks[0], zero, stage.fill, zero, 0
             )
             stage = dataclasses.replace(stage, layout=layout)
-        return scan_ticks(stage, table, kept_shapes, bubble_fill, split)
+        return scan_ticks(stage, table, kept_shapes, bubble_fill)
 
     stage_spec = jax.tree.map(lambda _: PartitionSpec(STAGE_AXIS), params['blocks'])
     shared_spec = jax.tree.map(lambda _: PartitionSpec(), shared)
     batch_spec = batch.map(lambda _: PartitionSpec())
-    grads_spec = (stage_spec,) * v if split else stage_spec
     run = jax.shard_map(
         per_stage,
         in_specs=(stage_spec, shared_spec, batch_spec),
-        out_specs=(PartitionSpec(), grads_spec, shared_spec) if with_grads else (PartitionSpec(),),
+        out_specs=(PartitionSpec(), stage_spec, shared_spec) if with_grads else (PartitionSpec(),),
         axis_names={STAGE_AXIS},
         check_vma=False,
     )
@@ -229,11 +211,9 @@ def run_table(
     return loss, count, {**shared_grads, 'blocks': block_grads}
 
 
-def scan_ticks(stage, table, kept_shapes, bubble_fill, split=False):
+def scan_ticks(stage, table, kept_shapes, bubble_fill):
     """The scan over the table's ticks on one stage; (loss,) or (loss, fp32 block grads in
-    stored form, fp32 shared grads), loss and shared grads summed over 'stage'. split: one
-    scan per range of phases(table), each chunk's accumulators final after its range, the
-    block grads a tuple of the v chunks'."""
+    stored form, fp32 shared grads), loss and shared grads summed over 'stage'."""
     rows, seq, hidden = stage.fill.shape
 
     def buffer(slots):
@@ -256,45 +236,11 @@ def scan_ticks(stage, table, kept_shapes, bubble_fill, split=False):
         buffer(table.grad_slots),
         sums,
     )
-    columns = table_columns(table)
-    carry, final = init, [None] * table.repeats
-    for start, stop, done in phases(table) if split else [(0, table.ticks, ())]:
-        xs = jax.tree.map(lambda a: jnp.asarray(a[start:stop]), columns)
-        carry, _ = jax.lax.scan(stage.tick, carry, xs)
-        *rest, (acc_blocks, acc_shared, loss) = carry
-        for k in done:  # out of the carry: nothing later waits on it
-            final[k] = acc_blocks[k]
-        acc_blocks = tuple(None if k in done else acc for k, acc in enumerate(acc_blocks))
-        carry = (*rest, (acc_blocks, acc_shared, loss))
+    xs = jax.tree.map(jnp.asarray, table_columns(table))
+    (*_, (acc_blocks, acc_shared, loss)), _ = jax.lax.scan(stage.tick, init, xs)
     loss = jax.lax.psum(loss, STAGE_AXIS)
     if not stage.with_grads:
         return (loss,)
     acc_shared = jax.lax.psum(acc_shared, STAGE_AXIS)
-    acc_blocks = tuple(acc if acc is not None else final[k] for k, acc in enumerate(acc_blocks))
-    if split:  # each chunk on its own: concatenated, all would wait for the last range
-        return (loss, acc_blocks, acc_shared)
-    return (loss, jax.tree.map(lambda *a: jnp.concatenate(a), *acc_blocks), acc_shared)
-
-
-def final_ticks(table):
-    """[the last tick at which any stage runs a backward of its chunk k, for each k]."""
-    ran = table.bwd_micro != schedule_lib.IDLE
-    return [
-        int(np.nonzero((ran & (table.bwd_repeat == k)).any(axis=1))[0].max())
-        for k in range(table.repeats)
-    ]
-
-
-def phases(table):
-    """The scan's tick ranges split where chunks' gradients become final: [(start, stop,
-    chunks final at stop)]. Each chunk's accumulators leave the carry there, so what reads
-    them next (the reduce-scatter over 'data' of pipeline.overlap_grad_reduce) can run while
-    later ranges do the rest of the cool-down (chunk v - 1's backward ends first, chunk 0's
-    last)."""
-    last = final_ticks(table)
-    cuts = sorted({t + 1 for t in last} | {table.ticks})
-    ranges, start = [], 0
-    for stop in cuts:
-        ranges.append((start, stop, tuple(k for k, t in enumerate(last) if t + 1 == stop)))
-        start = stop
-    return ranges
+    acc_blocks = jax.tree.map(lambda *a: jnp.concatenate(a), *acc_blocks)
+    return (loss, acc_blocks, acc_shared)

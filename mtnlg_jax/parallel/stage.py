@@ -182,8 +182,8 @@ class Stage:
                 idle, self.no_gradients, lambda: self.pull_back(bwd, h, g, kept)
             )
         with jax.named_scope(ACCUMULATE):
-            acc_blocks = tuple(  # None: a chunk whose gradients are final (pipeline.py)
-                acc if acc is None else add_unless(idle | (bwd.repeat != k), acc, d_chunk)
+            acc_blocks = tuple(
+                add_unless(idle | (bwd.repeat != k), acc, d_chunk)
                 for k, acc in enumerate(acc_blocks)
             )
         return (acc_blocks, self.add_shared(bwd, acc_shared, d_shared), loss + value), dx

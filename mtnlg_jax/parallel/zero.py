@@ -22,7 +22,6 @@ summed with an all-reduce instead.
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from mtnlg_jax.parallel.rules import ZERO_AXIS, constrain_spec
@@ -135,36 +134,3 @@ def reduce_scatter(per_replica, layout_tree):
         check_vma=False,
     )(views)
     return jax.tree.map(lambda x, lay: lay.unview(x), shards, layout_tree)
-
-
-def reduce_scatter_by_chunk(chunk_grads, layout_tree, stages):
-    """reduce_scatter of block gradients handed over a chunk at a time (the engine's
-    gradient_chunks > 1: pipeline.overlap_grad_reduce): chunk_grads is one tree per chunk, each
-    leaf (D, stages x layers a chunk, ...), every stage's k-th chunk in stage order. A chunk's
-    reduce-scatter reads only its own accumulators, so it can run while the pipeline still
-    works on later chunks. A leaf whose ZeRO split is on the layer axis itself (after
-    'stage': a bias split over 'tensor', rules.zero_spec) is small and goes whole, joined
-    first; on any other axis the chunks' shards joined are the whole's. Returns the
-    gradients in stored (stage-major) order, as reduce_scatter does."""
-    treedef = jax.tree.structure(layout_tree)
-    lays = treedef.flatten_up_to(layout_tree)
-    by_chunk = [treedef.flatten_up_to(tree) for tree in chunk_grads]
-    parts = [[leaves[i] for leaves in by_chunk] for i in range(len(lays))]
-    pieces = [i for i, lay in enumerate(lays) if lay.dim != 0]
-    whole = [i for i in range(len(lays)) if i not in pieces]
-    out = dict(zip(whole, reduce_scatter([_join(parts[i], stages, 1) for i in whole],
-                                         [lays[i] for i in whole])))  # fmt: skip
-    scattered = [
-        reduce_scatter([parts[i][k] for i in pieces], [lays[i] for i in pieces])
-        for k in range(len(chunk_grads))
-    ]
-    out.update({i: _join([s[j] for s in scattered], stages, 0) for j, i in enumerate(pieces)})
-    return treedef.unflatten([out[i] for i in range(len(lays))])
-
-
-def _join(chunks, stages, lead):
-    """Chunk arrays (*lead axes, stages x layers a chunk, ...) -> (*lead, layers, ...) in
-    stage-major order: stage s's chunks 0 .. v-1 together."""
-    shape = chunks[0].shape
-    split = [c.reshape(*shape[:lead], stages, -1, *shape[lead + 1 :]) for c in chunks]
-    return jnp.stack(split, axis=lead + 1).reshape(*shape[:lead], -1, *shape[lead + 1 :])

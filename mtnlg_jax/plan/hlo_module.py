@@ -39,7 +39,6 @@ _BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 
 
-_OPERANDS = re.compile(r'%([\w.\-]+)')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
@@ -109,11 +108,6 @@ class Instruction:
     def op_name(self):
         match = _OP_NAME.search(self.rest)
         return match.group(1) if match else ''
-
-    def operands(self):
-        """Names of the operands: the %names inside the opcode's parentheses."""
-        end = matching_bracket(self.rest, 0)
-        return _OPERANDS.findall(self.rest[:end])
 
 
 def scope_path(op_name, scopes):
@@ -375,18 +369,3 @@ def dot_flops(hlo_text, branch_weights=None):
         for name, instructions in computations.items()
         if counts[name][0]
     )
-
-
-def depends_on(computation, name, target):
-    """Whether instruction `name` of a computation (a list of Instructions) reads `target`'s
-    result, directly or through others."""
-    by_name = {i.name: i for i in computation}
-    seen, stack = set(), [name]
-    while stack:
-        for operand in by_name[stack.pop()].operands():
-            if operand == target:
-                return True
-            if operand in by_name and operand not in seen:
-                seen.add(operand)
-                stack.append(operand)
-    return False

@@ -42,6 +42,7 @@ _FREE = frozenset(
      'partition-id', 'replica-id', 'opt-barrier', 'add-dependency')
 )  # fmt: skip
 _CALLS = frozenset(('while', 'conditional', 'call', 'async-start'))
+_OPERANDS = re.compile(r'%([\w.\-]+)')
 KINDS = ('matmuls', 'attention kernels', 'copies', 'slicing and slot writes', 'transposes',
          'elementwise', 'exposed communication')  # fmt: skip
 HEAVIEST = 6
@@ -92,7 +93,7 @@ def _source_of_bitcasts(name, by_name):
     in place when its buffer is a fusion parameter seen through bitcasts, and the buffer
     assignment shares the parameter's allocation with the fusion's output)."""
     while name in by_name and by_name[name].opcode == 'bitcast':
-        name = by_name[name].operands()[0]
+        name = _operand_names(by_name[name])[0]
     return name
 
 
@@ -105,6 +106,12 @@ def _uses_through_bitcasts(name, users):
         else:
             uses.append(user)
     return uses
+
+
+def _operand_names(instruction):
+    """Names of the operands: the %names inside the opcode's parentheses."""
+    end = hlo_module.matching_bracket(instruction.rest, 0)
+    return _OPERANDS.findall(instruction.rest[:end])
 
 
 class _Replay:
@@ -151,7 +158,7 @@ class _Replay:
         """Bytes read and written: operands and result, except where a buffer is sliced or
         updated in place (a stash slot): a dynamic-slice reads only its slice, a
         dynamic-update-slice writes only its update (also inside a fusion)."""
-        operands = instruction.operands()
+        operands = _operand_names(instruction)
         sizes = [hlo_module.shape_bytes(types[name]) if name in types else 0 for name in operands]
         result = hlo_module.shape_bytes(instruction.type_text)
         if instruction.opcode == 'dynamic-slice':
@@ -165,7 +172,7 @@ class _Replay:
         by_name = {i.name: i for i in body}
         users = collections.defaultdict(list)
         for i in body:
-            for name in i.operands() if i.opcode != 'parameter' else ():
+            for name in _operand_names(i) if i.opcode != 'parameter' else ():
                 users[name].append(i)
         for name, index in params.items():
             uses = _uses_through_bitcasts(name, users)
@@ -174,7 +181,7 @@ class _Replay:
         root = next((i for i in body if i.is_root), None)
         root = root and by_name[_source_of_bitcasts(root.name, by_name)]
         if root is not None and root.opcode == 'dynamic-update-slice':
-            buffer, update = (root.operands() + [None, None])[:2]
+            buffer, update = (_operand_names(root) + [None, None])[:2]
             buffer = _source_of_bitcasts(buffer, by_name)
             if buffer in params and params[buffer] < len(sizes):
                 small = hlo_module.shape_bytes(
@@ -265,7 +272,7 @@ class _Replay:
                     now = end
                 continue
             if instruction.opcode.endswith('-done'):
-                started = [n for n in instruction.operands() if n in arrives]
+                started = [n for n in _operand_names(instruction) if n in arrives]
                 for start in started:
                     key, end = arrives.pop(start)
                     if end > now:

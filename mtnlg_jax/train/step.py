@@ -73,7 +73,7 @@ def accumulate_gradients(config, setup, params, tokens, row_ids, step):
                 config, setup, compute_params, tokens, row_ids, step
             )
         totals = zero.psum(jnp.stack([loss_sum, token_count]))
-        grads = _constrain_grads(grads, setup.logical_axes)
+        grads = rules.constrain_tree(grads, setup.logical_axes)
         return totals, jax.tree.map(lambda g: g[None], grads)  # stacked over replicas
 
     totals, replica_grads = _over_replicas(
@@ -86,34 +86,10 @@ def accumulate_gradients(config, setup, params, tokens, row_ids, step):
     loss_sum, token_count = totals[0], totals[1]
     grads = jax.tree.map(
         lambda g, sharding: jax.lax.with_sharding_constraint(g / token_count, sharding),
-        _reduce_scatter(config, replica_grads, layouts),
+        zero.reduce_scatter(replica_grads, layouts),
         setup.state_shardings['params'],
     )
     return loss_sum / token_count, grads
-
-
-def _constrain_grads(grads, logical_axes):
-    """Gradients laid out by the rule table; block gradients a tuple of chunks (the engine's
-    gradient_chunks > 1) each as the blocks."""
-    if not isinstance(grads['blocks'], tuple):
-        return rules.constrain_tree(grads, logical_axes)
-    blocks = tuple(rules.constrain_tree(g, logical_axes['blocks']) for g in grads['blocks'])
-    rest = {k: g for k, g in grads.items() if k != 'blocks'}
-    return {**rules.constrain_tree(rest, {k: logical_axes[k] for k in rest}), 'blocks': blocks}
-
-
-def _reduce_scatter(config, replica_grads, layouts):
-    """The replicas' fp32 gradient sums onto the ZeRO shards; the block gradients a chunk at a
-    time where the engine hands them over so (its gradient_chunks)."""
-    chunks = engine_lib.engine(config).gradient_chunks
-    if chunks == 1:
-        return zero.reduce_scatter(replica_grads, layouts)
-    rest = {k: g for k, g in replica_grads.items() if k != 'blocks'}
-    grads = zero.reduce_scatter(rest, {k: layouts[k] for k in rest})
-    blocks = zero.reduce_scatter_by_chunk(
-        replica_grads['blocks'], layouts['blocks'], config.mesh.stage
-    )
-    return {**grads, 'blocks': blocks}
 
 
 def _over_replicas(per_replica, out_specs, compute_params, tokens, *per_row):
