@@ -323,8 +323,7 @@ def launch_in_process(script, capsys, monkeypatch, *args):
     monkeypatch.setenv('XLA_FLAGS', os.environ.get('XLA_FLAGS', ''))
     main = launch_module(script).main
     try:
-        main([str(a) for a in args])
-        status = 0
+        status = main([str(a) for a in args]) or 0
     except SystemExit as e:
         status = e.code
     captured = capsys.readouterr()

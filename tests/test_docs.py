@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from support import launch_in_process
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / 'README.md'] + sorted((ROOT / 'docs').glob('*.md'))
@@ -212,17 +213,28 @@ def run_in(folder, words, timeout=600):
     )  # fmt: skip
 
 
-def test_the_readme_tour_runs_as_written(tmp_path):
+def test_the_readme_tour_runs_as_written(tmp_path, capsys, monkeypatch):
+    """The tour's commands as written (the committed corpus and sizes swapped in: as_run),
+    each the tool's main(argv) in this process, curate and preprocess on one embedded Ray
+    (ray_engine.started takes a Ray already running in the process): a Ray start and five
+    interpreter starts fewer for the suite. test_command_line_contract.py runs every tool's
+    command line itself."""
+    from mtnlg_jax.data import ray_engine
+
     for name in ('launch', 'configs'):
         (tmp_path / name).symlink_to(ROOT / name)
     commands = list(command_lines(PAGES[0], section(PAGES[0], 'A five-minute tour')))
     scripts = [shlex.split(rest)[0] for _, rest in commands]
     assert scripts == [f'launch/{name}.py' for name in
                        ('curate', 'preprocess', 'train', 'evaluate', 'generate')]  # fmt: skip
-    for program, rest in commands:
-        assert program == 'python'
-        result = run_in(tmp_path, as_run(shlex.split(rest)))
-        assert result.returncode == 0, f'{rest}\n{result.stderr[-3000:]}'
+    monkeypatch.chdir(tmp_path)
+    with ray_engine.started(2, object_store_mb=80):
+        for program, rest in commands:
+            assert program == 'python'
+            script, *args = as_run(shlex.split(rest))
+            tool = pathlib.Path(script).stem
+            status, _, lines = launch_in_process(tool, capsys, monkeypatch, *args)
+            assert status == 0, f'{rest}\n' + '\n'.join(lines[-30:])
     assert (tmp_path / 'data/mine/text.identity.json').is_file()
     assert list((tmp_path / 'runs/mine/eval').glob('perplexity_text_valid_step2.json'))
 
