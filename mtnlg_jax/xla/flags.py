@@ -23,16 +23,9 @@ RECOMMENDED_GPU_FLAGS = (
     ),
     (
         'xla_gpu_enable_analytical_latency_estimator',
-        'false',
-        'off, for the speed-of-light estimator below (where both are on, this one is used)',
-    ),
-    (
-        'xla_gpu_enable_analytical_sol_latency_estimator',
         'true',
-        'the scheduler prices kernels and collectives with XLA\'s speed-of-light model of the '
-        'GPU and its links instead of fixed guesses: it starts the sequence-parallel '
-        'all-gathers early, and prices the pipeline\'s hand-offs, which the older analytical '
-        'model counts as a kernel launch and so never hides',
+        'the scheduler prices collectives and kernels with XLA\'s analytical model of the GPU '
+        'instead of fixed guesses: it starts the sequence-parallel all-gathers earlier',
     ),
     (
         'xla_gpu_experimental_parallel_collective_overlap_limit',
