@@ -298,13 +298,17 @@ def run_launch(script, *args, env=None):
     )
 
 
+def _status(main, args):
+    """main(argv)'s exit status: what it returns or exits with, 0 for None."""
+    try:
+        return main([str(a) for a in args]) or 0
+    except SystemExit as e:
+        return e.code
+
+
 def main_in_process(main, capsys, *args):
     """A launch tool's `main(argv)` run in this process: (exit status, stderr lines)."""
-    try:
-        main([str(a) for a in args])
-        status = 0
-    except SystemExit as e:
-        status = e.code
+    status = _status(main, args)
     return status, capsys.readouterr().err.strip().splitlines()
 
 
@@ -321,10 +325,6 @@ def launch_in_process(script, capsys, monkeypatch, *args):
     """launch/SCRIPT.py's main(args) in this process: (exit status, stdout, stderr lines).
     The XLA flags a tool sets before JAX starts are put back afterwards."""
     monkeypatch.setenv('XLA_FLAGS', os.environ.get('XLA_FLAGS', ''))
-    main = launch_module(script).main
-    try:
-        status = main([str(a) for a in args]) or 0
-    except SystemExit as e:
-        status = e.code
+    status = _status(launch_module(script).main, args)
     captured = capsys.readouterr()
     return status, captured.out, captured.err.strip().splitlines()

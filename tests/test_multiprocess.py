@@ -27,7 +27,7 @@ import time
 import numpy as np
 import pytest
 
-from support import ROOT, SMALL_MODEL, TRAIN_ENV, train_args
+from support import ROOT, SMALL_MODEL, TRAIN_ENV, launch_module, train_args
 
 # SMALL_MODEL with 2 layers, a checkpoint at step 5 of 10, a 10 s heartbeat (later flags win).
 MODEL = [
@@ -147,11 +147,7 @@ def test_bad_coordinator_or_process_count_is_one_error_line(tmp_path, token_data
 
 
 def test_spawn_names_the_killed_process_when_its_peer_ends_in_the_same_poll():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location('spawn', ROOT / 'launch/spawn.py')
-    spawn = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(spawn)
+    spawn = launch_module('spawn')
     Ended = collections.namedtuple('Ended', 'returncode')
     # Process 0 saw its peer's closed connection and exited 1 within the same 0.1 s poll.
     processes = [Ended(1), Ended(-9), Ended(None)]
@@ -340,12 +336,7 @@ def test_after_a_lost_process_a_preemption_and_a_pause_the_same_command_resumes_
 
 
 def spawn_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location('spawn', ROOT / 'launch/spawn.py')
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return launch_module('spawn')
 
 
 def test_spawn_takes_the_command_with_or_without_the_double_dash():

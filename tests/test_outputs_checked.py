@@ -14,7 +14,7 @@ import pytest
 
 from mtnlg_jax.run import cli
 from mtnlg_jax.run.rundir import RunDir
-from support import ROOT, small_config
+from support import ROOT, launch_module, small_config
 
 # Root writes anywhere unless CAP_DAC_OVERRIDE is dropped; the tools run without it here.
 AS_USER = ['setpriv', '--bounding-set=-dac_override'] if os.geteuid() == 0 else []
@@ -155,11 +155,7 @@ def test_output_problems_name_what_is_wrong(tmp_path):
 
 
 def test_a_partial_evaluation_never_overwrites_the_full_one():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location('evaluate', ROOT / 'launch/evaluate.py')
-    evaluate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(evaluate)
+    evaluate = launch_module('evaluate')
     common = ['--workdir', 'w', '--data', 'data/mine/text', '--split', 'valid']
 
     def name(*extra, task='perplexity'):

@@ -1,7 +1,6 @@
 """launch/preprocess.py: raw text (jsonl, plain files, folders) to a .bin/.idx pair, with a
 tokenizer it trains or is given, one or several workers, and one-line errors for bad input."""
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -13,16 +12,14 @@ from mtnlg_jax.data import identity, ray_engine
 from mtnlg_jax.data.indexed import IndexedDataset
 from mtnlg_jax.data.tokenizer import Tokenizer
 from mtnlg_jax.data.tokenizer import load as load_tokenizer
+from support import launch_module
 from test_data import synthetic_documents
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def preprocess(*args):
-    spec = importlib.util.spec_from_file_location('preprocess', ROOT / 'launch/preprocess.py')
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main([str(a) for a in args])
+    return launch_module('preprocess').main([str(a) for a in args])
 
 
 @pytest.fixture(scope='module', autouse=True)
