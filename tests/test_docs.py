@@ -4,10 +4,13 @@ files that exist (each script's own `--help` says which flags it takes); and the
 commands run as written: the README's tour end to end on a small committed corpus (a clean
 clone has no data/), the planner's arithmetic, a typo's error line."""
 
+import contextlib
 import functools
-import pathlib
+import io
 import os
+import pathlib
 import re
+import runpy
 import shlex
 import subprocess
 import sys
@@ -79,10 +82,28 @@ def command_lines(page, text=None):
 def help_text(script):
     """`--help` of a script (for launch/harness.py, also lm-eval's `run`, which takes the
     flags it does not know)."""
-    text = run_help([sys.executable, str(ROOT / script), '--help'])
+    text = script_help(script)
     if script == 'launch/harness.py':
         text += run_help([sys.executable, '-m', 'lm_eval', 'run', '--help'])
     return text
+
+
+def script_help(script):
+    """What `python SCRIPT --help` prints, run in this process (a second interpreter and JAX
+    would cost each bench script a second): the environment the script sets is put back."""
+    argv, path, environ, out = sys.argv, list(sys.path), dict(os.environ), io.StringIO()
+    sys.argv = [str(ROOT / script), '--help']
+    sys.path.insert(0, str((ROOT / script).parent))  # as python SCRIPT puts it first
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(str(ROOT / script), run_name='__main__')
+    except SystemExit as e:
+        assert e.code in (0, None), f'{script} --help: exit status {e.code}'
+    finally:
+        sys.argv, sys.path[:] = argv, path
+        os.environ.clear()
+        os.environ.update(environ)
+    return out.getvalue()
 
 
 def run_help(argv):

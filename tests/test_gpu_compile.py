@@ -18,20 +18,25 @@ import support
 from mtnlg_jax.xla import gpu_compile
 from mtnlg_jax.plan import arithmetic, clusters, gpu_target, overlap, report
 from mtnlg_jax.plan import compile as compile_lib
+from mtnlg_jax.plan.loop_copies import loop_copies
 
 pytestmark = pytest.mark.skipif(
     gpu_compile.missing() is not None, reason=str(gpu_compile.missing())
 )
 TARGET = 'a100-80gb'
 TOLERANCE = 0.10
+MIB = 1 << 20
 
 
-def _gpu_plan(config):
-    """The plan of a resolved config with its train step compiled for TARGET."""
+def _gpu_plan(config, text=None):
+    """The plan of a resolved config with its train step compiled for TARGET (and the
+    compiled HLO appended to `text`, a list, if given)."""
     count = config.mesh.data * config.mesh.stage * config.mesh.tensor
     devices = gpu_target.devices(TARGET, count)
     with gpu_target.compiling_for(devices):
         compiled, _, info = compile_lib.compile_train_step(config, devices=devices)
+    if text is not None:
+        text.append(compiled.as_text())
     plan = report.make_plan(config, TARGET)
     return report.add_compiled(plan, config, compiled, info, target=TARGET)
 
@@ -108,18 +113,26 @@ def test_planned_collective_bytes_against_the_gpu_compile(name):
     assert compiled.get('all-reduce', {}).get('data', 0.0) < 1024  # a few scalars
 
 
-def test_the_flash_kernel_compiles_inside_the_pipeline():
-    """A bf16 pipelined layout (data 2 x stage 2 x tensor 2, interleaved 1F1B) on A100s with
-    attention dropout: 'auto' takes the Pallas flash kernel as Triton, forward and backward
-    kernels inside the engine's loop; the compiled FLOPs count them (dense, as 6N + 12LHQT
-    does: the ratio stays that of the plain path, whose einsums it replaces). cuDNN's kernels
-    in the same layout: the Llama test below."""
-    plain = gpu_plan('pipelined')['compiled']  # the same layout in fp32: plain attention
+@functools.lru_cache(maxsize=None)
+def flash_plan():
+    """The pipelined layout (data 2 x stage 2 x tensor 2, interleaved 1F1B, 4 micro-batches) in
+    bf16 with attention dropout and selective recompute, hidden 256 (head dim 32): (the plan's
+    compiled section, the HLO text)."""
     config = support.small_config(
         **support.PLAN_LAYOUTS['pipelined'], hidden=256, vocab_size=1500,
-        compute_dtype='bfloat16', attention_dropout=0.1, remat='none',
+        compute_dtype='bfloat16', attention_dropout=0.1, remat='selective',
     )  # fmt: skip
-    compiled = _gpu_plan(config)['compiled']  # hidden 256: head dim 32
+    text = []
+    return _gpu_plan(config, text)['compiled'], text[0]
+
+
+def test_the_flash_kernel_compiles_inside_the_pipeline():
+    """On A100s with attention dropout, 'auto' takes the Pallas flash kernel as Triton, forward
+    and backward kernels inside the engine's loop; the compiled FLOPs count them (dense, as 6N +
+    12LHQT does: the ratio stays that of the plain path, whose einsums it replaces). cuDNN's
+    kernels in the same layout: the Llama test below."""
+    plain = gpu_plan('pipelined')['compiled']  # the same layout in fp32: plain attention
+    compiled, _ = flash_plan()
     assert compiled['attention']['fused']
     assert set(compiled['attention']['kernels']) == {
         'flash_attention_forward',
@@ -127,7 +140,8 @@ def test_the_flash_kernel_compiles_inside_the_pipeline():
         'flash_attention_dq',
     }
     # the backward kernels recompute the scores: 7 matmuls of the scores' size where the
-    # plain path runs 6; everything else is the same work
+    # plain path runs 6; everything else is the same work (selective recompute reruns nothing
+    # of the kernel's: the next test)
     assert compiled['flops_vs_model'] >= plain['flops_vs_model']
     assert compiled['flops_vs_model'] == pytest.approx(plain['flops_vs_model'], rel=0.05)
 
@@ -135,15 +149,19 @@ def test_the_flash_kernel_compiles_inside_the_pipeline():
 def test_selective_recompute_does_not_run_the_flash_forward_again():
     """model.remat=selective keeps the flash kernel's out and log-sum-exp (by name), so the
     train step runs the forward kernel once for each backward (before: once more per backward,
-    the forward rerun to get the log-sum-exp back). One 1F1B pipeline of 2 stages on 2 A100s:
+    the forward rerun to get the log-sum-exp back), in every chunk of the interleaved pipeline:
     the residuals the engine stashes are the policy's."""
-    config = support.small_config(
-        stage=2, micro_steps=2, hidden=256, vocab_size=1500, compute_dtype='bfloat16',
-        attention_dropout=0.1, remat='selective',
-    )  # fmt: skip
-    kernels = _gpu_plan(config)['compiled']['attention']['kernels']
-    assert set(kernels) == {'flash_attention_forward', 'flash_attention_dkv', 'flash_attention_dq'}
+    kernels = flash_plan()[0]['attention']['kernels']
     assert kernels['flash_attention_forward'] == kernels['flash_attention_dq'] > 0
+
+
+def test_no_copy_over_a_quarter_mib_inside_the_interleaved_bf16_pipelines_loops():
+    """The same compile read for copies in loops (tests/test_loop_copies.py: GPipe and the
+    Llama 1F1B recipe): a stage's fp32 accumulators here are 0.75 to 1 MiB a weight on each
+    device, its bf16 weights half that; before the accumulators were updated in place (at
+    df46e8f^), the backward's conditionals copied 18 buffers of 0.25 MiB or more every tick."""
+    copies = loop_copies(flash_plan()[1], min_bytes=MIB // 4)
+    assert not copies, [(c['type'], c['computation']) for c in copies]
 
 
 def _overlap_of(step, mesh, x, w):

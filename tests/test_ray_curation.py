@@ -22,6 +22,7 @@ import numpy as np
 import psutil
 import pytest
 
+import support
 from mtnlg_jax.data import ray_engine
 from mtnlg_jax.data.curate import engine, fuzzy, pipeline, quality, stages
 from mtnlg_jax.data.preprocess import InputError
@@ -216,16 +217,18 @@ def test_a_rerun_resumes_from_the_work_folder_and_refuses_other_options(embedded
     ],
 )
 def test_a_bad_line_anywhere_is_one_error_line_before_anything_is_written(
-    cluster, tmp_path, content, message
+    embedded, tmp_path, capsys, monkeypatch, content, message
 ):
-    address, env = cluster
+    """launch/curate.py's main in this process, on the embedded Ray (its command line:
+    test_command_line_contract.py)."""
     (tmp_path / 'bad.jsonl').write_bytes(content)
     output = tmp_path / 'curated.jsonl'
     output.write_text('earlier output\n')
-    done = tool('curate.py', '--input', tmp_path / 'bad.jsonl', '--output', output,
-                '--ray_address', address, env=env)  # fmt: skip
-    assert done.returncode == 2 and done.stderr.count('\n') == 1, done.stderr
-    assert done.stderr.startswith('error: ') and message in done.stderr
+    status, _, errors = support.launch_in_process(
+        'curate', capsys, monkeypatch, '--input', tmp_path / 'bad.jsonl', '--output', output
+    )
+    assert status == 2 and len(errors) == 1, errors
+    assert errors[0].startswith('error: ') and message in errors[0]
     assert output.read_text() == 'earlier output\n'
     assert sorted(p.name for p in tmp_path.iterdir()) == ['bad.jsonl', 'curated.jsonl']
 
@@ -366,7 +369,7 @@ def test_sharded_partitioned_survivors_equal_the_one_process_rule(planted_pairs_
 
 
 def test_a_hung_worker_ends_the_run_with_one_line_and_keeps_the_work(cluster, tmp_path):
-    """--drill stall: piece 0's worker hangs in pass 1; with --stall_timeout_s 30 the run ends
+    """--drill stall: piece 0's worker hangs in pass 1; with --stall_timeout_s 20 the run ends
     with status 3 and one `error:` line naming the stage, no output placed, the work folder
     (its scan and state) kept for a rerun. (At 5 s on a loaded machine the watch fires before
     Ray's workers have started: the failure it is for, but not this drill's.) Last in the
@@ -377,7 +380,7 @@ def test_a_hung_worker_ends_the_run_with_one_line_and_keeps_the_work(cluster, tm
     started = time.monotonic()
     done = tool('curate.py', '--input', GOLDEN / 'planted.raw.jsonl', '--output', out,
                 '--workers', 2, '--ray_address', address, '--shard_mb', 1 / 64,
-                '--drill', 'stall', '--stall_timeout_s', 30, *PLANTED, env=env)  # fmt: skip
+                '--drill', 'stall', '--stall_timeout_s', 20, *PLANTED, env=env)  # fmt: skip
     assert done.returncode == 3, done.stderr[-3000:]
     assert time.monotonic() - started < 300
     lines = done.stderr.strip().splitlines()
