@@ -1,14 +1,15 @@
 """Several processes through jax.distributed (gloo on CPU, localhost), at the command line:
 launch/spawn.py runs launch/train.py as 2 processes x 4 devices.
 
-- faults in one workdir, each run the same command (2 x 4 devices, mesh data 2 x stage 2 x
-  tensor 2, data spanning the processes: the same global batches as 1 x 8): a process lost
+- faults in one workdir, each run the same command (2 x 4 devices, mesh data 4 x tensor 2,
+  data spanning the processes: the same global batches as 1 x 8): a process lost
   mid-run ends the other through the heartbeat; SIGTERM to every process saves one step and
   exits 0; a paused process (SIGSTOP) ends the job; the last run resumes to the losses of the
   uninterrupted 1 x 8 run;
 - a process that hangs (the drill, a fresh run of its own) ends itself through its watchdog,
   naming itself, and the job with it;
-- checkpoints written by 2 processes restore under 1, and the reverse, in another layout;
+- checkpoints written by 2 processes restore under 1, and the reverse, into a pipeline
+  (data 2 x stage 2 x tensor 2: its stages' hand-offs within a process, data across them);
 - bad input (coordinator, process count) is one `error:` line, exit 2, nothing written.
 
 Every process is bounded by `timeout -k` (JAX's preemption notifier takes SIGTERM).
@@ -91,7 +92,7 @@ def as_of(source, into, step):
 def one_by_eight(tmp_path_factory, token_data):
     """The uninterrupted run: 1 process x 8 devices, checkpoints at steps 5 and 10."""
     workdir = tmp_path_factory.mktemp('one_by_eight')
-    ok(one_process(workdir, *PIPELINED, data=token_data))
+    ok(one_process(workdir, *NO_PIPELINE, data=token_data))
     return workdir
 
 
@@ -100,12 +101,12 @@ def test_checkpoints_restore_across_process_counts_and_layouts(
 ):
     expected = losses(one_by_eight)
     from_one = as_of(one_by_eight, tmp_path / 'from_one', 5)
-    resumed = ok(two_processes(from_one, *NO_PIPELINE, data=token_data))
+    resumed = ok(two_processes(from_one, *PIPELINED, data=token_data))
     assert 'resumed      from step 5' in resumed.stdout
     np.testing.assert_allclose(losses(from_one), expected, atol=1e-4, rtol=0)
     # The checkpoint the lost-process run wrote (2 processes) before process 1 was lost.
     from_two = as_of(faults[1]['after_loss'], tmp_path / 'from_two', SAVED_BEFORE_KILL)
-    resumed = ok(one_process(from_two, *NO_PIPELINE, data=token_data))
+    resumed = ok(one_process(from_two, *PIPELINED, data=token_data))
     assert f'resumed      from step {SAVED_BEFORE_KILL}' in resumed.stdout
     np.testing.assert_allclose(losses(from_two), expected, atol=1e-4, rtol=0)
 
@@ -163,7 +164,7 @@ def test_spawn_names_the_killed_process_when_its_peer_ends_in_the_same_poll():
 HANG_S = 10  # the hang run's train.hang_timeout_s; the heartbeat timeout (MODEL) is 10 s too
 KILL_AT, SAVED_BEFORE_KILL = 4, 3  # process 1 lost after step 4; the checkpoint of step 3
 FAULTS = [
-    *PIPELINED,
+    *NO_PIPELINE,  # the pipelined layout's compile in only the two runs that restore into it
     '--config.train.steps=1000',
     '--config.checkpoint.every=3',
     f'--config.train.inject_kill_at_step={KILL_AT}',  # in a run started from scratch only
