@@ -10,7 +10,7 @@
     # tokenizer beside them (GPT-2 BPE: vocab.json, merges.txt, tokenizer.json; a Hugging Face
     # tokenizer.json; sentencepiece: tokenizer.model; each with its tokenizer config)
     python launch/convert.py --export_hf DIR --workdir W [--step N] [--tokenizer PATH] \\
-        [--dtype bfloat16] [--shard_size 5GB] [--tensor N]
+        [--dtype bfloat16] [--shard_size 5GB]
 
 DIR is a GPT2LMHeadModel or a LlamaForCausalLM directory (config.json and model.safetensors,
 or shards with their index; config.json in transformers 5's layout or the published Llama
@@ -22,8 +22,9 @@ from --config and its overrides, which are honoured: the recipe, data, mesh, com
 recompute, dropout, and, for Llama, seq_len (at most max_position_embeddings). data.tokenizer
 is the HF directory's own (vocab.json + merges.txt, or tokenizer.json) unless overridden.
 Llama weights are read tensor by tensor, each device reading its own shard of each parameter
-from the files, so the whole model is never in one host's memory; export writes one layer of
-one parameter at a time. The imported workdir trains on with
+from the files, so the whole model is never in one host's memory; export reads the
+checkpoint's files on the host, one layer of one parameter at a time, with no device, and
+writes each as it is read. The imported workdir trains on with
 `launch/train.py --config configs/workdir.py:W --workdir W` under any layout (restoring
 reshards). Bad input prints one line `error: ...` and exits with status 2, writing nothing.
 """
@@ -70,9 +71,6 @@ def parse_args(argv):
     )
     parser.add_argument(
         '--shard_size', help='export: largest weights file before splitting (default 5GB)'
-    )
-    parser.add_argument(
-        '--tensor', type=int, help='export: devices the checkpoint is spread over (default 1)'
     )
     return parser.parse_args(argv)
 
@@ -230,9 +228,11 @@ def hf_kind_of(model_cfg):
     return None
 
 
-def export_hf(hf_dir, workdir, step, tokenizer_path=None, dtype=None, shard_bytes=None, tensor=1):
+def export_hf(hf_dir, workdir, step, tokenizer_path=None, dtype=None, shard_bytes=None):
     """The checkpoint as a Hugging Face GPT-2 or Llama directory, with the run's tokenizer
-    beside it (none if the run's tokenizer files are missing and --tokenizer names none)."""
+    beside it (none if the run's tokenizer files are missing and --tokenizer names none). The
+    weights are read from the checkpoint's files on the host, a layer of one parameter at a
+    time (Llama; GPT-2's whole), and written as read: no device holds the model."""
     import jax
     import ml_dtypes
     import numpy as np
@@ -245,7 +245,8 @@ def export_hf(hf_dir, workdir, step, tokenizer_path=None, dtype=None, shard_byte
     tokenizer = None
     try:
         saved = workdir_lib.read_saved_config(workdir)
-        model_cfg = workdir_lib.inference_config(saved, 1, tensor).model
+        config = workdir_lib.inference_config(saved, 1, 1)
+        model_cfg = config.model
         kind = hf_kind_of(model_cfg)
         if kind is None:
             fail(f'--workdir {workdir}: no Hugging Face class holds this block (Llama: rope, '
@@ -254,28 +255,23 @@ def export_hf(hf_dir, workdir, step, tokenizer_path=None, dtype=None, shard_byte
         if tokenizer_path or os.path.exists(path):
             name = '--tokenizer' if tokenizer_path else "the run's data.tokenizer (or --tokenizer)"
             tokenizer = tokenizer_lib.open_tokenizer(path, model_cfg, name)
-        # fp32: the compute copy is then the master copy, bit for bit
-        loaded = workdir_lib.load(workdir, step, data=1, tensor=tensor, dtype='float32')
+        step = workdir_lib.checkpoint_step(workdir, step)
+        # fp32, the master copy as saved: the checkpoint's own values, bit for bit
+        read, shapes = workdir_lib.layer_reader(workdir, step, config)
     except (workdir_lib.WorkdirError, config_lib.ConfigError, tokenizer_lib.TokenizerError) as e:
         fail(str(e))
-    model_cfg = loaded.config.model
     out_dtype = ml_dtypes.bfloat16 if dtype == 'bfloat16' else np.float32
     eod_id = tokenizer.eod_id if tokenizer else None
     bos_id = getattr(tokenizer, 'bos_id', None)
-    paths = [tuple(k.key for k in p) for p, _ in jax.tree_util.tree_leaves_with_path(loaded.params)]
-
-    def get(path, layer):
-        leaf = loaded.params
-        for key in path:
-            leaf = leaf[key]
-        return jax.device_get(leaf if layer is None else leaf[layer])
-
     if kind is hf_llama:
+        paths = [tuple(k.key for k in p) for p, _ in jax.tree_util.tree_leaves_with_path(shapes)]
         hf_config = hf_llama.hf_config_of(model_cfg, bos_id, eod_id, dtype or 'float32')
-        tensors = hf_llama.hf_tensors(paths, get, model_cfg, out_dtype)
+        tensors = hf_llama.hf_tensors(paths, read, model_cfg, out_dtype)
     else:
         hf_config = kind.hf_config_of(model_cfg, eod_id)
-        params = jax.device_get(loaded.params)
+        params = jax.tree_util.tree_map_with_path(
+            lambda p, _: read(tuple(k.key for k in p)), shapes
+        )
         gpt2 = kind.hf_from_params(params, model_cfg).items()
         tensors = ((name, value.astype(out_dtype)) for name, value in gpt2)
     shard_bytes = shard_bytes or safetensors_files.DEFAULT_SHARD_BYTES
@@ -284,7 +280,7 @@ def export_hf(hf_dir, workdir, step, tokenizer_path=None, dtype=None, shard_byte
         json.dump(hf_config, f, indent=2)
     written = tokenizer.export(hf_dir, model_cfg.seq_len) if tokenizer else []
     with_tokenizer = f' with {", ".join(written)}' if written else ' (no tokenizer found)'
-    print(f'exported step {loaded.step} of {workdir} to {hf_dir}: config.json, '
+    print(f'exported step {step} of {workdir} to {hf_dir}: config.json, '
           f'{", ".join(files)}{with_tokenizer}')  # fmt: skip
 
 
@@ -309,7 +305,7 @@ def main(argv):
             fail(f'--{name} must be >= 0 and goes with --import_hf')
     if args.tokenizer and not args.export_hf:
         fail('--tokenizer goes with --export_hf (an import takes the HF directory\'s own)')
-    for name in ('dtype', 'shard_size', 'tensor'):
+    for name in ('dtype', 'shard_size'):
         if getattr(args, name) is not None and not args.export_hf:
             fail(f'--{name} goes with --export_hf')
     shard_bytes = None
@@ -317,8 +313,6 @@ def main(argv):
         shard_bytes = parse_size(args.shard_size)
         if shard_bytes is None:
             fail(f'--shard_size {args.shard_size}: give bytes, or a number with KB, MB or GB')
-    if args.tensor is not None and args.tensor < 1:
-        fail(f'--tensor {args.tensor}: must be at least 1')
     if args.import_hf:
         check_import_dir(args.import_hf)
         flag = '--workdir'
@@ -336,9 +330,8 @@ def main(argv):
                   args.config_overrides)  # fmt: skip
     else:
         cli.workdir_config(args.workdir)
-        cli.cpu_devices(args.tensor or 1)
         export_hf(args.export_hf, args.workdir, args.step, args.tokenizer, args.dtype,
-                  shard_bytes, args.tensor or 1)  # fmt: skip
+                  shard_bytes)  # fmt: skip
 
 
 if __name__ == '__main__':

@@ -120,6 +120,30 @@ def abstract_params(config, device=None):
     return gpt.split(abstract_model)
 
 
+def layer_reader(workdir, step, config):
+    """(read, the fp32 parameters' ShapeDtypeStructs) of checkpoint `step`, read on the host a
+    layer at a time with no device (checkpoint/slices.py: an export of a model larger than the
+    host's devices); WorkdirError unless the checkpoint reads and fits the config's model."""
+    from mtnlg_jax.checkpoint.slices import LayerReader
+
+    _, params_shapes, _ = abstract_params(config)
+    checkpoints = checkpoint_lib.Checkpoints(workdir, read_only=True)
+    where = os.path.join(RunDir(workdir).checkpoints, str(step))
+    try:
+        checkpoints.check_fits(dict(params=params_shapes), step, partial=True)
+        read = LayerReader(where)
+    except checkpoint_lib.CheckpointError as e:
+        raise WorkdirError(f'{e} (the config in {RunDir(workdir).config_path})') from None
+    except Exception as e:  # truncated, corrupted or not an orbax checkpoint at all
+        raise WorkdirError(
+            f'--workdir {workdir}: checkpoint {where} is unreadable '
+            f'({checkpoint_lib.first_line(e)})'
+        ) from None
+    finally:
+        checkpoints.close()
+    return read, params_shapes
+
+
 def load(workdir, step=None, data=None, tensor=None, dtype=None):
     """The model of `workdir` at `step` (default: its newest checkpoint) on a data x tensor
     mesh of the first devices. dtype: compute dtype (default: the run's). WorkdirError or
