@@ -174,7 +174,7 @@ class Curation:
             shutil.rmtree(folder, ignore_errors=True)
             build().write_parquet(folder)
             self.work.mark(name)
-        return ray.data.read_parquet(folder)
+        return _read_back(ray, folder)
 
     def _signatures(self, ray):
         def build():
@@ -324,6 +324,23 @@ class Curation:
             'peak_rss_worker_mb': round(max(p['rss_mb'] for p in per_piece + signatures), 1),
             'stages': [r.as_dict() for r in stages_out],
         }
+
+
+def _read_back(ray, folder):
+    """A stage's parquet files as a Dataset: one task a file, reading that file alone with
+    pyarrow. Ray Data's read_parquet tasks grew with the stage's size at fixed partitions (237
+    -> 314 MB from a 100 MB to a 400 MB corpus; these: 249 -> 244 MB; docs/benchmarks.md)."""
+    files = sorted(f for f in os.listdir(folder) if f.endswith('.parquet'))
+    names = ray.data.from_items(
+        [{'file': os.path.join(folder, f)} for f in files], override_num_blocks=max(len(files), 1)
+    )
+    return names.map_batches(_read_file, batch_size=1, batch_format='pyarrow')
+
+
+def _read_file(batch):
+    import pyarrow.parquet as pq  # noqa: PLC0415 (a Ray worker's import)
+
+    return pq.read_table(batch['file'][0].as_py())
 
 
 def _scan_task(path, keys, piece_bytes):
