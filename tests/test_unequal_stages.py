@@ -1,7 +1,8 @@
 """Pipeline stages of unequal depth (pipeline.first_stage_layers / last_stage_layers): the
-layer arithmetic (Llama 3 405B's 7, 8 x 14, 7), 1F1B and interleaved layouts equal one device
-(fp32, per leaf), padding slots stay zero and get no gradient, checkpoints hold exactly the
-model's layers and restore under an even layout and back, and bad splits are one error."""
+layer arithmetic (Llama 3 405B's 7, 8 x 14, 7), 1F1B (a Llama block, as the 405B's) and
+interleaved (GPT) layouts equal one device (fp32, per leaf), padding slots stay zero and get
+no gradient, checkpoints hold exactly the model's layers and restore under an even layout and
+back, and bad splits are one error."""
 
 import jax
 import numpy as np
@@ -54,24 +55,40 @@ def _config(stage, repeats=1, schedule='1f1b', first=1, last=1, micro_steps=4, *
     return config_lib.resolve(config, stage)
 
 
+BLOCKS = {'gpt': {}, 'llama': support.LLAMA_BLOCK}
+
+
 @pytest.fixture(scope='module')
 def one_device():
-    batch = support.random_batches(1)[0]
-    config = support.small_config(num_layers=LAYERS, hidden_dropout=0.1)
-    return batch, support.gradients(config, batch, step=5)
+    """{block: (batch, (params, loss, grads))} on one device, computed when first asked for."""
+    batch, found = support.random_batches(1)[0], {}
+
+    def of(block):
+        if block not in found:
+            config = support.small_config(num_layers=LAYERS, hidden_dropout=0.1, **BLOCKS[block])
+            found[block] = batch, support.gradients(config, batch, step=5)
+        return found[block]
+
+    return of
 
 
 @pytest.mark.parametrize(
-    'stage, repeats, schedule, first, last',
-    [(4, 1, '1f1b', 1, 1), (2, 2, 'interleaved', 2, 4), (2, 2, 'interleaved', 3, 3)],
-    ids=['1f1b-1-2-2-1', 'interleaved-2-4', 'interleaved-3-3-uneven-chunks'],
+    'stage, repeats, schedule, first, last, block',
+    [
+        (4, 1, '1f1b', 1, 1, 'llama'),  # Llama 3 405B's shape in small
+        (2, 2, 'interleaved', 2, 4, 'gpt'),
+        (2, 2, 'interleaved', 3, 3, 'gpt'),
+    ],
+    ids=['1f1b-1-2-2-1-llama', 'interleaved-2-4', 'interleaved-3-3-uneven-chunks'],
 )
-def test_an_unequal_layout_equals_one_device(one_device, stage, repeats, schedule, first, last):
+def test_an_unequal_layout_equals_one_device(
+    one_device, stage, repeats, schedule, first, last, block
+):
     """Loss and every gradient per leaf, relative to its scale, with dropout on (each layer
     keeps its own masks wherever it runs); the stored padding slots stay zero and get zero
     gradients."""
-    batch, (params_one, loss_one, grads_one) = one_device
-    config = _config(stage, repeats, schedule, first, last, hidden_dropout=0.1)
+    batch, (params_one, loss_one, grads_one) = one_device(block)
+    config = _config(stage, repeats, schedule, first, last, hidden_dropout=0.1, **BLOCKS[block])
     params, loss, grads = support.gradients(config, batch, step=5)
     support.assert_trees_close(params, params_one, atol=0.0)
     np.testing.assert_allclose(loss, loss_one, rtol=1e-6)
