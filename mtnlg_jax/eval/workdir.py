@@ -9,6 +9,7 @@ over any tensor size up to 128), and reads the parameters alone: the optimizer m
 their bytes, stay on disk.
 """
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -120,6 +121,24 @@ def abstract_params(config, device=None):
     return gpt.split(abstract_model)
 
 
+@contextlib.contextmanager
+def _reading(workdir, step):
+    """The workdir's checkpoints, read-only, for a read of `step`: what goes wrong inside is a
+    WorkdirError naming the config (a model mismatch) or the checkpoint (unreadable)."""
+    checkpoints = checkpoint_lib.Checkpoints(workdir, read_only=True)
+    try:
+        yield checkpoints
+    except checkpoint_lib.CheckpointError as e:
+        raise WorkdirError(f'{e} (the config in {RunDir(workdir).config_path})') from None
+    except Exception as e:  # truncated, corrupted or not an orbax checkpoint at all
+        raise WorkdirError(
+            f'--workdir {workdir}: checkpoint {RunDir(workdir).checkpoints}/{step} is '
+            f'unreadable ({checkpoint_lib.first_line(e)})'
+        ) from None
+    finally:
+        checkpoints.close()
+
+
 def layer_reader(workdir, step, config):
     """(read, the fp32 parameters' ShapeDtypeStructs) of checkpoint `step`, read on the host a
     layer at a time with no device (checkpoint/slices.py: an export of a model larger than the
@@ -127,20 +146,9 @@ def layer_reader(workdir, step, config):
     from mtnlg_jax.checkpoint.slices import LayerReader
 
     _, params_shapes, _ = abstract_params(config)
-    checkpoints = checkpoint_lib.Checkpoints(workdir, read_only=True)
-    where = os.path.join(RunDir(workdir).checkpoints, str(step))
-    try:
+    with _reading(workdir, step) as checkpoints:
         checkpoints.check_fits(dict(params=params_shapes), step, partial=True)
-        read = LayerReader(where)
-    except checkpoint_lib.CheckpointError as e:
-        raise WorkdirError(f'{e} (the config in {RunDir(workdir).config_path})') from None
-    except Exception as e:  # truncated, corrupted or not an orbax checkpoint at all
-        raise WorkdirError(
-            f'--workdir {workdir}: checkpoint {where} is unreadable '
-            f'({checkpoint_lib.first_line(e)})'
-        ) from None
-    finally:
-        checkpoints.close()
+        read = LayerReader(os.path.join(RunDir(workdir).checkpoints, str(step)))
     return read, params_shapes
 
 
@@ -163,19 +171,8 @@ def load(workdir, step=None, data=None, tensor=None, dtype=None):
     graphdef, params_shapes, logical_axes = abstract_params(config, mesh.devices.flat[0])
     shardings = rules.compute_shardings(logical_axes, mesh)
     target = checkpoint_lib.abstract_with_shardings(params_shapes, shardings)
-    checkpoints = checkpoint_lib.Checkpoints(workdir, read_only=True)
-    try:
-        with jax.set_mesh(mesh):
-            params = checkpoints.restore_params(target, step)
-    except checkpoint_lib.CheckpointError as e:
-        raise WorkdirError(f'{e} (the config in {RunDir(workdir).config_path})') from None
-    except Exception as e:  # truncated, corrupted or not an orbax checkpoint at all
-        raise WorkdirError(
-            f'--workdir {workdir}: checkpoint {RunDir(workdir).checkpoints}/{step} is '
-            f'unreadable ({checkpoint_lib.first_line(e)})'
-        ) from None
-    finally:
-        checkpoints.close()
+    with _reading(workdir, step) as checkpoints, jax.set_mesh(mesh):
+        params = checkpoints.restore_params(target, step)
     dtype = jnp.dtype(config.model.compute_dtype)
     with jax.set_mesh(mesh):
         params = jax.jit(
