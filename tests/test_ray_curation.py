@@ -369,7 +369,7 @@ def test_sharded_partitioned_survivors_equal_the_one_process_rule(planted_pairs_
 
 
 def test_a_hung_worker_ends_the_run_with_one_line_and_keeps_the_work(cluster, tmp_path):
-    """--drill stall: piece 0's worker hangs in pass 1; with --stall_timeout_s 20 the run ends
+    """--drill stall: piece 0's worker hangs in pass 1; with --stall_timeout_s 30 the run ends
     with status 3 and one `error:` line naming the stage, no output placed, the work folder
     (its scan and state) kept for a rerun. (At 5 s on a loaded machine the watch fires before
     Ray's workers have started: the failure it is for, but not this drill's.) Last in the
@@ -380,7 +380,7 @@ def test_a_hung_worker_ends_the_run_with_one_line_and_keeps_the_work(cluster, tm
     started = time.monotonic()
     done = tool('curate.py', '--input', GOLDEN / 'planted.raw.jsonl', '--output', out,
                 '--workers', 2, '--ray_address', address, '--shard_mb', 1 / 64,
-                '--drill', 'stall', '--stall_timeout_s', 20, *PLANTED, env=env)  # fmt: skip
+                '--drill', 'stall', '--stall_timeout_s', 30, *PLANTED, env=env)  # fmt: skip
     assert done.returncode == 3, done.stderr[-3000:]
     assert time.monotonic() - started < 300
     lines = done.stderr.strip().splitlines()
