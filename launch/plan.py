@@ -227,10 +227,8 @@ def plan_for_gpu(args, config):
     import jax  # noqa: PLC0415
 
     with gpu_compile.without_driver_noise():
-        devices = gpu_target.devices(args.target, total, per_node)
         try:
-            with gpu_target.compiling_for(devices):
-                compiled, _, info = compile_lib.compile_train_step(config, devices=devices)
+            compiled, info = gpu_target.compile_train_step(config, args.target, per_node)
         except jax.errors.JaxRuntimeError as e:  # XLA's own limits (no input of the user's)
             print(
                 f'error: XLA:GPU could not compile this step for {args.target}: '

@@ -17,7 +17,6 @@ from jax.sharding import PartitionSpec as P
 import support
 from mtnlg_jax.xla import gpu_compile
 from mtnlg_jax.plan import arithmetic, clusters, gpu_target, overlap, report
-from mtnlg_jax.plan import compile as compile_lib
 from mtnlg_jax.plan.loop_copies import loop_copies
 
 pytestmark = pytest.mark.skipif(
@@ -28,15 +27,10 @@ TOLERANCE = 0.10
 MIB = 1 << 20
 
 
-def _gpu_plan(config, text=None):
-    """The plan of a resolved config with its train step compiled for TARGET (and the
-    compiled HLO appended to `text`, a list, if given)."""
-    count = config.mesh.data * config.mesh.stage * config.mesh.tensor
-    devices = gpu_target.devices(TARGET, count)
-    with gpu_target.compiling_for(devices):
-        compiled, _, info = compile_lib.compile_train_step(config, devices=devices)
-    if text is not None:
-        text.append(compiled.as_text())
+def _gpu_plan(config, compiled=None, info=None):
+    """The plan of a resolved config with its train step compiled for TARGET (or as given)."""
+    if compiled is None:
+        compiled, info = gpu_target.compile_train_step(config, TARGET)
     plan = report.make_plan(config, TARGET)
     return report.add_compiled(plan, config, compiled, info, target=TARGET)
 
@@ -122,8 +116,8 @@ def flash_plan():
         **support.PLAN_LAYOUTS['pipelined'], hidden=256, vocab_size=1500,
         compute_dtype='bfloat16', attention_dropout=0.1, remat='selective',
     )  # fmt: skip
-    text = []
-    return _gpu_plan(config, text)['compiled'], text[0]
+    compiled, info = gpu_target.compile_train_step(config, TARGET)
+    return _gpu_plan(config, compiled, info)['compiled'], compiled.as_text()
 
 
 def test_the_flash_kernel_compiles_inside_the_pipeline():

@@ -25,7 +25,9 @@ class LayerReader:
     def __init__(self, step_dir):
         self.state = os.path.join(os.path.abspath(step_dir), 'state')
         with open(os.path.join(self.state, '_METADATA')) as f:
-            self.metadata = json.load(f)
+            metadata = json.load(f)  # how orbax stored the arrays
+        self.ocdbt = metadata.get('use_ocdbt', True)
+        self.zarr3 = metadata.get('use_zarr3', False)
         self._arrays, self._context = {}, None
 
     def __call__(self, path, layer=None):
@@ -38,17 +40,16 @@ class LayerReader:
             import tensorstore as ts  # noqa: PLC0415 (orbax's own dependency)
             from etils import epath  # noqa: PLC0415 (orbax's path type)
 
-            ocdbt = self.metadata.get('use_ocdbt', True)
             if self._context is None:  # one for every array: OCDBT's caches shared
-                self._context = ocp.type_handlers.get_ts_context(use_ocdbt=ocdbt)
+                self._context = ocp.type_handlers.get_ts_context(use_ocdbt=self.ocdbt)
             info = ocp.type_handlers.ParamInfo(
                 name='.'.join(('params', *path)),
                 parent_dir=epath.Path(self.state),
-                is_ocdbt_checkpoint=ocdbt,
-                use_zarr3=self.metadata.get('use_zarr3', False),
+                is_ocdbt_checkpoint=self.ocdbt,
+                use_zarr3=self.zarr3,
                 ts_context=self._context,
             )
-            spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=ocdbt)
+            spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=self.ocdbt)
             opened = ts.open(spec, open=True, read=True, context=self._context)
             self._arrays[path] = opened.result()
         return self._arrays[path]
