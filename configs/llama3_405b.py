@@ -12,9 +12,11 @@ steps; 16 M tokens a step (2048 x 8192). Layout: tensor 8 x pipeline 16 x data -
 first and the last stage hold one layer fewer, 7, 8 x 14, 7 (pipeline.first_stage_layers /
 last_stage_layers; docs/training.md, "Pipeline stages of unequal depth"); their 7 layers run
 as chunks of 1, 2, 2, 2 (stage 0, whose first chunk holds the embedding) and 2, 2, 2, 1
-(stage 15, the head's last). XLA:GPU compiles it to 70.5 GiB a GPU at 1.05 x the model's
-FLOPs; predicted 13.1 s a step, 412 model TFLOP/s a GPU (6N + 12LHQT) against Meta's 430
-(docs/benchmarks.md, "Llama blocks", has the other layouts: full recompute is slower).
+(stage 15, the head's last). Each block runs on two pieces of the sequence
+(model.sequence_pieces), so that one piece's tensor collectives overlap the other's matmuls.
+XLA:GPU compiles it to 70.8 GiB a GPU at 1.05 x the model's FLOPs; predicted 12.45 s a step,
+434 model TFLOP/s a GPU (6N + 12LHQT) against Meta's 430 (docs/benchmarks.md, "Llama
+blocks", has the other layouts: full recompute is slower).
 
 What differs from Meta's run:
 - The in-flight bound: unbounded, selective recompute holds 119.1 GiB a GPU on one chunk a
@@ -52,6 +54,8 @@ def get_config():
     config = config_lib.load(str(pathlib.Path(__file__).with_name('llama3_8b.py')))
     config.model.update(dict(num_layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248))
     config.model.remat = 'selective'  # fits with the in-flight bound below (docstring)
+    # two pieces a sequence: a piece's tensor collectives overlap the other's matmuls (docs/gpu.md)
+    config.model.sequence_pieces = 2
     config.mesh.update(dict(data=-1, stage=16, tensor=8))
     config.pipeline.update(
         dict(first_stage_layers=7, last_stage_layers=7, repeats=4, max_in_flight=16)

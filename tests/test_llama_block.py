@@ -213,6 +213,11 @@ def test_llama_training_steps_with_zero_1_equal_one_device():
         (dict(norm='batchnorm'), 'model.norm', 'is not one of layernorm, rmsnorm'),
         (dict(mlp='relu'), 'model.mlp', 'is not one of gelu, swiglu'),
         (
+            dict(sequence_parallel=True, tensor=2, sequence_pieces=3),
+            'model.sequence_pieces',
+            r'3 pieces do not divide the 64 tokens of a sequence shard \(model.seq_len=128 over',
+        ),
+        (
             dict(position='rope', rope_scaling=dict(type='llama3', low_freq_factor=5.0)),
             'model.rope_scaling.low_freq_factor',
             'below high_freq_factor=4.0',
@@ -241,11 +246,15 @@ def test_a_bad_block_is_one_error_line_on_the_command_line(tmp_path):
 
 
 # (data, stage, tensor, micro-batches, repeats, schedule, model overrides): 4 layers of
-# Llama's block; tensor 2 leaves each rank 2 of the 4 key/value heads.
+# Llama's block; tensor 2 leaves each rank 2 of the 4 key/value heads. Both run the block on
+# two pieces of each sequence (model.sequence_pieces), with and without sequence parallelism.
 PIPELINED = [
-    (2, 2, 2, 4, 1, '1f1b', dict(remat='full')),
-    (1, 2, 2, 4, 2, 'interleaved', dict(sequence_parallel=True, remat='selective')),
-]
+    (2, 2, 2, 4, 1, '1f1b', dict(remat='full', sequence_pieces=2)),
+    (
+        1, 2, 2, 4, 2, 'interleaved',
+        dict(sequence_parallel=True, remat='selective', sequence_pieces=2),
+    ),
+]  # fmt: skip
 
 
 @pytest.fixture(scope='module')

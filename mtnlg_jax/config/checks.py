@@ -66,6 +66,14 @@ def check_model(config):
         'model.sequence_parallel',
         f'needs model.seq_len={model.seq_len} divisible by mesh.tensor={tensor}',
     )
+    shards = tensor if model.sequence_parallel else 1
+    _require(
+        model.seq_len % (shards * model.sequence_pieces) == 0,
+        'model.sequence_pieces',
+        f'{model.sequence_pieces} pieces do not divide the {model.seq_len // shards} tokens of '
+        f'a sequence shard (model.seq_len={model.seq_len}'
+        + (f' over mesh.tensor={tensor})' if shards > 1 else ')'),
+    )
     _require(
         model.loss_chunks == 0 or model.seq_len % model.loss_chunks == 0,
         'model.loss_chunks',

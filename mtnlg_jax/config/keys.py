@@ -152,6 +152,15 @@ KEYS = (
         "Megatron's sequence parallelism over tensor (needs seq_len divisible by it)",
     ),
     Key(
+        'model.sequence_pieces',
+        1,
+        'int>0',
+        "the block's matmuls run on this many pieces of each sequence, so that one piece's "
+        'tensor-parallel collectives overlap the next piece\'s matmuls (1: whole sequences; '
+        'the same results); must divide seq_len (seq_len / mesh.tensor under sequence '
+        'parallelism)',
+    ),
+    Key(
         'model.loss_chunks',
         0,
         'int>=0',

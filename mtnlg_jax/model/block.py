@@ -28,7 +28,7 @@ from mtnlg_jax.model.layers import (
     param,
     use,
 )
-from mtnlg_jax.parallel.rules import constrain, local_call
+from mtnlg_jax.parallel.rules import constrain, local_call, shards
 
 # Names of the values `model.remat = 'selective'` keeps: every matmul output. The attention
 # core (scores, softmax, dropout) is recomputed in the backward pass, as in Megatron's
@@ -49,6 +49,7 @@ KV_KERNEL_AXES = ('embed', 'qkv', 'kv_heads', 'head_dim')
 GROUPED_AXES = ('batch', 'seq', 'kv_heads', 'q_per_kv', 'head_dim')
 SEED_AXES = ('batch', 'heads')
 SEGMENT_AXES = ('batch', 'seq')
+RESIDUAL = ('batch', 'residual_seq', 'embed')
 
 
 def same_segment(segment_ids):
@@ -171,6 +172,10 @@ class Attention(nnx.Module):
         kv_heads, head_dim), split over heads; q and k rotated under rope (positions: (seq,)
         or (batch, seq); None: 0 .. seq - 1). Selective recompute keeps the projections
         (named 'qkv') and recomputes the rotation."""
+        return self.rotated(*self.projections(x), positions)
+
+    def projections(self, x):
+        """q, k, v of x before rope: project_qkv's matmuls alone."""
         if not self.grouped:
             qkv = jnp.einsum('bse,ethd->bsthd', x, use(self.qkv_kernel, self.dtype))
             qkv = add_bias(qkv, self.qkv_bias, self.dtype)
@@ -184,9 +189,13 @@ class Attention(nnx.Module):
             kv = add_bias(kv, self.kv_bias, self.dtype)
             kv = checkpoint_name(constrain(kv, ('batch', 'seq') + KV_KERNEL_AXES[1:]), 'qkv')
             k, v = kv[:, :, 0], kv[:, :, 1]
+        return q, k, v
+
+    def rotated(self, q, k, v, positions=None):
+        """q and k rotated by their positions under rope (None: 0 .. seq - 1); v as it is."""
         if self.inv_freq is not None:
             if positions is None:
-                positions = jnp.arange(x.shape[1])
+                positions = jnp.arange(q.shape[1])
             q, k = (rope.rotate(a, positions, self.inv_freq) for a in (q, k))
         return q, k, v
 
@@ -294,18 +303,19 @@ class Attention(nnx.Module):
         query sees only the earlier keys of its own segment (packed documents,
         data/packing.py)."""
         q, k, v = self.project_qkv(x, positions)
+        return self.project_out(self.context(q, k, v, row_keys, site_base, segment_ids))
+
+    def context(self, q, k, v, row_keys, site_base, segment_ids=None):
+        """Causal attention of rotated q, k, v (within segments, given segment_ids) by the
+        kernel chosen for this device: (batch, seq, heads, head_dim)."""
         site = site_base + _ATTN_PROBS
         if self.kernel != 'plain':
-            context = self.attend_fused(
-                q, k, v, row_keys=row_keys, site=site, segment_ids=segment_ids
-            )
-            return self.project_out(context)
-        seq = x.shape[1]
+            return self.attend_fused(q, k, v, row_keys=row_keys, site=site, segment_ids=segment_ids)
+        seq = q.shape[1]
         visible = jnp.tril(jnp.ones((seq, seq), bool))
         if segment_ids is not None:  # fused by XLA into the select on the scores
             visible = visible & same_segment(segment_ids)
-        context = self.attend(q, k, v, visible, row_keys, site)
-        return self.project_out(context)
+        return self.attend(q, k, v, visible, row_keys, site)
 
     def cached(self, x, cache, index):
         """Attention of new tokens x (batch, new, embed) at positions index, index + 1, ...
@@ -331,6 +341,36 @@ class Attention(nnx.Module):
         return self.project_out(self.attend(q, keys, values, visible)), (keys, values)
 
 
+def split(x, n, axes):
+    """x (batch, seq, ...) laid out by the logical `axes` as n pieces (batch, seq / n, ...):
+    piece i holds the i-th n-th of each of the residual stream's sequence shards (one under
+    no sequence parallelism), so that a piece of the residual stream is split over the same
+    ranks as the stream and nothing moves (model.sequence_pieces). Whole sequences (q, k, v,
+    the context) are cut the same way, so that their pieces line up with the stream's."""
+    if n == 1:
+        return [x]
+    t = shards('residual_seq')
+    b, s, rest = x.shape[0], x.shape[1], x.shape[2:]
+    y = constrain(x.reshape(b, t, n, s // (t * n), *rest), _pieces_axes(axes))
+    return [y[:, :, i].reshape(b, s // n, *rest) for i in range(n)]
+
+
+def join(pieces, axes):
+    """split()'s inverse: the pieces back in sequence order, laid out by `axes`."""
+    if len(pieces) == 1:
+        return pieces[0]
+    t = shards('residual_seq')
+    b, s, rest = pieces[0].shape[0], pieces[0].shape[1], pieces[0].shape[2:]
+    y = jnp.stack([p.reshape(b, t, s // t, *rest) for p in pieces], axis=2)
+    y = constrain(y, _pieces_axes(axes))
+    return constrain(y.reshape(b, s * len(pieces), *rest), axes)
+
+
+def _pieces_axes(axes):
+    """Logical names of (batch, shards, pieces, rows of a piece's shard, ...)."""
+    return (axes[0], axes[1], None, None, *axes[2:])
+
+
 def gathered(x):
     """A normalised input whole along the sequence: under sequence parallelism one all-gather
     across the tensor-parallel ranks that every projection reads (q and key/value, gate and
@@ -349,15 +389,22 @@ class Block(nnx.Module):
         self.ln_mlp = norm(cfg)
         self.mlp = mlp(cfg, rngs)
         self.hidden_dropout = cfg.hidden_dropout
+        self.pieces = cfg.get('sequence_pieces', 1)
 
     def __call__(self, x, row_keys, layer, positions=None, segment_ids=None):
         """x: (batch, seq, embed); layer: this block's index, for distinct dropout masks;
         positions: the tokens' positions for rope, None for 0 .. seq - 1; segment_ids:
         (batch, seq) packed documents' ids, or None."""
         site = layer * SITES_PER_BLOCK
-        h = self.attention(gathered(self.ln_attn(x)), row_keys, site, positions, segment_ids)
+        attention, n = self.attention, self.pieces
+        qkv = [attention.projections(gathered(self.ln_attn(p))) for p in split(x, n, RESIDUAL)]
+        q, k, v = (join(parts, axes) for parts, axes in zip(zip(*qkv), (Q_AXES, KV_AXES, KV_AXES)))
+        context = attention.context(
+            *attention.rotated(q, k, v, positions), row_keys, site, segment_ids
+        )
+        h = join([attention.project_out(c) for c in split(context, n, CONTEXT_AXES)], RESIDUAL)
         x = x + dropout(h, self.hidden_dropout, row_keys, site + _ATTN_RESIDUAL)
-        h = self.mlp(gathered(self.ln_mlp(x)))
+        h = join([self.mlp(gathered(self.ln_mlp(p))) for p in split(x, n, RESIDUAL)], RESIDUAL)
         x = x + dropout(h, self.hidden_dropout, row_keys, site + _MLP_RESIDUAL)
         return constrain(x, ('batch', 'residual_seq', 'embed'))
 

@@ -93,6 +93,16 @@ def logical_to_spec(logical_axes):
     return PartitionSpec(*mesh_axes)
 
 
+def shards(logical_name):
+    """How many pieces the mesh and the active rules split a dimension named `logical_name`
+    into (1 without a mesh, or where the name maps to nothing)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = logical_to_spec((logical_name,))[0]
+    if mesh.empty or axes is None:
+        return 1
+    return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+
+
 def constrain(x, logical_axes):
     """Pin an activation's layout by the logical names of its trailing dimensions (leading
     ones are left to XLA); a no-op when no mesh is set. Inside a `shard_map` region, mesh axes
