@@ -252,3 +252,45 @@ def test_a_failed_save_stops_the_run_and_the_previous_checkpoint_resumes_exactly
     assert f'warning: checkpoint {workdir}/checkpoints/{failing} was not saved' in going_on.stderr
     assert sorted(complete_steps(workdir / 'checkpoints')) == [every, failing + every, STEPS]
     assert losses(workdir) == losses(runs.uninterrupted())
+
+
+LLAMA = [  # support.LLAMA_BLOCK at the command line, pipelined as the Llama 3 configs run
+    '--config.model.position=rope',
+    '--config.model.rope_theta=500000.0',
+    '--config.model.rope_scaling.type=llama3',
+    '--config.model.rope_scaling.original_context=16',
+    '--config.model.norm=rmsnorm',
+    '--config.model.mlp=swiglu',
+    '--config.model.kv_heads=4',
+    '--config.model.tie_embeddings=False',
+    '--config.model.bias=False',
+    '--config.model.sequence_parallel=True',
+    '--config.model.sequence_pieces=2',
+    '--config.model.remat=selective',
+    *layout_flags(2, 2, 2, 2, 'interleaved'),
+]
+
+
+def test_a_pipelined_llama_stopped_halfway_resumes_with_identical_losses(tmp_path, token_data):
+    """The Llama block (rope with llama3 scaling, GQA, SwiGLU, untied), interleaved over 2
+    stages, sequence parallel in two pieces, selective recompute: the run resumed from its
+    step-HALF checkpoint logs the losses of the run that went straight on, bit for bit."""
+    straight = tmp_path / 'straight'
+    train_ok(
+        straight,
+        *LLAMA,
+        f'--config.train.steps={STEPS}',
+        f'--config.checkpoint.every={HALF}',
+        data=token_data,
+    )
+    workdir = tmp_path / 'resumed'
+    shutil.copytree(straight, workdir)
+    shutil.rmtree(workdir / 'checkpoints' / str(STEPS))
+    records = (workdir / 'metrics.jsonl').read_text().splitlines()
+    kept = [line for line in records if json.loads(line)['step'] <= HALF]
+    (workdir / 'metrics.jsonl').write_text(''.join(line + '\n' for line in kept))
+    resumed = train_ok(workdir, *LLAMA, f'--config.train.steps={STEPS}', data=token_data)
+    assert f'resumed      from step {HALF}' in resumed.stdout
+    expected, actual = losses(straight), losses(workdir)
+    assert sorted(actual) == list(range(1, STEPS + 1))
+    assert actual == expected
