@@ -14,6 +14,7 @@ import support
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.parallel import footprint
 from mtnlg_jax.data import loader as loader_lib
+from mtnlg_jax.plan import arithmetic
 from mtnlg_jax.plan import compile as compile_lib
 from mtnlg_jax.plan import hlo, hlo_module
 from mtnlg_jax.train.step import make_train_step
@@ -34,15 +35,23 @@ def train_step(request):
 def test_data_parallel_traffic_is_one_reduce_scatter_and_one_all_gather(train_step):
     """Nothing over 'data' inside any loop (micro-steps, layers, pipeline iterations); per
     step, bytes sent over 'data' = one fp32 reduce-scatter of the gradients + one all-gather of
-    the compute copy (fp32 here), each (d - 1) / d of the parameters a device computes with."""
+    the compute copy (fp32 here), each (d - 1) / d of the parameters a device computes with;
+    what every pipeline stage holds over 'data' and 'stage' together, (d p - 1) / (d p) of it,
+    and nothing else over 'stage' beyond scalars (the stages' shares of its gradients summed
+    by that reduce-scatter, not by an all-reduce of their own)."""
     config, inventory, info = train_step
     over_data = [e for e in inventory if 'data' in e['axes']]
     assert not [e for e in over_data if e['in_loop']], 'a collective over data inside a loop'
-    # Beyond data alone, only scalars (loss and token count summed over data and stage).
-    assert all(e['axes'] == ('data',) or e['bytes'] <= 64 for e in over_data)
-    data = config.mesh.data
+    data, stages = config.mesh.data, config.mesh.stage
+    joint = ('data', 'stage') if stages > 1 else ('data',)
+    # Beyond these, only scalars (loss and token count summed over data and stage).
+    assert all(e['axes'] in {('data',), joint} or e['bytes'] <= 64 for e in over_data)
+    summed = [e for e in inventory if e['kind'] == 'all-reduce' and e['bytes'] > 64]
+    assert not [e for e in summed if 'stage' in e['axes']]
     params = footprint.bytes_per_device(config, info['setup'])['parameters']  # fp32 compute copy
-    one_pass = (data - 1) / data * params
+    shared = 4 * arithmetic.local_shared_params(config) if stages > 1 else 0
+    both = data * stages
+    one_pass = (data - 1) / data * (params - shared) + (both - 1) / both * shared
 
     def sent(kind):
         return sum(e['wire_bytes'] * e['count'] for e in over_data if e['kind'] == kind)

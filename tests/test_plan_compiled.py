@@ -342,13 +342,16 @@ def test_a_bf16_step_compiled_on_cpu_has_the_memory_of_its_fp32_twin():
 @pytest.mark.parametrize('name', ['tensor', 'pipelined'])
 def test_planned_tensor_and_pipeline_bytes(name):
     """Megatron's all-reduces over 'tensor' (layers, embedding, head; in the 1F1B engine also
-    each backward's recompute), the pipeline's hand-offs over 'stage' and the sum of the
-    shared parameters' gradients over 'stage': planned bytes per device per step within 10 %
-    of the inventory, whose conditionals are weighted by the engine's table."""
+    each backward's recompute), the pipeline's hand-offs over 'stage' and ZeRO-1 of what
+    every stage holds over 'data' and 'stage' together (the stages' shares of its gradients
+    summed by the reduce-scatter): planned bytes per device per step within 10 % of the
+    inventory, whose conditionals are weighted by the engine's table."""
     config, planned, compiled, _, _ = _planned_and_compiled(name)
     pairs = [('all-reduce', 'tensor')]
     if config.mesh.stage > 1:
-        pairs += [('collective-permute', 'stage'), ('all-reduce', 'stage')]
+        assert config.mesh.data > 1
+        pairs += [('collective-permute', 'stage')]
+        pairs += [('reduce-scatter', 'data+stage'), ('all-gather', 'data+stage')]
     for kind, axis in pairs:
         want = planned['comm_bytes_per_device'][kind][axis]
         got = compiled['comm_bytes_per_device'][kind][axis]

@@ -17,6 +17,10 @@ planner use instead of asking the mesh or the schedule's name:
     bubble_fraction(m)                        predicted share of the step stages wait
     table(m)                                  the 1F1B table (schedule.Schedule), or None
     name, pipelined                           how the banner names it; whether over 'stage'
+    shared_grads_by_stage                     whether the gradients of what every stage holds
+                                              (embeddings, head, final norm) come as each
+                                              stage's own share, stacked over 'stage' (S, ...),
+                                              for parallel/zero.py to sum
     block_grads_share                         the share of the block parameters one micro-step's
                                               compute-dtype gradients cover (the planner's
                                               memory): 1, or 1 / v where a tick differentiates
@@ -41,6 +45,7 @@ class Sequential:
 
     name = 'none (mesh.stage = 1)'
     pipelined = False
+    shared_grads_by_stage = False
     block_grads_share = 1.0
 
     def table(self, micro_batches):

@@ -54,6 +54,7 @@ class GPipeEngine:
     name = 'gpipe'
     pipelined = True
     block_grads_share = 1.0
+    shared_grads_by_stage = False  # autodiff sums them over 'stage'
 
     def table(self, micro_batches):
         return None  # no table: autodiff orders the backward

@@ -71,6 +71,7 @@ class TableEngine:
     max_in_flight: int = 0
     stage_layers: Any = None  # stage_order.StageLayers of unequal stages (None: equal)
     pipelined = True
+    shared_grads_by_stage = True  # each stage's own share, stacked (scan_ticks)
 
     @property
     def block_grads_share(self):
@@ -195,11 +196,12 @@ def run_table(stage_fns, params, batch, table, with_grads, bubble_fill=0.0, stag
 
     stage_spec = jax.tree.map(lambda _: PartitionSpec(STAGE_AXIS), params['blocks'])
     shared_spec = jax.tree.map(lambda _: PartitionSpec(), shared)
+    by_stage = jax.tree.map(lambda _: PartitionSpec(STAGE_AXIS), shared)
     batch_spec = batch.map(lambda _: PartitionSpec())
     run = jax.shard_map(
         per_stage,
         in_specs=(stage_spec, shared_spec, batch_spec),
-        out_specs=(PartitionSpec(), stage_spec, shared_spec) if with_grads else (PartitionSpec(),),
+        out_specs=(PartitionSpec(), stage_spec, by_stage) if with_grads else (PartitionSpec(),),
         axis_names={STAGE_AXIS},
         check_vma=False,
     )
@@ -213,7 +215,8 @@ def run_table(stage_fns, params, batch, table, with_grads, bubble_fill=0.0, stag
 
 def scan_ticks(stage, table, kept_shapes, bubble_fill):
     """The scan over the table's ticks on one stage; (loss,) or (loss, fp32 block grads in
-    stored form, fp32 shared grads), loss and shared grads summed over 'stage'."""
+    stored form, fp32 shared grads), the loss summed over 'stage', the shared grads this
+    stage's own share (stacked over 'stage' outside: zero.reduce_scatter sums them)."""
     rows, seq, hidden = stage.fill.shape
 
     def buffer(slots):
@@ -241,6 +244,5 @@ def scan_ticks(stage, table, kept_shapes, bubble_fill):
     loss = jax.lax.psum(loss, STAGE_AXIS)
     if not stage.with_grads:
         return (loss,)
-    acc_shared = jax.lax.psum(acc_shared, STAGE_AXIS)
     acc_blocks = jax.tree.map(lambda *a: jnp.concatenate(a), *acc_blocks)
-    return (loss, acc_blocks, acc_shared)
+    return (loss, acc_blocks, jax.tree.map(lambda a: a[None], acc_shared))

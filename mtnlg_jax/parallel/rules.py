@@ -65,6 +65,8 @@ LOGICAL_RULES = (
 SEQUENCE_PARALLEL_RULES = (('residual_seq', 'tensor'),)
 DATA_AXIS = 'data'
 ZERO_AXIS = DATA_AXIS  # ZeRO-1 splits the optimizer state over the data-parallel replicas
+STAGE_AXIS = 'stage'
+STAGE_ZERO_AXES = (STAGE_AXIS, ZERO_AXIS)  # ZeRO-1 of what every stage holds (state_spec)
 
 _RULES = dict(LOGICAL_RULES)
 _ACTIVE_RULES = contextvars.ContextVar('mtnlg_jax_logical_rules', default=_RULES)
@@ -154,7 +156,7 @@ def local_call(fn, args, logical_axes, replicated=(), args_axes=None):
 def constrain_tree(tree, logical_tree):
     """`constrain` every leaf of `tree` by the logical names at the same place of
     `logical_tree` (e.g. gradient accumulators laid out as the parameters)."""
-    return jax.tree.map(lambda axes, x: constrain(x, axes), logical_tree, tree, is_leaf=_is_axes)
+    return jax.tree.map(lambda axes, x: constrain(x, axes), logical_tree, tree, is_leaf=is_axes)
 
 
 def _without(axes, dropped):
@@ -165,11 +167,13 @@ def _without(axes, dropped):
     return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
-def zero_spec(spec, shape, mesh_shape, axis_name=ZERO_AXIS):
-    """`spec` with 'data' (or `axis_name`) added for ZeRO-1: on the first whole dimension that
-    the data size divides, else on the first split dimension that still divides evenly (e.g.
-    an MLP bias split over tensor becomes split over (tensor, data)); else left as it is."""
-    data_size = mesh_shape[axis_name]
+def zero_spec(spec, shape, mesh_shape, axis_name=ZERO_AXIS, whole_only=False):
+    """`spec` with 'data' (or `axis_name`, one mesh axis or a tuple of them) added for ZeRO-1:
+    on the first whole dimension that its size divides, else (unless whole_only) on the first
+    split dimension that still divides evenly (e.g. an MLP bias split over tensor becomes split
+    over (tensor, data)); else left as it is."""
+    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    data_size = math.prod(mesh_shape[a] for a in names)
     if data_size == 1:
         return spec
     axes = list(spec) + [None] * (len(shape) - len(spec))
@@ -178,11 +182,35 @@ def zero_spec(spec, shape, mesh_shape, axis_name=ZERO_AXIS):
             axes[dim] = axis_name
             return PartitionSpec(*axes)
     for dim, (axis, size) in enumerate(zip(axes, shape)):
-        split = (axis,) if isinstance(axis, str) else tuple(axis or ())
-        if split and size % (math.prod(mesh_shape[a] for a in split) * data_size) == 0:
-            axes[dim] = split + (axis_name,)
+        split = _names(axis)
+        if whole_only or not split:
+            continue
+        if size % (math.prod(mesh_shape[a] for a in split) * data_size) == 0:
+            axes[dim] = split + names
             return PartitionSpec(*axes)
     return spec  # too small to split evenly: kept whole on every replica
+
+
+def state_spec(spec, shape, mesh_shape):
+    """The spec of a parameter's fp32 state (master copy and moments): the rule table's plus
+    ZeRO-1's split. A parameter every pipeline stage holds (embeddings, head, final norm: no
+    'stage' in its spec) is split over ('stage', 'data') together where a whole dimension
+    allows: each stage sums only its own share of its gradients, and one reduce-scatter over
+    both axes lands them (parallel/zero.py), instead of an all-reduce over 'stage' first."""
+    if (
+        mesh_shape.get(STAGE_AXIS, 1) > 1
+        and mesh_shape.get(ZERO_AXIS, 1) > 1
+        and not any(STAGE_AXIS in _names(axes) for axes in spec)
+    ):
+        joint = zero_spec(spec, shape, mesh_shape, STAGE_ZERO_AXES, whole_only=True)
+        if joint != spec:
+            return joint
+    return zero_spec(spec, shape, mesh_shape)
+
+
+def _names(axes):
+    """The mesh axes of one PartitionSpec entry, as a tuple."""
+    return (axes,) if isinstance(axes, str) else tuple(axes or ())
 
 
 def layer_order_shardings(logical_tree, abstract_params, mesh):
@@ -194,21 +222,25 @@ def layer_order_shardings(logical_tree, abstract_params, mesh):
 
     def spec(axes, leaf):
         base = logical_to_spec(axes)
-        base = PartitionSpec(*(_without(a, {'stage'}) for a in base))
-        return zero_spec(zero_spec(base, leaf.shape, mesh_shape), leaf.shape, mesh_shape, 'stage')
+        if not any(STAGE_AXIS in _names(a) for a in base):  # in no layer order: as stored
+            return state_spec(base, leaf.shape, mesh_shape)
+        base = PartitionSpec(*(_without(a, {STAGE_AXIS}) for a in base))
+        return zero_spec(
+            zero_spec(base, leaf.shape, mesh_shape), leaf.shape, mesh_shape, STAGE_AXIS
+        )
 
     return jax.tree.map(
         lambda axes, leaf: NamedSharding(mesh, spec(axes, leaf)),
         logical_tree,
         abstract_params,
-        is_leaf=_is_axes,
+        is_leaf=is_axes,
     )
 
 
 def compute_shardings(logical_tree, mesh):
     """NamedShardings of parameters as used in compute: the rule table, no ZeRO split."""
     return jax.tree.map(
-        lambda axes: NamedSharding(mesh, logical_to_spec(axes)), logical_tree, is_leaf=_is_axes
+        lambda axes: NamedSharding(mesh, logical_to_spec(axes)), logical_tree, is_leaf=is_axes
     )
 
 
@@ -216,13 +248,14 @@ def zero_shardings(logical_tree, abstract_params, mesh):
     """NamedShardings of the fp32 master copy and optimizer moments: rule table + ZeRO split."""
     return jax.tree.map(
         lambda axes, leaf: NamedSharding(
-            mesh, zero_spec(logical_to_spec(axes), leaf.shape, dict(mesh.shape))
+            mesh, state_spec(logical_to_spec(axes), leaf.shape, dict(mesh.shape))
         ),
         logical_tree,
         abstract_params,
-        is_leaf=_is_axes,
+        is_leaf=is_axes,
     )
 
 
-def _is_axes(x):
+def is_axes(x):
+    """Whether x is a leaf of a logical-axes tree: a tuple of names (or None)."""
     return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)

@@ -17,6 +17,11 @@ alone or after the axes that already split it, e.g. ('tensor', 'data') over T x 
 so in the view 'data' splits an axis of its own, the collectives act on it, and the reshapes
 to and from the view move nothing. Leaves too small to split (zero_spec leaves them whole) are
 summed with an all-reduce instead.
+
+What every pipeline stage holds (embeddings, head, final norm) is split over ('stage', 'data')
+together (rules.state_spec): its gradients arrive as each stage's own partial sums, stacked
+over 'stage', and one reduce-scatter over both axes sums and shards them; the all-gather of
+its compute copy runs over both axes too.
 """
 
 import dataclasses
@@ -24,7 +29,9 @@ import dataclasses
 import jax
 from jax.sharding import PartitionSpec
 
-from mtnlg_jax.parallel.rules import ZERO_AXIS, constrain_spec
+import jax.numpy as jnp
+
+from mtnlg_jax.parallel.rules import STAGE_AXIS, STAGE_ZERO_AXES, ZERO_AXIS, constrain_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +44,7 @@ class ShardLayout:
     before: tuple = ()
     groups: int = 1
     data: int = 1
+    axes: tuple = (ZERO_AXIS,)  # the mesh axes of the split: ('stage', 'data') together too
 
     def view(self, x, offset=0):
         """x (with `offset` leading axes before the leaf's own) with dimension `dim` reshaped
@@ -57,7 +65,7 @@ class ShardLayout:
         if self.dim is None:
             return PartitionSpec(*self.spec)
         groups = (self.before[0] if len(self.before) == 1 else self.before) or None
-        data = ZERO_AXIS if with_data else None
+        data = (self.axes[0] if len(self.axes) == 1 else self.axes) if with_data else None
         d = self.dim
         return PartitionSpec(*self.spec[:d], groups, data, None, *self.spec[d + 1 :])
 
@@ -70,6 +78,9 @@ def layouts(zero_shardings):
         spec = tuple(sharding.spec)
         for dim, axes in enumerate(spec):
             axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+            if axes == STAGE_ZERO_AXES:
+                data = sizes[STAGE_AXIS] * sizes[ZERO_AXIS]
+                return ShardLayout(spec, dim, data=data, axes=STAGE_ZERO_AXES)
             if ZERO_AXIS in axes:
                 before = axes[: axes.index(ZERO_AXIS)]
                 groups = 1
@@ -98,7 +109,7 @@ def gather_compute_copy(params, layout_tree, dtype):
     def gather(x, lay):
         if lay.dim is None or lay.data == 1:
             return x
-        return jax.lax.all_gather(x, ZERO_AXIS, axis=lay.dim + 1, tiled=True)
+        return jax.lax.all_gather(x, lay.axes, axis=lay.dim + 1, tiled=True)
 
     views = jax.tree.map(lambda p, lay: lay.view(p.astype(dtype)), params, layout_tree)
     views = jax.tree.map(lambda x, lay: constrain_spec(x, lay.view_spec()), views, layout_tree)
@@ -111,25 +122,39 @@ def gather_compute_copy(params, layout_tree, dtype):
     return jax.tree.map(lambda x, lay: lay.unview(x), gathered, layout_tree)
 
 
-def reduce_scatter(per_replica, layout_tree):
+def reduce_scatter(per_replica, layout_tree, by_stage=None):
     """The fp32 sums over replicas on the ZeRO shards. per_replica: each leaf's gradient sums
-    of every replica, stacked on a leading axis split over 'data' (D, *leaf shape)."""
+    of every replica, stacked on a leading axis split over 'data' (D, *leaf shape); where
+    `by_stage` (a tree of bools like layout_tree; None: nowhere) says so, each stage's own
+    partial sums, stacked over 'stage' after it (D, S, *leaf shape)."""
+    if by_stage is None:
+        by_stage = jax.tree.map(lambda _: False, layout_tree)
 
-    def scatter(x, lay):
-        x = x[0]  # this replica's own sums
+    def scatter(x, lay, stacked):
+        x = x[0][0] if stacked else x[0]  # this replica's (and stage's) own sums
+        if lay.axes == STAGE_ZERO_AXES:
+            if not stacked:  # whole on every stage: one stage's copy enters the sum
+                x = jnp.where(jax.lax.axis_index(STAGE_AXIS) == 0, x, jnp.zeros_like(x))
+            return jax.lax.psum_scatter(x, lay.axes, scatter_dimension=lay.dim + 1, tiled=True)
+        if stacked:
+            x = jax.lax.psum(x, STAGE_AXIS)
         if lay.dim is None:
             return psum(x)
         if lay.data == 1:
             return x
         return jax.lax.psum_scatter(x, ZERO_AXIS, scatter_dimension=lay.dim + 1, tiled=True)
 
-    views = jax.tree.map(lambda x, lay: lay.view(x, offset=1), per_replica, layout_tree)
-    in_specs = jax.tree.map(
-        lambda lay: PartitionSpec(ZERO_AXIS, *lay.view_spec(with_data=False)), layout_tree
-    )
+    def view(x, lay, stacked):
+        return lay.view(x, offset=2 if stacked else 1)
+
+    def in_spec(lay, stacked):
+        leading = (ZERO_AXIS, STAGE_AXIS) if stacked else (ZERO_AXIS,)
+        return PartitionSpec(*leading, *lay.view_spec(with_data=False))
+
+    views = jax.tree.map(view, per_replica, layout_tree, by_stage)
     shards = jax.shard_map(
-        lambda views: jax.tree.map(scatter, views, layout_tree),
-        in_specs=(in_specs,),
+        lambda views: jax.tree.map(scatter, views, layout_tree, by_stage),
+        in_specs=(jax.tree.map(in_spec, layout_tree, by_stage),),
         out_specs=_specs(layout_tree),
         check_vma=False,
     )(views)

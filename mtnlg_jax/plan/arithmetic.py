@@ -79,7 +79,7 @@ def local_param_counts(config):
     for leaf, names in zip(jax.tree.leaves(params), jax.tree.leaves(axes, is_leaf=_is_axes)):
         spec = rules.logical_to_spec(names)
         compute += _local_numel(leaf.shape, spec, sizes)
-        zero += _local_numel(leaf.shape, rules.zero_spec(spec, leaf.shape, sizes), sizes)
+        zero += _local_numel(leaf.shape, rules.state_spec(spec, leaf.shape, sizes), sizes)
     return compute, zero
 
 

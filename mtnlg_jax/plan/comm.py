@@ -20,11 +20,13 @@ formulas of the literature (ring algorithms: an all-reduce of S bytes over n dev
                  (when it divides), each gathered where it is used: by the forward of every
                  chunk but the first, and by the backward of every chunk but the last (its
                  gradient) and of the last (its input: its forward runs in that tick);
-                 the gradients of the parameters outside the block stack (which every stage
-                 holds) are summed over stage once per step, in fp32
+                 each stage sums its own share of the gradients of the parameters outside the
+                 block stack (which every stage holds)
     data    (d)  ZeRO-1 / distributed optimizer: one reduce-scatter of the fp32 gradients onto
                  the ZeRO shards and one all-gather of the compute-dtype parameters per step,
-                 independent of the micro-batch count
+                 independent of the micro-batch count; over 'data' and 'stage' together (d p
+                 devices) for the parameters every stage holds, which sums the stages' shares
+                 too (without data parallelism: one all-reduce over stage of them, in fp32)
 
 Scalars (loss, gradient norm, the cross-entropy's (b, s) reductions over the vocabulary) are
 left out: kilobytes against gigabytes.
@@ -128,17 +130,23 @@ def comm_bytes_per_device(config):
         runs = edge_runs + (0 if sequence_parallel else layer_runs)
         add('all-reduce', 'tensor', runs * _ring('all-reduce', activation, mesh.tensor))
     engine = engine_lib.engine(config)
+    compute, _ = local_param_counts(config)
+    # what every stage holds: ZeRO-1 over ('stage', 'data') together (rules.state_spec)
+    shared = local_shared_params(config) if mesh.stage > 1 and mesh.data > 1 else 0
     if engine.pipelined:
         iterations = engine.ticks(config.train.micro_steps)
-        if table is not None:
-            # the fp32 gradients of what every stage holds, summed once
-            shared = 4 * local_shared_params(config)
-            add('all-reduce', 'stage', _ring('all-reduce', shared, mesh.stage))
+        if table is not None and mesh.data == 1:
+            # each stage's share of the fp32 gradients of what every stage holds, summed once
+            size = 4 * local_shared_params(config)
+            add('all-reduce', 'stage', _ring('all-reduce', size, mesh.stage))
         add('collective-permute', 'stage', 2 * iterations * handoff)
     if mesh.data > 1:
-        compute, _ = local_param_counts(config)
-        add('reduce-scatter', 'data', _ring('reduce-scatter', 4 * compute, mesh.data))
-        add('all-gather', 'data', _ring('all-gather', e * compute, mesh.data))
+        add('reduce-scatter', 'data', _ring('reduce-scatter', 4 * (compute - shared), mesh.data))
+        add('all-gather', 'data', _ring('all-gather', e * (compute - shared), mesh.data))
+    if shared:
+        both = mesh.data * mesh.stage
+        add('reduce-scatter', 'data+stage', _ring('reduce-scatter', 4 * shared, both))
+        add('all-gather', 'data+stage', _ring('all-gather', e * shared, both))
     return out
 
 

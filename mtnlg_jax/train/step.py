@@ -10,9 +10,11 @@
     |     Sequential (no stages): scan of value_and_grad(micro-batch), over 'tensor' only   |
     |       by the rule table: 2 all-reduces per layer forward (sequence parallel: 2        |
     |       reduce-scatters + 2 all-gathers), the same backward; acc += fp32(grads)         |
-    |     1F1B / interleaved / GPipe: their own shard_map over 'stage'                      |
+    |     1F1B / interleaved / GPipe: their own shard_map over 'stage'; 1F1B leaves each    |
+    |       stage's share of the embedding's and head's gradients unsummed                  |
     |     fp32 gradient sums of all micro-batches, nothing over 'data'                      |
     |   REDUCE-SCATTER over 'data', fp32 ............. once per step, onto the ZeRO shards  |
+    |     (over 'stage' and 'data' together for what every stage holds: rules.state_spec)   |
     |   all-reduce over 'data' of loss sum and token count (2 scalars)                      |
     +---------------------------------------------------------------------------------------+
         v
@@ -66,6 +68,13 @@ def accumulate_gradients(config, setup, params, tokens, row_ids, step):
     """
     layouts = zero.layouts(setup.state_shardings['params'])
     compute_params = compute_copy(config, setup, params)
+    by_stage = _stage_shares(config, params)
+    grad_axes = jax.tree.map(
+        lambda axes, stacked: ('stages', *axes) if stacked else axes,
+        setup.logical_axes,
+        by_stage,
+        is_leaf=rules.is_axes,
+    )
 
     def per_replica(compute_params, tokens, row_ids):
         with rules.sequence_parallel(config.model.sequence_parallel):
@@ -73,7 +82,7 @@ def accumulate_gradients(config, setup, params, tokens, row_ids, step):
                 config, setup, compute_params, tokens, row_ids, step
             )
         totals = zero.psum(jnp.stack([loss_sum, token_count]))
-        grads = rules.constrain_tree(grads, setup.logical_axes)
+        grads = rules.constrain_tree(grads, grad_axes)
         return totals, jax.tree.map(lambda g: g[None], grads)  # stacked over replicas
 
     totals, replica_grads = _over_replicas(
@@ -86,10 +95,20 @@ def accumulate_gradients(config, setup, params, tokens, row_ids, step):
     loss_sum, token_count = totals[0], totals[1]
     grads = jax.tree.map(
         lambda g, sharding: jax.lax.with_sharding_constraint(g / token_count, sharding),
-        zero.reduce_scatter(replica_grads, layouts),
+        zero.reduce_scatter(replica_grads, layouts, by_stage),
         setup.state_shardings['params'],
     )
     return loss_sum / token_count, grads
+
+
+def _stage_shares(config, params):
+    """A tree of bools like params: which gradients the engine leaves as each stage's own
+    share, stacked over 'stage' (what every stage holds, under the 1F1B engines)."""
+    stacked = engine_lib.engine(config).shared_grads_by_stage
+    return {
+        key: jax.tree.map(lambda _, s=stacked and key != 'blocks': s, tree)
+        for key, tree in params.items()
+    }
 
 
 def _over_replicas(per_replica, out_specs, compute_params, tokens, *per_row):
