@@ -6,7 +6,7 @@ the 8B (Llama 2's warm-up, floor and 4 M-token batch; Meta published neither the
 nor its layout). Layout: tensor 8 (one node's NVLink) x pipeline 8 (10 layers a stage) x data
 -1, sequence parallel, selective recompute, each block on two pieces of the sequence
 (model.sequence_pieces: one piece's tensor collectives overlap the other's matmuls): 128
-H100s at data 2 (the planner: 52.2 GiB a device; XLA:GPU compiles 48.4). On 64 H100s (data
+H100s at data 2 (the planner: 49.7 GiB a device; XLA:GPU compiles 47.1). On 64 H100s (data
 1) it fits too (planned 67.2 GiB, compiled 55.9).
 
     python launch/plan.py --config configs/llama3_70b.py --devices 128 --target h100-80gb

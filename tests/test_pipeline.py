@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec
 
 import support
 from mtnlg_jax.data import batch as batch_lib
@@ -232,3 +233,22 @@ def test_bubble_fraction():
     assert pipeline.bubble_fraction(4, 2, 4, 'gpipe') == pytest.approx(3 / 11)
     assert pipeline.bubble_fraction(1, 1, 4) == 0.0
     assert pipeline.bubble_fraction(4, 1, 64) == pytest.approx(3 / 67, abs=0.02)
+
+
+def test_what_every_stage_holds_is_summed_over_stage_and_data_in_either_zero_split():
+    """The embeddings and final norm every stage holds: ZeRO-1 over ('stage', 'data') together
+    where a whole dimension divides by both (the 32 positions over 8 here), over 'data' alone
+    where only it does (a width of 12 over 4 replicas, not 8): either way the stages' shares
+    and the replicas' sums add up to one device's gradients, leaf by leaf."""
+    model = dict(num_layers=LAYERS, hidden=12, heads=4)
+    config = support.small_config(data=4, stage=2, micro_steps=4, **model)
+    _, setup = support.layout(config)
+    shardings = setup.state_shardings['params']
+    assert shardings['position_embed'].spec == PartitionSpec(('stage', 'data'), None)
+    assert shardings['token_embed'].spec == PartitionSpec('tensor', 'data')
+    assert shardings['final_norm']['scale'].spec == PartitionSpec('data')
+    batch = support.random_batches(1)[0]
+    _, loss, grads = support.gradients(config, batch, step=5)
+    _, expected_loss, expected = support.gradients(support.small_config(**model), batch, step=5)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-6)
+    support.assert_gradients_close(grads, expected)

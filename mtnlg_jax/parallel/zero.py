@@ -136,13 +136,12 @@ def reduce_scatter(per_replica, layout_tree, by_stage=None):
             if not stacked:  # whole on every stage: one stage's copy enters the sum
                 x = jnp.where(jax.lax.axis_index(STAGE_AXIS) == 0, x, jnp.zeros_like(x))
             return jax.lax.psum_scatter(x, lay.axes, scatter_dimension=lay.dim + 1, tiled=True)
-        if stacked:
-            x = jax.lax.psum(x, STAGE_AXIS)
         if lay.dim is None:
-            return psum(x)
-        if lay.data == 1:
-            return x
-        return jax.lax.psum_scatter(x, ZERO_AXIS, scatter_dimension=lay.dim + 1, tiled=True)
+            x = psum(x)
+        elif lay.data > 1:
+            x = jax.lax.psum_scatter(x, ZERO_AXIS, scatter_dimension=lay.dim + 1, tiled=True)
+        # the stages' shares summed on the ZeRO shard: 1 / d of the bytes of a sum before it
+        return jax.lax.psum(x, STAGE_AXIS) if stacked else x
 
     def view(x, lay, stacked):
         return lay.view(x, offset=2 if stacked else 1)
