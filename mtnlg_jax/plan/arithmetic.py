@@ -83,17 +83,23 @@ def local_param_counts(config):
     return compute, zero
 
 
-def local_shared_params(config):
+def local_shared_params(config, joint=None):
     """Compute-copy elements per device of the parameters outside the block stack (embeddings,
-    final norm): the ones every pipeline stage holds, whose gradients are summed over stage."""
+    final norm): the ones every pipeline stage holds, whose gradients are summed over stage.
+    joint True / False: only those whose ZeRO-1 split is over ('stage', 'data') together /
+    the others (rules.state_spec); None: all."""
     params, axes = abstract_params(config.model)
     sizes = mesh_sizes(config)
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    return sum(
-        _local_numel(leaf.shape, rules.logical_to_spec(names), sizes)
-        for (path, leaf), names in zip(leaves, jax.tree.leaves(axes, is_leaf=_is_axes))
-        if getattr(path[0], 'key', None) != 'blocks'
-    )
+    total = 0
+    for (path, leaf), names in zip(leaves, jax.tree.leaves(axes, is_leaf=_is_axes)):
+        if getattr(path[0], 'key', None) == 'blocks':
+            continue
+        spec = rules.logical_to_spec(names)
+        split = rules.state_spec(spec, leaf.shape, sizes)
+        if joint is None or joint == (rules.STAGE_ZERO_AXES in tuple(split)):
+            total += _local_numel(leaf.shape, spec, sizes)
+    return total
 
 
 def _is_axes(x):

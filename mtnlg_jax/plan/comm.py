@@ -131,13 +131,14 @@ def comm_bytes_per_device(config):
         add('all-reduce', 'tensor', runs * _ring('all-reduce', activation, mesh.tensor))
     engine = engine_lib.engine(config)
     compute, _ = local_param_counts(config)
-    # what every stage holds: ZeRO-1 over ('stage', 'data') together (rules.state_spec)
-    shared = local_shared_params(config) if mesh.stage > 1 and mesh.data > 1 else 0
+    # what every stage holds: ZeRO-1 over ('stage', 'data') together where it splits so
+    # (rules.state_spec); the rest's stage shares are summed on their data shards
+    shared = local_shared_params(config, joint=True)
     if engine.pipelined:
         iterations = engine.ticks(config.train.micro_steps)
-        if table is not None and mesh.data == 1:
-            # each stage's share of the fp32 gradients of what every stage holds, summed once
-            size = 4 * local_shared_params(config)
+        rest = local_shared_params(config, joint=False)
+        if table is not None and rest:
+            size = 4 * rest / mesh.data  # fp32, on its ZeRO shard
             add('all-reduce', 'stage', _ring('all-reduce', size, mesh.stage))
         add('collective-permute', 'stage', 2 * iterations * handoff)
     if mesh.data > 1:
