@@ -29,10 +29,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from mtnlg_jax.parallel.rules import constrain
+from mtnlg_jax.parallel.rules import STAGE_AXIS, constrain
 from mtnlg_jax.parallel.stage_functions import Inputs, shared_params
 
-STAGE_AXIS = 'stage'
 _STAGED = ('positions', 'segment_ids', 'loss_mask', 'row_keys')  # split as the windows
 
 

@@ -102,7 +102,7 @@ def shards(logical_name):
     axes = logical_to_spec((logical_name,))[0]
     if mesh.empty or axes is None:
         return 1
-    return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+    return math.prod(mesh.shape[a] for a in _names(axes))
 
 
 def constrain(x, logical_axes):

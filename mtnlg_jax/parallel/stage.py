@@ -48,9 +48,8 @@ from mtnlg_jax.parallel.branches import (
     SLOT_LAST,
 )
 from mtnlg_jax.parallel.residuals import join_vjp, split_vjp
-from mtnlg_jax.parallel.rules import constrain
+from mtnlg_jax.parallel.rules import STAGE_AXIS, constrain
 
-STAGE_AXIS = 'stage'
 ACTIVATION_AXES = ('batch', 'residual_seq', 'embed')  # gathered, unless sequence parallel
 
 

@@ -27,9 +27,8 @@ its compute copy runs over both axes too.
 import dataclasses
 
 import jax
-from jax.sharding import PartitionSpec
-
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from mtnlg_jax.parallel.rules import STAGE_AXIS, STAGE_ZERO_AXES, ZERO_AXIS, constrain_spec
 
