@@ -159,29 +159,48 @@ def synthetic(path, megabytes, verses):
 def _sampled_peaks(process, stop, peaks):
     """Peak RSS (MB) per role of `process` and its descendants until `stop` is set, and per
     role + '_private' the peak of RSS less its shared pages (a Ray worker maps the object
-    store's shared memory: the blocks it reads count in its RSS, not in its own heap)."""
+    store's shared memory: the blocks it reads count in its RSS, not in its own heap).
+
+    Every 20 ms: a task's peak can last well under a few tenths of a second, and a coarser
+    sampler misses it more often on a small corpus, whose tasks are short (docs/benchmarks.md,
+    curation memory). Each process is classified once, when first seen (its name and command
+    line are slow to read)."""
     import psutil
 
+    roles, found = {}, 0.0
     while not stop.is_set():
-        try:
-            tree = [process] + process.children(recursive=True)
-        except psutil.Error:
-            break
-        for p in tree:
+        if time.monotonic() - found > 0.5:  # new processes: Ray starts workers as it goes
+            found = time.monotonic()
             try:
-                name, memory = p.name(), p.memory_info()
-                rss, private = memory.rss / 2**20, (memory.rss - memory.shared) / 2**20
-                cmdline = ' '.join(p.cmdline()[:3])
+                tree = [process] + process.children(recursive=True)
             except psutil.Error:
+                break
+            for p in tree:
+                if p.pid not in roles:
+                    try:
+                        roles[p.pid] = (p, _role(p, process.pid))
+                    except psutil.Error:
+                        continue
+        for pid, (p, role) in list(roles.items()):
+            try:
+                memory = p.memory_info()
+            except psutil.Error:
+                roles.pop(pid)
                 continue
-            role = 'driver' if p.pid == process.pid else 'worker'
-            if name in ('gcs_server', 'raylet') or 'Agent' in name or 'agent' in cmdline:
-                role = 'ray'
-            elif 'default_worker' not in cmdline and not name.startswith('ray::'):
-                role = 'ray' if p.pid != process.pid else role
+            rss, private = memory.rss / 2**20, (memory.rss - memory.shared) / 2**20
             peaks[role] = max(peaks.get(role, 0.0), rss)
             peaks[role + '_private'] = max(peaks.get(role + '_private', 0.0), private)
-        stop.wait(0.2)
+        stop.wait(0.02)
+
+
+def _role(p, driver_pid):
+    """'driver', 'worker' (a Ray worker) or 'ray' (Ray's own processes) of a psutil.Process."""
+    if p.pid == driver_pid:
+        return 'driver'
+    name, cmdline = p.name(), ' '.join(p.cmdline()[:3])
+    if name in ('gcs_server', 'raylet') or 'Agent' in name or 'agent' in cmdline:
+        return 'ray'
+    return 'worker' if 'default_worker' in cmdline or name.startswith('ray::') else 'ray'
 
 
 def run_pipeline(name, inputs, folder, workers, reference, evaluation, quiet=False, extra=()):
