@@ -5,6 +5,7 @@ layers.py            parameters with logical axes, the norms (LayerNorm, RMSNorm
 rope.py              rotary positions, Llama 3.1's frequency scaling
 block.py             attention (multi-head, grouped-query), the pre-norm block; which
                      attention kernel runs
+pieces.py            the block on pieces of the sequence (model.sequence_pieces)
 flash_attention.py   the Pallas flash attention kernel (dropout, GQA, segment ids): its API
 flash_kernels.py     the flash kernel's Pallas bodies: forward, dK/dV, dQ
 gpt.py               the decoder (GPT-3 and Llama blocks): blocks stacked by layer, its pieces
