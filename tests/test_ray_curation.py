@@ -275,7 +275,7 @@ def test_components_of_per_bucket_edges_equal_the_one_process_clusters(seed):
     signatures = np.stack([signer(shingle_sets[i]) for i in range(len(texts))])
     threshold = 0.6
     pairs, (bands, rows) = fuzzy.candidate_pairs(signatures, np.arange(len(texts)), threshold, 128)
-    expected, _, _ = fuzzy.clusters(pairs, shingle_sets, threshold)
+    expected, _, joined = fuzzy.clusters(pairs, shingle_sets, threshold)
     n, parts, np_rng = len(texts), rng.randint(1, 5), np.random.default_rng(seed)
     batch = {'index': np.arange(n), 'piece': np.arange(n) // 7, 'size': np.ones(n, np.int64),
              'hash': np.arange(n, dtype=np.uint64), 'sig': signatures,
@@ -286,15 +286,24 @@ def test_components_of_per_bucket_edges_equal_the_one_process_clusters(seed):
     members['shingles'] = np.array(
         [shingle_sets[i].tobytes() for i in members['index']] + [b''], object
     )[:-1]
-    similarities = {}
-    for part in _partitioned(members, parts, np_rng):
-        edges = stages.verified_edges(part, threshold)
-        for a, b, j in zip(edges['a'], edges['b'], edges['jaccard']):
-            if a >= 0:
-                similarities[(int(a), int(b))] = j
-    groups, _ = fuzzy.components_of_edges(similarities)
-    assert sorted(groups) == sorted(expected)
+    edges = [
+        stages.verified_edges(part, threshold) for part in _partitioned(members, parts, np_rng)
+    ]
+    a, b, jaccard = (
+        np.concatenate([e[k][e['a'] >= 0] for e in edges]) for k in ('a', 'b', 'jaccard')
+    )
+    nodes, labels, first = fuzzy.components_of_edges(a, b, jaccard)
+    groups = {}
+    for node, label in zip(nodes.tolist(), labels):
+        groups.setdefault(label, []).append(node)
+    assert sorted(groups.values()) == sorted(expected)
     assert len(expected) >= 5
+    # Each document's similarity is that of the first edge (in pair order) that joined it.
+    joined_first = {}
+    for (x, y), value in joined.items():
+        joined_first.setdefault(x, value)
+        joined_first.setdefault(y, value)
+    assert dict(zip(nodes.tolist(), first.tolist())) == joined_first
 
 
 def test_the_cluster_recipe_turns_token_authentication_on():

@@ -5,7 +5,7 @@
     exact       grouped by fingerprint part (_grouped)     -> WORK/exact/
     fuzzy       band rows -> by bucket part: members -> by piece: shingles ->
                 by bucket part: verified edges -> the driver: clusters from the edges
-                                                           -> WORK/fuzzy.json (removed only)
+                                                    -> WORK/fuzzy/ (the removed documents)
     filter      by piece, over the removed rows and one marker row per piece:
                 each piece's survivors filtered into WORK/parts/part-NNNNN.jsonl (+ .json:
                 its stage reports)
@@ -14,10 +14,11 @@
 Each stage's output marks it done (a folder's .done file, a file renamed into place), so a
 rerun with the same inputs and options starts at the stage that failed and, in the filter
 stage, at the pieces not yet written. What the driver holds: per input file and per piece a
-few numbers, the verified edges and the removed documents of fuzzy deduplication; every other
-per-document row lives in Ray's object store or the work folder.
+few numbers, and fuzzy deduplication's verified edges as arrays while it finds their
+components; every per-document row lives in Ray's object store or the work folder.
 """
 
+import functools
 import os
 import shutil
 import time
@@ -110,7 +111,7 @@ def _filter(batch, pieces_ref, folder):
         batch['index'], batch['stage'], batch['kept'], batch['jaccard']
     ):
         if index >= 0:
-            jaccard = None if np.isnan(jaccard) else float(jaccard)
+            jaccard = None if np.isnan(jaccard) else round(float(jaccard), 3)
             removed[int(index)] = (pipeline.STAGES[stage], int(kept), jaccard)
     path = os.path.join(folder, f'part-{piece:05d}.jsonl')
     reports, written = pipeline.filter_piece(pieces[piece], removed, options, path)
@@ -147,9 +148,9 @@ class Curation:
             self.seconds = {'exact': 0.0, 'fuzzy': 0.0}
             self._signatures(ray)
             self._exact(ray)
-            fuzzy_state = self._fuzzy(ray)
-            self._filter(ray, fuzzy_state)
-        report = self._report(scans, fuzzy_state, time.perf_counter() - started)
+            fuzzy_details = self._fuzzy(ray)
+            self._filter(ray)
+        report = self._report(scans, fuzzy_details, time.perf_counter() - started)
         workdir.place(self.work, self.output, self.pieces, scans, self.options, report)
         return report
 
@@ -198,9 +199,10 @@ class Curation:
         self.exact = self._map(ray, 'exact', build)
 
     def _fuzzy(self, ray):
-        """{'removed': [[index, piece, kept, jaccard]], 'details': {...}} (saved)."""
+        """Fuzzy deduplication's details ({} without the stage); its removed documents in
+        WORK/fuzzy/ (parquet: index, piece, kept, jaccard)."""
         if 'fuzzy' not in self.options.stages:
-            return {'removed': [], 'details': {}}
+            return {}
         if self.work.done('fuzzy'):
             return self.work.read_json('fuzzy.json')
         self.watch.stage('fuzzy')
@@ -221,84 +223,79 @@ class Curation:
             self._beating(stages.verified_edges),
             threshold=self.options.threshold,
         )
-        state = self._clusters(edges)
-        state['details'].update(bands=bands, rows=rows)
-        self.work.write_json('fuzzy.json', state)
+        removed, details = self._clusters(edges)
+        details.update(bands=bands, rows=rows)
+        folder = self.work.path('fuzzy')
+        os.makedirs(folder, exist_ok=True)
+        workdir.write_parquet(os.path.join(folder, 'removed.parquet'), removed)
+        self.work.write_json('fuzzy.json', details)
         self.work.mark('fuzzy')
-        return state
+        return details
 
     def _clusters(self, edges):
-        """The driver's share of fuzzy deduplication: clusters from the verified edges."""
-        similarities, facts, seconds = {}, {}, 0.0
+        """The driver's share of fuzzy deduplication: clusters from the verified edges, held
+        as arrays (a few tens of bytes an edge). Returns (the removed documents' columns,
+        the stage's details)."""
+        columns, seconds = {k: [] for k in stages._EDGE}, 0.0
         checked = largest = pairs = 0
         for batch in edges.iter_batches(batch_format='numpy'):
             seconds += float(batch['fuzzy_s'].sum())
             checked += int(batch['checked'].sum())
             largest = max(largest, int(batch['largest'].max(initial=0)))
             pairs += int(batch['pairs'].sum())
-            for row in zip(*(batch[k] for k in stages._EDGE)):
-                a, b, similarity, piece_a, piece_b, size_a, size_b, hash_a, hash_b = row
-                if a < 0:
-                    continue
-                similarities[(int(a), int(b))] = float(similarity)
-                facts[int(a)] = (int(piece_a), int(size_a), int(hash_a))
-                facts[int(b)] = (int(piece_b), int(size_b), int(hash_b))
+            real = batch['a'] >= 0
+            for k in stages._EDGE:
+                columns[k].append(batch[k][real])
         started = time.process_time()
-        groups, joined = fuzzy.components_of_edges(similarities)
-        similarity, removed = {}, []
-        for (a, b), value in joined.items():
-            similarity.setdefault(a, value)
-            similarity.setdefault(b, value)
-        for group in groups:
-            sizes = np.array([facts[i][1] for i in group], np.int64)
-            hashes = np.array([facts[i][2] for i in group], np.uint64)
-            best = group[exact.preference_order(sizes, hashes)[0]]
-            removed += [[i, facts[i][0], best, round(similarity.get(i, 0.0), 3)]
-                        for i in group if i != best]  # fmt: skip
-        seconds += time.process_time() - started
+        edge = {k: np.concatenate(v) if v else np.zeros(0) for k, v in columns.items()}
+        del columns
+        nodes, labels, similarity = fuzzy.components_of_edges(edge['a'], edge['b'], edge['jaccard'])
+        _, first = np.unique(np.r_[edge['a'], edge['b']], return_index=True)
+        piece, size, hashes = (np.r_[edge[f'{k}_a'], edge[f'{k}_b']][first]
+                               for k in ('piece', 'size', 'hash'))  # fmt: skip
+        # Each cluster keeps its first in exact.preference_order, as an exact group does.
+        gone, kept = exact.duplicates(np.c_[labels, labels], size, hashes)
+        removed = {'index': nodes[gone], 'piece': piece[gone], 'kept': nodes[kept][gone],
+                   'jaccard': similarity[gone]}  # fmt: skip
         details = {
             'bucket_pairs': pairs,
             'largest_bucket': largest,
             'verified_pairs': checked,
-            'clusters': len(groups),
-            'seconds': seconds,
+            'clusters': len(np.unique(labels)),
+            'seconds': seconds + time.process_time() - started,
         }
-        return {'removed': sorted(removed), 'details': details}
+        return {k: v.astype(np.float64 if k == 'jaccard' else np.int64) for k, v in
+                removed.items()}, details  # fmt: skip
 
-    def _filter(self, ray, fuzzy_state):
+    def _filter(self, ray):
         folder = self.work.path('parts')
         os.makedirs(folder, exist_ok=True)
         undone = [p['piece'] for p in self.pieces if not self.work.part_done(p['piece'])]
         if not undone:
             return
         self.watch.stage('filter')
-        rows = [{'piece': p, 'index': -1, 'stage': 0, 'kept': -1, 'jaccard': np.nan}
-                for p in undone]  # fmt: skip
-        pending = set(undone)
-        rows += [{'piece': p, 'index': i, 'stage': 1, 'kept': k, 'jaccard': j}
-                 for i, p, k, j in fuzzy_state['removed'] if p in pending]  # fmt: skip
         wanted = np.array(undone)
-
-        def exact_removed(batch):
-            keep = (batch['kept'] != batch['index']) & np.isin(batch['piece'], wanted)
-            n = int(keep.sum())
-            return {'piece': batch['piece'][keep], 'index': batch['index'][keep],
-                    'stage': np.zeros(n, np.int64), 'kept': batch['kept'][keep],
-                    'jaccard': np.full(n, np.nan)}  # fmt: skip
-
-        removed = ray.data.from_items(rows)
+        # One marker row per piece, so that a piece without duplicates is filtered too.
+        markers = [{'piece': p, 'index': -1, 'stage': 0, 'kept': -1, 'jaccard': np.nan}
+                   for p in undone]  # fmt: skip
+        removed = ray.data.from_items(markers)
         if 'exact' in self.options.stages:
+            exact_removed = functools.partial(_removed_rows, wanted=wanted, stage=0)
             removed = removed.union(self.exact.map_batches(exact_removed, batch_format='numpy'))
+        if 'fuzzy' in self.options.stages:
+            fuzzy_removed = functools.partial(_removed_rows, wanted=wanted, stage=1)
+            fuzzy_rows = _read_back(ray, self.work.path('fuzzy'))
+            removed = removed.union(fuzzy_rows.map_batches(fuzzy_removed, batch_format='numpy'))
         kwargs = dict(pieces_ref=self.pieces_ref, folder=folder)
         _grouped(removed, 'piece', undone, self._beating(_filter), **kwargs).materialize()
 
-    def _report(self, scans, fuzzy_state, seconds):
+    def _report(self, scans, fuzzy_details, seconds):
         per_piece = [self.work.read_json(f'parts/part-{p["piece"]:05d}.json') for p in self.pieces]
         stages_out = []
         for name in (s for s in pipeline.STAGES if s in self.options.stages):
             report = merged(name, [p['stages'][name] for p in per_piece], self.options.examples)
             if name == 'fuzzy':
-                details = dict(fuzzy_state['details'])
+                details = dict(fuzzy_details)
                 report.seconds += details.pop('seconds', 0.0)
                 report.details = {
                     'threshold': self.options.threshold,
@@ -324,6 +321,17 @@ class Curation:
             'peak_rss_worker_mb': round(max(p['rss_mb'] for p in per_piece + signatures), 1),
             'stages': [r.as_dict() for r in stages_out],
         }
+
+
+def _removed_rows(batch, wanted, stage):
+    """The rows of `batch` (an exact stage's or the fuzzy removed table's) that remove a
+    document of a piece in `wanted`, as _filter reads them."""
+    keep = (batch['kept'] != batch['index']) & np.isin(batch['piece'], wanted)
+    n = int(keep.sum())
+    jaccard = batch['jaccard'][keep] if 'jaccard' in batch else np.full(n, np.nan)
+    return {'piece': batch['piece'][keep], 'index': batch['index'][keep],
+            'stage': np.full(n, stage, np.int64), 'kept': batch['kept'][keep],
+            'jaccard': jaccard}  # fmt: skip
 
 
 def _read_back(ray, folder):

@@ -160,16 +160,33 @@ def _groups(components):
     return [g for g in groups.values() if len(g) > 1]
 
 
-def components_of_edges(similarities):
-    """clusters() from verified edges: {(a, b): jaccard} of pairs at or above the threshold,
-    wherever they were verified. The edges are taken in (a, b) order, as clusters() takes its
-    pairs. Returns (groups, {(a, b): jaccard} of the edges that joined components)."""
-    components, joined = _Components(), {}
-    for a, b in sorted(similarities):
-        if components.find(a) != components.find(b):
-            components.union(a, b)
-            joined[(a, b)] = similarities[(a, b)]
-    return _groups(components), joined
+def components_of_edges(a, b, similarity):
+    """clusters() from verified edges, as arrays: edges (a[i], b[i]) with a < b at or above
+    the threshold, wherever they were verified (a pair verified in several buckets may repeat).
+    The edges are taken in (a, b) order, as clusters() takes its pairs: the edges that join
+    components are the spanning forest Kruskal's algorithm finds with the edges' rank in that
+    order as their weight (scipy: unique weights, one forest). Returns (the documents in
+    edges, sorted; each one's component label; the similarity of the first edge in that order
+    that joined it). About 40 bytes per edge, against some 200 in a dict of pairs."""
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components, minimum_spanning_tree
+
+    if not len(a):
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
+    order = np.lexsort((b, a))
+    a, b, similarity = a[order], b[order], similarity[order]
+    new = np.r_[True, (a[1:] != a[:-1]) | (b[1:] != b[:-1])]
+    a, b, similarity = a[new], b[new], similarity[new]
+    nodes, ends = np.unique(np.r_[a, b], return_inverse=True)
+    n, rank = len(nodes), np.arange(1, len(a) + 1, dtype=np.float64)
+    graph = coo_matrix((rank, (ends[: len(a)], ends[len(a) :])), shape=(n, n)).tocsr()
+    _, labels = connected_components(graph, directed=False)
+    forest = minimum_spanning_tree(graph).tocoo()
+    first = np.full(n, len(a), np.int64)
+    joined = forest.data.astype(np.int64) - 1
+    np.minimum.at(first, forest.row, joined)
+    np.minimum.at(first, forest.col, joined)
+    return nodes, labels, similarity[first]
 
 
 def kept_of_clusters(groups, sizes, content_hashes):

@@ -3,7 +3,7 @@
     WORK/state.json          the inputs (path, bytes, SHA-256) and options it was made from;
                              a rerun with others is refused (InputError), never mixed
     WORK/NAME/ + NAME.done   a stage's parquet rows, done once the marker exists
-    WORK/fuzzy.json          fuzzy deduplication's removed documents and details
+    WORK/fuzzy/ + fuzzy.json fuzzy deduplication's removed documents (parquet), its details
     WORK/parts/part-NNNNN.jsonl + .json   a piece's survivors and its stage reports
 
 place(): `FILE.jsonl` gets the parts concatenated in order (FILE.jsonl.tmp renamed) and its
@@ -42,6 +42,16 @@ def is_folder_output(output):
 
 def default_folder(output):
     return str(output).rstrip(os.sep) + '.work'
+
+
+def write_parquet(path, columns):
+    """{name: array} as one parquet file, renamed into place once whole."""
+    import pyarrow as pa  # noqa: PLC0415 (only the driver's fuzzy stage writes one)
+    import pyarrow.parquet as pq  # noqa: PLC0415
+
+    temporary = f'{path}.tmp{os.getpid()}'
+    pq.write_table(pa.table(columns), temporary)
+    os.replace(temporary, path)
 
 
 def write_json(path, value):
