@@ -227,9 +227,11 @@ def main(argv=None):
         print(f'error: {e}', file=sys.stderr)
         return 2
     print(table(report))
+    lines, kept = report['lines_out'], report['documents_out']
+    cut = f' as {lines:,} lines (cut around evaluation matches)' if lines != kept else ''
     print(
-        f"wrote {args.output}: {report['documents_out']:,} of {report['documents_in']:,} "
-        f"documents in {report['seconds']:.1f} s with {report['workers']} worker(s), "
+        f"wrote {args.output}: {kept:,} of {report['documents_in']:,} documents{cut} in "
+        f"{report['seconds']:.1f} s with {report['workers']} worker(s), "
         f"{report['shards']} shard(s); report: {_report_path(args.output)}"
     )
     return 0

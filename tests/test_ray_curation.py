@@ -233,6 +233,31 @@ def test_a_bad_line_anywhere_is_one_error_line_before_anything_is_written(
     assert sorted(p.name for p in tmp_path.iterdir()) == ['bad.jsonl', 'curated.jsonl']
 
 
+def test_a_document_cut_around_a_match_counts_once_and_its_pieces_as_lines(
+    embedded, tmp_path, capsys, monkeypatch
+):
+    """Decontamination cuts a document into two lines: the report, the manifest and the
+    closing line count it as one document kept, and its pieces as lines."""
+    from test_curate_decontaminate import ITEM, filler
+
+    texts = [f'{filler(0, 1000)} {ITEM} {filler(1, 1000)}', filler(2, 1500)]
+    (tmp_path / 'in.jsonl').write_text(''.join(json.dumps({'text': t}) + '\n' for t in texts))
+    (tmp_path / 'eval.jsonl').write_text(json.dumps({'text': ITEM}) + '\n')
+    out = tmp_path / 'out'
+    status, printed, errors = support.launch_in_process(
+        'curate', capsys, monkeypatch, '--input', tmp_path / 'in.jsonl', '--output', f'{out}/',
+        '--stages', 'decontaminate', '--eval', tmp_path / 'eval.jsonl',
+    )  # fmt: skip
+    assert status == 0, errors
+    manifest = json.loads((out / 'manifest.json').read_text())
+    report = json.loads((out / 'report.json').read_text())
+    lines = sum(len((out / s['file']).read_text().splitlines()) for s in manifest['shards'])
+    assert (report['documents_out'], report['lines_out'], lines) == (2, 3, 3)
+    assert [(s['documents_out'], s['lines']) for s in manifest['shards']] == [(2, 3)]
+    assert (manifest['documents_out'], manifest['lines_out']) == (2, 3)
+    assert '2 of 2 documents as 3 lines (cut around evaluation matches)' in printed
+
+
 def test_an_unreachable_address_is_one_error_line(tmp_path):
     (tmp_path / 'ok.jsonl').write_text('{"text": "a"}\n')
     address = f'127.0.0.1:{free_port()}'

@@ -313,7 +313,9 @@ class Curation:
             'output': self.output,
             'documents_in': self.documents,
             'bytes_in': stages_out[0].bytes_in,
-            'documents_out': sum(p['written'] for p in per_piece),
+            'documents_out': stages_out[-1].documents_out,
+            # Decontamination cuts a document around its matches into pieces, a line each.
+            'lines_out': sum(p['written'] for p in per_piece),
             'shards': len(self.pieces),
             'workers': self.options.workers,
             'seconds': round(seconds, 2),

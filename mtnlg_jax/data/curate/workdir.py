@@ -152,12 +152,15 @@ def place(work, output, pieces, scans, options, report):
         shards = []
         for piece, part in zip(pieces, parts):
             name = os.path.basename(part)
-            written = work.read_json(f'parts/{name[: -len(".jsonl")]}.json')['written']
+            part_report = work.read_json(f'parts/{name[: -len(".jsonl")]}.json')
+            last_stage = list(part_report['stages'].values())[-1]  # the stages in run order
             shards.append({'file': name, 'documents_in': piece['documents'],
-                           'documents_out': written})  # fmt: skip
+                           'documents_out': last_stage['documents_out'],
+                           'lines': part_report['written']})  # fmt: skip
             os.replace(part, os.path.join(output, name))
         write_json(os.path.join(output, 'report.json'), report)
         state = work.read_json(STATE)
         write_json(manifest, {**state, 'shards': shards, 'documents_in': report['documents_in'],
-                              'documents_out': report['documents_out']})  # fmt: skip
+                              'documents_out': report['documents_out'],
+                              'lines_out': report['lines_out']})  # fmt: skip
     shutil.rmtree(work.folder, ignore_errors=True)
