@@ -281,8 +281,8 @@ def _partitioned(batch, parts, rng):
 @pytest.mark.parametrize('seed', range(6))
 def test_components_of_per_bucket_edges_equal_the_one_process_clusters(seed):
     """Random near-copy families of short random documents (some shorter than a shingle):
-    the band-keyed shuffle, per-bucket verification and components of the edges give the
-    clusters of fuzzy.candidate_pairs + fuzzy.clusters."""
+    the band-keyed shuffle, per-bucket verification and the spanning forest of the edges, fed
+    a partition at a time, give the clusters of fuzzy.candidate_pairs + fuzzy.clusters."""
     rng = random.Random(seed)
     words = [f'w{i}' for i in range(60)]
     docs = []
@@ -311,18 +311,18 @@ def test_components_of_per_bucket_edges_equal_the_one_process_clusters(seed):
     members['shingles'] = np.array(
         [shingle_sets[i].tobytes() for i in members['index']] + [b''], object
     )[:-1]
-    edges = [
-        stages.verified_edges(part, threshold) for part in _partitioned(members, parts, np_rng)
-    ]
-    a, b, jaccard = (
-        np.concatenate([e[k][e['a'] >= 0] for e in edges]) for k in ('a', 'b', 'jaccard')
-    )
-    nodes, labels, first = fuzzy.components_of_edges(a, b, jaccard)
+    forest = fuzzy.EdgeForest()  # fed one partition's verified edges at a time
+    for part in _partitioned(members, parts, np_rng):
+        edges = stages.verified_edges(part, threshold)
+        real = edges['a'] >= 0
+        forest.add(edges['a'][real], edges['b'][real], edges['jaccard'][real])
+    nodes, labels, first = forest.components()
     groups = {}
     for node, label in zip(nodes.tolist(), labels):
         groups.setdefault(label, []).append(node)
     assert sorted(groups.values()) == sorted(expected)
     assert len(expected) >= 5
+    assert len(forest.a) == len(nodes) - len(groups)  # a forest: what the driver holds
     # Each document's similarity is that of the first edge (in pair order) that joined it.
     joined_first = {}
     for (x, y), value in joined.items():

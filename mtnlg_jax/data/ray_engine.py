@@ -19,6 +19,8 @@ tool's error stays one line; Ray Data's progress bars show each stage's progress
 """
 
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import os
 import socket
@@ -39,6 +41,18 @@ WORKER_ENV = {
     'MALLOC_TRIM_THRESHOLD_': '131072',
     'MALLOC_ARENA_MAX': '2',
 }
+
+
+def give_memory_back():
+    """What the driver freed, back to the system: Arrow's pool and glibc's heaps keep freed
+    pages (the driver starts without WORKER_ENV: it is the user's process)."""
+    import pyarrow  # noqa: PLC0415 (the driver's first Ray Data job has imported it)
+
+    pyarrow.default_memory_pool().release_unused()
+    name = ctypes.util.find_library('c')
+    trim = getattr(ctypes.CDLL(name), 'malloc_trim', None) if name else None
+    if trim is not None:  # glibc
+        trim(0)
 
 
 def check_address(address):

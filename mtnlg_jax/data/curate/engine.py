@@ -224,6 +224,7 @@ class Curation:
             threshold=self.options.threshold,
         )
         removed, details = self._clusters(edges)
+        ray_engine.give_memory_back()
         details.update(bands=bands, rows=rows)
         folder = self.work.path('fuzzy')
         os.makedirs(folder, exist_ok=True)
@@ -233,30 +234,28 @@ class Curation:
         return details
 
     def _clusters(self, edges):
-        """The driver's share of fuzzy deduplication: clusters from the verified edges, held
-        as arrays (a few tens of bytes an edge). Returns (the removed documents' columns,
-        the stage's details)."""
-        columns, seconds = {k: [] for k in stages._EDGE}, 0.0
+        """The driver's share of fuzzy deduplication: clusters from the verified edges, one
+        block at a time, holding only their spanning forest and one row per document in it
+        (fuzzy.EdgeForest). Returns (the removed documents' columns, the stage's details)."""
+        forest, documents, seconds = fuzzy.EdgeForest(), _documents_of_edges({}), 0.0
         checked = largest = pairs = 0
-        for batch in edges.iter_batches(batch_format='numpy'):
+        for batch in edges.iter_batches(batch_size=None, batch_format='numpy'):
             seconds += float(batch['fuzzy_s'].sum())
             checked += int(batch['checked'].sum())
             largest = max(largest, int(batch['largest'].max(initial=0)))
             pairs += int(batch['pairs'].sum())
-            real = batch['a'] >= 0
-            for k in stages._EDGE:
-                columns[k].append(batch[k][real])
+            started = time.process_time()
+            real = {k: batch[k][batch['a'] >= 0] for k in stages._EDGE}
+            forest.add(real['a'], real['b'], real['jaccard'])
+            documents = _documents_of_edges(real, documents)
+            seconds += time.process_time() - started
         started = time.process_time()
-        edge = {k: np.concatenate(v) if v else np.zeros(0) for k, v in columns.items()}
-        del columns
-        nodes, labels, similarity = fuzzy.components_of_edges(edge['a'], edge['b'], edge['jaccard'])
-        _, first = np.unique(np.r_[edge['a'], edge['b']], return_index=True)
-        piece, size, hashes = (np.r_[edge[f'{k}_a'], edge[f'{k}_b']][first]
-                               for k in ('piece', 'size', 'hash'))  # fmt: skip
+        nodes, labels, similarity = forest.components()
+        assert np.array_equal(nodes, documents['index'])  # every edge's ends are in the forest
         # Each cluster keeps its first in exact.preference_order, as an exact group does.
-        gone, kept = exact.duplicates(np.c_[labels, labels], size, hashes)
-        removed = {'index': nodes[gone], 'piece': piece[gone], 'kept': nodes[kept][gone],
-                   'jaccard': similarity[gone]}  # fmt: skip
+        gone, kept = exact.duplicates(np.c_[labels, labels], documents['size'], documents['hash'])
+        removed = {'index': nodes[gone], 'piece': documents['piece'][gone],
+                   'kept': nodes[kept][gone], 'jaccard': similarity[gone]}  # fmt: skip
         details = {
             'bucket_pairs': pairs,
             'largest_bucket': largest,
@@ -323,6 +322,22 @@ class Curation:
             'peak_rss_worker_mb': round(max(p['rss_mb'] for p in per_piece + signatures), 1),
             'stages': [r.as_dict() for r in stages_out],
         }
+
+
+def _documents_of_edges(edges, earlier=None):
+    """{'index', 'piece', 'size', 'hash'} of the documents at either end of `edges` (stages'
+    edge columns) and in `earlier`, one row each, by index."""
+    columns = {'index': [], 'piece': [], 'size': [], 'hash': []}
+    for name, values in (earlier or {}).items():
+        if len(values):  # (an empty int64 column would make the uint64 hashes float)
+            columns[name].append(values)
+    for end in ('a', 'b') if edges else ():
+        columns['index'].append(edges[end])
+        for name in ('piece', 'size', 'hash'):
+            columns[name].append(edges[f'{name}_{end}'])
+    joined = {k: np.concatenate(v) if v else np.zeros(0, np.int64) for k, v in columns.items()}
+    _, first = np.unique(joined['index'], return_index=True)
+    return {k: v[first] for k, v in joined.items()}
 
 
 def _removed_rows(batch, wanted, stage):

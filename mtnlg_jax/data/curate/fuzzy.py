@@ -160,33 +160,52 @@ def _groups(components):
     return [g for g in groups.values() if len(g) > 1]
 
 
-def components_of_edges(a, b, similarity):
-    """clusters() from verified edges, as arrays: edges (a[i], b[i]) with a < b at or above
-    the threshold, wherever they were verified (a pair verified in several buckets may repeat).
-    The edges are taken in (a, b) order, as clusters() takes its pairs: the edges that join
-    components are the spanning forest Kruskal's algorithm finds with the edges' rank in that
-    order as their weight (scipy: unique weights, one forest). Returns (the documents in
-    edges, sorted; each one's component label; the similarity of the first edge in that order
-    that joined it). About 40 bytes per edge, against some 200 in a dict of pairs."""
+def spanning_forest(a, b):
+    """The edges (indices into a, b; a < b) that join components when the edges are taken in
+    (a, b) order, in that order; a repeated pair counts once. Kruskal's forest with each
+    edge's rank in that order as its weight (scipy: unique weights give one forest)."""
     from scipy.sparse import coo_matrix
-    from scipy.sparse.csgraph import connected_components, minimum_spanning_tree
+    from scipy.sparse.csgraph import minimum_spanning_tree
 
     if not len(a):
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
+        return np.zeros(0, np.int64)
     order = np.lexsort((b, a))
-    a, b, similarity = a[order], b[order], similarity[order]
-    new = np.r_[True, (a[1:] != a[:-1]) | (b[1:] != b[:-1])]
-    a, b, similarity = a[new], b[new], similarity[new]
-    nodes, ends = np.unique(np.r_[a, b], return_inverse=True)
-    n, rank = len(nodes), np.arange(1, len(a) + 1, dtype=np.float64)
-    graph = coo_matrix((rank, (ends[: len(a)], ends[len(a) :])), shape=(n, n)).tocsr()
-    _, labels = connected_components(graph, directed=False)
-    forest = minimum_spanning_tree(graph).tocoo()
-    first = np.full(n, len(a), np.int64)
-    joined = forest.data.astype(np.int64) - 1
-    np.minimum.at(first, forest.row, joined)
-    np.minimum.at(first, forest.col, joined)
-    return nodes, labels, similarity[first]
+    order = order[np.r_[True, (a[order][1:] != a[order][:-1]) | (b[order][1:] != b[order][:-1])]]
+    nodes, ends = np.unique(np.r_[a[order], b[order]], return_inverse=True)
+    rank = np.arange(1, len(order) + 1, dtype=np.float64)
+    graph = coo_matrix((rank, (ends[: len(order)], ends[len(order) :])), (len(nodes),) * 2)
+    return order[np.sort(minimum_spanning_tree(graph.tocsr()).tocoo().data).astype(np.int64) - 1]
+
+
+class EdgeForest:
+    """clusters() from verified edges that arrive in batches, wherever they were verified,
+    taken in (a, b) order as clusters() takes its pairs. It keeps only the spanning forest of
+    the edges seen so far: an edge left out closes a cycle of edges before it in that order,
+    so it joins nothing however the other edges come. What it holds is bounded by the
+    documents in clusters (24 bytes an edge of the forest), not by the pairs verified."""
+
+    def __init__(self):
+        self.a, self.b, self.similarity = np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
+
+    def add(self, a, b, similarity):
+        a, b = np.r_[self.a, a].astype(np.int64), np.r_[self.b, b].astype(np.int64)
+        keep = spanning_forest(a, b)
+        self.a, self.b, self.similarity = a[keep], b[keep], np.r_[self.similarity, similarity][keep]
+
+    def components(self):
+        """(the documents in clusters, sorted; each one's cluster label; the similarity of the
+        first edge in (a, b) order that joined it)."""
+        from scipy.sparse import coo_matrix
+        from scipy.sparse.csgraph import connected_components
+
+        k = len(self.a)
+        nodes, ends = np.unique(np.r_[self.a, self.b], return_inverse=True)
+        graph = coo_matrix((np.ones(k), (ends[:k], ends[k:])), (len(nodes),) * 2)
+        labels = connected_components(graph, directed=False)[1] if k else np.zeros(0, np.int64)
+        first = np.full(len(nodes), k, np.int64)
+        np.minimum.at(first, ends[:k], np.arange(k))
+        np.minimum.at(first, ends[k:], np.arange(k))
+        return nodes, labels, self.similarity[first]
 
 
 def kept_of_clusters(groups, sizes, content_hashes):

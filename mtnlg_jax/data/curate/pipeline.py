@@ -5,7 +5,7 @@
     fuzzy   buckets by band: a band-keyed shuffle (stages.band_rows, bucket_members); the
             shingles of bucket members read per piece; exact Jaccard per bucket
             (stages.verified_edges); only the verified edges reach the driver, which joins
-            them into clusters and keeps one document each (fuzzy.components_of_edges)
+            them into clusters and keeps one document each (fuzzy.EdgeForest)
     pass 3  per piece (filter_piece): the piece read again, the duplicates skipped, quality
             and decontamination on the rest, its part file written whole       [Ray tasks]
 
