@@ -29,7 +29,7 @@
    b. throughput per core, --workers 1 and 2, all four stages, on the synthetic corpus of
       --synthetic-mb (the 1x of c);
    c. peak resident memory of the driver and of the largest Ray worker process (sampled every
-      0.2 s over the run's whole process tree; Ray's own GCS, raylet and agents apart), and the
+      20 ms over the run's whole process tree; Ray's own GCS, raylet and agents apart), and the
       largest LSH bucket, as the synthetic corpus grows 1x -> 4x -> 16x of --memory-mb; a
       worker's RSS counts the object store's shared pages it has read, so its private share
       (RSS less shared) is printed beside it. What one task holds is bounded by a shuffle
@@ -308,8 +308,9 @@ def ray_rows(args, folder, verses, reference, evaluation):
     if not args.only_memory:
         ray_throughput(args, folder, verses, reference, evaluation)
     print('\n3c. peak resident memory as the corpus grows (MB; private: less shared pages)')
-    print('    | corpus | MB | documents | driver | largest worker | largest worker, private '
-          '| Ray (GCS, raylet, agents) | largest bucket | wall s |')  # fmt: skip
+    print('    | corpus | MB | documents | driver | driver, private | largest worker '
+          '| largest worker, private | Ray (GCS, raylet, agents) | largest bucket '
+          '| wall s |')  # fmt: skip
     for scale in (1, 4, 16):
         scaled = os.path.join(folder, f'memory{scale}.jsonl')
         synthetic(scaled, args.memory_mb * scale, verses)
@@ -318,7 +319,8 @@ def ray_rows(args, folder, verses, reference, evaluation):
         fuzzy_stage = next(s for s in r['stages'] if s['stage'] == 'fuzzy')
         p = r['peaks']
         print(f'    | {scale}x | {r["bytes_in"] / 1e6:.0f} | {r["documents_in"]:,} | '
-              f'{p.get("driver", 0):.0f} | {p.get("worker", 0):.0f} | '
+              f'{p.get("driver", 0):.0f} | {p.get("driver_private", 0):.0f} | '
+              f'{p.get("worker", 0):.0f} | '
               f'{p.get("worker_private", 0):.0f} | {p.get("ray", 0):.0f} | '
               f'{fuzzy_stage["largest_bucket"]} | {r["wall"]:.0f} |')  # fmt: skip
         os.remove(scaled)
