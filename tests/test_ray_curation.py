@@ -9,6 +9,7 @@ One embedded Ray (this process) and one head started here (`ray start --head --b
 
 import importlib
 import json
+import logging
 import os
 import pathlib
 import random
@@ -129,6 +130,15 @@ def test_the_embedded_ray_listens_on_loopback_only(embedded):
         if c.status == psutil.CONN_LISTEN and c.pid in ours
     ]
     assert listening and set(listening) <= {'127.0.0.1', '::ffff:127.0.0.1', '::1'}, listening
+
+
+def test_ray_datas_warning_of_a_hang_between_jobs_is_not_shown(embedded, caplog):
+    """Its "no available CPUs" line, printed when a job starts while the last one's tasks
+    still hold the CPUs, is dropped; Ray Data's other warnings are not."""
+    logger = logging.getLogger('ray.data.dataset')
+    logger.warning('Warning: The Ray cluster currently does not have any available CPUs.')
+    logger.warning('another warning')
+    assert [r.getMessage() for r in caplog.records] == ['another warning']
 
 
 def test_ray_workers_run_with_the_allocator_settings_that_give_memory_back(embedded):
