@@ -179,6 +179,39 @@ def test_a_grouping_gives_each_shuffle_task_one_group_whole(embedded):
         (0, 500, 1), (1, 500, 1), (2, 500, 1), (3, 500, 1), (9, 1, 1)]  # fmt: skip
 
 
+def test_the_filter_stage_shuffles_a_few_blocks_however_many_files_and_pieces(embedded, tmp_path):
+    """engine._removed: the exact table's 40 files (a column it does not need beside) and the
+    fuzzy table, for 30 pieces of which one is done already, come to the shuffle as at most
+    three blocks (each map block is one object per piece on the driver), holding one marker per
+    piece to do and each removed document of those pieces, once."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    os.makedirs(tmp_path / 'exact')
+    exact_rows = []
+    for f in range(40):
+        index = np.arange(f * 50, (f + 1) * 50)
+        kept = np.where(rng.random(50) < 0.2, index - 1, index)
+        table = {'index': index, 'piece': index % 30, 'kept': kept, 'sig': rng.random((50, 4))}
+        exact_rows += [(0, i, p, k) for i, p, k in zip(index, index % 30, kept) if k != i]
+        pq.write_table(pa.table({**table, 'sig': list(table['sig'])}),
+                       tmp_path / 'exact' / f'{f:03d}.parquet')  # fmt: skip
+    os.makedirs(tmp_path / 'fuzzy')
+    fuzzy = {'index': np.array([3, 64, 95]), 'piece': np.array([3, 4, 5]),
+             'kept': np.array([2, 60, 90]), 'jaccard': np.array([0.9, 0.8, 0.85])}  # fmt: skip
+    pq.write_table(pa.table(fuzzy), tmp_path / 'fuzzy' / 'removed.parquet')
+    undone = [p for p in range(30) if p != 7]
+    removed = engine._removed(
+        embedded, undone, exact=str(tmp_path / 'exact'), fuzzy=str(tmp_path / 'fuzzy')
+    ).materialize()
+    assert removed.num_blocks() <= 3
+    got = sorted((r['stage'], r['index'], r['piece'], r['kept']) for r in removed.take_all())
+    expected = [(0, -1, p, -1) for p in undone] + [r for r in exact_rows if r[2] != 7]
+    expected += [(1, *r) for r in zip(fuzzy['index'], fuzzy['piece'], fuzzy['kept'])]
+    assert got == sorted(expected)
+
+
 def _planted_options(**changes):
     good = [json.loads(line)['text'] for line in open(GOLDEN / 'good.jsonl')]
     raw = [json.loads(line)['text'] for line in open(GOLDEN / 'planted.raw.jsonl')]

@@ -274,18 +274,13 @@ class Curation:
         if not undone:
             return
         self.watch.stage('filter')
-        wanted = np.array(undone)
-        # One marker row per piece, so that a piece without duplicates is filtered too.
-        markers = [{'piece': p, 'index': -1, 'stage': 0, 'kept': -1, 'jaccard': np.nan}
-                   for p in undone]  # fmt: skip
-        removed = ray.data.from_items(markers)
-        if 'exact' in self.options.stages:
-            exact_removed = functools.partial(_removed_rows, wanted=wanted, stage=0)
-            removed = removed.union(self.exact.map_batches(exact_removed, batch_format='numpy'))
-        if 'fuzzy' in self.options.stages:
-            fuzzy_removed = functools.partial(_removed_rows, wanted=wanted, stage=1)
-            fuzzy_rows = _read_back(ray, self.work.path('fuzzy'))
-            removed = removed.union(fuzzy_rows.map_batches(fuzzy_removed, batch_format='numpy'))
+        stages_run = self.options.stages
+        removed = _removed(
+            ray,
+            undone,
+            exact=self.work.path('exact') if 'exact' in stages_run else None,
+            fuzzy=self.work.path('fuzzy') if 'fuzzy' in stages_run else None,
+        )
         kwargs = dict(pieces_ref=self.pieces_ref, folder=folder)
         _grouped(removed, 'piece', undone, self._beating(_filter), **kwargs).materialize()
 
@@ -341,6 +336,33 @@ def _documents_of_edges(edges, earlier=None):
     return {k: v[first] for k, v in joined.items()}
 
 
+# Rows of the removed table per map block of the filter stage's shuffle. Each map block gives
+# the driver one object per piece (about 4 KB there, Ray's own figure 3 KB): one block per
+# piece and per exact file was 14,036 objects, 64 MB of the driver, with 3.2 GB's block counts.
+REMOVED_BLOCK_ROWS = 1 << 18  # index, piece, kept: 6 MiB
+
+
+def _removed(ray, undone, exact=None, fuzzy=None):
+    """What the filter stage shuffles by piece, in a few blocks: one marker row for each piece
+    in `undone` (so that a piece without duplicates is filtered too) and a row for each of
+    their documents that the exact stage (its table in the folder `exact`) or fuzzy
+    deduplication (`fuzzy`) removed."""
+    wanted = np.array(undone)
+    markers = [{'piece': p, 'index': -1, 'stage': 0, 'kept': -1, 'jaccard': np.nan}
+               for p in undone]  # fmt: skip
+    removed = ray.data.from_items(markers, override_num_blocks=1)
+    for stage, folder in enumerate((exact, fuzzy)):
+        if folder is not None:
+            rows = functools.partial(_removed_rows, wanted=wanted, stage=stage)
+            table = _read_back(ray, folder, columns=_REMOVED_COLUMNS[stage])
+            batches = dict(batch_size=REMOVED_BLOCK_ROWS, batch_format='numpy')
+            removed = removed.union(table.map_batches(rows, **batches))
+    return removed
+
+
+_REMOVED_COLUMNS = (['index', 'piece', 'kept'], None)  # the exact table's, the fuzzy one's
+
+
 def _removed_rows(batch, wanted, stage):
     """The rows of `batch` (an exact stage's or the fuzzy removed table's) that remove a
     document of a piece in `wanted`, as _filter reads them."""
@@ -352,21 +374,23 @@ def _removed_rows(batch, wanted, stage):
             'jaccard': jaccard}  # fmt: skip
 
 
-def _read_back(ray, folder):
-    """A stage's parquet files as a Dataset: one task a file, reading that file alone with
-    pyarrow. Ray Data's read_parquet tasks grew with the stage's size at fixed partitions (237
-    -> 314 MB from a 100 MB to a 400 MB corpus; these: 249 -> 244 MB; docs/benchmarks.md)."""
+def _read_back(ray, folder, columns=None):
+    """A stage's parquet files (their `columns`, or all) as a Dataset: one task a file, reading
+    that file alone with pyarrow. Ray Data's read_parquet tasks grew with the stage's size at
+    fixed partitions (237 -> 314 MB from a 100 MB to a 400 MB corpus; these: 249 -> 244 MB;
+    docs/benchmarks.md)."""
     files = sorted(f for f in os.listdir(folder) if f.endswith('.parquet'))
     names = ray.data.from_items(
         [{'file': os.path.join(folder, f)} for f in files], override_num_blocks=max(len(files), 1)
     )
-    return names.map_batches(_read_file, batch_size=1, batch_format='pyarrow')
+    read = dict(batch_size=1, batch_format='pyarrow', fn_kwargs=dict(columns=columns))
+    return names.map_batches(_read_file, **read)
 
 
-def _read_file(batch):
+def _read_file(batch, columns):
     import pyarrow.parquet as pq  # noqa: PLC0415 (a Ray worker's import)
 
-    return pq.read_table(batch['file'][0].as_py())
+    return pq.read_table(batch['file'][0].as_py(), columns=columns)
 
 
 def _scan_task(path, keys, piece_bytes):
