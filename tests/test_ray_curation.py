@@ -25,7 +25,7 @@ import pytest
 
 import support
 from mtnlg_jax.data import ray_engine
-from mtnlg_jax.data.curate import engine, fuzzy, pipeline, quality, stages
+from mtnlg_jax.data.curate import engine, fuzzy, pipeline, quality, shuffle, stages
 from mtnlg_jax.data.preprocess import InputError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -154,29 +154,38 @@ def test_ray_workers_run_with_the_allocator_settings_that_give_memory_back(embed
     assert backend == environment['ARROW_DEFAULT_MEMORY_POOL']
 
 
-def test_a_grouping_gives_each_shuffle_task_one_group_whole(embedded):
-    """engine._grouped over blocks that each hold every key, with Ray Data's blocks capped far
-    below a group's size: each block after the cut (what a reduce task merges, what the map
-    after it reads) holds one key, all its rows, and fn sees each key once, whole."""
-    rows = [{'k': i % 4, 'v': i} for i in range(2000)] + [{'k': 9, 'v': 2000}]
+def test_a_grouping_gives_each_shuffle_task_one_group_whole(embedded, tmp_path):
+    """shuffle.grouped over blocks that each hold every key, with Ray Data's blocks capped far
+    below a group's size: fn sees each key once, whole; a key between two values goes with the
+    lower value's task, still apart from it; a map task run again (retried after it wrote
+    part of its files) adds no rows."""
+    rows = [{'k': i % 5, 'v': i} for i in range(2000)] + [{'k': 9, 'v': 2000}]
     data = embedded.data.from_items(rows, override_num_blocks=3)
-    keys = [0, 1, 2, 3, 9]
+    values = [0, 1, 2, 4, 9]  # 3 goes with 2
 
     def group_facts(batch):
-        return {'key': batch['k'][:1], 'rows': [len(batch['k'])], 'keys': [len(set(batch['k']))]}
+        return {'key': batch['k'][:1], 'rows': [len(batch['k'])], 'keys': [len(set(batch['k']))],
+                'sum': [int(batch['v'].sum())]}  # fmt: skip
 
     context = embedded.data.DataContext.get_current()
     saved, context.target_max_block_size = context.target_max_block_size, 1024
     try:
-        blocks = [b['k'] for b in engine._cut(data, 'k', keys).iter_batches(
-            batch_size=None, batch_format='numpy')]  # fmt: skip
-        facts = engine._grouped(data, 'k', keys, group_facts).take_all()
+        facts = shuffle.grouped(data, 'k', values, group_facts, str(tmp_path / 'a')).take_all()
     finally:
         context.target_max_block_size = saved
-    assert sorted((set(b.tolist()), len(b)) for b in blocks) == [
-        ({0}, 500), ({1}, 500), ({2}, 500), ({3}, 500), ({9}, 1)]  # fmt: skip
-    assert sorted((f['key'], f['rows'], f['keys']) for f in facts) == [
-        (0, 500, 1), (1, 500, 1), (2, 500, 1), (3, 500, 1), (9, 1, 1)]  # fmt: skip
+    sums = [sum(range(k, 2000, 5)) for k in range(5)] + [2000]
+    assert sorted((f['key'], f['rows'], f['keys'], f['sum']) for f in facts) == [
+        (k, 400 if k < 9 else 1, 1, s) for k, s in zip([0, 1, 2, 3, 4, 9], sums)]  # fmt: skip
+    import pyarrow as pa
+
+    table = pa.table({'k': np.array([1, 1, 2, 9]), 'v': np.array([5, 6, 7, 8])})
+    spill = dict(key='k', values=np.array(values), folder=str(tmp_path / 'b'))
+    for _ in range(2):
+        shuffle._spill(table, **spill)
+    gather = dict(key='k', folder=str(tmp_path / 'b'), fn=group_facts, fn_kwargs={})
+    once = [f for v in values for f in shuffle._gather({'k': np.array([v])}, **gather)]
+    assert [(int(f['key'][0]), f['rows'], f['sum']) for f in once] == [
+        (1, [2], [11]), (2, [1], [7]), (9, [1], [8])]  # fmt: skip
 
 
 def test_the_filter_stage_shuffles_a_few_blocks_however_many_files_and_pieces(embedded, tmp_path):

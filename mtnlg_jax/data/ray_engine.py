@@ -154,7 +154,6 @@ def started(workers, address=None, object_store_mb=None, block_mb=None):
     process (a test's) is used as it is."""
     import ray
     from ray.data import DataContext
-    from ray.data.context import ShuffleStrategy
 
     _quiet()
     owned = not ray.is_initialized()
@@ -176,18 +175,10 @@ def started(workers, address=None, object_store_mb=None, block_mb=None):
     block_bytes = context.target_max_block_size
     if block_mb:
         context.target_max_block_size = block_mb << 20
-    # Sort-based shuffles run as tasks on the workers already started (retried if one dies),
-    # not as aggregator actors started per shuffle: 7.6 s against 29.5 s for a small groupby
-    # on 2 loaded cores, and a killed task is retried where an actor would not be.
-    strategy, context.shuffle_strategy = (
-        context.shuffle_strategy,
-        ShuffleStrategy.SORT_SHUFFLE_PULL_BASED,
-    )
     try:
         yield ray
     finally:
         context.execution_options.resource_limits = limits
-        context.shuffle_strategy = strategy
         context.target_max_block_size = block_bytes
         if owned:
             ray.shutdown()

@@ -2,7 +2,7 @@
 
     scan        a Ray task per input file: hashes, every line checked, pieces cut
     signatures  Ray Data map over the pieces              -> WORK/signatures/ (parquet)
-    exact       grouped by fingerprint part (_grouped)     -> WORK/exact/
+    exact       grouped by fingerprint part                -> WORK/exact/
     fuzzy       band rows -> by bucket part: members -> by piece: shingles ->
                 by bucket part: verified edges -> the driver: clusters from the edges
                                                     -> WORK/fuzzy/ (the removed documents)
@@ -13,7 +13,8 @@
 
 Each stage's output marks it done (a folder's .done file, a file renamed into place), so a
 rerun with the same inputs and options starts at the stage that failed and, in the filter
-stage, at the pieces not yet written. What the driver holds: per input file and per piece a
+stage, at the pieces not yet written. Each "grouped by" is shuffle.grouped, through
+WORK/shuffle/. What the driver holds: per input file, per piece and per shuffle partition a
 few numbers, and while fuzzy deduplication joins its clusters, the spanning forest of its
 verified edges (fuzzy.EdgeForest: about 56 bytes for each document in a cluster); every other
 per-document row lives in Ray's object store or the work folder.
@@ -29,7 +30,7 @@ import numpy as np
 from mtnlg_jax.data import pieces as pieces_lib
 from mtnlg_jax.data import ray_engine
 from mtnlg_jax.data.stall import StallWatch, beating
-from mtnlg_jax.data.curate import exact, fuzzy, pipeline, stages, workdir
+from mtnlg_jax.data.curate import exact, fuzzy, pipeline, shuffle, stages, workdir
 from mtnlg_jax.data.curate.report import merged
 from mtnlg_jax.data.preprocess import InputError
 
@@ -37,7 +38,7 @@ _cache = {}
 # Ray Data's blocks at most this size (its default, 128 MiB, is reached only by corpora of
 # hundreds of thousands of documents; a read gives the whole of a smaller stage's output as
 # one block): a map task holds a block in and a block out, so a worker's memory stays flat as
-# the corpus grows. A shuffle's reduce task holds one group (_grouped).
+# the corpus grows. A shuffle's reduce task holds one group (shuffle.grouped).
 BLOCK_MB = 8
 
 
@@ -51,30 +52,6 @@ def _shared(ref):
             _cache.clear()
         _cache[key] = ray.get(ref)
     return _cache[key]
-
-
-def _cut(dataset, key, values):
-    """`dataset` sorted by `key` into one block per value of `values` (sorted ints), cut at
-    those values. (The sort of Ray Data's groupby().map_groups() cuts where a sample of the
-    keys falls, into as many blocks as its input has: a shuffle task merges several groups,
-    more of them as the corpus grows.)"""
-    return dataset.sort(key, boundaries=[int(v) for v in values[1:]])
-
-
-def _grouped(dataset, key, values, fn, **fn_kwargs):
-    """fn(the rows of one `key` value, **fn_kwargs) for each value, a shuffle task holding
-    one value's rows: what a task holds is bounded by the largest group."""
-    kwargs = dict(fn=fn, key=key, fn_kwargs=fn_kwargs)
-    return _cut(dataset, key, values).map_batches(
-        _each_group, batch_size=None, batch_format='numpy', fn_kwargs=kwargs
-    )
-
-
-def _each_group(batch, fn, key, fn_kwargs):
-    keys = batch[key]
-    starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if len(keys) else []
-    for start, end in zip(starts, [*starts[1:], len(keys)]):
-        yield fn({k: v[start:end] for k, v in batch.items()}, **fn_kwargs)
 
 
 def _drill(options, folder, piece):
@@ -127,6 +104,7 @@ class Curation:
     def __init__(self, paths, output, options, work=None, address=None, identity=None):
         self.paths, self.output, self.options, self.address = paths, output, options, address
         self.work = workdir.Work(work or workdir.default_folder(output), identity or {})
+        self.shuffles = 0
 
     def run(self):
         started = time.perf_counter()
@@ -168,6 +146,12 @@ class Curation:
     def _beating(self, fn):
         return beating(fn, self.work.folder)
 
+    def _grouped(self, dataset, key, values, fn, **fn_kwargs):
+        """shuffle.grouped through WORK/shuffle/KEY-N/ (the N-th shuffle of the run)."""
+        self.shuffles += 1
+        through = self.work.path(f"shuffle/{key}-{self.shuffles}")
+        return shuffle.grouped(dataset, key, values, fn, through, self._beating, **fn_kwargs)
+
     def _map(self, ray, name, build):
         """Run build() -> a Dataset into WORK/name/ (parquet) unless done; read it back."""
         folder = self.work.path(name)
@@ -176,6 +160,7 @@ class Curation:
             shutil.rmtree(folder, ignore_errors=True)
             build().write_parquet(folder)
             self.work.mark(name)
+            shutil.rmtree(self.work.path('shuffle'), ignore_errors=True)
         return _read_back(ray, folder)
 
     def _signatures(self, ray):
@@ -195,7 +180,7 @@ class Curation:
 
         def build():
             exact_groups = self._beating(stages.exact_groups)
-            return _grouped(self.signatures, 'part', range(self.parts), exact_groups)
+            return self._grouped(self.signatures, 'part', range(self.parts), exact_groups)
 
         self.exact = self._map(ray, 'exact', build)
 
@@ -213,11 +198,11 @@ class Curation:
             self._beating(stages.band_rows), batch_format='numpy', fn_kwargs=band_kwargs
         )
         parts, pieces = range(self.parts), range(len(self.pieces))
-        members = _grouped(band_rows, 'part', parts, self._beating(stages.bucket_members))
-        shingles = _grouped(
+        members = self._grouped(band_rows, 'part', parts, self._beating(stages.bucket_members))
+        shingles = self._grouped(
             members, 'piece', pieces, self._beating(_shingles), pieces_ref=self.pieces_ref
         )
-        edges = _grouped(
+        edges = self._grouped(
             shingles,
             'part',
             parts,
@@ -225,6 +210,7 @@ class Curation:
             threshold=self.options.threshold,
         )
         removed, details = self._clusters(edges)
+        shutil.rmtree(self.work.path('shuffle'), ignore_errors=True)
         ray_engine.give_memory_back()
         details.update(bands=bands, rows=rows)
         folder = self.work.path('fuzzy')
@@ -282,7 +268,8 @@ class Curation:
             fuzzy=self.work.path('fuzzy') if 'fuzzy' in stages_run else None,
         )
         kwargs = dict(pieces_ref=self.pieces_ref, folder=folder)
-        _grouped(removed, 'piece', undone, self._beating(_filter), **kwargs).materialize()
+        self._grouped(removed, 'piece', undone, self._beating(_filter), **kwargs).materialize()
+        shutil.rmtree(self.work.path('shuffle'), ignore_errors=True)
 
     def _report(self, scans, fuzzy_details, seconds):
         per_piece = [self.work.read_json(f'parts/part-{p["piece"]:05d}.json') for p in self.pieces]
@@ -336,9 +323,9 @@ def _documents_of_edges(edges, earlier=None):
     return {k: v[first] for k, v in joined.items()}
 
 
-# Rows of the removed table per map block of the filter stage's shuffle. Each map block gives
-# the driver one object per piece (about 4 KB there, Ray's own figure 3 KB): one block per
-# piece and per exact file was 14,036 objects, 64 MB of the driver, with 3.2 GB's block counts.
+# Rows of the removed table per map block of the filter stage's shuffle, which writes a file
+# for each piece a block holds rows of: one block per piece and per exact file was 14,036
+# objects on the driver with 3.2 GB's block counts when the shuffles were Ray Data's sorts.
 REMOVED_BLOCK_ROWS = 1 << 18  # index, piece, kept: 6 MiB
 
 
