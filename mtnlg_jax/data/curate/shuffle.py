@@ -6,10 +6,10 @@
     reduce  a task per value: its folder's files, in name order -> fn(rows)
 
 Why not Ray Data's sort or groupby: their map tasks return one object per block and
-partition, and the driver owns every one of them (about 4 KB each there; Ray's own estimate
+partition, and the driver owns every one of them (about 5 KB each there; Ray's own estimate
 is 3 KB). Blocks and partitions both grow with the corpus, so the driver grew with its square:
 7,691 objects at once in fuzzy deduplication with 3.2 GB's block counts, and at 10^8
-documents (5,000 partitions of 20,000) it would be gigabytes. Here the driver holds one
+documents (5,000 partitions of 20,000) millions. Here the driver holds one
 small row per map block and one per value. The folder is the work folder's, so on a cluster
 it is on the file system every node sees, as the rest of the work folder already is.
 """
