@@ -71,19 +71,29 @@ def _spill(table, key, values, folder):
 
 
 def _gather(batch, key, folder, fn, fn_kwargs):
-    import pyarrow as pa  # noqa: PLC0415 (a Ray worker's imports)
-    import pyarrow.parquet as pq  # noqa: PLC0415
-    from ray.data.block import BlockAccessor  # noqa: PLC0415
-
     target = _folder_of(folder, batch[key][0])
     files = sorted(f for f in os.listdir(target) if f.endswith('.parquet')) if os.path.isdir(
         target) else []  # fmt: skip
     if not files:
         return
-    table = pa.concat_tables([pq.read_table(os.path.join(target, f)) for f in files])
-    table = table.take(np.argsort(table[key].to_numpy(), kind='stable'))
-    rows = BlockAccessor.for_block(table).to_batch_format('numpy')
+    rows = _rows([os.path.join(target, f) for f in files], key)
     keys = rows[key]
     starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
     for start, end in zip(starts, [*starts[1:], len(keys)]):
         yield fn({k: v[start:end] for k, v in rows.items()}, **fn_kwargs)
+
+
+def _rows(paths, key):
+    """The rows of the parquet files `paths` as numpy columns, in `key` order (stable). A file's
+    Arrow table is let go once its columns are numpy, so that what the task holds is the
+    columns fn reads (text as Python bytes), not those and an Arrow copy beside them."""
+    import pyarrow.parquet as pq  # noqa: PLC0415 (a Ray worker's imports)
+    from ray.data.block import BlockAccessor  # noqa: PLC0415
+
+    tables = [BlockAccessor.for_block(pq.read_table(p)).to_batch_format('numpy') for p in paths]
+    rows = {k: np.concatenate([t[k] for t in tables]) for k in tables[0]}
+    del tables
+    if np.any(rows[key][1:] < rows[key][:-1]):
+        order = np.argsort(rows[key], kind='stable')
+        rows = {k: v[order] for k, v in rows.items()}
+    return rows
