@@ -152,6 +152,9 @@ class Curation:
         through = self.work.path(f"shuffle/{key}-{self.shuffles}")
         return shuffle.grouped(dataset, key, values, fn, through, self._beating, **fn_kwargs)
 
+    def _shuffles_done(self):
+        shutil.rmtree(self.work.path('shuffle'), ignore_errors=True)
+
     def _map(self, ray, name, build):
         """Run build() -> a Dataset into WORK/name/ (parquet) unless done; read it back."""
         folder = self.work.path(name)
@@ -160,7 +163,7 @@ class Curation:
             shutil.rmtree(folder, ignore_errors=True)
             build().write_parquet(folder)
             self.work.mark(name)
-            shutil.rmtree(self.work.path('shuffle'), ignore_errors=True)
+            self._shuffles_done()
         return _read_back(ray, folder)
 
     def _signatures(self, ray):
@@ -210,7 +213,7 @@ class Curation:
             threshold=self.options.threshold,
         )
         removed, details = self._clusters(edges)
-        shutil.rmtree(self.work.path('shuffle'), ignore_errors=True)
+        self._shuffles_done()
         ray_engine.give_memory_back()
         details.update(bands=bands, rows=rows)
         folder = self.work.path('fuzzy')
@@ -269,7 +272,7 @@ class Curation:
         )
         kwargs = dict(pieces_ref=self.pieces_ref, folder=folder)
         self._grouped(removed, 'piece', undone, self._beating(_filter), **kwargs).materialize()
-        shutil.rmtree(self.work.path('shuffle'), ignore_errors=True)
+        self._shuffles_done()
 
     def _report(self, scans, fuzzy_details, seconds):
         per_piece = [self.work.read_json(f'parts/part-{p["piece"]:05d}.json') for p in self.pieces]

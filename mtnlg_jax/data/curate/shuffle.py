@@ -72,9 +72,9 @@ def _spill(table, key, values, folder):
 
 def _gather(batch, key, folder, fn, fn_kwargs):
     target = _folder_of(folder, batch[key][0])
-    files = sorted(f for f in os.listdir(target) if f.endswith('.parquet')) if os.path.isdir(
-        target) else []  # fmt: skip
-    if not files:
+    files = sorted(os.listdir(target)) if os.path.isdir(target) else []
+    files = [f for f in files if f.endswith('.parquet')]  # (not a killed task's .tmp)
+    if not files:  # a value no row has
         return
     rows = _rows([os.path.join(target, f) for f in files], key)
     keys = rows[key]
