@@ -16,6 +16,11 @@ Its `resume` says what a run continued from its workdir may do with it:
     'free'      change it (layouts, cadences, lengths, drills)
     'explicit'  change it only when asked to (the data stream: a deliberate new blend)
     'never'     keep it (what the parameters and the token ids mean)
+The model's buffers, its state outside the gradient (a router's bias, FP8's amax history:
+state['buffers'], model/buffers.py), resume as its parameters do: restored with them under any
+layout, brought with them by `checkpoint.init_from`. A key that decides which buffers exist
+or their shapes is 'never' (a checkpoint would not fit); a key that only sets how a rule moves
+them (a rate) is 'free'.
 """
 
 import dataclasses
@@ -248,8 +253,8 @@ KEYS = (
         'checkpoint.init_from',
         '',
         'str',
-        "a workdir or checkpoint whose newest parameters start this run (under any layout); "
-        'read while this workdir has no checkpoint of its own',
+        "a workdir or checkpoint whose newest parameters (and the model's buffers) start this "
+        'run (under any layout); read while this workdir has no checkpoint of its own',
     ),
     Key(
         'checkpoint.init_full_state',

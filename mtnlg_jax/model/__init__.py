@@ -13,4 +13,5 @@ gpt.py               the decoder (GPT-3 and Llama blocks): blocks stacked by lay
 loss.py              the vocabulary-parallel output layer and cross-entropy, fused
 decode.py            the forward with a KV cache
 counts.py            parameter and model-FLOP counts
+buffers.py           state outside the gradient: buffers a module declares, their update rules
 """

@@ -55,6 +55,7 @@ from mtnlg_jax.model.block import (
     attention_kernel,
     gpu_generation,
 )
+from mtnlg_jax.model.buffers import Buffer
 from mtnlg_jax.model.layers import dropout, norm, param, use
 from mtnlg_jax.model import loss
 from mtnlg_jax.model.loss import cross_entropy  # also the callers' name: gpt.cross_entropy
@@ -212,19 +213,30 @@ def create(cfg, seed, device=None):
 
 
 def split(model):
-    """(graphdef, fp32 parameters as a plain dict, their logical axis names)."""
-    graphdef, state = nnx.split(model)
-    axes = jax.tree.map(
-        lambda v: v.get_metadata()['logical_axes'],
-        state,
-        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    """(graphdef, fp32 parameters as a plain dict, their logical axis names); the model's
+    buffers (model/buffers.py) are not among them: `buffers` has them."""
+    graphdef, _, state = nnx.split(model, Buffer, ...)
+    return graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(_metadata(state, 'logical_axes'))
+
+
+def buffers(model):
+    """(the model's buffers as a plain dict, their logical axis names, their update rules'
+    names): empty dicts for a model without any."""
+    _, state, _ = nnx.split(model, Buffer, ...)
+    axes, rules = (nnx.to_pure_dict(_metadata(state, k)) for k in ('logical_axes', 'rule'))
+    return nnx.to_pure_dict(state), axes, rules
+
+
+def _metadata(state, key):
+    return jax.tree.map(
+        lambda v: v.get_metadata()[key], state, is_leaf=lambda x: isinstance(x, nnx.Variable)
     )
-    return graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(axes)
 
 
-def merge(graphdef, params):
-    """The module view of a plain parameter dict (inside jit: free)."""
-    return nnx.merge(graphdef, nnx.State(params))
+def merge(graphdef, params, buffers=None):
+    """The module view of a plain parameter dict and, for a model that has them, its buffers
+    (inside jit: free)."""
+    return nnx.merge(graphdef, nnx.State(params), nnx.State(buffers or {}))
 
 
 def stage_functions(graphdef, param_axes=None):

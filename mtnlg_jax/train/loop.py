@@ -92,13 +92,13 @@ class CompiledSteps:
         self(first_batch // (train_cfg.micro_batch * self.config.mesh.data))
         then(time.perf_counter() - start)
 
-    def evaluation(self, params):
+    def evaluation(self, params, *buffers):
         if 'evaluation' not in self._compiled:
             tokens, _ = loader_lib.abstract_train_batch(
                 self.config, self.mesh, self.config.train.micro_steps
             )
             step = make_eval_step(self.config, self.setup)
-            self._compiled['evaluation'] = step.lower(params, tokens).compile()
+            self._compiled['evaluation'] = step.lower(params, tokens, *buffers).compile()
             distributed.wait_for_peers('evaluation step compiled')
         return self._compiled['evaluation']
 

@@ -22,14 +22,15 @@ def due(every, step, last_step):
     return bool(every and step % every == 0) or step == last_step
 
 
-def evaluate(config, eval_step, params, dataset, mesh):
+def evaluate(config, eval_step, params, dataset, mesh, *buffers):
     """Mean validation loss over `train.eval_batches` fixed global batches of the validation
-    split, laid out in micro-batches as a train step's (the pipeline needs them so)."""
+    split, laid out in micro-batches as a train step's (the pipeline needs them so); buffers:
+    the model's (state['buffers']), for a model that has them."""
     size, micro_steps = config.train.global_batch, config.train.micro_steps
     loss_sum, count = 0.0, 0.0
     for i in range(config.train.eval_batches):
         tokens, _ = loader_lib.place_train_batch(dataset, mesh, i * size, size, micro_steps)
-        batch_loss, batch_count = eval_step(params, tokens)
+        batch_loss, batch_count = eval_step(params, tokens, *buffers)
         loss_sum, count = loss_sum + float(batch_loss), count + float(batch_count)
     return loss_sum / count
 
@@ -47,9 +48,10 @@ class Evaluator:
         start = time.perf_counter()
         with self.watchdog.phase('evaluation', f'after step {step}'):
             params = position.state['params']
+            buffers = [position.state['buffers']] if 'buffers' in position.state else []
             with self.watchdog.unwatched():
-                eval_step = self.compiled.evaluation(params)
-            loss = evaluate(self.config, eval_step, params, self.dataset, self.mesh)
+                eval_step = self.compiled.evaluation(params, *buffers)
+            loss = evaluate(self.config, eval_step, params, self.dataset, self.mesh, *buffers)
         self.report.evaluated(position, loss, time.perf_counter() - start)
 
 

@@ -85,7 +85,11 @@ def resizable_dims(setup):
         vocab_dims,
         transform_non_params=lambda _: checkpoint_lib.NOT_RESIZABLE,
     )
-    return dict(params=vocab_dims, opt_state=opt_dims, step=checkpoint_lib.NOT_RESIZABLE)
+    dims = dict(params=vocab_dims, opt_state=opt_dims, step=checkpoint_lib.NOT_RESIZABLE)
+    if 'buffers' in setup.abstract_state:
+        not_resizable = lambda _: checkpoint_lib.NOT_RESIZABLE  # noqa: E731
+        dims['buffers'] = jax.tree.map(not_resizable, setup.abstract_state['buffers'])
+    return dims
 
 
 def _restore_newest(config, checkpoints, setup):
@@ -140,9 +144,9 @@ def _init_from(config, setup, state, counters, log):
     if config.checkpoint.init_full_state:
         state, counters = other, _counters_of(meta)
         what = 'parameters, optimizer state, step and data position'
-    else:
-        state = dict(state, params=other['params'])
-        what = 'parameters'
+    else:  # the buffers are the model's too (a router's bias routes at inference)
+        state = dict(state, **{k: other[k] for k in ('params', 'buffers') if k in other})
+        what = 'parameters' + (' and buffers' if 'buffers' in other else '')
     log(f'initialised  {what} from step {step} of {directory}')
     return state, counters
 

@@ -2,7 +2,10 @@
 
     state = {'params':    fp32 master weights      rule table + ZeRO-1 split over 'data'
              'opt_state': Adam moments (+ counts)   same as the parameter each belongs to
-             'step':      int32                     replicated}
+             'step':      int32                     replicated
+             'buffers':   fp32, outside the         rule table (no ZeRO: they are small);
+                          gradient                  only for a model that has any
+                                                    (model/buffers.py)}
 
 The forward and backward run on a compute-dtype copy of the parameters laid out by the rule
 table alone (all-gathered over 'data'); see train/step.py.
@@ -39,6 +42,10 @@ class TrainSetup:
     # the stored block stack (parallel/stage_order.py).
     layer_abstract_state: dict
     layer_state_shardings: dict
+    # The model's buffers (model/buffers.py): their logical axes and update rules' names,
+    # trees like state['buffers'] ({} for a model without any).
+    buffer_axes: dict = dataclasses.field(default_factory=dict)
+    buffer_rules: dict = dataclasses.field(default_factory=dict)
 
 
 def make_setup(config, mesh):
@@ -46,23 +53,26 @@ def make_setup(config, mesh):
     device = mesh.devices.flat[0]
     abstract_model = nnx.eval_shape(lambda: gpt.create(config.model, config.train.seed, device))
     graphdef, layer_params, logical_axes = gpt.split(abstract_model)
+    layer_buffers, buffer_axes, buffer_rules = gpt.buffers(abstract_model)
     layers = stage_order.of_config(config)
     optimizer = make_optimizer(config.optimizer)
-    abstract_params = layer_params
+    abstract_params, abstract_buffers = layer_params, layer_buffers
     if layers.padded:
-        abstract_params = jax.eval_shape(
-            lambda p: stage_order.to_schedule_order(p, layers), layer_params
+        abstract_params, abstract_buffers = jax.eval_shape(
+            lambda t: stage_order.to_schedule_order(t, layers), (layer_params, layer_buffers)
         )
-    param_shardings = rules.zero_shardings(logical_axes, abstract_params, mesh)
     abstract_state, state_shardings = _sharded_state(
-        optimizer, abstract_params, param_shardings, mesh
+        optimizer,
+        (abstract_params, rules.zero_shardings(logical_axes, abstract_params, mesh)),
+        (abstract_buffers, rules.compute_shardings(buffer_axes, mesh)),
+        mesh,
     )
     layer_state, layer_shardings = abstract_state, state_shardings
     if layers.padded:
         layer_state, layer_shardings = _sharded_state(
             optimizer,
-            layer_params,
-            rules.layer_order_shardings(logical_axes, layer_params, mesh),
+            (layer_params, rules.layer_order_shardings(logical_axes, layer_params, mesh)),
+            (layer_buffers, rules.layer_order_shardings(buffer_axes, layer_buffers, mesh)),
             mesh,
         )
     return TrainSetup(
@@ -76,12 +86,16 @@ def make_setup(config, mesh):
         stage_layers=layers,
         layer_abstract_state=layer_state,
         layer_state_shardings=layer_shardings,
+        buffer_axes=buffer_axes,
+        buffer_rules=buffer_rules,
     )
 
 
-def _sharded_state(optimizer, abstract_params, param_shardings, mesh):
-    """(abstract state, its shardings) of parameters laid out by param_shardings: the Adam
-    moments as their parameter, the rest replicated."""
+def _sharded_state(optimizer, params, buffers, mesh):
+    """(abstract state, its shardings) of parameters and buffers, each an (abstract tree, its
+    shardings) pair: the Adam moments as their parameter, the step replicated; no 'buffers'
+    entry for a model without any."""
+    abstract_params, param_shardings = params
     abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_shardings = optax.tree_map_params(
@@ -97,20 +111,28 @@ def _sharded_state(optimizer, abstract_params, param_shardings, mesh):
         opt_state=abstract_opt_state,
         step=jax.ShapeDtypeStruct((), jnp.int32),
     )
+    if buffers[0]:
+        abstract_state['buffers'], shardings['buffers'] = buffers
     return abstract_state, shardings
 
 
 def init_state(config, setup):
     """The initial state, created directly in its shards. Same values whatever the layout:
     JAX's partitionable threefry draws the same numbers however the output is split. Block
-    parameters are put in the pipeline's stage-major order (a no-op without a pipeline)."""
+    parameters (and buffers) are put in the pipeline's stage-major order (a no-op without a
+    pipeline)."""
 
     def init():
-        _, params, _ = gpt.split(gpt.create(config.model, config.train.seed))
+        model = gpt.create(config.model, config.train.seed)
+        _, params, _ = gpt.split(model)
         params = stage_order.to_schedule_order(params, setup.stage_layers)
-        return dict(
+        state = dict(
             params=params, opt_state=setup.optimizer.init(params), step=jnp.zeros((), jnp.int32)
         )
+        if setup.buffer_rules:
+            buffers = gpt.buffers(model)[0]
+            state['buffers'] = stage_order.to_schedule_order(buffers, setup.stage_layers)
+        return state
 
     with jax.set_mesh(setup.mesh):
         return jax.jit(init, out_shardings=setup.state_shardings)()

@@ -34,9 +34,10 @@ from jax.sharding import PartitionSpec
 
 from mtnlg_jax.data.batch import BATCH_AXES
 from mtnlg_jax.data import packing
+from mtnlg_jax.model import buffers as buffers_lib
 from mtnlg_jax.model import gpt
 from mtnlg_jax.parallel import engine as engine_lib
-from mtnlg_jax.parallel import rules, zero
+from mtnlg_jax.parallel import rules, stage_order, zero
 from mtnlg_jax.parallel.stage_functions import MicroBatch
 from mtnlg_jax.train.optimizer import learning_rate_schedule
 
@@ -59,15 +60,17 @@ def compute_copy(config, setup, params):
     return jax.tree.map(jax.lax.with_sharding_constraint, gathered, setup.compute_shardings)
 
 
-def accumulate_gradients(config, setup, params, tokens, row_ids, step):
+def accumulate_gradients(config, setup, params, tokens, row_ids, step, buffers=None):
     """Mean loss and fp32 gradients (on the ZeRO shards) over all micro-steps of the batch.
 
     Each data replica sums its own micro-batches' gradients in fp32 with no communication
     over 'data'; one reduce-scatter at the end lands the sums on the ZeRO shards (see the
-    module's diagram).
+    module's diagram). buffers: the model's (state['buffers']), which the model reads beside
+    its parameters and which get no gradient; None for a model without any.
     """
     layouts = zero.layouts(setup.state_shardings['params'])
     compute_params = compute_copy(config, setup, params)
+    buffers = buffers or {}
     by_stage = _stage_shares(config, params)
     grad_axes = jax.tree.map(
         lambda axes, stacked: ('stages', *axes) if stacked else axes,
@@ -76,11 +79,13 @@ def accumulate_gradients(config, setup, params, tokens, row_ids, step):
         is_leaf=rules.is_axes,
     )
 
-    def per_replica(compute_params, tokens, row_ids):
+    def per_replica(model_state, tokens, row_ids):
         with rules.sequence_parallel(config.model.sequence_parallel):
+            model_params = buffers_lib.beside(*model_state)
             loss_sum, token_count, grads = _replica_sums(
-                config, setup, compute_params, tokens, row_ids, step
+                config, setup, model_params, tokens, row_ids, step
             )
+        grads = buffers_lib.without(grads, buffers)
         totals = zero.psum(jnp.stack([loss_sum, token_count]))
         grads = rules.constrain_tree(grads, grad_axes)
         return totals, jax.tree.map(lambda g: g[None], grads)  # stacked over replicas
@@ -88,7 +93,7 @@ def accumulate_gradients(config, setup, params, tokens, row_ids, step):
     totals, replica_grads = _over_replicas(
         per_replica,
         (PartitionSpec(), PartitionSpec(rules.DATA_AXIS)),
-        compute_params,
+        (compute_params, buffers),
         tokens,
         row_ids,
     )
@@ -131,8 +136,7 @@ def _replica_sums(config, setup, compute_params, tokens, row_ids, step):
     (micro_steps, local rows, seq + 1), through the config's engine (parallel/engine.py).
     Runs inside the region manual over 'data'."""
     batch = _micro_batches(config, tokens, _row_keys(config, step, row_ids))
-    stage_fns = gpt.stage_functions(setup.graphdef, setup.logical_axes)
-    return engine_lib.engine(config).loss_and_grads(stage_fns, compute_params, batch)
+    return engine_lib.engine(config).loss_and_grads(_stage_functions(setup), compute_params, batch)
 
 
 def _micro_batches(config, tokens, row_keys=None):
@@ -155,8 +159,10 @@ def make_train_step(config, setup, inject=None):
     schedule = learning_rate_schedule(config.optimizer)
 
     def train_step(state, tokens, row_ids, tokens_after_step):
-        params = state['params']
-        loss, grads = accumulate_gradients(config, setup, params, tokens, row_ids, state['step'])
+        params, buffers = state['params'], state.get('buffers')
+        loss, grads = accumulate_gradients(
+            config, setup, params, tokens, row_ids, state['step'], buffers
+        )
         if inject == 'nan':
             loss, grads = loss + jnp.nan, jax.tree.map(lambda g: g + jnp.nan, grads)
         grad_norm = optax.tree.norm(grads)
@@ -164,13 +170,16 @@ def make_train_step(config, setup, inject=None):
         # The lr of the tokens seen once this batch is consumed: the first step already moves.
         lr = schedule(tokens_after_step)
         new_params = optax.apply_updates(params, jax.tree.map(lambda u: -lr * u, updates))
+        new_buffers = buffers_after(setup, buffers, {}, state['step'])
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         kept = jax.tree.map(
             lambda new, old: jnp.where(finite, new, old),
-            (new_params, opt_state),
-            (params, state['opt_state']),
+            (new_params, opt_state, new_buffers),
+            (params, state['opt_state'], buffers),
         )
         new_state = dict(params=kept[0], opt_state=kept[1], step=state['step'] + 1)
+        if buffers is not None:
+            new_state['buffers'] = kept[2]
         skipped = jnp.logical_not(finite).astype(jnp.int32)
         if inject == 'spike':
             loss = 10.0 * loss
@@ -179,33 +188,58 @@ def make_train_step(config, setup, inject=None):
     return jax.jit(train_step, out_shardings=(setup.state_shardings, None), donate_argnums=0)
 
 
+def buffers_after(setup, buffers, values, step):
+    """The model's buffers after a step whose values beside the loss are `values`: each
+    through its update rule (model/buffers.py) in plain layer order, then put back in the
+    stored order; None for a model without any."""
+    if buffers is None:
+        return None
+    layers = setup.stage_layers
+    in_layer_order = stage_order.to_layer_order(buffers, layers)
+    updated = buffers_lib.apply_rules(in_layer_order, setup.buffer_rules, values, step)
+    return jax.tree.map(
+        jax.lax.with_sharding_constraint,
+        stage_order.to_schedule_order(updated, layers),
+        setup.state_shardings['buffers'],
+    )
+
+
 def make_eval_step(config, setup):
-    """jit(params, tokens) -> (summed loss, token count) of micro-batches tokens laid out as
-    the train step's (micro_steps, rows, seq + 1), pipelined when the mesh has stages."""
+    """jit(params, tokens[, buffers]) -> (summed loss, token count) of micro-batches tokens
+    laid out as the train step's (micro_steps, rows, seq + 1), pipelined when the mesh has
+    stages; buffers: the model's (state['buffers']), for a model that has them."""
 
-    def eval_step(params, tokens):
+    def eval_step(params, tokens, buffers=None):
         with rules.sequence_parallel(config.model.sequence_parallel):
-            return _eval_loss_sum(params, tokens)
+            return _eval_loss_sum(params, tokens, buffers or {})
 
-    def _eval_loss_sum(params, tokens):
+    def _eval_loss_sum(params, tokens, buffers):
         tokens = rules.constrain(tokens, BATCH_AXES)
-        compute_params = compute_copy(config, setup, params)
+        model_state = (compute_copy(config, setup, params), buffers)
         engine = engine_lib.engine(config)
         if engine.pipelined:
-            totals = _over_replicas(_pipelined_sums, PartitionSpec(), compute_params, tokens)
+            totals = _over_replicas(_pipelined_sums, PartitionSpec(), model_state, tokens)
             return totals[0], totals[1]
-        stage_fns = gpt.stage_functions(setup.graphdef, setup.logical_axes)
-        return engine.loss_sum(stage_fns, compute_params, _micro_batches(config, tokens))
+        batch = _micro_batches(config, tokens)
+        return engine.loss_sum(_stage_functions(setup), buffers_lib.beside(*model_state), batch)
 
-    def _pipelined_sums(compute_params, tokens):
+    def _pipelined_sums(model_state, tokens):
         """One replica's (loss sum, token count), summed over 'data'. Per replica, as in the
         train step: at top level the partitioner moves the embedding's tokens between 'data'
         and 'tensor' (sequence parallel) with a collective-permute whose pairs span every
         stage, inside the first chunk's conditional, which only the first stage takes: XLA:CPU
         waits for the other stages' devices forever."""
-        stage_fns = gpt.stage_functions(setup.graphdef, setup.logical_axes)
         batch = _micro_batches(config, tokens)
-        loss, count = engine_lib.engine(config).loss_sum(stage_fns, compute_params, batch)
+        model_params = buffers_lib.beside(*model_state)
+        engine = engine_lib.engine(config)
+        loss, count = engine.loss_sum(_stage_functions(setup), model_params, batch)
         return zero.psum(jnp.stack([loss, count]))
 
     return jax.jit(eval_step)
+
+
+def _stage_functions(setup):
+    """The model's pieces for the engines; the accumulators laid out as the parameters and
+    the buffers beside them."""
+    axes = buffers_lib.beside(setup.logical_axes, setup.buffer_axes)
+    return gpt.stage_functions(setup.graphdef, axes)
