@@ -37,6 +37,7 @@ from mtnlg_jax.data import packing
 from mtnlg_jax.model import gpt
 from mtnlg_jax.parallel import engine as engine_lib
 from mtnlg_jax.parallel import rules, zero
+from mtnlg_jax.parallel import stage_functions as side
 from mtnlg_jax.parallel.stage_functions import MicroBatch
 from mtnlg_jax.train.optimizer import learning_rate_schedule
 
@@ -60,12 +61,23 @@ def compute_copy(config, setup, params):
 
 
 def accumulate_gradients(config, setup, params, tokens, row_ids, step):
-    """Mean loss and fp32 gradients (on the ZeRO shards) over all micro-steps of the batch.
+    """Mean loss and fp32 gradients (on the ZeRO shards) over all micro-steps of the batch
+    (gradients_and_values without the side values)."""
+    loss, grads, _ = gradients_and_values(config, setup, params, tokens, row_ids, step)
+    return loss, grads
+
+
+def gradients_and_values(config, setup, params, tokens, row_ids, step):
+    """(mean loss, fp32 gradients on the ZeRO shards, side values) over all micro-steps of
+    the batch. The gradients are of loss sum + the differentiable side values, divided by the
+    token count, as those values are; the others come as combined (parallel/stage_functions.py).
 
     Each data replica sums its own micro-batches' gradients in fp32 with no communication
     over 'data'; one reduce-scatter at the end lands the sums on the ZeRO shards (see the
     module's diagram).
     """
+    stage_fns = gpt.stage_functions(setup.graphdef, setup.logical_axes)
+    declared = stage_fns.values
     layouts = zero.layouts(setup.state_shardings['params'])
     compute_params = compute_copy(config, setup, params)
     by_stage = _stage_shares(config, params)
@@ -78,16 +90,21 @@ def accumulate_gradients(config, setup, params, tokens, row_ids, step):
 
     def per_replica(compute_params, tokens, row_ids):
         with rules.sequence_parallel(config.model.sequence_parallel):
-            loss_sum, token_count, grads = _replica_sums(
-                config, setup, compute_params, tokens, row_ids, step
+            loss_sum, token_count, grads, values = _replica_sums(
+                config, setup, stage_fns, compute_params, tokens, row_ids, step
             )
         totals = zero.psum(jnp.stack([loss_sum, token_count]))
+        values = side.over_axis(declared, values, rules.DATA_AXIS)
         grads = rules.constrain_tree(grads, grad_axes)
-        return totals, jax.tree.map(lambda g: g[None], grads)  # stacked over replicas
+        return totals, values, jax.tree.map(lambda g: g[None], grads)  # stacked over replicas
 
-    totals, replica_grads = _over_replicas(
+    totals, values, replica_grads = _over_replicas(
         per_replica,
-        (PartitionSpec(), PartitionSpec(rules.DATA_AXIS)),
+        (
+            PartitionSpec(),
+            {name: PartitionSpec() for name in declared},
+            PartitionSpec(rules.DATA_AXIS),
+        ),
         compute_params,
         tokens,
         row_ids,
@@ -98,7 +115,16 @@ def accumulate_gradients(config, setup, params, tokens, row_ids, step):
         zero.reduce_scatter(replica_grads, layouts, by_stage),
         setup.state_shardings['params'],
     )
-    return loss_sum / token_count, grads
+    return loss_sum / token_count, grads, _per_token(declared, values, token_count)
+
+
+def _per_token(declared, values, token_count):
+    """The side values as the step reports them: a differentiable one divided by the token
+    count, as the loss and its gradients are; the others as combined."""
+    return {
+        name: values[name] / token_count if s.differentiable else values[name]
+        for name, s in declared.items()
+    }
 
 
 def _stage_shares(config, params):
@@ -126,12 +152,11 @@ def _over_replicas(per_replica, out_specs, compute_params, tokens, *per_row):
     )(compute_params, tokens, *per_row)
 
 
-def _replica_sums(config, setup, compute_params, tokens, row_ids, step):
-    """(loss sum, token count, fp32 gradient sums) of one data replica's rows: tokens
-    (micro_steps, local rows, seq + 1), through the config's engine (parallel/engine.py).
-    Runs inside the region manual over 'data'."""
+def _replica_sums(config, setup, stage_fns, compute_params, tokens, row_ids, step):
+    """(loss sum, token count, fp32 gradient sums, side values) of one data replica's rows:
+    tokens (micro_steps, local rows, seq + 1), through the config's engine
+    (parallel/engine.py). Runs inside the region manual over 'data'."""
     batch = _micro_batches(config, tokens, _row_keys(config, step, row_ids))
-    stage_fns = gpt.stage_functions(setup.graphdef, setup.logical_axes)
     return engine_lib.engine(config).loss_and_grads(stage_fns, compute_params, batch)
 
 
@@ -156,7 +181,9 @@ def make_train_step(config, setup, inject=None):
 
     def train_step(state, tokens, row_ids, tokens_after_step):
         params = state['params']
-        loss, grads = accumulate_gradients(config, setup, params, tokens, row_ids, state['step'])
+        loss, grads, values = gradients_and_values(
+            config, setup, params, tokens, row_ids, state['step']
+        )
         if inject == 'nan':
             loss, grads = loss + jnp.nan, jax.tree.map(lambda g: g + jnp.nan, grads)
         grad_norm = optax.tree.norm(grads)
@@ -174,7 +201,8 @@ def make_train_step(config, setup, inject=None):
         skipped = jnp.logical_not(finite).astype(jnp.int32)
         if inject == 'spike':
             loss = 10.0 * loss
-        return new_state, dict(loss=loss, grad_norm=grad_norm, lr=lr, skipped=skipped)
+        metrics = dict(loss=loss, grad_norm=grad_norm, lr=lr, skipped=skipped)
+        return new_state, {**metrics, **values}  # the model's side values under their names
 
     return jax.jit(train_step, out_shardings=(setup.state_shardings, None), donate_argnums=0)
 
@@ -195,7 +223,8 @@ def make_eval_step(config, setup):
             totals = _over_replicas(_pipelined_sums, PartitionSpec(), compute_params, tokens)
             return totals[0], totals[1]
         stage_fns = gpt.stage_functions(setup.graphdef, setup.logical_axes)
-        return engine.loss_sum(stage_fns, compute_params, _micro_batches(config, tokens))
+        loss, count, _ = engine.loss_sum(stage_fns, compute_params, _micro_batches(config, tokens))
+        return loss, count
 
     def _pipelined_sums(compute_params, tokens):
         """One replica's (loss sum, token count), summed over 'data'. Per replica, as in the
@@ -205,7 +234,7 @@ def make_eval_step(config, setup):
         waits for the other stages' devices forever."""
         stage_fns = gpt.stage_functions(setup.graphdef, setup.logical_axes)
         batch = _micro_batches(config, tokens)
-        loss, count = engine_lib.engine(config).loss_sum(stage_fns, compute_params, batch)
+        loss, count, _ = engine_lib.engine(config).loss_sum(stage_fns, compute_params, batch)
         return zero.psum(jnp.stack([loss, count]))
 
     return jax.jit(eval_step)
