@@ -10,9 +10,12 @@ Every engine has the same face, which the train step, the banner, the reporter a
 planner use instead of asking the mesh or the schedule's name:
 
     loss_and_grads(stage_fns, params, batch)  (loss sum, token count, fp32 gradients shaped as
-                                              params) of batch (stage_functions.MicroBatch of
-                                              m micro-batches)
-    loss_sum(stage_fns, params, batch)        (loss sum, token count), no gradients
+                                              params, side values) of batch
+                                              (stage_functions.MicroBatch of m micro-batches);
+                                              the gradients of loss sum + the differentiable
+                                              side values
+    loss_sum(stage_fns, params, batch)        (loss sum, token count, side values), no
+                                              gradients
     ticks(m)                                  iterations of its loop over a step of m
     bubble_fraction(m)                        predicted share of the step stages wait
     table(m)                                  the 1F1B table (schedule.Schedule), or None
@@ -27,7 +30,10 @@ planner use instead of asking the mesh or the schedule's name:
                                               one chunk of v
 
 stage_fns: the model's pieces (stage_functions.StageFunctions); params: the compute-dtype
-parameters (blocks stage-major when pipelined).
+parameters (blocks stage-major when pipelined). Side values: {name: fp32 array} of every value
+stage_fns.values declares, combined (sum or max) over layers, chunks, micro-batches and stages;
+a slot or bubble that runs no chunk contributes the identity (stage_functions.py). With none
+declared they are {} and every engine compiles to the program it did before they existed.
 """
 
 import dataclasses

@@ -8,11 +8,13 @@ this stage's row of them). Every stage runs the same program; `lax.cond` on each
 `lax.switch` on the slot's chunk runs it on that chunk's weights where they lie:
 
     arrivals -> stash[act_slot], grads[grad_slot]            (last tick's ppermute)
-    forward  y, vjp = jax.vjp(chunk, stash[slot])   chunk 0: chunk(embed(tokens))
+    forward  (y, vals), vjp = jax.vjp(chunk, stash[slot])   chunk 0: chunk(embed(tokens))
              resids[resid_slot] = vjp's residuals   last chunk: nothing (see backward)
-    backward vjp = from resids[resid_slot]          cotangent grads[grad_slot]
-             last chunk: y, vjp = jax.vjp(chunk, stash[slot]), then final norm, head, loss;
-             the loss's gradient is the cotangent
+             side values += vals (the identities where idle)
+    backward vjp = from resids[resid_slot]          cotangent (grads[grad_slot], 1 for a
+                                                    differentiable side value, else 0)
+             last chunk: (y, vals), vjp = jax.vjp(chunk, stash[slot]), then final norm,
+             head, loss; the loss's gradient is the cotangent; side values += vals
              fp32 accumulators += parameter gradients;   dx = gradient of the stage input
              (the conditionals return gradients; each chunk's accumulators, and the shared
              ones, are updated after them, in place, by a conditional that skips them unless
@@ -21,7 +23,8 @@ this stage's row of them). Every stage runs the same program; `lax.cond` on each
     y -> stage s + 1, dx -> stage s - 1 (rings), split over 'tensor' along the sequence
 
 The carry of the scan: (act_in, grad_in, stash, resids, grad_buf, sums), sums = (fp32 block
-accumulators, one tree (L / (p v), ...) a chunk, fp32 shared accumulators, loss). Chunks are
+accumulators, one tree (L / (p v), ...) a chunk, fp32 shared accumulators, loss, side values:
+{name: fp32 array}, empty when the model declares none). Chunks are
 separate trees, not one stacked (v, ...) array: slicing a chunk's weights and accumulators out
 of a stack by a traced index copies them every tick (XLA:GPU does not read a dynamic slice in
 place in a GEMM).

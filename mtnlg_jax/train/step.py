@@ -15,11 +15,14 @@
     |     fp32 gradient sums of all micro-batches, nothing over 'data'                      |
     |   REDUCE-SCATTER over 'data', fp32 ............. once per step, onto the ZeRO shards  |
     |     (over 'stage' and 'data' together for what every stage holds: rules.state_spec)   |
-    |   all-reduce over 'data' of loss sum and token count (2 scalars)                      |
+    |   all-reduce over 'data' of loss sum and token count (2 scalars); of the model's side |
+    |     values (sum or max, stage_functions.SideValue), if it declares any                |
     +---------------------------------------------------------------------------------------+
         v
-    grads / tokens; clip by global norm (a scalar all-reduce), Adam moments, weight decay:
-    all on the ZeRO shards; master -= lr(tokens_seen) * update
+    grads / tokens (the gradients of loss sum + the differentiable side values); side values
+    in the metrics under their names (a differentiable one / tokens); clip by global norm (a
+    scalar all-reduce), Adam moments, weight decay: all on the ZeRO shards;
+    master -= lr(tokens_seen) * update
     (kept as it was if the loss or the gradient norm is not finite)
 
 Gradients are summed in fp32 across micro-steps, pipeline iterations and replicas. The global
@@ -209,7 +212,8 @@ def make_train_step(config, setup, inject=None):
 
 def make_eval_step(config, setup):
     """jit(params, tokens) -> (summed loss, token count) of micro-batches tokens laid out as
-    the train step's (micro_steps, rows, seq + 1), pipelined when the mesh has stages."""
+    the train step's (micro_steps, rows, seq + 1), pipelined when the mesh has stages. The
+    engines' side values are left out: no caller of the eval step reads them yet."""
 
     def eval_step(params, tokens):
         with rules.sequence_parallel(config.model.sequence_parallel):
