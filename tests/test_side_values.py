@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 
 import support
-from mtnlg_jax import config as config_lib
+from mtnlg_jax.data import batch as batch_lib
 from mtnlg_jax.model import gpt
 from mtnlg_jax.parallel import pipeline
 from mtnlg_jax.parallel import schedule as schedule_lib
 from mtnlg_jax.parallel import stage_functions as side
 from mtnlg_jax.train import state as state_lib
+from mtnlg_jax.train import step as step_lib
 
 LAYERS = 4
 DECLARED = {
@@ -105,23 +106,12 @@ def test_the_one_device_values_are_the_toys_and_the_penalty_moves_the_gradients(
     assert change > 100 * RELATIVE
 
 
-def _unequal(data, stage, tensor, micro, first, last):
-    """An equal-depth small config re-resolved with stages of unequal depth."""
-    config = config_lib.inputs_of(
-        support.small_config(data, stage, tensor, micro, num_layers=LAYERS)
-    )
-    config.pipeline.update(first_stage_layers=first, last_stage_layers=last)
-    return config_lib.resolve(config, data * stage * tensor)
-
-
 LAYOUTS = {
-    'sequential-d2t2': lambda: support.small_config(2, 1, 2, num_layers=LAYERS),
     '1f1b-d2s2t2': lambda: support.small_config(2, 2, 2, 4, num_layers=LAYERS),
     'interleaved-s2t2v2': lambda: support.small_config(
         1, 2, 2, 4, 2, 'interleaved', num_layers=LAYERS
     ),
     'gpipe-d2s2v2': lambda: support.small_config(2, 2, 1, 4, 2, 'gpipe', num_layers=LAYERS),
-    'unequal-1f1b-1-3': lambda: _unequal(1, 2, 1, 4, 1, 3),
 }
 
 
@@ -134,6 +124,22 @@ def test_every_engine_carries_the_values_and_their_gradient_as_one_device(one_de
     np.testing.assert_allclose(loss, one_device['loss'], rtol=1e-6)
     support.assert_gradients_close(grads, one_device['grads'], relative=RELATIVE)
     assert_values_close(values, one_device['values'])
+
+
+def test_the_train_steps_metrics_hold_the_values_under_their_names(one_device):
+    """The Sequential engine over data 2 x tensor 2, through the train step: its metrics add
+    the values to the loss, the differentiable one per token, as one device's."""
+    config = support.small_config(2, 1, 2, num_layers=LAYERS)
+    mesh, setup = support.layout(config)
+    batch = one_device['batch'].astype(np.int32)
+    with jax.set_mesh(mesh):
+        state = state_lib.init_state(config, setup)
+        tokens, rows = batch_lib.place_batch(*batch_lib.to_micro_steps(batch, 2), mesh)
+        step = step_lib.make_train_step(config, setup)
+        _, metrics = step(state, tokens, rows, jnp.float32(batch[:, 1:].size))
+    assert set(metrics) == {'loss', 'grad_norm', 'lr', 'skipped', *DECLARED}
+    np.testing.assert_allclose(metrics['loss'], one_device['loss'], rtol=1e-6)
+    assert_values_close({name: metrics[name] for name in DECLARED}, one_device['values'])
 
 
 def test_idle_slots_filled_with_nan_reach_no_value_and_eval_carries_them(one_device):
