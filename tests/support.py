@@ -105,6 +105,12 @@ def random_batches(count, seed=0):
 
 def gradients(config, batch, step=0):
     """(initial params, loss, grads) of one global batch, all on the host."""
+    return gradients_and_values(config, batch, step)[:3]
+
+
+def gradients_and_values(config, batch, step=0):
+    """(initial params, loss, grads, side values) of one global batch, all on the host
+    (step.gradients_and_values)."""
     mesh, setup = layout(config)
     with jax.set_mesh(mesh):
         state = state_lib.init_state(config, setup)
@@ -112,13 +118,13 @@ def gradients(config, batch, step=0):
             *batch_lib.to_micro_steps(batch.astype(np.int32), config.train.micro_steps), mesh
         )
         grad_fn = jax.jit(
-            lambda params, tokens, rows: step_lib.accumulate_gradients(
+            lambda params, tokens, rows: step_lib.gradients_and_values(
                 config, setup, params, tokens, rows, jnp.int32(step)
             )
         )
-        loss, grads = grad_fn(state['params'], tokens, rows)
-        params, loss, grads = jax.device_get((state['params'], loss, grads))
-    return in_layer_order(config, params), loss, in_layer_order(config, grads)
+        loss, grads, values = grad_fn(state['params'], tokens, rows)
+        params, loss, grads, values = jax.device_get((state['params'], loss, grads, values))
+    return in_layer_order(config, params), loss, in_layer_order(config, grads), values
 
 
 def in_layer_order(config, tree):

@@ -2,7 +2,8 @@
 
 The toy block holds a buffer of two numbers drawn per layer, adds their mean to its output (so
 a block that read another layer's buffer would change the loss) and moves them after each step
-by a rule that reads the step. The invariants: the buffers are the model's (initialised with
+by a rule that reads the step and a side value of the step (test_side_values.py's toy values:
+'layer_tokens', the rows x seq every layer saw, over the whole batch). The invariants: the buffers are the model's (initialised with
 it, read in the forward by their own layer, never given to the optimizer), the step updates
 them in layer order whatever the layout, a skipped step keeps them, and a checkpoint carries
 them to another layout, which continues as the uninterrupted run.
@@ -21,6 +22,7 @@ from mtnlg_jax.model import gpt
 from mtnlg_jax.train import resume
 from mtnlg_jax.train import state as state_lib
 from mtnlg_jax.train import step as step_lib
+from test_side_values import with_toy_values
 from support import (
     GLOBAL_BATCH,
     SEQ_LEN,
@@ -32,10 +34,20 @@ from support import (
 )
 
 
+LAYER_TOKENS = 4 * GLOBAL_BATCH * SEQ_LEN  # 'layer_tokens' of a step: 4 layers, every row
+
+
 @buffers_lib.update_rule('toy')
 def _toy_rule(value, values, step):
-    """Halve, then add the step: what a step did is visible in every later value."""
-    return 0.5 * value + step.astype(jnp.float32) + 1.0
+    """Halve, then add the step and the tokens the layers saw: what a step did is visible in
+    every later value."""
+    return 0.5 * value + step.astype(jnp.float32) + values['layer_tokens'] / LAYER_TOKENS
+
+
+def _moved(value, steps):
+    for step in range(steps):
+        value = 0.5 * value + step + 1.0
+    return value
 
 
 class ToyBlock(block_lib.Block):
@@ -52,8 +64,9 @@ class ToyBlock(block_lib.Block):
 
 @pytest.fixture
 def toy_blocks(monkeypatch):
-    """Every GPT built in the test has ToyBlocks."""
+    """Every GPT built in the test has ToyBlocks, and its block stack emits the toy values."""
     monkeypatch.setattr(gpt, 'Block', ToyBlock)
+    monkeypatch.setattr(gpt, 'stage_functions', with_toy_values(gpt.stage_functions))
 
 
 LAYOUTS = {  # 4 layers; the pipelined ones store the blocks stage-major
@@ -176,9 +189,7 @@ def test_buffers_follow_their_rule_in_layer_order_under_any_layout_and_through_a
     got = in_layer_order(second, jax.device_get(state['buffers']))
     assert_trees_close(got, jax.device_get(uninterrupted['buffers']), atol=1e-6)
 
-    moved = _initial_buffers(one)['blocks']['toy']
-    for step in range(4):
-        moved = 0.5 * moved + step + 1.0
+    moved = _moved(_initial_buffers(one)['blocks']['toy'], 4)
     np.testing.assert_allclose(got['blocks']['toy'], moved, rtol=1e-6)
 
 

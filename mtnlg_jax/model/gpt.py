@@ -260,7 +260,7 @@ def stage_functions(graphdef, param_axes=None):
 
     def apply_blocks(chunk, hidden, batch, first_layer, remat, used=None):
         keys, positions, segment_ids = batch.row_keys, batch.positions, batch.segment_ids
-        return apply_block_stack(
+        hidden = apply_block_stack(
             block_graphdef,
             chunk,
             hidden,
@@ -271,6 +271,7 @@ def stage_functions(graphdef, param_axes=None):
             segment_ids,
             used=used,
         )
+        return hidden, {}  # no side values yet (parallel/stage_functions.py)
 
     def head_loss_sum(shared, hidden, batch):
         model = view(shared)

@@ -10,9 +10,12 @@ Every engine has the same face, which the train step, the banner, the reporter a
 planner use instead of asking the mesh or the schedule's name:
 
     loss_and_grads(stage_fns, params, batch)  (loss sum, token count, fp32 gradients shaped as
-                                              params) of batch (stage_functions.MicroBatch of
-                                              m micro-batches)
-    loss_sum(stage_fns, params, batch)        (loss sum, token count), no gradients
+                                              params, side values) of batch
+                                              (stage_functions.MicroBatch of m micro-batches);
+                                              the gradients of loss sum + the differentiable
+                                              side values
+    loss_sum(stage_fns, params, batch)        (loss sum, token count, side values), no
+                                              gradients
     ticks(m)                                  iterations of its loop over a step of m
     bubble_fraction(m)                        predicted share of the step stages wait
     table(m)                                  the 1F1B table (schedule.Schedule), or None
@@ -27,7 +30,10 @@ planner use instead of asking the mesh or the schedule's name:
                                               one chunk of v
 
 stage_fns: the model's pieces (stage_functions.StageFunctions); params: the compute-dtype
-parameters (blocks stage-major when pipelined).
+parameters (blocks stage-major when pipelined). Side values: {name: fp32 array} of every value
+stage_fns.values declares, combined (sum or max) over layers, chunks, micro-batches and stages;
+a slot or bubble that runs no chunk contributes the identity (stage_functions.py). With none
+declared they are {} and every engine compiles to the program it did before they existed.
 """
 
 import dataclasses
@@ -36,6 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from mtnlg_jax.parallel import pipeline, rules, stage_order
+from mtnlg_jax.parallel import stage_functions as side
 from mtnlg_jax.parallel.stage_functions import shared_params
 
 
@@ -58,38 +65,51 @@ class Sequential:
         return 0.0
 
     def loss_and_grads(self, stage_fns, params, batch):
+        declared = stage_fns.values
+
         def micro_step(carry, micro_batch):
-            grads_sum, loss_sum, token_count = carry
+            grads_sum, loss_sum, token_count, values_sum = carry
 
-            def loss_fn(p):
-                return _model_loss_sum(stage_fns, p, micro_batch)
+            def objective(p):
+                loss, count, values = _model_loss_sum(stage_fns, p, micro_batch)
+                return side.objective(declared, loss, values), (loss, count, values)
 
-            (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+            (_, (loss, count, values)), grads = jax.value_and_grad(objective, has_aux=True)(params)
             grads_sum = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), grads_sum, grads)
             grads_sum = _constrain(grads_sum, stage_fns)
-            return (grads_sum, loss_sum + loss, token_count + count), None
+            values_sum = side.combine(declared, values_sum, values)
+            return (grads_sum, loss_sum + loss, token_count + count, values_sum), None
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         zeros = _constrain(zeros, stage_fns)
-        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-        (grads_sum, loss_sum, token_count), _ = jax.lax.scan(micro_step, init, batch)
-        return loss_sum, token_count, grads_sum
+        scalar = jnp.zeros((), jnp.float32)
+        init = (zeros, scalar, scalar, side.identities(declared))
+        (grads_sum, loss_sum, token_count, values), _ = jax.lax.scan(micro_step, init, batch)
+        return loss_sum, token_count, grads_sum, values
 
     def loss_sum(self, stage_fns, params, batch):
-        def add_micro_batch(total, micro_batch):
-            loss, count = _model_loss_sum(stage_fns, params, micro_batch)
-            return total + jnp.stack([loss, count]), None
+        declared = stage_fns.values
 
-        total, _ = jax.lax.scan(add_micro_batch, jnp.zeros(2, jnp.float32), batch)
-        return total[0], total[1]
+        def add_micro_batch(carry, micro_batch):
+            total, values_sum = carry
+            loss, count, values = _model_loss_sum(stage_fns, params, micro_batch)
+            return (
+                total + jnp.stack([loss, count]),
+                side.combine(declared, values_sum, values),
+            ), None
+
+        init = (jnp.zeros(2, jnp.float32), side.identities(declared))
+        (total, values), _ = jax.lax.scan(add_micro_batch, init, batch)
+        return total[0], total[1], values
 
 
 def _model_loss_sum(stage_fns, params, batch):
-    """(summed loss, token count) of one micro-batch through the whole model."""
+    """(summed loss, token count, side values) of one micro-batch through the whole model."""
     shared = shared_params(params)
     x = stage_fns.embed(shared, batch)
-    x = stage_fns.apply_blocks(params['blocks'], x, batch, 0, stage_fns.remat)
-    return stage_fns.head_loss_sum(shared, x, batch), batch.token_count()
+    x, values = stage_fns.apply_blocks(params['blocks'], x, batch, 0, stage_fns.remat)
+    values = side.detach(stage_fns.values, values)
+    return stage_fns.head_loss_sum(shared, x, batch), batch.token_count(), values
 
 
 def _constrain(grads, stage_fns):

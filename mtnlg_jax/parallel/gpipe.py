@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from mtnlg_jax.parallel import stage_functions as side
 from mtnlg_jax.parallel.rules import STAGE_AXIS, constrain
 from mtnlg_jax.parallel.stage_functions import Inputs, shared_params
 
@@ -65,16 +66,18 @@ class GPipeEngine:
         return bubble_fraction(self.stages, self.repeats, micro_batches)
 
     def loss_and_grads(self, stage_fns, params, batch):
-        """(loss sum, token count, fp32 gradients): autodiff of the pipelined loss, in fp32
-        (the model casts each parameter to the compute dtype where it uses it, so the scans'
-        transposes sum every iteration's gradient in fp32)."""
+        """(loss sum, token count, fp32 gradients, side values): autodiff of the pipelined
+        loss plus the differentiable side values, in fp32 (the model casts each parameter to
+        the compute dtype where it uses it, so the scans' transposes sum every iteration's
+        gradient in fp32)."""
         params = jax.tree.map(lambda p: p.astype(jnp.float32), params)
 
-        def loss(p):
-            return pipelined_loss_sum(stage_fns, p, batch, stages=self.stages, repeats=self.repeats)
+        def objective(p):
+            sums = pipelined_loss_sum(stage_fns, p, batch, stages=self.stages, repeats=self.repeats)
+            return side.objective(stage_fns.values, sums[0], sums[2]), sums
 
-        (loss, count), grads = jax.value_and_grad(loss, has_aux=True)(params)
-        return loss, count, grads
+        (_, (loss, count, values)), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        return loss, count, grads, values
 
     def loss_sum(self, stage_fns, params, batch):
         return pipelined_loss_sum(
@@ -83,7 +86,9 @@ class GPipeEngine:
 
 
 def run_pipeline(stage_fns, stacked, x, batch, *, stages, repeats, bubble_fill=0.0):
-    """The block stack over micro-batches x (m, rows, seq, embed), pipelined over 'stage'.
+    """(the block stack over micro-batches x (m, rows, seq, embed), pipelined over 'stage',
+    its side values combined over chunks, micro-batches and stages: a bubble iteration's are
+    dropped by selection).
 
     stage_fns: the model's pieces (stage_functions.StageFunctions); stacked: the stage-major
     stacked block parameters (split over 'stage' on axis 0). batch: the MicroBatch of the m
@@ -100,8 +105,11 @@ def run_pipeline(stage_fns, stacked, x, batch, *, stages, repeats, bubble_fill=0
     batch = dataclasses.replace(batch, windows=None, loss_mask=None)
     batch_spec = batch.map(lambda _: PartitionSpec())
 
+    declared = stage_fns.values
+
     def apply_chunk(chunk, h, micro_batch, first_layer):  # recomputed as a whole chunk (below)
-        return stage_fns.apply_blocks(chunk, h, micro_batch, first_layer, 'none')
+        y, values = stage_fns.apply_blocks(chunk, h, micro_batch, first_layer, 'none')
+        return y, side.detach(declared, values)
 
     if stage_fns.remat != 'none':
         apply_chunk = jax.checkpoint(apply_chunk, policy=stage_fns.remat_policy, prevent_cse=False)
@@ -115,7 +123,7 @@ def run_pipeline(stage_fns, stacked, x, batch, *, stages, repeats, bubble_fill=0
         outputs = jnp.zeros_like(x)  # last stage: finished micro-batches
 
         def iteration(carry, t):
-            received, recirculating, outputs = carry
+            received, recirculating, outputs, values_sum = carry
             item = t - stage
             valid = (item >= 0) & (item < repeats * micro_batches)
             item = jnp.clip(item, 0, repeats * micro_batches - 1)
@@ -137,23 +145,26 @@ def run_pipeline(stage_fns, stacked, x, batch, *, stages, repeats, bubble_fill=0
                 row_keys=picked.row_keys,
             )
             first_layer = (repeat * stages + stage) * per_chunk
-            y = apply_chunk(chunk, h, inputs, first_layer)
+            y, values = apply_chunk(chunk, h, inputs, first_layer)
+            values_sum = side.combine(declared, values_sum, side.where_ran(declared, valid, values))
             done = valid & (stage == stages - 1) & (repeat == repeats - 1)
             outputs = jnp.where(done, outputs.at[micro].set(y), outputs)
             ring = [(i, (i + 1) % stages) for i in range(stages)]
             received = jax.lax.ppermute(y, STAGE_AXIS, ring)
-            return (received, recirculating, outputs), None
+            return (received, recirculating, outputs, values_sum), None
 
         steps = jnp.arange(num_iterations(stages, repeats, micro_batches))
-        (_, _, outputs), _ = jax.lax.scan(iteration, (fill, recirculating, outputs), steps)
+        init = (fill, recirculating, outputs, side.identities(declared))
+        (_, _, outputs, values), _ = jax.lax.scan(iteration, init, steps)
         # Only the last stage holds results; the sum hands them to every stage.
         last = stage == stages - 1
-        return jax.lax.psum(jnp.where(last, outputs, jnp.zeros_like(outputs)), STAGE_AXIS)
+        outputs = jax.lax.psum(jnp.where(last, outputs, jnp.zeros_like(outputs)), STAGE_AXIS)
+        return outputs, side.over_axis(declared, values, STAGE_AXIS)
 
     run = jax.shard_map(
         per_stage,
         in_specs=(stage_spec, PartitionSpec(), batch_spec),
-        out_specs=PartitionSpec(),
+        out_specs=(PartitionSpec(), {name: PartitionSpec() for name in declared}),
         axis_names={STAGE_AXIS},
         check_vma=False,
     )
@@ -161,7 +172,7 @@ def run_pipeline(stage_fns, stacked, x, batch, *, stages, repeats, bubble_fill=0
 
 
 def pipelined_loss_sum(stage_fns, params, batch, *, stages, repeats):
-    """Summed loss and token count of batch (MicroBatch of m micro-batches) under params
+    """(summed loss, token count, side values) of batch (MicroBatch of m micro-batches) under params
     (blocks stage-major), the block stack pipelined. Embedding, final norm and head run
     outside the pipeline; when p divides m, each stage takes m / p of the micro-batches, so
     none of that work is repeated on every stage (otherwise, as for MT-NLG's m = 240 over
@@ -179,7 +190,7 @@ def pipelined_loss_sum(stage_fns, params, batch, *, stages, repeats):
     shared = shared_params(params)
     x = stage_fns.embed(shared, staged)
     x = constrain(x, stage_axes + ('batch', 'seq', 'embed'))
-    x = run_pipeline(
+    x, values = run_pipeline(
         stage_fns,
         params['blocks'],
         x.reshape(micro_batches, *x.shape[2:]),
@@ -197,4 +208,4 @@ def pipelined_loss_sum(stage_fns, params, batch, *, stages, repeats):
 
     inputs = Inputs(labels=staged.labels, loss_mask=staged.loss_mask)
     total, _ = jax.lax.scan(add_loss, jnp.zeros((), jnp.float32), (x, inputs))
-    return total, batch.token_count()
+    return total, batch.token_count(), values

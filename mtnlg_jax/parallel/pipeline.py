@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from mtnlg_jax.parallel import gpipe
+from mtnlg_jax.parallel import stage_functions as side
 from mtnlg_jax.parallel import schedule as schedule_lib
 from mtnlg_jax.parallel.branches import columns as table_columns
 from mtnlg_jax.parallel.residuals import probe_layout
@@ -97,21 +98,21 @@ class TableEngine:
         return float(self.table(micro_batches).bubble_fraction())
 
     def loss_and_grads(self, stage_fns, params, batch):
-        """(loss sum, token count, fp32 gradients shaped as params) of batch (MicroBatch of m
-        micro-batches), the block stack pipelined over 'stage'. params: compute-dtype, blocks
-        stage-major. Called by the train step inside its region manual over 'data' (one
-        replica's rows); at top level with both 'data' and 'tensor' larger than 1, XLA's SPMD
-        partitioner aborts on the embedding's scatter-add."""
+        """(loss sum, token count, fp32 gradients shaped as params, side values) of batch
+        (MicroBatch of m micro-batches), the block stack pipelined over 'stage'. params:
+        compute-dtype, blocks stage-major. Called by the train step inside its region manual
+        over 'data' (one replica's rows); at top level with both 'data' and 'tensor' larger
+        than 1, XLA's SPMD partitioner aborts on the embedding's scatter-add."""
         table = self.table(batch.micro_batches)
         return run_table(stage_fns, params, batch, table, True, stage_layers=self.stage_layers)
 
     def loss_sum(self, stage_fns, params, batch):
-        """(loss sum, token count), pipelined, no gradients."""
+        """(loss sum, token count, side values), pipelined, no gradients."""
         table = self.table(batch.micro_batches)
-        loss, count, _ = run_table(
+        loss, count, _, values = run_table(
             stage_fns, params, batch, table, False, stage_layers=self.stage_layers
         )
-        return loss, count
+        return loss, count, values
 
 
 def engine_for(stages, repeats, schedule='1f1b', max_in_flight=0, stage_layers=None):
@@ -134,14 +135,15 @@ def bubble_fraction(stages, repeats, micro_batches, schedule='1f1b', max_in_flig
 
 
 def loss_and_grads(stage_fns, params, tokens, row_keys, **layout):
-    """(loss sum, token count, fp32 gradients) of tokens (m, rows, seq + 1), row_keys (m,
-    rows) or None, under layout (stages, repeats, schedule, max_in_flight)."""
+    """(loss sum, token count, fp32 gradients, side values) of tokens (m, rows, seq + 1),
+    row_keys (m, rows) or None, under layout (stages, repeats, schedule, max_in_flight)."""
     batch = MicroBatch(tokens, row_keys=row_keys)
     return engine_for(**layout).loss_and_grads(stage_fns, params, batch)
 
 
 def loss_sum(stage_fns, params, tokens, **layout):
-    """(loss sum, token count) of tokens (m, rows, seq + 1), pipelined, no gradients."""
+    """(loss sum, token count, side values) of tokens (m, rows, seq + 1), pipelined, no
+    gradients."""
     return engine_for(**layout).loss_sum(stage_fns, params, MicroBatch(tokens))
 
 
@@ -155,7 +157,8 @@ def run_schedule(
 
 def run_table(stage_fns, params, batch, table, with_grads, bubble_fill=0.0, stage_layers=None):
     """Run `table` (schedule.Schedule) over batch (MicroBatch); returns (loss sum, token count,
-    fp32 grads or None). bubble_fill: what empty slots and idle outputs hold (tests fill NaN:
+    fp32 grads or None, side values: stage_fns.values combined over chunks, micro-batches and
+    stages). bubble_fill: what empty slots and idle outputs hold (tests fill NaN:
     it never leaks); stage_layers: a StageLayers of stages of unequal depth (None: equal)."""
     shared = shared_params(params)
     p, v = table.stages, table.repeats
@@ -198,25 +201,27 @@ def run_table(stage_fns, params, batch, table, with_grads, bubble_fill=0.0, stag
     shared_spec = jax.tree.map(lambda _: PartitionSpec(), shared)
     by_stage = jax.tree.map(lambda _: PartitionSpec(STAGE_AXIS), shared)
     batch_spec = batch.map(lambda _: PartitionSpec())
+    summed = (PartitionSpec(), {name: PartitionSpec() for name in stage_fns.values})
     run = jax.shard_map(
         per_stage,
         in_specs=(stage_spec, shared_spec, batch_spec),
-        out_specs=(PartitionSpec(), stage_spec, by_stage) if with_grads else (PartitionSpec(),),
+        out_specs=(*summed, stage_spec, by_stage) if with_grads else summed,
         axis_names={STAGE_AXIS},
         check_vma=False,
     )
     results = run(params['blocks'], shared, batch)
     count = batch.token_count()
     if not with_grads:
-        return results[0], count, None
-    loss, block_grads, shared_grads = results
-    return loss, count, {**shared_grads, 'blocks': block_grads}
+        return results[0], count, None, results[1]
+    loss, values, block_grads, shared_grads = results
+    return loss, count, {**shared_grads, 'blocks': block_grads}, values
 
 
 def scan_ticks(stage, table, kept_shapes, bubble_fill):
-    """The scan over the table's ticks on one stage; (loss,) or (loss, fp32 block grads in
-    stored form, fp32 shared grads), the loss summed over 'stage', the shared grads this
-    stage's own share (stacked over 'stage' outside: zero.reduce_scatter sums them)."""
+    """The scan over the table's ticks on one stage; (loss, side values) or (loss, side
+    values, fp32 block grads in stored form, fp32 shared grads), the loss and the values
+    combined over 'stage', the shared grads this stage's own share (stacked over 'stage'
+    outside: zero.reduce_scatter sums them)."""
     rows, seq, hidden = stage.fill.shape
 
     def buffer(slots):
@@ -230,7 +235,9 @@ def scan_ticks(stage, table, kept_shapes, bubble_fill):
         return jnp.zeros((table.resid_slots, *r.shape), r.dtype)
 
     zeros32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)  # noqa: E731
-    sums = (zeros32(stage.chunks), zeros32(stage.shared), jnp.zeros((), jnp.float32))
+    declared = stage.fns.values
+    no_values = side.identities(declared)
+    sums = (zeros32(stage.chunks), zeros32(stage.shared), jnp.zeros((), jnp.float32), no_values)
     init = (
         constrain(stage.fill, stage.handoff_axes),
         constrain(stage.fill, stage.handoff_axes),
@@ -240,9 +247,10 @@ def scan_ticks(stage, table, kept_shapes, bubble_fill):
         sums,
     )
     xs = jax.tree.map(jnp.asarray, table_columns(table))
-    (*_, (acc_blocks, acc_shared, loss)), _ = jax.lax.scan(stage.tick, init, xs)
+    (*_, (acc_blocks, acc_shared, loss, values)), _ = jax.lax.scan(stage.tick, init, xs)
     loss = jax.lax.psum(loss, STAGE_AXIS)
+    values = side.over_axis(declared, values, STAGE_AXIS)
     if not stage.with_grads:
-        return (loss,)
+        return loss, values
     acc_blocks = jax.tree.map(lambda *a: jnp.concatenate(a), *acc_blocks)
-    return (loss, acc_blocks, jax.tree.map(lambda a: a[None], acc_shared))
+    return (loss, values, acc_blocks, jax.tree.map(lambda a: a[None], acc_shared))

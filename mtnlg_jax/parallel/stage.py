@@ -8,11 +8,13 @@ this stage's row of them). Every stage runs the same program; `lax.cond` on each
 `lax.switch` on the slot's chunk runs it on that chunk's weights where they lie:
 
     arrivals -> stash[act_slot], grads[grad_slot]            (last tick's ppermute)
-    forward  y, vjp = jax.vjp(chunk, stash[slot])   chunk 0: chunk(embed(tokens))
+    forward  (y, vals), vjp = jax.vjp(chunk, stash[slot])   chunk 0: chunk(embed(tokens))
              resids[resid_slot] = vjp's residuals   last chunk: nothing (see backward)
-    backward vjp = from resids[resid_slot]          cotangent grads[grad_slot]
-             last chunk: y, vjp = jax.vjp(chunk, stash[slot]), then final norm, head, loss;
-             the loss's gradient is the cotangent
+             side values += vals (the identities where idle)
+    backward vjp = from resids[resid_slot]          cotangent (grads[grad_slot], 1 for a
+                                                    differentiable side value, else 0)
+             last chunk: (y, vals), vjp = jax.vjp(chunk, stash[slot]), then final norm,
+             head, loss; the loss's gradient is the cotangent; side values += vals
              fp32 accumulators += parameter gradients;   dx = gradient of the stage input
              (the conditionals return gradients; each chunk's accumulators, and the shared
              ones, are updated after them, in place, by a conditional that skips them unless
@@ -21,7 +23,8 @@ this stage's row of them). Every stage runs the same program; `lax.cond` on each
     y -> stage s + 1, dx -> stage s - 1 (rings), split over 'tensor' along the sequence
 
 The carry of the scan: (act_in, grad_in, stash, resids, grad_buf, sums), sums = (fp32 block
-accumulators, one tree (L / (p v), ...) a chunk, fp32 shared accumulators, loss). Chunks are
+accumulators, one tree (L / (p v), ...) a chunk, fp32 shared accumulators, loss, side values:
+{name: fp32 array}, empty when the model declares none). Chunks are
 separate trees, not one stacked (v, ...) array: slicing a chunk's weights and accumulators out
 of a stack by a traced index copies them every tick (XLA:GPU does not read a dynamic slice in
 place in a GEMM).
@@ -47,6 +50,7 @@ from mtnlg_jax.parallel.branches import (
     SLOT_IDLE,
     SLOT_LAST,
 )
+from mtnlg_jax.parallel import stage_functions as side
 from mtnlg_jax.parallel.residuals import join_vjp, split_vjp
 from mtnlg_jax.parallel.rules import STAGE_AXIS, constrain
 
@@ -88,11 +92,13 @@ class Stage:
             return jax.lax.switch(repeat, branches)
 
     def apply(self, chunk, h, micro, repeat):
-        """The chunk's blocks over h, gathered over 'tensor' on arrival."""
+        """(the chunk's blocks over h, gathered over 'tensor' on arrival, their side values:
+        fp32, those not differentiable cut from autodiff)."""
         h = constrain(h, ACTIVATION_AXES)
         first_layer, used = self.chunk_layers(repeat)
         batch = self.batch.at(micro)
-        return self.fns.apply_blocks(chunk, h, batch, first_layer, self.fns.remat, used=used)
+        y, values = self.fns.apply_blocks(chunk, h, batch, first_layer, self.fns.remat, used=used)
+        return y, side.detach(self.fns.values, values)
 
     def chunk_layers(self, repeat):
         """(model index of the chunk's first layer, its layers or None: every slot)."""
@@ -117,7 +123,8 @@ class Stage:
 
     def chunk_fn(self, kind, micro, repeat):
         """The chunk as a function of its parameters, the shared ones (the embedding's, for
-        chunk 0) and its stashed input: what a forward differentiates."""
+        chunk 0) and its stashed input, returning (output, side values): what a forward
+        differentiates."""
 
         def run(params, x):
             chunk, shared = params
@@ -126,34 +133,37 @@ class Stage:
         return run
 
     def forward_with_residuals(self, chunk, kind, x, micro, repeat):
-        """(y, what the chunk's backward needs under fns.remat, its layout): the VJP's
-        residuals without the parameters (residuals.split_vjp), kept instead of recomputed."""
+        """((y, side values), what the chunk's backward needs under fns.remat, its layout):
+        the VJP's residuals without the parameters (residuals.split_vjp), kept instead of
+        recomputed."""
         return split_vjp(self.chunk_fn(kind, micro, repeat), (chunk, self.shared), x)
 
     def forward(self, fwd, stash, resids):
-        """One chunk's forward (branches.Forward): y to the next stage, its residuals into
-        resids[fwd.resid_slot]."""
+        """One chunk's forward (branches.Forward): (y to the next stage, resids with its
+        residuals in resids[fwd.resid_slot], its side values: the identities where the slot
+        is idle, as the last chunk's is: its backward slot runs it)."""
 
         def run_chunk(chunk, repeat):
             x = stash[fwd.slot]
             if not self.with_grads:
                 params = (chunk, self.shared)
                 return self.chunk_fn(fwd.kind, fwd.micro, repeat)(params, x), []
-            y, kept, layout = self.forward_with_residuals(chunk, fwd.kind, x, fwd.micro, repeat)
+            out, kept, layout = self.forward_with_residuals(chunk, fwd.kind, x, fwd.micro, repeat)
             # the same program as the probe's: the same parameters in the same places
             assert layout[1] == self.layout[1], 'a forward kept another layout'
-            return y, kept
+            return out, kept
 
         def run():
             return self.on_chunk(fwd.repeat, run_chunk)
 
         def idle():
-            return self.fill, [jnp.zeros(b.shape[1:], b.dtype) for b in resids]
+            no_values = side.identities(self.fns.values)
+            return (self.fill, no_values), [jnp.zeros(b.shape[1:], b.dtype) for b in resids]
 
         with jax.named_scope(FORWARD):
-            y, kept = jax.lax.cond(fwd.kind == SLOT_IDLE, idle, run)
+            (y, values), kept = jax.lax.cond(fwd.kind == SLOT_IDLE, idle, run)
         ran = (fwd.kind != SLOT_IDLE) & (fwd.kind != SLOT_LAST)
-        return y, [write(b, fwd.resid_slot, ran, r) for b, r in zip(resids, kept)]
+        return y, [write(b, fwd.resid_slot, ran, r) for b, r in zip(resids, kept)], values
 
     def backward(self, bwd, sums, stash, resids, grad_buf):
         """One chunk's backward (branches.Backward) through the VJP its forward kept; the last
@@ -174,10 +184,10 @@ class Stage:
             return self.backward_one_chunk(bwd, sums, h, g, kept)
         # The conditional returns this tick's gradients, never the accumulators: handed
         # through one, XLA:GPU copies every fp32 accumulator in both branches, every tick.
-        acc_blocks, acc_shared, loss = sums
+        acc_blocks, acc_shared, loss, acc_values = sums
         idle = bwd.kind == SLOT_IDLE
         with jax.named_scope(BACKWARD):
-            d_chunk, d_shared, value, dx = jax.lax.cond(
+            d_chunk, d_shared, value, values, dx = jax.lax.cond(
                 idle, self.no_gradients, lambda: self.pull_back(bwd, h, g, kept)
             )
         with jax.named_scope(ACCUMULATE):
@@ -185,25 +195,29 @@ class Stage:
                 add_unless(idle | (bwd.repeat != k), acc, d_chunk)
                 for k, acc in enumerate(acc_blocks)
             )
-        return (acc_blocks, self.add_shared(bwd, acc_shared, d_shared), loss + value), dx
+        acc_shared = self.add_shared(bwd, acc_shared, d_shared)
+        return (acc_blocks, acc_shared, loss + value, self.combine(acc_values, values)), dx
 
     def backward_one_chunk(self, bwd, sums, h, g, kept):
         """One chunk a stage: its accumulators are added to inside the backward's conditional,
         whose idle (true) branch hands them through, so an idle tick writes no zero gradient
         of the chunk's size. The shared accumulators stay outside it: added to in a nested
         conditional, XLA:GPU copies them in the outer one."""
-        acc_blocks, acc_shared, loss = sums
+        acc_blocks, acc_shared, loss, acc_values = sums
 
         def idle(acc):
             return acc, *self.no_gradients()[1:]
 
         def run(acc):
-            d_chunk, d_shared, value, dx = self.pull_back(bwd, h, g, kept)
-            return add(acc, d_chunk), d_shared, value, dx
+            d_chunk, *rest = self.pull_back(bwd, h, g, kept)
+            return add(acc, d_chunk), *rest
 
         with jax.named_scope(BACKWARD):
-            acc, d_shared, value, dx = jax.lax.cond(bwd.kind == SLOT_IDLE, idle, run, acc_blocks[0])
-        return ((acc,), self.add_shared(bwd, acc_shared, d_shared), loss + value), dx
+            acc, d_shared, value, values, dx = jax.lax.cond(
+                bwd.kind == SLOT_IDLE, idle, run, acc_blocks[0]
+            )
+        acc_shared = self.add_shared(bwd, acc_shared, d_shared)
+        return ((acc,), acc_shared, loss + value, self.combine(acc_values, values)), dx
 
     def add_shared(self, bwd, acc_shared, d_shared):
         """The shared accumulators + d_shared, in place, where the slot touched them: only
@@ -213,25 +227,37 @@ class Stage:
             return add_unless(untouched, acc_shared, d_shared)
 
     def no_gradients(self):
-        """An idle backward's: zero gradients, no loss, the fill as the input's gradient."""
+        """An idle backward's: zero gradients, no loss, no side values (the identities), the
+        fill as the input's gradient."""
         d_chunk, d_shared = zeros(self.chunks[0]), zeros(self.shared)
-        return d_chunk, d_shared, jnp.zeros((), jnp.float32), self.fill
+        no_values = side.identities(self.fns.values)
+        return d_chunk, d_shared, jnp.zeros((), jnp.float32), no_values, self.fill
+
+    def combine(self, acc_values, values):
+        """The side values' accumulators combined with a slot's (the identities where it ran
+        nothing)."""
+        return side.combine(self.fns.values, acc_values, values)
 
     def loss_only(self, bwd, sums, h):
-        """The last chunk's loss added to sums (evaluation)."""
-        acc_blocks, acc_shared, loss = sums
+        """The last chunk's loss and side values added to sums (evaluation)."""
+        acc_blocks, acc_shared, loss, acc_values = sums
 
         def last_chunk(chunk, repeat):
-            x = self.apply(chunk, constrain(h, ACTIVATION_AXES), bwd.micro, repeat)
-            return self.token_loss(self.shared, x, bwd.micro)
+            x, values = self.apply(chunk, constrain(h, ACTIVATION_AXES), bwd.micro, repeat)
+            return self.token_loss(self.shared, x, bwd.micro), values
 
-        return (acc_blocks, acc_shared, loss + self.on_chunk(bwd.repeat, last_chunk)), self.fill
+        value, values = self.on_chunk(bwd.repeat, last_chunk)
+        return (acc_blocks, acc_shared, loss + value, self.combine(acc_values, values)), self.fill
 
     def pull_back(self, bwd, h, g, kept_earlier):
         """(the chunk's gradients, the shared parameters', the loss (0 but for the last
-        chunk), the stage input's gradient), gradients in the compute dtype (the accumulators
-        take them in fp32). Each branch applies its own VJP: a branch that handed the stashed
-        residuals through would have XLA copy them in both."""
+        chunk), the last chunk's side values (the identities but for it: a forward slot
+        accumulated the others'), the stage input's gradient), gradients in the compute dtype
+        (the accumulators take them in fp32). The VJP's cotangent of the side values is 1 for
+        a differentiable one, 0 for the others (stage_functions.objective). Each branch
+        applies its own VJP: a branch that handed the stashed residuals through would have
+        XLA copy them in both."""
+        d_values = side.cotangents(self.fns.values)
 
         def on(chunk, repeat):
             params = (chunk, self.shared)
@@ -240,21 +266,24 @@ class Stage:
                 # d_shared: the embedding's half of the tied gradient (zeros but for chunk 0);
                 # exact in the compute dtype: chunk 0 and the last are on different stages, so
                 # one of d_head and d_shared is zero
-                (d_chunk, d_shared), d_h = join_vjp(self.layout, kept, params)(d_y)
+                (d_chunk, d_shared), d_h = join_vjp(self.layout, kept, params)((d_y, d_values))
                 return d_chunk, jax.tree.map(jnp.add, d_head, d_shared), d_h
 
             def head():  # the last chunk: its forward, the loss and the loss's gradient
-                y, kept, _ = self.forward_with_residuals(chunk, bwd.kind, h, bwd.micro, repeat)
+                (y, values), kept, _ = self.forward_with_residuals(
+                    chunk, bwd.kind, h, bwd.micro, repeat
+                )
                 value, (d_shared, d_y) = jax.value_and_grad(self.token_loss, argnums=(0, 1))(
                     self.shared, y, bwd.micro
                 )
                 d_chunk, d_shared, d_h = pullback(kept, d_y.astype(y.dtype), d_shared)
-                return d_chunk, d_shared, value, d_h
+                return d_chunk, d_shared, value, values, d_h
 
             def stashed():  # the forward ran in an earlier tick: its residuals, the gradient
                 d_y = constrain(g, ACTIVATION_AXES)
                 d_chunk, d_shared, d_h = pullback(kept_earlier, d_y, zeros(self.shared))
-                return d_chunk, d_shared, jnp.zeros((), jnp.float32), d_h
+                no_values = side.identities(self.fns.values)
+                return d_chunk, d_shared, jnp.zeros((), jnp.float32), no_values, d_h
 
             with jax.named_scope(LAST):
                 return jax.lax.cond(bwd.kind == SLOT_LAST, head, stashed)
@@ -271,7 +300,8 @@ class Stage:
         arrivals = row.arrivals
         stash = write(stash, arrivals.act_slot, arrivals.act, act_in)
         grad_buf = write(grad_buf, arrivals.grad_slot, arrivals.grad, grad_in)
-        y, resids = self.forward(row.forward, stash, resids)
+        y, resids, values = self.forward(row.forward, stash, resids)
+        sums = (*sums[:3], self.combine(sums[3], values))  # the forward's side values
         sums, dx = self.backward(row.backward, sums, stash, resids, grad_buf)
         p = self.stages
         act_in = self.handoff(y, [(i, (i + 1) % p) for i in range(p)])

@@ -9,14 +9,28 @@ holds.
 
     embed(shared, batch)                      batch.tokens (..., seq) -> hidden (..., seq,
                                               embed): token (+ position) embeddings, dropout
-    apply_blocks(chunk, hidden, batch,        consecutive blocks scanned over hidden, layer
-                 first_layer, remat)          first_layer first (dropout), each under the
-                                              policy `remat` names ('none': none)
+    apply_blocks(chunk, hidden, batch,        (hidden, values): consecutive blocks scanned
+                 first_layer, remat)          over hidden, layer first_layer first (dropout),
+                                              each under the policy `remat` names ('none':
+                                              none); values: {name: fp32 array} of every
+                                              declared side value (below), combined over the
+                                              chunk's layers by the model
     head_loss_sum(shared, hidden, batch)      summed loss of batch.labels under hidden (rows,
                                               seq, embed), each weighted by batch.loss_mask:
                                               final norm, tied head and cross-entropy fused
     logits_loss_sum(shared, hidden, batch)    the same through the whole fp32 logits, which
                                               autodiff keeps (GPipe order's head)
+
+Side values (`values`: {name: SideValue}, empty for a model that emits none): named
+per-micro-batch values the block stack emits beside the hidden state, such as a mixture of
+experts' load-balancing loss and per-expert token counts (reduce 'sum') or FP8's per-layer amax
+(reduce 'max'), each of a fixed shape. Every engine combines them over the chunks, the
+micro-batches and the stages, the train step over the data replicas (a slot or bubble that runs
+no chunk contributes the identity: 0 for 'sum', -inf for 'max'), and returns them beside the
+loss. A differentiable value (always 'sum') is added to what is differentiated: the gradients
+are those of loss sum + the sum of every differentiable value, which the train step divides
+by the token count as it does the loss; a model that wants its aux loss as a per-token mean
+emits it times its micro-batch's token count. A value not differentiable gets no gradient.
 
 Which piece reads which field: embed the tokens, positions (learned positions) and dropout
 keys; apply_blocks the positions (rope), segment ids (the attention's mask: plain, cuDNN or
@@ -127,6 +141,82 @@ class Inputs:
 
 
 @dataclasses.dataclass(frozen=True)
+class SideValue:
+    """How a side value (the module docstring) is combined: reduce 'sum' or 'max' over
+    layers, chunks, micro-batches, stages and replicas; differentiable: whether its sum joins
+    the objective (only a 'sum' can); shape: its fixed shape (fp32)."""
+
+    reduce: str = 'sum'
+    differentiable: bool = False
+    shape: tuple = ()
+
+    def __post_init__(self):
+        assert self.reduce in ('sum', 'max'), f'reduce {self.reduce!r}: sum or max'
+        assert self.reduce == 'sum' or not self.differentiable, 'a differentiable value sums'
+
+    def identity(self):
+        """What a slot that runs nothing contributes: 0 for 'sum', -inf for 'max'."""
+        fill = 0.0 if self.reduce == 'sum' else -jnp.inf
+        return jnp.full(self.shape, fill, jnp.float32)
+
+    def combine(self, a, b):
+        return a + b if self.reduce == 'sum' else jnp.maximum(a, b)
+
+    def over(self, value, axis):
+        """Combined over a mesh axis inside a region manual over it (XLA rejects a
+        cross-device op over an axis of size 1: then value itself)."""
+        if jax.lax.axis_size(axis) == 1:
+            return value
+        return jax.lax.psum(value, axis) if self.reduce == 'sum' else jax.lax.pmax(value, axis)
+
+
+def identities(declared):
+    """{name: identity} of declared ({name: SideValue}): no chunk's values."""
+    return {name: side.identity() for name, side in declared.items()}
+
+
+def combine(declared, a, b):
+    """Two sets of values combined name by name."""
+    return {name: side.combine(a[name], b[name]) for name, side in declared.items()}
+
+
+def over_axis(declared, values, axis):
+    """Values combined over a mesh axis (SideValue.over)."""
+    return {name: side.over(values[name], axis) for name, side in declared.items()}
+
+
+def where_ran(declared, ran, values):
+    """values where `ran` (a traced bool), the identities elsewhere: a bubble's are dropped
+    by selection, never by a multiplication (a NaN it holds stays out)."""
+    return {name: jnp.where(ran, values[name], side.identity()) for name, side in declared.items()}
+
+
+def detach(declared, values):
+    """The values in fp32, those not differentiable cut from autodiff: a VJP sees no path
+    from them to the parameters."""
+    out = {}
+    for name, side in declared.items():
+        value = values[name].astype(jnp.float32)
+        out[name] = value if side.differentiable else jax.lax.stop_gradient(value)
+    return out
+
+
+def objective(declared, loss, values):
+    """What the engines differentiate: loss + the sum of every differentiable value (loss
+    itself, the same traced value, when none is)."""
+    return sum((values[n].sum() for n, s in declared.items() if s.differentiable), start=loss)
+
+
+def cotangents(declared):
+    """The values' cotangent in a chunk's VJP, the gradient of `objective` with respect to
+    them: 1 for a differentiable value, 0 for the others."""
+    return {
+        name: jnp.full(side.shape, float(side.differentiable), jnp.float32)
+        for name, side in declared.items()
+    }
+
+
+@dataclasses.dataclass(frozen=True)
 class StageFunctions:
     """The model's pieces (the module's table), built by the model and passed in by the
     engines' caller: the parallel layer, below the model, never imports it."""
@@ -139,6 +229,7 @@ class StageFunctions:
     remat_policy: Any  # remat's jax.checkpoint policy (None for 'none')
     dtype: Any  # the compute dtype of the activations
     param_axes: Any = None  # logical axis names of every parameter (the accumulators' layout)
+    values: Any = dataclasses.field(default_factory=dict)  # {name: SideValue} apply_blocks emits
 
 
 def shared_params(params):

@@ -15,11 +15,14 @@
     |     fp32 gradient sums of all micro-batches, nothing over 'data'                      |
     |   REDUCE-SCATTER over 'data', fp32 ............. once per step, onto the ZeRO shards  |
     |     (over 'stage' and 'data' together for what every stage holds: rules.state_spec)   |
-    |   all-reduce over 'data' of loss sum and token count (2 scalars)                      |
+    |   all-reduce over 'data' of loss sum and token count (2 scalars); of the model's side |
+    |     values (sum or max, stage_functions.SideValue), if it declares any                |
     +---------------------------------------------------------------------------------------+
         v
-    grads / tokens; clip by global norm (a scalar all-reduce), Adam moments, weight decay:
-    all on the ZeRO shards; master -= lr(tokens_seen) * update
+    grads / tokens (the gradients of loss sum + the differentiable side values); side values
+    in the metrics under their names (a differentiable one / tokens); clip by global norm (a
+    scalar all-reduce), Adam moments, weight decay: all on the ZeRO shards;
+    master -= lr(tokens_seen) * update
     (kept as it was if the loss or the gradient norm is not finite)
 
 Gradients are summed in fp32 across micro-steps, pipeline iterations and replicas. The global
@@ -38,6 +41,7 @@ from mtnlg_jax.model import buffers as buffers_lib
 from mtnlg_jax.model import gpt
 from mtnlg_jax.parallel import engine as engine_lib
 from mtnlg_jax.parallel import rules, stage_order, zero
+from mtnlg_jax.parallel import stage_functions as side
 from mtnlg_jax.parallel.stage_functions import MicroBatch
 from mtnlg_jax.train.optimizer import learning_rate_schedule
 
@@ -61,13 +65,24 @@ def compute_copy(config, setup, params):
 
 
 def accumulate_gradients(config, setup, params, tokens, row_ids, step, buffers=None):
-    """Mean loss and fp32 gradients (on the ZeRO shards) over all micro-steps of the batch.
+    """Mean loss and fp32 gradients (on the ZeRO shards) over all micro-steps of the batch
+    (gradients_and_values without the side values)."""
+    loss, grads, _ = gradients_and_values(config, setup, params, tokens, row_ids, step, buffers)
+    return loss, grads
+
+
+def gradients_and_values(config, setup, params, tokens, row_ids, step, buffers=None):
+    """(mean loss, fp32 gradients on the ZeRO shards, side values) over all micro-steps of
+    the batch. The gradients are of loss sum + the differentiable side values, divided by the
+    token count, as those values are; the others come as combined (parallel/stage_functions.py).
 
     Each data replica sums its own micro-batches' gradients in fp32 with no communication
     over 'data'; one reduce-scatter at the end lands the sums on the ZeRO shards (see the
     module's diagram). buffers: the model's (state['buffers']), which the model reads beside
     its parameters and which get no gradient; None for a model without any.
     """
+    stage_fns = _stage_functions(setup)
+    declared = stage_fns.values
     layouts = zero.layouts(setup.state_shardings['params'])
     compute_params = compute_copy(config, setup, params)
     buffers = buffers or {}
@@ -82,17 +97,22 @@ def accumulate_gradients(config, setup, params, tokens, row_ids, step, buffers=N
     def per_replica(model_state, tokens, row_ids):
         with rules.sequence_parallel(config.model.sequence_parallel):
             model_params = buffers_lib.beside(*model_state)
-            loss_sum, token_count, grads = _replica_sums(
-                config, setup, model_params, tokens, row_ids, step
+            loss_sum, token_count, grads, values = _replica_sums(
+                config, stage_fns, model_params, tokens, row_ids, step
             )
-        grads = buffers_lib.without(grads, buffers)
+        grads = buffers_lib.without(grads, model_state[1])
         totals = zero.psum(jnp.stack([loss_sum, token_count]))
+        values = side.over_axis(declared, values, rules.DATA_AXIS)
         grads = rules.constrain_tree(grads, grad_axes)
-        return totals, jax.tree.map(lambda g: g[None], grads)  # stacked over replicas
+        return totals, values, jax.tree.map(lambda g: g[None], grads)  # stacked over replicas
 
-    totals, replica_grads = _over_replicas(
+    totals, values, replica_grads = _over_replicas(
         per_replica,
-        (PartitionSpec(), PartitionSpec(rules.DATA_AXIS)),
+        (
+            PartitionSpec(),
+            {name: PartitionSpec() for name in declared},
+            PartitionSpec(rules.DATA_AXIS),
+        ),
         (compute_params, buffers),
         tokens,
         row_ids,
@@ -103,7 +123,16 @@ def accumulate_gradients(config, setup, params, tokens, row_ids, step, buffers=N
         zero.reduce_scatter(replica_grads, layouts, by_stage),
         setup.state_shardings['params'],
     )
-    return loss_sum / token_count, grads
+    return loss_sum / token_count, grads, _per_token(declared, values, token_count)
+
+
+def _per_token(declared, values, token_count):
+    """The side values as the step reports them: a differentiable one divided by the token
+    count, as the loss and its gradients are; the others as combined."""
+    return {
+        name: values[name] / token_count if s.differentiable else values[name]
+        for name, s in declared.items()
+    }
 
 
 def _stage_shares(config, params):
@@ -116,10 +145,10 @@ def _stage_shares(config, params):
     }
 
 
-def _over_replicas(per_replica, out_specs, compute_params, tokens, *per_row):
-    """per_replica(compute_params, tokens, *per_row) in a region manual over 'data': each
+def _over_replicas(per_replica, out_specs, model_state, tokens, *per_row):
+    """per_replica(model_state, tokens, *per_row) in a region manual over 'data': each
     replica its own rows of tokens (micro_steps, rows, seq + 1) and of per_row (micro_steps,
-    rows), the whole compute copy."""
+    rows), the whole of model_state (the compute copy and the buffers)."""
     batch_spec = rules.logical_to_spec(BATCH_AXES)
     row_spec = PartitionSpec(*batch_spec[:2])
     return jax.shard_map(
@@ -128,15 +157,15 @@ def _over_replicas(per_replica, out_specs, compute_params, tokens, *per_row):
         out_specs=out_specs,
         axis_names={rules.DATA_AXIS},
         check_vma=False,  # gradients stay per replica: no implicit psum in the transpose
-    )(compute_params, tokens, *per_row)
+    )(model_state, tokens, *per_row)
 
 
-def _replica_sums(config, setup, compute_params, tokens, row_ids, step):
-    """(loss sum, token count, fp32 gradient sums) of one data replica's rows: tokens
-    (micro_steps, local rows, seq + 1), through the config's engine (parallel/engine.py).
-    Runs inside the region manual over 'data'."""
+def _replica_sums(config, stage_fns, compute_params, tokens, row_ids, step):
+    """(loss sum, token count, fp32 gradient sums, side values) of one data replica's rows:
+    tokens (micro_steps, local rows, seq + 1), through the config's engine
+    (parallel/engine.py). Runs inside the region manual over 'data'."""
     batch = _micro_batches(config, tokens, _row_keys(config, step, row_ids))
-    return engine_lib.engine(config).loss_and_grads(_stage_functions(setup), compute_params, batch)
+    return engine_lib.engine(config).loss_and_grads(stage_fns, compute_params, batch)
 
 
 def _micro_batches(config, tokens, row_keys=None):
@@ -160,7 +189,7 @@ def make_train_step(config, setup, inject=None):
 
     def train_step(state, tokens, row_ids, tokens_after_step):
         params, buffers = state['params'], state.get('buffers')
-        loss, grads = accumulate_gradients(
+        loss, grads, values = gradients_and_values(
             config, setup, params, tokens, row_ids, state['step'], buffers
         )
         if inject == 'nan':
@@ -170,7 +199,7 @@ def make_train_step(config, setup, inject=None):
         # The lr of the tokens seen once this batch is consumed: the first step already moves.
         lr = schedule(tokens_after_step)
         new_params = optax.apply_updates(params, jax.tree.map(lambda u: -lr * u, updates))
-        new_buffers = buffers_after(setup, buffers, {}, state['step'])
+        new_buffers = buffers_after(setup, buffers, values, state['step'])
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         kept = jax.tree.map(
             lambda new, old: jnp.where(finite, new, old),
@@ -183,15 +212,16 @@ def make_train_step(config, setup, inject=None):
         skipped = jnp.logical_not(finite).astype(jnp.int32)
         if inject == 'spike':
             loss = 10.0 * loss
-        return new_state, dict(loss=loss, grad_norm=grad_norm, lr=lr, skipped=skipped)
+        metrics = dict(loss=loss, grad_norm=grad_norm, lr=lr, skipped=skipped)
+        return new_state, {**metrics, **values}  # the model's side values under their names
 
     return jax.jit(train_step, out_shardings=(setup.state_shardings, None), donate_argnums=0)
 
 
 def buffers_after(setup, buffers, values, step):
-    """The model's buffers after a step whose values beside the loss are `values`: each
-    through its update rule (model/buffers.py) in plain layer order, then put back in the
-    stored order; None for a model without any."""
+    """The model's buffers after a step whose side values (as the step reports them) are
+    `values`: each through its update rule (model/buffers.py) in plain layer order, then put
+    back in the stored order; None for a model without any."""
     if buffers is None:
         return None
     layers = setup.stage_layers
@@ -207,7 +237,8 @@ def buffers_after(setup, buffers, values, step):
 def make_eval_step(config, setup):
     """jit(params, tokens[, buffers]) -> (summed loss, token count) of micro-batches tokens
     laid out as the train step's (micro_steps, rows, seq + 1), pipelined when the mesh has
-    stages; buffers: the model's (state['buffers']), for a model that has them."""
+    stages; buffers: the model's (state['buffers']), for a model that has them. The engines'
+    side values are left out: no caller of the eval step reads them yet."""
 
     def eval_step(params, tokens, buffers=None):
         with rules.sequence_parallel(config.model.sequence_parallel):
@@ -220,8 +251,7 @@ def make_eval_step(config, setup):
         if engine.pipelined:
             totals = _over_replicas(_pipelined_sums, PartitionSpec(), model_state, tokens)
             return totals[0], totals[1]
-        batch = _micro_batches(config, tokens)
-        return engine.loss_sum(_stage_functions(setup), buffers_lib.beside(*model_state), batch)
+        return _loss_sum(model_state, _micro_batches(config, tokens))
 
     def _pipelined_sums(model_state, tokens):
         """One replica's (loss sum, token count), summed over 'data'. Per replica, as in the
@@ -229,11 +259,14 @@ def make_eval_step(config, setup):
         and 'tensor' (sequence parallel) with a collective-permute whose pairs span every
         stage, inside the first chunk's conditional, which only the first stage takes: XLA:CPU
         waits for the other stages' devices forever."""
-        batch = _micro_batches(config, tokens)
+        loss, count = _loss_sum(model_state, _micro_batches(config, tokens))
+        return zero.psum(jnp.stack([loss, count]))
+
+    def _loss_sum(model_state, batch):
         model_params = buffers_lib.beside(*model_state)
         engine = engine_lib.engine(config)
-        loss, count = engine.loss_sum(_stage_functions(setup), model_params, batch)
-        return zero.psum(jnp.stack([loss, count]))
+        loss, count, _ = engine.loss_sum(_stage_functions(setup), model_params, batch)
+        return loss, count
 
     return jax.jit(eval_step)
 
