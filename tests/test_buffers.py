@@ -3,11 +3,11 @@
 The toy block holds a buffer of two numbers drawn per layer, adds their mean to its output (so
 a block that read another layer's buffer would change the loss) and moves them after each step
 by a rule that reads the step and a side value of the step (test_side_values.py's toy values:
-'layer_tokens', the rows x seq every layer saw, over the whole batch). The invariants: the buffers are the model's (initialised with
-it, read in the forward by their own layer, never given to the optimizer), the step updates
-them in layer order whatever the layout, a skipped step keeps them, and a checkpoint carries
-them to another layout, which continues as the uninterrupted run.
-"""
+'layer_tokens', the rows x seq every layer saw, over the whole batch). The invariants: the
+buffers are the model's (initialised with it, read in the forward by their own layer, never
+given to the optimizer), the step updates them in layer order whatever the layout, a skipped
+step keeps them, and a checkpoint carries them to another layout, which continues as the
+uninterrupted run."""
 
 import jax
 import jax.numpy as jnp
