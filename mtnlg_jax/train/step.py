@@ -22,9 +22,10 @@
     all on the ZeRO shards; master -= lr(tokens_seen) * update
     (kept as it was if the loss or the gradient norm is not finite)
 
-Gradients are summed in fp32 across micro-steps, pipeline iterations and replicas. The global
-batch arrives as (micro_steps, global_batch / micro_steps, seq + 1) with the second axis split
-over 'data': each replica sees micro_batch sequences per micro-step.
+'data' above stands for the replica axes (rules.REPLICA_AXES). Gradients are summed in fp32
+across micro-steps, pipeline iterations and replicas. The global batch arrives as
+(micro_steps, global_batch / micro_steps, seq + 1) with the second axis split over 'data':
+each replica sees micro_batch sequences per micro-step.
 """
 
 import jax
@@ -87,7 +88,7 @@ def accumulate_gradients(config, setup, params, tokens, row_ids, step):
 
     totals, replica_grads = _over_replicas(
         per_replica,
-        (PartitionSpec(), PartitionSpec(rules.DATA_AXIS)),
+        (PartitionSpec(), PartitionSpec(rules.REPLICAS)),
         compute_params,
         tokens,
         row_ids,
@@ -112,7 +113,8 @@ def _stage_shares(config, params):
 
 
 def _over_replicas(per_replica, out_specs, compute_params, tokens, *per_row):
-    """per_replica(compute_params, tokens, *per_row) in a region manual over 'data': each
+    """per_replica(compute_params, tokens, *per_row) in a region manual over the replica axes
+    (rules.REPLICA_AXES; a context axis would stay automatic: it splits the sequence): each
     replica its own rows of tokens (micro_steps, rows, seq + 1) and of per_row (micro_steps,
     rows), the whole compute copy."""
     batch_spec = rules.logical_to_spec(BATCH_AXES)
@@ -121,7 +123,7 @@ def _over_replicas(per_replica, out_specs, compute_params, tokens, *per_row):
         per_replica,
         in_specs=(PartitionSpec(), batch_spec) + (row_spec,) * len(per_row),
         out_specs=out_specs,
-        axis_names={rules.DATA_AXIS},
+        axis_names=set(rules.REPLICA_AXES),
         check_vma=False,  # gradients stay per replica: no implicit psum in the transpose
     )(compute_params, tokens, *per_row)
 
