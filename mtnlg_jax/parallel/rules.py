@@ -32,11 +32,14 @@ The replica axes are those the batch's rows and ZeRO-1's shards split over: the 
 region is manual over them (train/step.py), and the loss and token psum and the gradient
 reduce-scatter run over them (parallel/zero.py). Two axes have no rule yet:
   expert   for every parameter but an MoE layer's experts, expert ranks are data-parallel
-           replicas. The MoE issue adds 'expert' to REPLICA_AXES (after 'data', the mesh's
-           order), maps its experts' dimension to 'expert' with rules of their own that keep
-           the expert parameters out of ZeRO-1's split over 'expert', and counts replicas as
-           data x expert where the config and planner read mesh.data as the replica count
-           (config/checks.py, data/loader.py, plan/).
+           replicas, so the MoE issue adds 'expert' to REPLICA_AXES (after 'data', the
+           mesh's order). At size 1 that compiles to the same train and eval steps
+           (bench/hlo_diff.py), but it spells every replica split ('data', 'expert'), so
+           these come with it: the specs the tests hold (('tensor', 'data') and the like),
+           plan/arithmetic.py's and zero.py's reading of them, the expert parameters' own
+           rules (their experts' dimension over 'expert', ZeRO-1 over 'data' alone), and the
+           replica count as data x expert wherever mesh.data is read as it (config/checks.py,
+           data/loader.py, train/, launch/plan.py, plan/comm.py and predict.py).
   context  splits the sequence, not the batch: never a replica axis. Context parallelism
            maps `seq` (and the residual stream's `residual_seq`) to 'context' here, and
            all-gathers keys and values over it in attention.
