@@ -32,7 +32,7 @@ from mtnlg_jax.checkpoint import store as checkpoint_lib  # noqa: E402
 from mtnlg_jax import config as config_lib  # noqa: E402
 from mtnlg_jax.model import counts  # noqa: E402
 from mtnlg_jax.parallel import footprint  # noqa: E402
-from mtnlg_jax.parallel.mesh import make_mesh  # noqa: E402
+from mtnlg_jax.parallel.mesh import mesh_from_config  # noqa: E402
 from mtnlg_jax.train import resume  # noqa: E402
 from mtnlg_jax.train.state import init_state, make_setup  # noqa: E402
 
@@ -49,7 +49,7 @@ def layout_of(path, data, stage, tensor):
     config.train.micro_batch = 1
     config.train.global_batch = 8 * data  # the batch plays no part in a checkpoint
     config = config_lib.resolve(config, data * stage * tensor)
-    return config, make_setup(config, make_mesh(data, stage, tensor))
+    return config, make_setup(config, mesh_from_config(config))
 
 
 def as_if_trained(state, setup):

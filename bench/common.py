@@ -15,6 +15,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mtnlg_jax import config as config_lib  # noqa: E402
+from mtnlg_jax.config import keys  # noqa: E402
 from mtnlg_jax.parallel.mesh import mesh_from_config  # noqa: E402
 from mtnlg_jax.train.state import init_state, make_setup  # noqa: E402
 from mtnlg_jax.data.batch import place_batch, to_micro_steps  # noqa: E402
@@ -39,7 +40,7 @@ def own_layout_config(path):
     """The config file's config under its own mesh and micro-batch, one batch size."""
     config = config_lib.load(path)
     config.train.rampup.start = 0
-    return config_lib.resolve(config, config.mesh.data * config.mesh.stage * config.mesh.tensor)
+    return config_lib.resolve(config, keys.mesh_devices(config.mesh))
 
 
 class CompiledStep:

@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 from mtnlg_jax import config as config_lib  # noqa: E402
 from mtnlg_jax.eval.generation import Generator  # noqa: E402
 from mtnlg_jax.model import gpt  # noqa: E402
-from mtnlg_jax.parallel.mesh import make_mesh  # noqa: E402
+from mtnlg_jax.parallel.mesh import mesh_from_config  # noqa: E402
 from mtnlg_jax.train.state import make_setup  # noqa: E402
 
 
@@ -38,7 +38,7 @@ def make_generator(path):
     config.train.update(dict(global_batch=1, micro_batch=1))
     config.model.compute_dtype = 'float32'  # bf16 matmuls are slow on CPU
     config = config_lib.resolve(config, tensor)
-    mesh = make_mesh(1, 1, tensor)
+    mesh = mesh_from_config(config)
     setup = make_setup(config, mesh)
     with jax.set_mesh(mesh):
         params = jax.jit(

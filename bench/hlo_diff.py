@@ -42,7 +42,6 @@ LAYOUTS = {
     'bf16': dict(data=2, stage=2, tensor=2, micro_steps=2, compute_dtype='bfloat16'),
     'sequential_dropout': dict(data=2, hidden_dropout=0.1, micro_steps=2),
 }
-MESH_KEYS = ('data', 'stage', 'tensor')
 
 
 def config_of(name):
@@ -50,7 +49,7 @@ def config_of(name):
 
     keys = {**BASE, **LAYOUTS[name]}
     config = config_lib.defaults()
-    config.mesh.update({k: keys.pop(k, 1) for k in MESH_KEYS})
+    config.mesh.update({k: keys.pop(k, 1) for k in config_lib.keys.MESH_AXES})
     micro_steps = keys.pop('micro_steps', 2)
     config.pipeline.update(
         dict(repeats=keys.pop('repeats', 1), schedule=keys.pop('schedule', '1f1b'))
@@ -59,7 +58,7 @@ def config_of(name):
     config.model.update(keys)
     data = config.mesh.data
     config.train.update(dict(global_batch=8 * data, micro_batch=8 // micro_steps, seed=3))
-    return config_lib.resolve(config, data * config.mesh.stage * config.mesh.tensor)
+    return config_lib.resolve(config, config_lib.keys.mesh_devices(config.mesh))
 
 
 DEBUG_SECTIONS = ('FileNames', 'FunctionNames', 'FileLocations', 'StackFrames')

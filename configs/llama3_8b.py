@@ -47,9 +47,9 @@ LLAMA31_ROPE_SCALING = dict(
 def llama3(shape, lr, min_lr, global_batch, warmup_steps, mesh, remat='selective'):
     """A Llama 3 config: `shape` (num_layers, hidden, heads, kv_heads, ffn_hidden), the
     optimizer's peak and floor, the batch in sequences of 8192, the warm-up in steps of that
-    batch, and the mesh (data, stage, tensor)."""
+    batch, and the mesh ({axis: size}; an axis not named keeps its default)."""
     config = config_lib.defaults()
-    config.mesh.update(dict(zip(('data', 'stage', 'tensor'), mesh)))
+    config.mesh.update(mesh)
     layers, hidden, heads, kv_heads, ffn = shape
     config.model.update(
         dict(num_layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn_hidden=ffn)
@@ -92,5 +92,5 @@ def get_config():
         min_lr=3e-5,
         global_batch=512,
         warmup_steps=2000,
-        mesh=(-1, 1, 2),
+        mesh=dict(data=-1, tensor=2),
     )

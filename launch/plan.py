@@ -36,6 +36,7 @@ Bad input prints one line `error: ...` and exits 2 before anything is compiled o
 import os
 import sys
 
+from mtnlg_jax.config import keys
 from mtnlg_jax.run import cli, distributed
 from mtnlg_jax.xla import gpu_compile
 from mtnlg_jax.run.cli import fail
@@ -70,11 +71,7 @@ def device_count(mesh, devices=None):
         if devices <= 0:
             fail(f'--devices must be a positive integer, got {devices}')
         return devices
-    count = 1
-    for axis in ('data', 'stage', 'tensor'):
-        size = mesh[axis]
-        count *= size if isinstance(size, int) and size > 0 else 1
-    return count
+    return keys.mesh_devices(mesh)
 
 
 def one_replica(config):
@@ -87,7 +84,7 @@ def one_replica(config):
     replica.train.global_batch = config.train.global_batch // config.mesh.data
     replica.train.rampup.start = 0
     replica.mesh.data = 1
-    return config_lib.resolve(replica, config.mesh.stage * config.mesh.tensor)
+    return config_lib.resolve(replica, keys.mesh_devices(replica.mesh))
 
 
 def set_cpu_flags(devices):
@@ -148,8 +145,7 @@ def main(argv):
             f'several processes with launch/spawn.py to compile it all); over data the '
             f'plan\'s figures stand'
         )
-    mesh = compiled_config.mesh
-    total = mesh.data * mesh.stage * mesh.tensor
+    total = keys.mesh_devices(compiled_config.mesh)
     if total % processes:
         fail(f'--num_processes {processes} does not divide the {total} devices of the layout')
     set_cpu_flags(total // processes)
@@ -204,7 +200,7 @@ def plan_for_gpu(args, config):
 
     per_node = CLUSTERS[args.target].gpus_per_node
     mesh = config.mesh
-    total = mesh.data * mesh.stage * mesh.tensor
+    total = keys.mesh_devices(mesh)
     if per_node % mesh.tensor or (total > per_node and total % per_node):
         fail(
             f'mesh.tensor {mesh.tensor} with {total} devices: {args.target} nodes hold '

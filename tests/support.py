@@ -15,7 +15,7 @@ import numpy as np
 
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.parallel import stage_order
-from mtnlg_jax.parallel.mesh import make_mesh
+from mtnlg_jax.parallel.mesh import mesh_from_config
 from mtnlg_jax.train import state as state_lib
 from mtnlg_jax.data import batch as batch_lib
 from mtnlg_jax.train import step as step_lib
@@ -86,8 +86,7 @@ def plan_config(name):
 
 def layout(config):
     """Mesh (on the first devices) and train setup of a resolved config."""
-    shape = (config.mesh.data, config.mesh.stage, config.mesh.tensor)
-    mesh = make_mesh(*shape)
+    mesh = mesh_from_config(config)
     return mesh, state_lib.make_setup(config, mesh)
 
 

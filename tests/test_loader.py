@@ -110,7 +110,7 @@ def test_a_restart_from_a_consumed_count_continues_with_the_same_batches(sources
 
 
 def test_each_process_reads_only_the_rows_of_its_own_shards():
-    mesh = make_mesh(4, 1, 2)
+    mesh = make_mesh(data=4, tensor=2)
     shape = (2, 8, SEQ_LEN + 1)  # 2 micro-steps x 8 rows: 2 rows per data replica per micro-step
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, 'data', None))
     # Two processes of 4 devices each: process p holds data replicas 2p and 2p + 1.
@@ -132,7 +132,7 @@ def test_a_reader_error_surfaces_in_the_training_loop(sources):
         def read(self, indices):
             raise OSError('disk gone')
 
-    batches = loader_lib.TrainBatches(config, Broken(), make_mesh(4, 1, 2), 0)
+    batches = loader_lib.TrainBatches(config, Broken(), make_mesh(data=4, tensor=2), 0)
     with pytest.raises(OSError, match='disk gone'):
         next(batches)
     batches.close()

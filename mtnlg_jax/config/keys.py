@@ -52,6 +52,19 @@ FAULT = 'fault drill (0: never); docs/faults.md'
 KEYS = (
     Key('mesh.data', -1, 'any', 'data-parallel replicas; -1: the devices the others leave'),
     Key('mesh.stage', 1, 'any', 'pipeline stages; -1 as mesh.data'),
+    Key(
+        'mesh.expert',
+        1,
+        'any',
+        'expert-parallel ranks (MoE experts; no model has experts yet, so only 1); -1 as mesh.data',
+    ),
+    Key(
+        'mesh.context',
+        1,
+        'any',
+        'context-parallel ranks (sequence chunks; no layer splits the sequence over it yet, so '
+        'only 1); -1 as mesh.data',
+    ),
     Key('mesh.tensor', 1, 'any', 'tensor-parallel ranks; -1 as mesh.data'),
     Key('pipeline.repeats', 1, 'int>0', 'chunks per stage (v; > 1: interleaved)'),
     Key(
@@ -349,6 +362,17 @@ KEYS = (
     ),
 )
 BY_NAME = {key.name: key for key in KEYS}
+# The device mesh's axes, outermost first: the mesh.* rows in their order. Placed by the bytes
+# each moves (parallel/mesh.py lays them over the nodes; parallel/rules.py maps logical names
+# onto them); kept here, where the command line reads them before JAX is imported.
+MESH_AXES = tuple(key.name.partition('.')[2] for key in KEYS if key.name.startswith('mesh.'))
+
+
+def mesh_devices(mesh):
+    """The devices a config's mesh section covers: its axes' sizes multiplied, a size that is
+    not a positive integer (-1, to be filled) counted as 1."""
+    sizes = (mesh[axis] for axis in MESH_AXES)
+    return math.prod(s if isinstance(s, int) and s > 0 else 1 for s in sizes)
 
 
 def choices(name):

@@ -6,7 +6,7 @@ takes a config accepts any key on the command line as `--config.KEY=VALUE` (mtnl
 `resolve()` checks each section against the device count before anything is built and derives
 what follows from the inputs:
 
-  mesh.{data,stage,tensor}  -1 filled with the devices the other axes leave
+  mesh.*                    -1 filled with the devices the other axes leave
   model.ffn_hidden          0 -> 4 x hidden (GeLU), 8/3 x hidden up to model.ffn_multiple
                             (SwiGLU, Llama's rule)
   model.padded_vocab        vocab_size rounded up to a multiple of 128 x tensor (Megatron's rule)
@@ -45,8 +45,9 @@ def defaults():
 
 
 def resolve_mesh(mesh, num_devices):
-    """(data, stage, tensor) with a -1 filled; ConfigError if they do not cover num_devices."""
-    sizes = {axis: mesh[axis] for axis in ('data', 'stage', 'tensor')}
+    """{axis: size} of every mesh axis (keys.MESH_AXES, outermost first) with a -1 filled;
+    ConfigError naming the key if a size is bad or they do not cover num_devices."""
+    sizes = {axis: mesh[axis] for axis in keys.MESH_AXES}
     for axis, size in sizes.items():
         _require(
             isinstance(size, int) and (size > 0 or size == -1),
@@ -68,19 +69,32 @@ def resolve_mesh(mesh, num_devices):
         )
         sizes[fill[0]] = num_devices // known
     product = math.prod(sizes.values())
+    shown = [axis for axis, size in sizes.items() if size != 1] or list(sizes)
     _require(
         product == num_devices,
         'mesh',
-        f'data x stage x tensor = {sizes["data"]} x {sizes["stage"]} x {sizes["tensor"]} = '
-        f'{product}, but there are {num_devices} devices',
+        f'{" x ".join(shown)} = {" x ".join(str(sizes[a]) for a in shown)} = {product}, but '
+        f'there are {num_devices} devices',
     )
     return sizes
 
 
+UNUSED_MESH_AXES = ('expert', 'context')  # no rule of parallel/rules.py splits over them yet
+
+
+def check_mesh_in_use(mesh):
+    """ConfigError on a mesh axis that no layer splits over yet (mesh.context: the sequence;
+    mesh.expert: MoE experts) if it is above 1: its devices would repeat each other's work."""
+    for axis in UNUSED_MESH_AXES:
+        _require(
+            mesh[axis] == 1,
+            f'mesh.{axis}',
+            f'must be 1 (got {mesh[axis]}): no layer splits over the {axis} axis yet',
+        )
+
+
 DERIVED_KEYS = (
-    'mesh.data',
-    'mesh.stage',
-    'mesh.tensor',
+    *(f'mesh.{axis}' for axis in keys.MESH_AXES),
     'model.ffn_hidden',
     'model.padded_vocab',
     'model.loss_chunks',
@@ -120,6 +134,7 @@ def resolve(config, num_devices):
     inputs = absolute_paths(_with_defaults(inputs_of(config)))
     config = ml_collections.ConfigDict(inputs.to_dict())
     config.mesh.update(resolve_mesh(config.mesh, num_devices))
+    check_mesh_in_use(config.mesh)
     check_model(config)
     check_train(config)
     check_data(config.data)
@@ -141,6 +156,7 @@ def resolve_model(config, num_devices):
     inputs = absolute_paths(_with_defaults(inputs_of(config)))
     config = ml_collections.ConfigDict(inputs.to_dict())
     config.mesh.update(resolve_mesh(config.mesh, num_devices))
+    check_mesh_in_use(config.mesh)
     check_model(config)
     config.inputs = inputs
     return config

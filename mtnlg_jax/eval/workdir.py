@@ -11,7 +11,6 @@ their bytes, stay on disk.
 
 import contextlib
 import dataclasses
-import math
 import os
 
 import jax
@@ -21,6 +20,7 @@ from flax import nnx
 
 from mtnlg_jax.checkpoint import store as checkpoint_lib
 from mtnlg_jax import config as config_lib
+from mtnlg_jax.config.keys import mesh_devices
 from mtnlg_jax.model import gpt
 from mtnlg_jax.parallel import rules
 from mtnlg_jax.parallel.mesh import mesh_from_config
@@ -160,8 +160,7 @@ def load(workdir, step=None, data=None, tensor=None, dtype=None):
     if dtype is not None:
         config.model.compute_dtype = dtype
     step = checkpoint_step(workdir, step)
-    shape = (config.mesh.data, config.mesh.stage, config.mesh.tensor)
-    if jax.process_count() > 1 and math.prod(shape) != jax.device_count():
+    if jax.process_count() > 1 and mesh_devices(config.mesh) != jax.device_count():
         raise WorkdirError(  # every process must hold part of the mesh it runs
             f'{jax.process_count()} processes: the mesh must use all {jax.device_count()} '
             f'devices, but --data_parallel x --tensor = {config.mesh.data} x '

@@ -1,9 +1,17 @@
 """Logical axis names -> mesh axes: the one place that knows the mesh.
 
+The mesh's axes are MESH_AXES, outermost first: the config's mesh.* keys in the key table's
+order (config/keys.py, which the command line reads before JAX is imported), laid over the
+devices by parallel/mesh.py:
+
+    MESH_AXES     data   stage   expert   context   tensor
+    REPLICA_AXES  data                                        the batch, ZeRO-1, the train
+                                                              step's per-replica region
+
 The model names every parameter dimension and every large activation dimension logically
 (`batch`, `embed`, `heads`, ...). This table turns those names into a PartitionSpec over the
-mesh ('data', 'stage', 'tensor'); changing the parallel layout means changing this table,
-never the model. The tensor-parallel rows are Megatron's:
+mesh; changing the parallel layout means changing this table, never the model. The
+tensor-parallel rows are Megatron's:
 
     QKV kernel     (embed, qkv, heads, head_dim)   heads  -> tensor   column parallel
     (GQA: Q kernel (embed, heads, head_dim), KV kernel (embed, qkv, kv_heads, head_dim):
@@ -18,7 +26,24 @@ never the model. The tensor-parallel rows are Megatron's:
                                                                       tied output layer and the
                                                                       cross-entropy stay on the
                                                                       vocabulary shards
-    activations    (batch, ...)                    batch  -> data
+    activations    (batch, ...)                    batch  -> REPLICA_AXES (data)
+
+The replica axes are those the batch's rows and ZeRO-1's shards split over: the train step's
+region is manual over them (train/step.py), and the loss and token psum and the gradient
+reduce-scatter run over them (parallel/zero.py). Two axes have no rule yet:
+  expert   for every parameter but an MoE layer's experts, expert ranks are data-parallel
+           replicas, so the MoE issue adds 'expert' to REPLICA_AXES (after 'data', the
+           mesh's order). At size 1 that compiles to the same train and eval steps
+           (bench/hlo_diff.py), but it spells every replica split ('data', 'expert'), so
+           these come with it: the specs the tests hold (('tensor', 'data') and the like),
+           plan/arithmetic.py's and zero.py's reading of them, the expert parameters' own
+           rules (their experts' dimension over 'expert', ZeRO-1 over 'data' alone), and the
+           replica count as data x expert wherever mesh.data is read as it (config/checks.py,
+           data/loader.py, train/, launch/plan.py, plan/comm.py and predict.py).
+  context  splits the sequence, not the batch: never a replica axis. Context parallelism
+           maps `seq` (and the residual stream's `residual_seq`) to 'context' here, and
+           all-gathers keys and values over it in attention.
+Until then config/resolve.py holds both at 1.
 
 Sequence parallelism (Korthikanti et al. 2022; `model.sequence_parallel`): the residual
 stream, where layer norms, dropout and residual adds run, names its sequence dimension
@@ -32,8 +57,8 @@ sequence shards and gathers the sequence again before each column-parallel matmu
                                                reduce-scatter after attn-out / MLP-out
 
 ZeRO-1: optimizer state (fp32 master weights and Adam moments) is additionally split over
-'data' along its first whole dimension that divides evenly, else along a split dimension that
-still divides (`zero_spec`).
+the replica axes along its first whole dimension that divides evenly, else along a split
+dimension that still divides (`zero_spec`).
 """
 
 import contextlib
@@ -43,8 +68,22 @@ import math
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from mtnlg_jax.config import keys
+
+MESH_AXES = keys.MESH_AXES
+REPLICA_AXES = ('data',)
+STAGE_AXIS = 'stage'
+
+
+def _entry(names):
+    """One PartitionSpec entry of a tuple of mesh axes: a single axis by its name."""
+    return names[0] if len(names) == 1 else tuple(names)
+
+
+REPLICAS = _entry(REPLICA_AXES)  # the entry of a dimension split over the replicas
+
 LOGICAL_RULES = (
-    ('batch', 'data'),
+    ('batch', REPLICAS),
     ('vocab', 'tensor'),
     ('heads', 'tensor'),
     ('kv_heads', 'tensor'),  # grouped-query attention: mesh.tensor divides model.kv_heads
@@ -63,10 +102,8 @@ LOGICAL_RULES = (
     ('handoff_seq', 'tensor'),  # activations between pipeline stages, split as Megatron's
 )
 SEQUENCE_PARALLEL_RULES = (('residual_seq', 'tensor'),)
-DATA_AXIS = 'data'
-ZERO_AXIS = DATA_AXIS  # ZeRO-1 splits the optimizer state over the data-parallel replicas
-STAGE_AXIS = 'stage'
-STAGE_ZERO_AXES = (STAGE_AXIS, ZERO_AXIS)  # ZeRO-1 of what every stage holds (state_spec)
+DATA_AXIS = ZERO_AXIS = REPLICAS  # ZeRO-1 splits the optimizer state over the replicas
+STAGE_ZERO_AXES = (STAGE_AXIS, *REPLICA_AXES)  # ZeRO-1 of what every stage holds (state_spec)
 
 _RULES = dict(LOGICAL_RULES)
 _ACTIVE_RULES = contextvars.ContextVar('mtnlg_jax_logical_rules', default=_RULES)
@@ -167,11 +204,17 @@ def _without(axes, dropped):
     return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
+def replicas(mesh_shape):
+    """How many replicas a mesh of `mesh_shape` ({axis: size}) has: its REPLICA_AXES' sizes
+    multiplied (an axis it lacks counts 1)."""
+    return math.prod(mesh_shape.get(a, 1) for a in REPLICA_AXES)
+
+
 def zero_spec(spec, shape, mesh_shape, axis_name=ZERO_AXIS, whole_only=False):
-    """`spec` with 'data' (or `axis_name`, one mesh axis or a tuple of them) added for ZeRO-1:
-    on the first whole dimension that its size divides, else (unless whole_only) on the first
-    split dimension that still divides evenly (e.g. an MLP bias split over tensor becomes split
-    over (tensor, data)); else left as it is."""
+    """`spec` with the replica axes (or `axis_name`, one mesh axis or a tuple of them) added
+    for ZeRO-1: on the first whole dimension that its size divides, else (unless whole_only)
+    on the first split dimension that still divides evenly (e.g. an MLP bias split over
+    tensor becomes split over (tensor, data)); else left as it is."""
     names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
     data_size = math.prod(mesh_shape[a] for a in names)
     if data_size == 1:
@@ -194,12 +237,13 @@ def zero_spec(spec, shape, mesh_shape, axis_name=ZERO_AXIS, whole_only=False):
 def state_spec(spec, shape, mesh_shape):
     """The spec of a parameter's fp32 state (master copy and moments): the rule table's plus
     ZeRO-1's split. A parameter every pipeline stage holds (embeddings, head, final norm: no
-    'stage' in its spec) is split over ('stage', 'data') together where a whole dimension
-    allows: each stage sums only its own share of its gradients, and one reduce-scatter over
-    both axes lands them (parallel/zero.py), instead of an all-reduce over 'stage' first."""
+    'stage' in its spec) is split over ('stage', *REPLICA_AXES) together where a whole
+    dimension allows: each stage sums only its own share of its gradients, and one
+    reduce-scatter over both axes lands them (parallel/zero.py), instead of an all-reduce over
+    'stage' first."""
     if (
         mesh_shape.get(STAGE_AXIS, 1) > 1
-        and mesh_shape.get(ZERO_AXIS, 1) > 1
+        and replicas(mesh_shape) > 1
         and not any(STAGE_AXIS in _names(axes) for axes in spec)
     ):
         joint = zero_spec(spec, shape, mesh_shape, STAGE_ZERO_AXES, whole_only=True)

@@ -1,4 +1,5 @@
-"""ZeRO-1's two collectives over 'data', written out rather than left to the partitioner.
+"""ZeRO-1's two collectives over the replicas (rules.REPLICA_AXES: 'data', named so below),
+written out rather than left to the partitioner.
 
     fp32 master shard --cast--> compute-dtype shard --all-gather over data--> compute copy
     fp32 gradient sums of each replica --reduce-scatter over data--> fp32 gradient shard
@@ -30,7 +31,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from mtnlg_jax.parallel.rules import STAGE_AXIS, STAGE_ZERO_AXES, ZERO_AXIS, constrain_spec
+from mtnlg_jax.parallel.rules import (
+    REPLICA_AXES,
+    STAGE_AXIS,
+    STAGE_ZERO_AXES,
+    ZERO_AXIS,
+    constrain_spec,
+    replicas,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +51,7 @@ class ShardLayout:
     before: tuple = ()
     groups: int = 1
     data: int = 1
-    axes: tuple = (ZERO_AXIS,)  # the mesh axes of the split: ('stage', 'data') together too
+    axes: tuple = REPLICA_AXES  # the mesh axes of the split: ('stage', 'data') together too
 
     def view(self, x, offset=0):
         """x (with `offset` leading axes before the leaf's own) with dimension `dim` reshaped
@@ -78,23 +86,24 @@ def layouts(zero_shardings):
         for dim, axes in enumerate(spec):
             axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
             if axes == STAGE_ZERO_AXES:
-                data = sizes[STAGE_AXIS] * sizes[ZERO_AXIS]
+                data = sizes[STAGE_AXIS] * replicas(sizes)
                 return ShardLayout(spec, dim, data=data, axes=STAGE_ZERO_AXES)
-            if ZERO_AXIS in axes:
-                before = axes[: axes.index(ZERO_AXIS)]
+            if REPLICA_AXES[0] in axes:  # the replica axes follow those that split `groups`
+                before = axes[: axes.index(REPLICA_AXES[0])]
                 groups = 1
                 for axis in before:
                     groups *= sizes[axis]
-                return ShardLayout(spec, dim, before, groups, sizes[ZERO_AXIS])
+                return ShardLayout(spec, dim, before, groups, replicas(sizes))
         return ShardLayout(spec, None)
 
     return jax.tree.map(layout, zero_shardings)
 
 
 def psum(x):
-    """Inside a region manual over 'data': the sum over replicas (XLA rejects a
-    cross-device sum over a mesh axis of size 1, so that case returns x)."""
-    return x if jax.lax.axis_size(ZERO_AXIS) == 1 else jax.lax.psum(x, ZERO_AXIS)
+    """Inside a region manual over the replica axes: the sum over replicas (XLA rejects a
+    cross-device sum over mesh axes of size 1, so that case returns x)."""
+    sizes = {axis: jax.lax.axis_size(axis) for axis in REPLICA_AXES}
+    return x if replicas(sizes) == 1 else jax.lax.psum(x, ZERO_AXIS)
 
 
 def _specs(layout_tree, **kwargs):

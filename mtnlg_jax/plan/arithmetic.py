@@ -51,7 +51,8 @@ param_count = counts.param_count  # the model's own count (model/counts.py)
 
 
 def mesh_sizes(config):
-    return dict(data=config.mesh.data, stage=config.mesh.stage, tensor=config.mesh.tensor)
+    """{axis: size} of a resolved config's mesh, every axis (rules.MESH_AXES)."""
+    return {axis: config.mesh[axis] for axis in rules.MESH_AXES}
 
 
 def abstract_params(model_cfg):

@@ -18,6 +18,7 @@ fractions fitted on published step times, the bubble from the engine's own table
 
 import dataclasses
 
+from mtnlg_jax.config.keys import mesh_devices
 from mtnlg_jax.parallel import engine as engine_lib
 from mtnlg_jax.plan import predict
 from mtnlg_jax.plan.arithmetic import GIGA
@@ -75,7 +76,7 @@ def estimate(cluster, config, per_device_total, hardware_flops, comm):
     per_device_total: planned bytes per device; hardware_flops: Megatron FLOPs per step (the
     whole global batch); comm: comm_bytes_per_device's {kind: {axis: bytes}}."""
     mesh = config.mesh
-    devices = mesh.data * mesh.stage * mesh.tensor
+    devices = mesh_devices(mesh)
     peak = cluster.peak_tflops.get(config.model.compute_dtype)
     compute_s = hardware_flops / devices / (peak * 1e12)
     tensor_link = (

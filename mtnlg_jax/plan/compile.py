@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from mtnlg_jax.data import loader as loader_lib
-from mtnlg_jax.parallel.mesh import make_mesh
+from mtnlg_jax.config.keys import mesh_devices
+from mtnlg_jax.parallel.mesh import mesh_from_config
 from mtnlg_jax.train.state import make_setup
 from mtnlg_jax.train.step import make_eval_step, make_train_step
 
@@ -61,15 +62,15 @@ def abstract_state(setup):
 
 
 def layout(config, devices=None):
-    """(mesh, setup) of a resolved config on the first data x stage x tensor devices."""
-    count = config.mesh.data * config.mesh.stage * config.mesh.tensor
+    """(mesh, setup) of a resolved config on the first devices its mesh covers."""
+    count = mesh_devices(config.mesh)
     devices = jax.devices()[:count] if devices is None else devices
     if len(devices) < count:
         raise ValueError(
             f'the mesh needs {count} devices, {len(devices)} are available '
             f'(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={count})'
         )
-    mesh = make_mesh(config.mesh.data, config.mesh.stage, config.mesh.tensor, devices=devices)
+    mesh = mesh_from_config(config, devices=devices)
     return mesh, make_setup(config, mesh)
 
 

@@ -15,6 +15,7 @@ its default GEMM and fusion configurations rather than the fastest measured ones
 import contextlib
 import os
 
+from mtnlg_jax.config.keys import mesh_devices
 from mtnlg_jax.xla.gpu_compile import TARGETS
 
 TARGET_FILES = {'a100-80gb': 'a100_sxm_80.txtpb', 'h100-80gb': 'h100_sxm.txtpb'}
@@ -73,8 +74,7 @@ def compile_train_step(config, target, gpus_per_node=8):
     `target` devices as its mesh has (plan/compile.py's compile_train_step on them)."""
     from mtnlg_jax.plan import compile as compile_lib  # noqa: PLC0415 (imports JAX)
 
-    mesh = config.mesh
-    found = devices(target, mesh.data * mesh.stage * mesh.tensor, gpus_per_node)
+    found = devices(target, mesh_devices(config.mesh), gpus_per_node)
     with compiling_for(found):
         compiled, _, info = compile_lib.compile_train_step(config, devices=found)
     return compiled, info

@@ -242,12 +242,10 @@ def cpu_devices(count):
 def mesh_device_count(mesh, fill=8):
     """Devices a config's mesh section asks for; an axis of -1 fills `fill` devices (rounded up
     to a multiple of the other axes)."""
-    sizes = [mesh[axis] for axis in ('data', 'stage', 'tensor')]
-    known = 1
-    for size in sizes:
-        if isinstance(size, int) and size > 0:
-            known *= size
-    if -1 in sizes:
+    from mtnlg_jax.config import keys
+
+    known = keys.mesh_devices(mesh)
+    if any(mesh[axis] == -1 for axis in keys.MESH_AXES):
         return max(known, -(-fill // known) * known)
     return known
 

@@ -25,9 +25,10 @@
     master -= lr(tokens_seen) * update
     (kept as it was if the loss or the gradient norm is not finite)
 
-Gradients are summed in fp32 across micro-steps, pipeline iterations and replicas. The global
-batch arrives as (micro_steps, global_batch / micro_steps, seq + 1) with the second axis split
-over 'data': each replica sees micro_batch sequences per micro-step.
+'data' above stands for the replica axes (rules.REPLICA_AXES). Gradients are summed in fp32
+across micro-steps, pipeline iterations and replicas. The global batch arrives as
+(micro_steps, global_batch / micro_steps, seq + 1) with the second axis split over 'data':
+each replica sees micro_batch sequences per micro-step.
 """
 
 import jax
@@ -102,7 +103,7 @@ def gradients_and_values(config, setup, params, tokens, row_ids, step, buffers=N
             )
         grads = buffers_lib.without(grads, model_state[1])
         totals = zero.psum(jnp.stack([loss_sum, token_count]))
-        values = side.over_axis(declared, values, rules.DATA_AXIS)
+        values = side.over_axis(declared, values, rules.REPLICAS)
         grads = rules.constrain_tree(grads, grad_axes)
         return totals, values, jax.tree.map(lambda g: g[None], grads)  # stacked over replicas
 
@@ -111,7 +112,7 @@ def gradients_and_values(config, setup, params, tokens, row_ids, step, buffers=N
         (
             PartitionSpec(),
             {name: PartitionSpec() for name in declared},
-            PartitionSpec(rules.DATA_AXIS),
+            PartitionSpec(rules.REPLICAS),
         ),
         (compute_params, buffers),
         tokens,
@@ -146,7 +147,8 @@ def _stage_shares(config, params):
 
 
 def _over_replicas(per_replica, out_specs, model_state, tokens, *per_row):
-    """per_replica(model_state, tokens, *per_row) in a region manual over 'data': each
+    """per_replica(model_state, tokens, *per_row) in a region manual over the replica axes
+    (rules.REPLICA_AXES; a context axis would stay automatic: it splits the sequence): each
     replica its own rows of tokens (micro_steps, rows, seq + 1) and of per_row (micro_steps,
     rows), the whole of model_state (the compute copy and the buffers)."""
     batch_spec = rules.logical_to_spec(BATCH_AXES)
@@ -155,7 +157,7 @@ def _over_replicas(per_replica, out_specs, model_state, tokens, *per_row):
         per_replica,
         in_specs=(PartitionSpec(), batch_spec) + (row_spec,) * len(per_row),
         out_specs=out_specs,
-        axis_names={rules.DATA_AXIS},
+        axis_names=set(rules.REPLICA_AXES),
         check_vma=False,  # gradients stay per replica: no implicit psum in the transpose
     )(model_state, tokens, *per_row)
 
