@@ -97,6 +97,9 @@ ENTRY %main (p0: (s32[], f32[4,8], f32[8,16]), p1: bf16[6,8]) -> f32[4,8] {
   %cps = (f32[4,8]{1,0}, f32[4,8]{1,0}, u32[], u32[]) collective-permute-start(%r), channel_id=8, source_target_pairs={{0,1},{1,0}}
   %cpd = f32[4,8]{1,0} collective-permute-done(%cps)
   %ars = f32[4,8]{1,0} all-reduce-start(%cpd), channel_id=9, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %sizes = s64[2]{0} constant({0, 4})
+  %r2a = ((f32[4,8]{1,0}, f32[4,8]{1,0}, s64[2]{0}, s64[2]{0}, s64[2]{0}, /*index=5*/s64[2]{0}), f32[4,8]{1,0}) ragged-all-to-all-start(%r, %r, %sizes, %sizes, %sizes, /*index=5*/%sizes), channel_id=10, replica_groups={{0,1},{2,3},{4,5},{6,7}}
+  %r2ad = f32[4,8]{1,0} ragged-all-to-all-done(%r2a)
   ROOT %ard = f32[4,8]{1,0} all-reduce-done(%ars)
 }
 """
@@ -108,7 +111,7 @@ def _by_name(inventory):
 
 def test_inventory_of_a_hand_written_module():
     ops = _by_name(hlo.collective_inventory(MODULE, MESH))
-    assert set(ops) == {'ar', 'ags', 'rs', 'perm', 'a2a', 'sub', 'every', 'cps', 'ars'}
+    assert set(ops) == {'ar', 'ags', 'rs', 'perm', 'a2a', 'sub', 'every', 'cps', 'ars', 'r2a'}
     expected = {  # name: (kind, axes, bytes, count, in_loop, wire bytes per run)
         'ar': ('all-reduce', ('tensor',), 128, 15, True, 128.0),
         'ags': ('all-gather', ('data',), 128, 15, True, 64.0),
@@ -119,6 +122,8 @@ def test_inventory_of_a_hand_written_module():
         'every': ('all-reduce', ('data', 'stage', 'tensor'), 12, 1, False, 2 * 7 / 8 * 12),
         'cps': ('collective-permute', ('tensor',), 128, 1, False, 128.0),
         'ars': ('all-reduce', ('data', 'stage', 'tensor'), 128, 1, False, 2 * 7 / 8 * 128),
+        # its output buffer, as if full: the sizes it sends are known only when it runs
+        'r2a': ('ragged-all-to-all', ('tensor',), 128, 1, False, 64.0),
     }  # -done halves are not counted again
     for name, (kind, axes, size, count, in_loop, wire) in expected.items():
         op = ops[name]

@@ -3,7 +3,8 @@ axes, how many times per step.
 
     compiled.as_text()  ->  computations  ->  call graph from ENTRY (while bodies x trip count)
                         ->  every all-reduce / all-gather / reduce-scatter / collective-permute
-                            / all-to-all: result shape, replica groups -> mesh axes, runs/step
+                            / all-to-all / ragged-all-to-all: result shape, replica groups ->
+                            mesh axes, runs/step
 
 The module's text is read by hlo_module.py (computations, runs per step, weighted conditional
 branches); this file maps replica groups to mesh axes and sizes what each collective sends.
@@ -40,7 +41,10 @@ from mtnlg_jax.plan.hlo_module import (
     shape_bytes,
 )
 
-COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'collective-permute', 'all-to-all')
+COLLECTIVES = (
+    'all-reduce', 'all-gather', 'reduce-scatter', 'collective-permute', 'all-to-all',
+    'ragged-all-to-all',
+)  # fmt: skip
 _IOTA_GROUPS = re.compile(r'replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?')
 
 
@@ -192,11 +196,14 @@ def collective_inventory(hlo_text, mesh, branch_weights=None):
     """Every collective of an optimized HLO module (`compiled.as_text()`), one dict each:
 
         kind         'all-reduce' | 'all-gather' | 'reduce-scatter' | 'collective-permute'
-                     | 'all-to-all' (async -start/-done pairs count once, as the start)
+                     | 'all-to-all' | 'ragged-all-to-all' (async -start/-done pairs count
+                     once, as the start)
         axes         tuple of mesh axis names the replica groups (or permute pairs) span, in
                      mesh order; () when every group is a single device
         bytes        bytes per device of the full buffer: the result of an all-reduce,
-                     all-gather, permute or all-to-all, the operand of a reduce-scatter
+                     all-gather, permute or all-to-all, the operand of a reduce-scatter; a
+                     ragged all-to-all's output buffer, as if full (what it sends is known
+                     only when it runs: an upper bound)
         count        runs per step: product of the enclosing while loops' trip counts
         in_loop      True if some enclosing computation is a while body
         wire_bytes   bytes one device sends per run (ring algorithms, see `wire_bytes`)
