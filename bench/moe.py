@@ -14,6 +14,9 @@ them, forward and with its gradients (x and the expert weights). The active work
     blocks      dropless in blocks of --block rows: each expert's rows padded to whole
                 blocks, a scan over blocks each multiplying its expert's weights (megablocks'
                 layout without a kernel of its own)
+    grouped     model/grouped_matmul.py: the rows in tiles of --block, each tile one expert's,
+                a Pallas kernel reading each tile's expert weights in place (Triton on the
+                GPU; interpreted on the CPU, where its time says nothing)
     one_hot     the dense reference: every row through every expert, the k chosen kept
 
 Columns: compiled / active matmul FLOPs (plan/hlo_module.py's counter over the optimized HLO:
@@ -41,6 +44,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 from common import print_table  # noqa: E402
+from mtnlg_jax.model import grouped_matmul  # noqa: E402
 from mtnlg_jax.plan import hlo_module  # noqa: E402
 
 SHAPES = ((8, 2), (128, 8))  # (experts, top_k): Mixtral's, Qwen3-MoE's
@@ -82,6 +86,13 @@ def blocks(rows, weights, sizes, args):
     return out.reshape(count * block, -1)[index]
 
 
+def grouped(rows, weights, sizes, args):
+    layout = grouped_matmul.tile_layout(sizes, rows.shape[0], args.block)
+    tiled = grouped_matmul.to_tiles(rows, layout)
+    out = grouped_matmul.grouped_matmul(tiled, weights, layout, interpret=not args.on_gpu)
+    return grouped_matmul.from_tiles(out, layout)
+
+
 def one_hot(rows, weights, sizes, args):
     expert, _ = _expert_and_position(sizes, rows.shape[0])
     every = jnp.einsum('mk,ekn->men', rows, weights)
@@ -95,7 +106,9 @@ def _expert_and_position(sizes, count):
     return expert, jnp.arange(count) - (ends - sizes)[expert]
 
 
-WAYS = {'ragged': ragged, 'padded': padded, 'blocks': blocks, 'one_hot': one_hot}
+WAYS = {
+    'ragged': ragged, 'padded': padded, 'blocks': blocks, 'grouped': grouped, 'one_hot': one_hot,
+}  # fmt: skip
 
 
 def inputs(experts, top_k, args, dtype):
@@ -155,8 +168,8 @@ def cpu_rows(args):
             for program, work in zip(programs(way, args), (active, 3 * active)):
                 compiled = jax.jit(program).lower(*data).compile()
                 ratio, temp = measure(compiled, work)
-                speed = '(not run)'
-                if ratio * work <= args.max_gflop * 1e9:
+                speed = '(interpreted)' if way == 'grouped' else '(not run)'
+                if way != 'grouped' and ratio * work <= args.max_gflop * 1e9:
                     speed = f'{args.tokens * top_k / timed(compiled, data):,.0f}'
                 cells += [f'{ratio:.2f}', f'{temp / 2**20:.1f}', speed]
             rows.append(cells)
@@ -166,6 +179,7 @@ def cpu_rows(args):
 def gpu_rows(args):
     from mtnlg_jax.plan import gpu_target  # noqa: PLC0415
 
+    args.on_gpu = True
     devices = gpu_target.devices('h100-80gb', 1)
     sharding = NamedSharding(Mesh(devices, ('x',)), PartitionSpec())
     rows = []
@@ -193,6 +207,7 @@ def main():
     parser.add_argument('--max_gflop', type=float, default=100.0, help='run no larger on CPU')
     parser.add_argument('--gpu', action='store_true', help='also compile for one H100')
     args = parser.parse_args()
+    args.on_gpu = False
     shape = f'{args.tokens} tokens, hidden {args.hidden} -> ffn {args.ffn}'
     print_table(
         f'The grouped matmul on the CPU ({shape}, fp32; rows/s: tokens x top_k a second)',

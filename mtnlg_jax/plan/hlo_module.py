@@ -18,7 +18,7 @@ import collections
 import math
 import re
 
-from mtnlg_jax.model import flash_attention
+from mtnlg_jax.model import flash_attention, grouped_matmul
 
 DTYPE_BYTES = {
     'pred': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1, 'f8e4m3': 1, 'f8e5m2fnuz': 1,
@@ -280,6 +280,9 @@ _CUSTOM_TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _SCORES_SHAPE = re.compile(r'"intermediate_tensor_shape":\s*\{[^{}]*?"dimensions":\s*\[([^\]]*)\]')
 _PALLAS_KERNEL = re.compile(r'op_name="[^"]*?(\w+)\)*/pallas_call')
 _FIRST_OPERAND = re.compile(r'operand_layout_constraints=\{\s*\w+\[([^\]]*)\]')
+_OPERANDS = re.compile(
+    r'operand_layout_constraints=\{\s*\w+\[([^\]]*)\](?:\{[^}]*\})?,\s*\w+\[([^\]]*)\]'
+)
 
 
 def custom_call_target(instruction):
@@ -302,6 +305,26 @@ def attention_kernel_counts(hlo_text):
     calls = (_parse_instruction(line) for line in hlo_text.splitlines() if ' custom-call(' in line)
     kernels = (attention_kernel(call) for call in calls if call is not None)
     return dict(collections.Counter(k for k in kernels if k))
+
+
+def pallas_kernel(instruction):
+    """The name a Pallas kernel's Triton custom call was given (its op_name), else None."""
+    if custom_call_target(instruction) != '__gpu$xla.gpu.triton':
+        return None
+    match = _PALLAS_KERNEL.search(instruction.rest)
+    return match.group(1) if match else None
+
+
+def grouped_matmul_flops(instruction):
+    """FLOPs of one call of model/grouped_matmul.py's kernels: 2 x its tiles' rows x K x N,
+    every tile counted (the tiles it skips as unused included: an upper bound by at most one
+    tile an expert and the unused ones); 0 for any other instruction."""
+    kernel = pallas_kernel(instruction)
+    if kernel not in grouped_matmul.KERNELS:
+        return 0
+    first, second = (ints(dims) for dims in _OPERANDS.search(instruction.rest).groups())
+    width = second[-1] if kernel == grouped_matmul.WEIGHTS else _dims(instruction.type_text)[-1]
+    return 2 * math.prod(first) * width
 
 
 def fused_attention_flops(instruction):
@@ -334,7 +357,7 @@ def instruction_flops(instruction, types):
     if instruction.opcode == 'custom-call':
         target = custom_call_target(instruction) or ''
         if not target.startswith('__cublas$'):
-            return fused_attention_flops(instruction)
+            return fused_attention_flops(instruction) + grouped_matmul_flops(instruction)
         contracting = _GEMM_CONTRACTING.search(instruction.rest)
         result = split_top(instruction.type_text.strip()[1:-1])[0]
         if instruction.type_text.strip()[:1] != '(':
