@@ -215,3 +215,37 @@ def test_init_from_another_run_takes_its_buffers_with_its_parameters(toy_blocks,
     got = in_layer_order(config, jax.device_get(position.state['buffers']))
     assert_trees_close(got, jax.device_get(saved['buffers']), atol=0)
     assert 'initialised  parameters and buffers from step 3' in lines[0]
+
+
+def test_a_workdir_loads_for_evaluation_with_its_buffers(toy_blocks, tmp_path):
+    """eval/workdir.load reads the buffers beside the parameters (not the optimizer state), on
+    the inference mesh: the loaded model's loss is the train step's eval loss."""
+    from mtnlg_jax.eval import workdir as workdir_lib
+    from mtnlg_jax.run.rundir import RunDir
+
+    config = _config('unequal stages')
+    mesh, setup = layout(config)
+    checkpoints = checkpoint_lib.Checkpoints(tmp_path)
+    batch = random_batches(1)[0].astype(np.int32)
+    with jax.set_mesh(mesh):
+        state = state_lib.init_state(config, setup)
+        state['buffers'] = jax.tree.map(lambda b: b + 1.0, state['buffers'])  # not the init's
+        saved = state_lib.pipeline_order(config, setup, to='layer')(state)
+        checkpoints.save(3, saved, resume.checkpoint_meta(config, resume.fresh_counters()))
+        tokens, rows = batch_lib.place_batch(*batch_lib.to_micro_steps(batch, 4), mesh)
+        loss, count = step_lib.make_eval_step(config, setup)(
+            state['params'], tokens, state['buffers']
+        )
+    checkpoints.wait()
+    checkpoints.close()
+    RunDir(tmp_path).write_config(config.to_dict())
+
+    loaded = workdir_lib.load(tmp_path, data=2, tensor=2)
+    toy = jax.device_get(loaded.params['blocks']['toy'])
+    np.testing.assert_array_equal(toy, jax.device_get(saved['buffers']['blocks']['toy']))
+    with jax.set_mesh(loaded.mesh):
+        total, tokens_counted = jax.jit(
+            lambda p, b: gpt.loss_sum(gpt.merge(loaded.graphdef, p), b)
+        )(loaded.params, batch)
+    assert float(tokens_counted) == float(count)
+    np.testing.assert_allclose(float(total), float(loss), rtol=1e-5)

@@ -290,11 +290,16 @@ class Checkpoints:
         """The parameters alone of `step`, laid out as `abstract_params` says: evaluation,
         generation and export leave the optimizer moments (twice the parameters' bytes) on
         disk. CheckpointError if they do not fit the model."""
-        with _quiet_orbax():
-            return self._restore_params(abstract_params, step)
+        return self.restore_parts(dict(params=abstract_params), step)['params']
 
-    def _restore_params(self, abstract_params, step):
-        self.check_fits(dict(params=abstract_params), step, partial=True)
+    def restore_parts(self, abstract_parts, step):
+        """The parts of the state `abstract_parts` names ({'params': ..., 'buffers': ...}), laid
+        out as it says, the rest left on disk; CheckpointError if they do not fit."""
+        with _quiet_orbax():
+            return self._restore_parts(abstract_parts, step)
+
+    def _restore_parts(self, target, step):
+        self.check_fits(target, step, partial=True)
         # The standard handler reads whole trees only; orbax's PyTree handler (same files)
         # reads the subtree asked for.
         reader = ocp.CheckpointManager(
@@ -302,7 +307,6 @@ class Checkpoints:
             options=ocp.CheckpointManagerOptions(create=False, read_only=True),
             item_handlers=dict(state=ocp.PyTreeCheckpointHandler()),
         )
-        target = dict(params=abstract_params)
         try:
             restored = reader.restore(
                 step,
@@ -316,7 +320,7 @@ class Checkpoints:
             )
         finally:
             reader.close()
-        return restored['state']['params']
+        return restored['state']
 
     def restore_newest(self, abstract_state, *, resizable=None):
         """(step, state, meta) of the newest checkpoint that reads, or None if there is none.

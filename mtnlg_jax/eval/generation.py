@@ -87,7 +87,7 @@ class Generator:
         """shape_bucket: prefill and cache lengths are multiples of it (1: exact)."""
         self.graphdef, self.params, self.cfg, self.mesh = graphdef, params, model_cfg, mesh
         self.shape_bucket = shape_bucket
-        self.dtype = jax.tree.leaves(params)[0].dtype
+        self.dtype = jnp.dtype(model_cfg.compute_dtype)  # the cache's (buffers are fp32)
         self._batch_sharding = NamedSharding(mesh, rules.logical_to_spec(('batch',)))
         self._seen_sharding = NamedSharding(mesh, rules.logical_to_spec(('batch', 'vocab')))
 

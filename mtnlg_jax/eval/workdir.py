@@ -5,8 +5,9 @@ layout. Inference picks its own layout (data x tensor, stage 1: the blocks are n
 for inference), resolves only the mesh and model sections of the run's inputs (its training
 batch, schedule and data settings play no part), keeps the checkpoint's padded vocabulary
 (it depends on the tensor size of the run that wrote it; a multiple of 128 x tensor divides
-over any tensor size up to 128), and reads the parameters alone: the optimizer moments, twice
-their bytes, stay on disk.
+over any tensor size up to 128), and reads the parameters alone, with the model's buffers
+where it has any (model/buffers.py: a router's bias routes at inference too): the optimizer
+moments, twice their bytes, stay on disk.
 """
 
 import contextlib
@@ -21,6 +22,7 @@ from flax import nnx
 from mtnlg_jax.checkpoint import store as checkpoint_lib
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.config.keys import mesh_devices
+from mtnlg_jax.model import buffers as buffers_lib
 from mtnlg_jax.model import gpt
 from mtnlg_jax.parallel import rules
 from mtnlg_jax.parallel.mesh import mesh_from_config
@@ -37,7 +39,8 @@ class LoadedModel:
     config: ml_collections.ConfigDict  # the run's config, with the inference mesh
     mesh: jax.sharding.Mesh
     graphdef: nnx.GraphDef
-    params: dict  # compute-dtype parameters laid out by the rule table
+    params: dict  # compute-dtype parameters laid out by the rule table, the model's buffers
+    # (fp32) beside them where it has any: what gpt.merge(graphdef, params) takes
     step: int
 
 
@@ -167,14 +170,22 @@ def load(workdir, step=None, data=None, tensor=None, dtype=None):
             f'{config.mesh.tensor}'
         )
     mesh = mesh_from_config(config)
-    graphdef, params_shapes, logical_axes = abstract_params(config, mesh.devices.flat[0])
+    abstract_model = nnx.eval_shape(
+        lambda: gpt.create(config.model, config.train.seed, mesh.devices.flat[0])
+    )
+    graphdef, params_shapes, logical_axes = gpt.split(abstract_model)
+    buffer_shapes, buffer_axes, _ = gpt.buffers(abstract_model)
     shardings = rules.compute_shardings(logical_axes, mesh)
-    target = checkpoint_lib.abstract_with_shardings(params_shapes, shardings)
+    parts = dict(params=checkpoint_lib.abstract_with_shardings(params_shapes, shardings))
+    if buffer_shapes:
+        buffer_shardings = rules.compute_shardings(buffer_axes, mesh)
+        parts['buffers'] = checkpoint_lib.abstract_with_shardings(buffer_shapes, buffer_shardings)
     with _reading(workdir, step) as checkpoints, jax.set_mesh(mesh):
-        params = checkpoints.restore_params(target, step)
+        restored = checkpoints.restore_parts(parts, step)
     dtype = jnp.dtype(config.model.compute_dtype)
     with jax.set_mesh(mesh):
         params = jax.jit(
             lambda p: jax.tree.map(lambda x: x.astype(dtype), p), out_shardings=shardings
-        )(params)
+        )(restored['params'])
+    params = buffers_lib.beside(params, restored.get('buffers', {}))
     return LoadedModel(config=config, mesh=mesh, graphdef=graphdef, params=params, step=step)
