@@ -9,6 +9,7 @@ pieces.py            the block on pieces of the sequence (model.sequence_pieces)
 flash_attention.py   the Pallas flash attention kernel (dropout, GQA, segment ids): its API
 flash_kernels.py     the flash kernel's Pallas bodies: forward, dK/dV, dQ
 grouped_matmul.py    a Pallas grouped matmul: each expert's rows times its own weights (MoE)
+fp8.py               matmuls in FP8: tensorwise, delayed and blockwise scaling
 gpt.py               the decoder (GPT-3 and Llama blocks): blocks stacked by layer, its pieces
                      for the engines
 loss.py              the vocabulary-parallel output layer and cross-entropy, fused

@@ -385,10 +385,32 @@ def dot_flops(hlo_text, branch_weights=None):
     computation (inside fusions and loop bodies alike; conditional branches weighted as in
     `collective_inventory`). XLA's cost_analysis() counts a while body once, whatever its trip
     count, and gives nothing for a GPU compile."""
+    return sum(matmul_flops_by_dtype(hlo_text, branch_weights).values())
+
+
+def matmul_flops_by_dtype(hlo_text, branch_weights=None):
+    """dot_flops split by what the matmuls multiply: {'bf16': ..., 'f8e4m3fn': ...,
+    'f8e5m2 x f8e4m3fn': ...}, a dot keyed by its operands' element types (one name when
+    they agree), a kernel call by its result's."""
     computations, entry = parse_module(hlo_text)
     counts, _ = execution_counts(computations, entry, branch_weights)
-    return sum(
-        computation_flops(instructions) * counts[name][0]
-        for name, instructions in computations.items()
-        if counts[name][0]
-    )
+    by_dtype = collections.Counter()
+    for name, instructions in computations.items():
+        runs = counts[name][0]
+        if not runs:
+            continue
+        types = {instruction.name: instruction.type_text for instruction in instructions}
+        for instruction in instructions:
+            flops = instruction_flops(instruction, types)
+            if flops:
+                by_dtype[_operand_dtypes(instruction, types)] += flops * runs
+    return dict(by_dtype)
+
+
+def _operand_dtypes(instruction, types):
+    """'a' or 'a x b': the element types a dot multiplies (a call: its result's)."""
+    if instruction.opcode != 'dot':
+        return ARRAY.search(instruction.type_text).group(1)
+    names = re.findall(r'%([\w.\-]+)', instruction.rest.split(')')[0])[:2]
+    dtypes = [ARRAY.search(types[n]).group(1) for n in names]
+    return dtypes[0] if dtypes[0] == dtypes[-1] else ' x '.join(dtypes)

@@ -1,0 +1,173 @@
+"""Matmuls in FP8: the inputs scaled into FP8's range, multiplied, the product scaled back.
+
+    y = x @ w          x (..., K) activations, w (K, N) weights; fp32 accumulation
+    forward            x, w -> e4m3 (3 mantissa bits, max 448)
+    backward           dy -> e5m2 (2 mantissa bits, max 57344: gradients span more range)
+                       dx = dy @ w^T, dw = x^T @ dy, from the same quantized x and w
+
+A scale maps a tensor's largest magnitude (its amax) to the format's largest value, so the
+values use the format's whole range: q = saturate(v x scale), v ~ q / scale. Recipes:
+
+    tensorwise   one scale a tensor, from this step's amax (current scaling)
+    delayed      x's and w's scales from amax values of earlier steps, passed in (the
+                 caller's history, e.g. a buffer: model/buffers.py); dy's current
+    blockwise    DeepSeek-V3's: x and dy by 1 x 128 tiles (a scale per row and 128 columns
+                 of K), w by 128 x 128 blocks; each K block's product scaled back before
+                 the blocks are summed in fp32
+
+Tensorwise and delayed are the dequantize-then-dot pattern XLA:GPU's GEMM rewriter turns into
+cuBLASLt FP8 GEMMs on Hopper (`__cublas$lt$matmul$f8`, the scales folded into the call);
+blockwise multiplies one K block at a time (a batched FP8 product, its scales applied
+outside). The input gradient and the weight gradient are separate products, so a schedule
+may run them apart.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+RECIPES = ('tensorwise', 'delayed', 'blockwise')
+BLOCK = 128  # blockwise: columns of an activation tile, the side of a weight block
+
+
+def largest(dtype):
+    return float(jnp.finfo(dtype).max)
+
+
+def scale_of(amax, dtype, margin=0):
+    """The factor mapping amax to the format's largest value / 2^margin (1 where amax is 0)."""
+    amax = jnp.asarray(amax, jnp.float32)
+    scale = largest(dtype) / (amax * 2.0**margin)
+    return jnp.where(amax > 0, scale, 1.0)
+
+
+def quantize(v, dtype, scale):
+    """v x scale, saturated to the format's range, in the format."""
+    limit = largest(dtype)
+    return jnp.clip(v.astype(jnp.float32) * scale, -limit, limit).astype(dtype)
+
+
+def amax(v):
+    return jnp.max(jnp.abs(v)).astype(jnp.float32)
+
+
+def matmul(x, w, recipe='tensorwise', scales=None, margin=0):
+    """x (..., K) @ w (K, N) in FP8 under `recipe` (RECIPES), in x's dtype. scales: delayed's
+    (x scale, w scale), from earlier steps' amax values (scale_of)."""
+    if recipe not in RECIPES:
+        raise ValueError(f'FP8 recipe {recipe!r}: one of {RECIPES}')
+    if recipe == 'delayed' and scales is None:
+        raise ValueError('the delayed FP8 recipe needs the scales of x and w')
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1])
+    scales = (jnp.float32(1.0), jnp.float32(1.0)) if scales is None else scales
+    out = _matmul(flat, w, scales, recipe, margin)
+    return out.reshape(*lead, w.shape[-1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _matmul(x, w, scales, recipe, margin):
+    return _forward(x, w, scales, recipe, margin)[0]
+
+
+def _forward(x, w, scales, recipe, margin):
+    if recipe == 'blockwise':
+        qx, sx = _tiles(x, E4M3, margin)
+        qw, sw = _blocks(w, margin)
+        return _blockwise_product(qx, sx, qw, sw, x.dtype), (qx, sx, qw, sw)
+    if recipe == 'delayed':
+        sx, sw = scales
+    else:
+        sx, sw = scale_of(amax(x), E4M3, margin), scale_of(amax(w), E4M3, margin)
+    qx, qw = quantize(x, E4M3, sx), quantize(w, E4M3, sw)
+    return _product(qx, sx, qw, sw, x.dtype), (qx, sx, qw, sw)
+
+
+def _matmul_fwd(x, w, scales, recipe, margin):
+    out, saved = _forward(x, w, scales, recipe, margin)
+    dtypes = jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype)  # the gradients' (as arrays)
+    return out, (saved, scales, dtypes)
+
+
+def _matmul_bwd(recipe, margin, residuals, dy):
+    (qx, sx, qw, sw), scales, (x_like, w_like) = residuals
+    x_dtype, w_dtype = x_like.dtype, w_like.dtype
+    zero_scales = jax.tree.map(jnp.zeros_like, scales)
+    if recipe == 'blockwise':
+        qdy, sdy = _tiles(dy, E5M2, margin)
+        dx = _blockwise_rows_gradient(qdy, sdy, qw, sw, x_dtype)
+        dw = _blockwise_weights_gradient(qx, sx, qdy, sdy, w_dtype)
+        return dx, dw, zero_scales
+    sdy = scale_of(amax(dy), E5M2, margin)
+    qdy = quantize(dy, E5M2, sdy)
+    dx = _product(qdy, sdy, qw.T, sw, x_dtype)  # the input's gradient
+    dw = _product(qx.T, sx, qdy, sdy, w_dtype)  # the weights' gradient, apart
+    return dx, dw, zero_scales
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def _product(qa, sa, qb, sb, dtype):
+    """(qa @ qb) / (sa sb): the FP8 operands into one dot accumulating in fp32, the scales
+    applied to its result (XLA:GPU compiles it to one FP8 GEMM, the scales folded in)."""
+    out = jnp.dot(qa, qb, preferred_element_type=jnp.float32)
+    return (out / (sa * sb)).astype(dtype)
+
+
+def _tiles(v, dtype, margin):
+    """v (M, K) quantized by 1 x BLOCK tiles: (q (M, K / B, B), scales (M, K / B, 1))."""
+    rows, cols = v.shape
+    tiled = v.reshape(rows, cols // _block(cols), _block(cols)).astype(jnp.float32)
+    scale = scale_of(jnp.max(jnp.abs(tiled), axis=-1, keepdims=True), dtype, margin)
+    return quantize(tiled, dtype, scale), scale
+
+
+def _blocks(w, margin):
+    """w (K, N) quantized by BLOCK x BLOCK blocks: (q (K / B, B, N / B, B), scales
+    (K / B, 1, N / B, 1))."""
+    k, n = w.shape
+    bk, bn = _block(k), _block(n)
+    blocked = w.reshape(k // bk, bk, n // bn, bn).astype(jnp.float32)
+    scale = scale_of(jnp.max(jnp.abs(blocked), axis=(1, 3), keepdims=True), E4M3, margin)
+    return quantize(blocked, E4M3, scale), scale
+
+
+def _block(size):
+    if size % BLOCK and size > BLOCK:
+        raise ValueError(f'blockwise FP8: a dimension of {size} is not a multiple of {BLOCK}')
+    return min(size, BLOCK)
+
+
+def _blockwise_product(qx, sx, qw, sw, dtype):
+    """sum over K blocks of (qx_k @ qw_k) / (sx_k sw_k): each block's FP8 product (a batched
+    FP8 matmul over the K blocks) scaled back in fp32 before the blocks are summed (the
+    per-block promotion DeepSeek-V3 does)."""
+    kb, b, nb, bn = qw.shape
+    per_block = jnp.einsum(
+        'mkb,kbn->kmn', qx, qw.reshape(kb, b, nb * bn), preferred_element_type=jnp.float32
+    )  # fmt: skip  (Kb, M, N)
+    x_scale = jnp.moveaxis(sx, 1, 0)  # (Kb, M, 1)
+    w_scale = jnp.repeat(sw.reshape(kb, 1, nb), bn, axis=-1)  # (Kb, 1, N)
+    return (per_block / (x_scale * w_scale)).sum(0).astype(dtype)
+
+
+def _blockwise_rows_gradient(qdy, sdy, qw, sw, dtype):
+    """dx (M, K) = dy (M, N) @ w^T, dy by 1 x B tiles over N, w by its blocks."""
+    dy = qdy.astype(jnp.float32) / sdy  # (M, Nb, B)
+    w = qw.astype(jnp.float32) / sw  # (Kb, B, Nb, B)
+    per_block = jnp.einsum('mnc,kbnc->nmkb', dy.astype(dtype), w.astype(dtype),
+                           preferred_element_type=jnp.float32)  # fmt: skip
+    out = per_block.sum(0)
+    return out.reshape(out.shape[0], -1).astype(dtype)
+
+
+def _blockwise_weights_gradient(qx, sx, qdy, sdy, dtype):
+    """dw (K, N) = x^T @ dy, both by their 1 x B tiles (their rows are the contracted ones)."""
+    x = (qx.astype(jnp.float32) / sx).reshape(qx.shape[0], -1)
+    dy = (qdy.astype(jnp.float32) / sdy).reshape(qdy.shape[0], -1)
+    return jnp.dot(x.T.astype(dtype), dy.astype(dtype), preferred_element_type=jnp.float32).astype(
+        dtype
+    )

@@ -1,0 +1,93 @@
+"""FP8 matmuls (model/fp8.py): each recipe's product and gradients within FP8's error of the
+fp32 ones, and really quantized; blockwise keeps an outlier to its own tile, where one
+tensorwise scale loses every other row; compiled for an H100, the forward and both gradients
+of tensorwise and delayed are FP8 GEMMs (e4m3 x e4m3, e5m2 x e4m3, e4m3 x e5m2)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtnlg_jax.model import fp8
+from mtnlg_jax.xla import gpu_compile
+
+M, K, N = 64, 256, 384
+FP8_ERROR = 0.06  # e4m3 keeps 3 mantissa bits: ~4 % RMS on a product, e5m2 (gradients) more
+
+
+def _inputs(outlier=None):
+    x = jax.random.normal(jax.random.key(0), (M, K))
+    if outlier is not None:
+        x = x.at[3, 5].set(outlier)
+    w = 0.05 * jax.random.normal(jax.random.key(1), (K, N))
+    return x, w
+
+
+def _delayed_scales(x, w):
+    return fp8.scale_of(fp8.amax(x), fp8.E4M3), fp8.scale_of(fp8.amax(w), fp8.E4M3)
+
+
+def _rms_error(got, want, rows=slice(None)):
+    got, want = np.asarray(got)[rows], np.asarray(want)[rows]
+    return float(np.sqrt(((got - want) ** 2).mean() / (want**2).mean()))
+
+
+@pytest.mark.parametrize('recipe', fp8.RECIPES)
+def test_each_recipe_is_the_fp32_product_within_fp8s_error_gradients_included(recipe):
+    x, w = _inputs()
+    scales = _delayed_scales(x, w) if recipe == 'delayed' else None
+    cotangent = jax.random.normal(jax.random.key(2), (M, N))
+    got, pull = jax.vjp(lambda a, b: fp8.matmul(a, b, recipe, scales), x, w)
+    want, pull_want = jax.vjp(lambda a, b: a @ b, x, w)
+    for g, e, bound in [
+        (got, want, 0.05),
+        *zip(pull(cotangent), pull_want(cotangent), (0.08,) * 2),
+    ]:
+        error = _rms_error(g, e)
+        assert 0.005 < error < bound  # quantized, and within the format's error
+
+
+def test_blockwise_keeps_an_outlier_to_its_tile():
+    x, w = _inputs(outlier=1e6)  # one scale for the tensor flushes the rest below e4m3's range
+    want = x @ w
+    others = np.arange(M) != 3
+    tensorwise = _rms_error(fp8.matmul(x, w, 'tensorwise'), want, others)
+    blockwise = _rms_error(fp8.matmul(x, w, 'blockwise'), want, others)
+    assert blockwise < FP8_ERROR < 0.5 < tensorwise
+
+
+def test_delayed_with_this_steps_amax_is_tensorwise_and_bad_recipes_are_refused():
+    x, w = _inputs()
+    delayed = fp8.matmul(x, w, 'delayed', _delayed_scales(x, w))
+    np.testing.assert_array_equal(delayed, fp8.matmul(x, w, 'tensorwise'))
+    with pytest.raises(ValueError, match='needs the scales'):
+        fp8.matmul(x, w, 'delayed')
+    with pytest.raises(ValueError, match="FP8 recipe 'mxfp8'"):
+        fp8.matmul(x, w, 'mxfp8')
+
+
+@pytest.mark.skipif(gpu_compile.missing() is not None, reason=str(gpu_compile.missing()))
+@pytest.mark.parametrize('recipe', ['tensorwise', 'delayed'])
+def test_compiled_for_an_h100_the_forward_and_both_gradients_are_fp8_gemms(recipe):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from mtnlg_jax.plan import gpu_target, hlo_module
+
+    rows, k, n = 1024, 512, 768
+    devices = gpu_target.devices('h100-80gb', 1)
+    whole = NamedSharding(Mesh(devices, ('x',)), PartitionSpec())
+
+    def step(x, w):
+        scales = (jnp.float32(2.0), jnp.float32(3.0)) if recipe == 'delayed' else None
+        out, pull = jax.vjp(lambda a, b: fp8.matmul(a, b, recipe, scales), x, w)
+        return out, pull(out)
+
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=whole) for s in [(rows, k), (k, n)]]
+    with gpu_target.compiling_for(devices):
+        text = jax.jit(step).lower(*args).compile().as_text()
+    each = 2 * rows * k * n
+    assert hlo_module.matmul_flops_by_dtype(text) == {
+        'f8e4m3fn': each,  # the forward
+        'f8e5m2 x f8e4m3fn': each,  # the input's gradient
+        'f8e4m3fn x f8e5m2': each,  # the weights' gradient
+    }
