@@ -117,11 +117,11 @@ def gradients_and_values(config, batch, step=0):
             *batch_lib.to_micro_steps(batch.astype(np.int32), config.train.micro_steps), mesh
         )
         grad_fn = jax.jit(
-            lambda params, tokens, rows: step_lib.gradients_and_values(
-                config, setup, params, tokens, rows, jnp.int32(step)
+            lambda params, tokens, rows, buffers: step_lib.gradients_and_values(
+                config, setup, params, tokens, rows, jnp.int32(step), buffers
             )
         )
-        loss, grads, values = grad_fn(state['params'], tokens, rows)
+        loss, grads, values = grad_fn(state['params'], tokens, rows, state.get('buffers'))
         params, loss, grads, values = jax.device_get((state['params'], loss, grads, values))
     return in_layer_order(config, params), loss, in_layer_order(config, grads), values
 
