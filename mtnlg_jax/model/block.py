@@ -164,10 +164,10 @@ class Attention(nnx.Module):
         )
         self.out_bias = maybe_bias(cfg, (hidden,), ('embed',))
         self.grouped = kv_heads != heads
-        self.qk_norm = None  # model.qk_norm: the scales of the queries' and keys' RMSNorm
-        if cfg.get('qk_norm', False):
-            ones = jnp.ones((head_dim,), jnp.float32)
-            self.qk_norm = nnx.Param(jnp.stack([ones, ones]), logical_axes=('qkv', 'head_dim'))
+        # model.qk_norm: the scales of the queries' (row 0) and keys' (row 1) RMSNorm
+        ones = jnp.ones((2, head_dim), jnp.float32)
+        qk_norm = cfg.get('qk_norm', False)
+        self.qk_norm = nnx.Param(ones, logical_axes=('qkv', 'head_dim')) if qk_norm else None
         self.epsilon = cfg.layer_norm_epsilon
         self.inv_freq = None  # static: a tuple of floats, folded into the compiled step
         if cfg.get('position', 'learned') == 'rope':
