@@ -68,8 +68,9 @@ from mtnlg_jax.parallel.rules import constrain
 from mtnlg_jax.parallel.stage_functions import SideValue
 
 AUX_LOSS, Z_LOSS, LOADS, DROPPED = 'moe_aux_loss', 'moe_z_loss', 'moe_loads', 'moe_dropped'
-# Names selective recompute keeps (model/block.py's SELECTIVE_SAVED): the router's choice, so
-# the backward never routes again, and the grouped matmuls' outputs, as the dense MLP's.
+# Names selective recompute keeps (model/block.py's SELECTIVE_SAVED): the router's choice and
+# the dispatch's sort, so the backward never routes or sorts again, and the grouped matmuls'
+# outputs, as the dense MLP's.
 SAVED_NAMES = ('moe_route', 'moe_in', 'moe_out')
 # The CPU's grouped matmul pads each expert's group to whole blocks: the block is the largest
 # power of two that keeps the padding within 1/16 of the rows (at most BLOCK_MAX rows).
@@ -186,7 +187,7 @@ class MoE(nnx.Module):
         b, s, embed = x.shape
         k = self.top_k
         ids = jnp.where(keep, chosen, self.experts).reshape(-1)
-        order = jnp.argsort(ids, stable=True)
+        order = checkpoint_name(jnp.argsort(ids, stable=True), 'moe_route')  # no second sort
         group_sizes = jnp.bincount(ids, length=self.experts + 1)[:-1].astype(jnp.int32)
         rows = x.reshape(b * s, embed)[order // k]
         out = self.grouped_mlp(rows, group_sizes)
