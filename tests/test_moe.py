@@ -151,12 +151,18 @@ def test_loss_gradients_and_values_under_a_layout_equal_one_devices(case):
 
 def test_the_router_bias_moves_by_the_loads_alike_on_one_device_and_over_data_x_tensor():
     """Two train steps with bias_update_rate 1e-3: the buffers after them are one device's,
-    and not their initial zeros (an underloaded expert's bias rose)."""
+    and not their initial zeros (an underloaded expert's bias rose); the steps' metrics carry
+    the side values under their names, alike."""
     model = dict(moe={**MOE, 'bias_update_rate': 1e-3})
     batches = support.random_batches(2)
-    _, one = support.train_losses(support.small_config(**model), batches)
+    one_metrics, many_metrics = [], []
+    _, one = support.train_losses(support.small_config(**model), batches, one_metrics)
     config = support.small_config(data=2, tensor=2, **model)
-    _, many = support.train_losses(config, batches)
+    _, many = support.train_losses(config, batches, many_metrics)
+    for got, expected in zip(many_metrics, one_metrics):
+        values = {name: got[name] for name in moe_lib.side_values(2, 8)}
+        support.assert_within_leaf_scale(values, {n: expected[n] for n in values}, RELATIVE)
+    assert one_metrics[-1][moe_lib.AUX_LOSS] == pytest.approx(0.01 * 2, rel=0.2)  # ~balanced
     bias = jax.device_get(one['buffers'])['blocks']['moe']['router_bias']
     np.testing.assert_allclose(
         jax.device_get(many['buffers'])['blocks']['moe']['router_bias'], bias
