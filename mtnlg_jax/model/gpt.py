@@ -29,6 +29,9 @@ heads, K = kv_heads, D = head_dim, F = ffn_hidden; [..] only under the option na
     blocks.mlp.gate_kernel          (L, E, F)            mlp = 'swiglu' [gate_bias (L, F)]
     blocks.mlp.in_kernel            (L, E, F)                   [in_bias (L, F)]
     blocks.mlp.out_kernel           (L, F, E)                   [out_bias (L, E)]
+    [blocks.attention.qk_norm]      (L, 2, D)            model.qk_norm (queries, keys)
+    [blocks.moe.*]                  model/moe.py's       model.moe.experts > 0, in place
+                                                         of blocks.mlp
 
 Biases of the projections exist only with model.bias (default True). Hugging Face Llama:
 embed_tokens = token_embed, lm_head = output_embed, q_proj = q_kernel (E, H, D) transposed,
