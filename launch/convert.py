@@ -218,9 +218,12 @@ def import_hf(hf_dir, workdir, config, at_step=0, samples_consumed=0, overrides=
 
 
 def hf_kind_of(model_cfg):
-    """hf_llama or hf_gpt2, whichever Hugging Face class holds this block; None: neither."""
+    """hf_llama or hf_gpt2, whichever Hugging Face class holds this block; None: neither (a
+    mixture of experts or query/key norms: no conversion of them yet)."""
     from mtnlg_jax.interop import hf_gpt2, hf_llama
 
+    if model_cfg.get('qk_norm', False) or model_cfg.get('moe', {}).get('experts', 0):
+        return None
     gpt2 = hf_gpt2.block_keys()  # a key the config lacks has GPT's default
     for kind in (hf_llama, hf_gpt2):
         if all(model_cfg.get(k, gpt2[k]) == v for k, v in kind.block_keys().items()):
@@ -250,7 +253,8 @@ def export_hf(hf_dir, workdir, step, tokenizer_path=None, dtype=None, shard_byte
         kind = hf_kind_of(model_cfg)
         if kind is None:
             fail(f'--workdir {workdir}: no Hugging Face class holds this block (Llama: rope, '
-                 'rmsnorm, swiglu; GPT-2: learned positions, layernorm, gelu, tied)')  # fmt: skip
+                 'rmsnorm, swiglu; GPT-2: learned positions, layernorm, gelu, tied; neither '
+                 'with model.qk_norm or model.moe.experts yet)')  # fmt: skip
         path = tokenizer_path or saved['data']['tokenizer']
         if tokenizer_path or os.path.exists(path):
             name = '--tokenizer' if tokenizer_path else "the run's data.tokenizer (or --tokenizer)"

@@ -117,11 +117,11 @@ def gradients_and_values(config, batch, step=0):
             *batch_lib.to_micro_steps(batch.astype(np.int32), config.train.micro_steps), mesh
         )
         grad_fn = jax.jit(
-            lambda params, tokens, rows: step_lib.gradients_and_values(
-                config, setup, params, tokens, rows, jnp.int32(step)
+            lambda params, tokens, rows, buffers: step_lib.gradients_and_values(
+                config, setup, params, tokens, rows, jnp.int32(step), buffers
             )
         )
-        loss, grads, values = grad_fn(state['params'], tokens, rows)
+        loss, grads, values = grad_fn(state['params'], tokens, rows, state.get('buffers'))
         params, loss, grads, values = jax.device_get((state['params'], loss, grads, values))
     return in_layer_order(config, params), loss, in_layer_order(config, grads), values
 
@@ -131,8 +131,9 @@ def in_layer_order(config, tree):
     return stage_order.to_layer_order(tree, stage_order.of_config(config))
 
 
-def train_losses(config, batches):
-    """Losses of len(batches) train steps from the initial state, and the final state."""
+def train_losses(config, batches, metrics=None):
+    """Losses of len(batches) train steps from the initial state, and the final state;
+    metrics: a list each step's metrics are appended to (on the host), if given."""
     mesh, setup = layout(config)
     train_step = step_lib.make_train_step(config, setup)
     tokens_per_step = GLOBAL_BATCH * SEQ_LEN
@@ -143,8 +144,12 @@ def train_losses(config, batches):
             tokens, rows = batch_lib.place_batch(
                 *batch_lib.to_micro_steps(batch.astype(np.int32), config.train.micro_steps), mesh
             )
-            state, metrics = train_step(state, tokens, rows, jnp.float32((i + 1) * tokens_per_step))
-            losses.append(float(metrics['loss']))
+            state, step_metrics = train_step(
+                state, tokens, rows, jnp.float32((i + 1) * tokens_per_step)
+            )
+            losses.append(float(step_metrics['loss']))
+            if metrics is not None:
+                metrics.append(jax.device_get(step_metrics))
     return np.array(losses), state
 
 

@@ -59,7 +59,8 @@ class ToyBlock(block_lib.Block):
     def __call__(self, x, *args, **kwargs):
         # not a constant along `embed`, which the next norm would take away
         shift = 0.1 * self.toy[...].mean() * jnp.linspace(-1.0, 1.0, x.shape[-1])
-        return super().__call__(x, *args, **kwargs) + shift.astype(x.dtype)
+        x, values = super().__call__(x, *args, **kwargs)
+        return x + shift.astype(x.dtype), values
 
 
 @pytest.fixture

@@ -43,6 +43,30 @@ def test_step_record_is_the_interval_mean_and_rates():
     assert no_peak['mfu'] is None
 
 
+def test_step_record_of_a_mixture_of_experts_holds_its_balance():
+    """Per layer, the largest expert load over the mean; the dropped share of all choices."""
+    config = small_config()
+    position = resume.Position(1, None, dict(samples_consumed=16, tokens_seen=512, skipped_steps=0))
+    loads = np.array([[4.0, 4.0, 4.0, 4.0], [8.0, 4.0, 2.0, 2.0]], np.float32)
+    metrics = dict(
+        lr=np.float32(1e-3),
+        grad_norm=np.float32(0.5),
+        moe_aux_loss=np.float32(0.02),
+        moe_z_loss=np.float32(0.0),
+        moe_loads=loads,
+        moe_dropped=np.float32(8.0),
+    )
+    record = step_record(config, position, Batch(16, 2), [2.0], metrics, ((0.5, 1e3), 6e6, None))
+    assert record['moe_layer_load_max_over_mean'] == [1.0, 2.0]
+    assert record['moe_load_max_over_mean'] == 2.0 and record['moe_dropped_fraction'] == 0.25
+    assert record['moe_aux_loss'] == pytest.approx(0.02)
+    dense = dict(lr=np.float32(1e-3), grad_norm=np.float32(0.5))
+    assert not any(
+        k.startswith('moe')
+        for k in step_record(config, position, Batch(16, 2), [2.0], dense, ((0.5, 1e3), 6e6, None))
+    )
+
+
 def test_due_on_every_multiple_and_the_last_step():
     assert [s for s in range(1, 11) if due(4, s, 10)] == [4, 8, 10]
     assert [s for s in range(1, 11) if due(0, s, 10)] == [10]

@@ -9,7 +9,12 @@
 `from mtnlg_jax import config as config_lib` gives the names every other layer uses.
 """
 
-from mtnlg_jax.config.checks import default_ffn_hidden, padded_vocab_size
+from mtnlg_jax.config.checks import (
+    default_ffn_hidden,
+    moe_ffn_hidden,
+    padded_vocab_size,
+    shared_ffn_hidden,
+)
 from mtnlg_jax.config.keys import ConfigError
 from mtnlg_jax.config.resolve import defaults, inputs_of, load, resolve, resolve_model
 
@@ -19,7 +24,9 @@ __all__ = [
     'defaults',
     'inputs_of',
     'load',
+    'moe_ffn_hidden',
     'padded_vocab_size',
     'resolve',
     'resolve_model',
+    'shared_ffn_hidden',
 ]

@@ -60,6 +60,7 @@ def check_model(config):
         'model.ffn_hidden',
         f'{model.ffn_hidden} is not divisible by mesh.tensor={tensor}',
     )
+    check_moe(model, config.mesh)
     _check_stage_layers(config)
     _require(
         not model.sequence_parallel or model.seq_len % tensor == 0,
@@ -83,6 +84,56 @@ def check_model(config):
     if model.loss_chunks == 0:
         model.loss_chunks = next(n for n in (4, 3, 2, 1) if model.seq_len % n == 0)
     model.padded_vocab = padded_vocab_size(model.vocab_size, tensor)
+
+
+def check_moe(model, mesh):
+    """model.moe.* against the block and the mesh: top_k within the experts, the experts over
+    mesh.expert, the experts' widths over mesh.tensor; a dense model refuses mesh.expert > 1
+    and any layer count for dense_layers (not built yet)."""
+    moe, tensor = model.moe, mesh.tensor
+    if moe.experts == 0:
+        _require(
+            mesh.expert == 1,
+            'mesh.expert',
+            f'{mesh.expert} expert ranks, but the model is dense (model.moe.experts is 0)',
+        )
+        return
+    _require(
+        moe.top_k <= moe.experts,
+        'model.moe.top_k',
+        f'{moe.top_k} is above model.moe.experts={moe.experts}',
+    )
+    _require(
+        moe.experts % mesh.expert == 0,
+        'model.moe.experts',
+        f'{moe.experts} experts are not divisible by mesh.expert={mesh.expert}',
+    )
+    widths = (
+        ('ffn_hidden', moe_ffn_hidden(model)),
+        ('shared_ffn_hidden', shared_ffn_hidden(model)),
+    )
+    for name, width in widths:
+        _require(
+            width % tensor == 0,
+            f'model.moe.{name}',
+            f'{width} is not divisible by mesh.tensor={tensor}',
+        )
+    _require(
+        moe.dense_layers == 0,
+        'model.moe.dense_layers',
+        f'{moe.dense_layers}: a dense stack ahead of the MoE layers is not built yet (only 0)',
+    )
+
+
+def moe_ffn_hidden(model):
+    """Each routed expert's MLP width: model.moe.ffn_hidden, 0 meaning model.ffn_hidden."""
+    return model.moe.ffn_hidden or model.ffn_hidden
+
+
+def shared_ffn_hidden(model):
+    """The shared experts' width (one MLP for all of them): model.moe.shared_ffn_hidden, 0
+    meaning shared_experts x the routed experts' width (0 when there are none)."""
+    return model.moe.shared_ffn_hidden or model.moe.shared_experts * moe_ffn_hidden(model)
 
 
 def default_ffn_hidden(model):

@@ -134,8 +134,8 @@ def resolve(config, num_devices):
     inputs = absolute_paths(_with_defaults(inputs_of(config)))
     config = ml_collections.ConfigDict(inputs.to_dict())
     config.mesh.update(resolve_mesh(config.mesh, num_devices))
+    check_model(config)  # before the unused axes: a dense model's mesh.expert has its own line
     check_mesh_in_use(config.mesh)
-    check_model(config)
     check_train(config)
     check_data(config.data)
     check_packing(config)
@@ -156,8 +156,8 @@ def resolve_model(config, num_devices):
     inputs = absolute_paths(_with_defaults(inputs_of(config)))
     config = ml_collections.ConfigDict(inputs.to_dict())
     config.mesh.update(resolve_mesh(config.mesh, num_devices))
+    check_model(config)  # before the unused axes: a dense model's mesh.expert has its own line
     check_mesh_in_use(config.mesh)
-    check_model(config)
     config.inputs = inputs
     return config
 

@@ -16,4 +16,6 @@ loss.py              the vocabulary-parallel output layer and cross-entropy, fus
 decode.py            the forward with a KV cache
 counts.py            parameter and model-FLOP counts
 buffers.py           state outside the gradient: buffers a module declares, their update rules
+moe.py               the mixture of experts in the MLP's place: fp32 router, tokens sorted by
+                     expert through grouped matmuls, capacity, shared experts, its side values
 """

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from mtnlg_jax.config import ConfigError
-from mtnlg_jax.model import flash_attention, rope
+from mtnlg_jax.model import flash_attention, moe, rope
 from mtnlg_jax.model.layers import (
     add_bias,
     attention_dims,
@@ -36,8 +36,13 @@ from mtnlg_jax.parallel.rules import constrain, local_call
 # selective recompute (arXiv 2205.05198): cheap FLOPs, large memory. With GQA 'qkv' is the
 # query and the (smaller) key/value projections, before rope (the rotation is recomputed);
 # with SwiGLU 'mlp_in' is both the gate and the up projection (silu(gate) * up recomputed).
-# The flash kernel's own out and log-sum-exp are kept too, so its forward does not run again.
-SELECTIVE_SAVED = ('qkv', 'context', 'attn_out', 'mlp_in', 'mlp_out', *flash_attention.SAVED_NAMES)
+# The flash kernel's own out and log-sum-exp are kept too, so its forward does not run again;
+# of a mixture of experts, the router's choice (the backward never routes again) and the
+# grouped matmuls' outputs (model/moe.py).
+SELECTIVE_SAVED = (
+    'qkv', 'context', 'attn_out', 'mlp_in', 'mlp_out',
+    *flash_attention.SAVED_NAMES, *moe.SAVED_NAMES,
+)  # fmt: skip
 
 # The largest head dimension of cuDNN's flash attention by compute capability major (JAX 0.10:
 # 128 before Hopper, 256 from it); MT-NLG's 160 fits H100's, not A100's. The Pallas flash
@@ -159,6 +164,11 @@ class Attention(nnx.Module):
         )
         self.out_bias = maybe_bias(cfg, (hidden,), ('embed',))
         self.grouped = kv_heads != heads
+        # model.qk_norm: the scales of the queries' (row 0) and keys' (row 1) RMSNorm
+        ones = jnp.ones((2, head_dim), jnp.float32)
+        qk_norm = cfg.get('qk_norm', False)
+        self.qk_norm = nnx.Param(ones, logical_axes=('qkv', 'head_dim')) if qk_norm else None
+        self.epsilon = cfg.layer_norm_epsilon
         self.inv_freq = None  # static: a tuple of floats, folded into the compiled step
         if cfg.get('position', 'learned') == 'rope':
             freqs = rope.inverse_frequencies(head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -190,7 +200,16 @@ class Attention(nnx.Module):
             kv = add_bias(kv, self.kv_bias, self.dtype)
             kv = checkpoint_name(constrain(kv, ('batch', 'seq') + KV_KERNEL_AXES[1:]), 'qkv')
             k, v = kv[:, :, 0], kv[:, :, 1]
+        if self.qk_norm is not None:
+            q, k = (self.head_norm(a, i) for i, a in enumerate((q, k)))
         return q, k, v
+
+    def head_norm(self, a, i):
+        """model.qk_norm: RMSNorm of each head of a (..., head_dim), fp32 inside, with the
+        scale qk_norm[i] (0: queries, 1: keys), Qwen3's."""
+        a32 = a.astype(jnp.float32)
+        a32 = a32 * jax.lax.rsqrt(jnp.square(a32).mean(-1, keepdims=True) + self.epsilon)
+        return (a32 * self.qk_norm[i].astype(jnp.float32)).astype(a.dtype)
 
     def rotated(self, q, k, v, positions=None):
         """q and k rotated by their positions under rope (None: 0 .. seq - 1); v as it is."""
@@ -352,20 +371,29 @@ def gathered(x):
 class Block(nnx.Module):
     """x + Attention(norm(x)), then x + MLP(norm(x)): `model.norm` (LayerNorm or RMSNorm) and
     `model.mlp` (GeLU or SwiGLU) pick the pieces (model/layers.py). GPT-3's block is
-    LayerNorm + GeLU with learned positions; Llama's RMSNorm + SwiGLU with rope and GQA."""
+    LayerNorm + GeLU with learned positions; Llama's RMSNorm + SwiGLU with rope and GQA.
+    With model.moe.experts > 0 a mixture of experts of that MLP kind (model/moe.py, the
+    attribute `moe`) takes the MLP's place; grouped_matmul: moe.grouped_matmul_kind's."""
 
-    def __init__(self, cfg, rngs, attention_kernel='plain', gpu_generation=None):
+    def __init__(
+        self, cfg, rngs, attention_kernel='plain', gpu_generation=None, grouped_matmul='blocks'
+    ):
         self.ln_attn = norm(cfg)
         self.attention = Attention(cfg, rngs, attention_kernel, gpu_generation)
         self.ln_mlp = norm(cfg)
-        self.mlp = mlp(cfg, rngs)
+        if moe.experts_of(cfg):
+            self.moe = moe.MoE(cfg, rngs, grouped_matmul)
+        else:
+            self.mlp = mlp(cfg, rngs)
         self.hidden_dropout = cfg.hidden_dropout
         self.pieces = cfg.get('sequence_pieces', 1)
 
     def __call__(self, x, row_keys, layer, positions=None, segment_ids=None):
-        """x: (batch, seq, embed); layer: this block's index, for distinct dropout masks;
-        positions: the tokens' positions for rope, None for 0 .. seq - 1; segment_ids:
-        (batch, seq) packed documents' ids, or None."""
+        """(x, side values) of x: (batch, seq, embed); layer: this block's global index, for
+        distinct dropout masks (and an MoE's row of its loads); positions: the tokens'
+        positions for rope, None for 0 .. seq - 1; segment_ids: (batch, seq) packed
+        documents' ids, or None. Side values: an MoE block's (model/moe.py), {} for a dense
+        one."""
         site = layer * SITES_PER_BLOCK
         attention, n = self.attention, self.pieces
         qkv = [attention.projections(gathered(self.ln_attn(p))) for p in split(x, n, RESIDUAL)]
@@ -375,14 +403,21 @@ class Block(nnx.Module):
         )
         h = join([attention.project_out(c) for c in split(context, n, CONTEXT_AXES)], RESIDUAL)
         x = x + dropout(h, self.hidden_dropout, row_keys, site + _ATTN_RESIDUAL)
-        h = join([self.mlp(gathered(self.ln_mlp(p))) for p in split(x, n, RESIDUAL)], RESIDUAL)
+        values = {}
+        if hasattr(self, 'moe'):  # whole sequences: capacity counts a sequence's choices
+            h, values = self.moe(gathered(self.ln_mlp(x)), layer)
+        else:
+            h = join([self.mlp(gathered(self.ln_mlp(p))) for p in split(x, n, RESIDUAL)], RESIDUAL)
         x = x + dropout(h, self.hidden_dropout, row_keys, site + _MLP_RESIDUAL)
-        return constrain(x, ('batch', 'residual_seq', 'embed'))
+        return constrain(x, ('batch', 'residual_seq', 'embed')), values
 
     def cached(self, x, cache, index):
         """The block on new tokens at positions index, ... with a KV cache (no dropout: for
         inference); returns (x, updated cache). See Attention.cached."""
         h, cache = self.attention.cached(self.ln_attn(x), cache, index)
         x = x + h
-        x = x + self.mlp(self.ln_mlp(x))
+        if hasattr(self, 'moe'):
+            x = x + self.moe(self.ln_mlp(x), 0)[0]
+        else:
+            x = x + self.mlp(self.ln_mlp(x))
         return constrain(x, ('batch', 'seq', 'embed')), cache

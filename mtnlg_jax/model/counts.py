@@ -1,11 +1,15 @@
 """What the model computes: its parameter count and its model FLOPs per token (for MFU), from
-a model config's shapes alone (GPT-3's block and Llama's: GQA, SwiGLU, untied, no biases)."""
+a model config's shapes alone (GPT-3's block and Llama's: GQA, SwiGLU, untied, no biases).
+A mixture of experts' model FLOPs count the active parameters (`active_params`); the
+shape-only counts (param_count, layer_matmul_params: the planner's) refuse it for now."""
 
 import math
 
 import jax
 
+from mtnlg_jax.config import ConfigError, moe_ffn_hidden
 from mtnlg_jax.model.layers import attention_dims
+from mtnlg_jax.model.moe import experts_of
 
 
 def count_params(params):
@@ -17,9 +21,32 @@ def mlp_matrices(model_cfg):
     return 3 if model_cfg.get('mlp', 'gelu') == 'swiglu' else 2
 
 
+def _dense_only(model_cfg):
+    if experts_of(model_cfg):
+        raise ConfigError(
+            'model.moe.experts', 'the planner does not count a mixture of experts yet'
+        )
+
+
+def inactive_params(model_cfg):
+    """The routed experts' parameters a token does not use: (experts - top_k) experts' MLP
+    matrices a layer (0 for a dense model)."""
+    experts = experts_of(model_cfg)
+    if not experts:
+        return 0
+    expert = mlp_matrices(model_cfg) * model_cfg.hidden * moe_ffn_hidden(model_cfg)
+    return model_cfg.num_layers * (experts - model_cfg.moe.top_k) * expert
+
+
+def active_params(model_cfg, num_params):
+    """The parameters one token's forward uses: num_params less the unchosen experts."""
+    return num_params - inactive_params(model_cfg)
+
+
 def layer_matmul_params(model_cfg):
     """One block's matmul weights: Q and out (h x H D each), K and V (h x K D each), the MLP's
     matrices (h x f each). GPT-3 with f = 4 h: 12 h^2."""
+    _dense_only(model_cfg)
     heads, kv_heads, head_dim = attention_dims(model_cfg)
     h = model_cfg.hidden
     attention = 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim
@@ -31,6 +58,7 @@ def param_count(model_cfg):
     V h + s h + 2 h + L (4 h^2 + 2 h f + 9 h + f); in general the matmul weights, the biases
     (model.bias), the norms' scales (and LayerNorm's biases), the token embedding, the output
     layer when untied and the position table when learned."""
+    _dense_only(model_cfg)
     heads, kv_heads, head_dim = attention_dims(model_cfg)
     h, f, vocab = model_cfg.hidden, model_cfg.ffn_hidden, model_cfg.padded_vocab
     norm = 2 * h if model_cfg.get('norm', 'layernorm') == 'layernorm' else h
@@ -54,5 +82,6 @@ def attention_flops_per_token(model_cfg):
 
 
 def model_flops_per_token(model_cfg, num_params):
-    """PaLM's 6 N + 12 L H Q T: matmuls forward and backward plus attention scores."""
-    return 6 * num_params + attention_flops_per_token(model_cfg)
+    """PaLM's 6 N + 12 L H Q T: matmuls forward and backward plus attention scores; N the
+    active parameters of num_params (a mixture of experts: the chosen experts only)."""
+    return 6 * active_params(model_cfg, num_params) + attention_flops_per_token(model_cfg)

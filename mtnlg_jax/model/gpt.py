@@ -29,6 +29,9 @@ heads, K = kv_heads, D = head_dim, F = ffn_hidden; [..] only under the option na
     blocks.mlp.gate_kernel          (L, E, F)            mlp = 'swiglu' [gate_bias (L, F)]
     blocks.mlp.in_kernel            (L, E, F)                   [in_bias (L, F)]
     blocks.mlp.out_kernel           (L, F, E)                   [out_bias (L, E)]
+    [blocks.attention.qk_norm]      (L, 2, D)            model.qk_norm (queries, keys)
+    [blocks.moe.*]                  model/moe.py's       model.moe.experts > 0, in place
+                                                         of blocks.mlp
 
 Biases of the projections exist only with model.bias (default True). Hugging Face Llama:
 embed_tokens = token_embed, lm_head = output_embed, q_proj = q_kernel (E, H, D) transposed,
@@ -55,11 +58,13 @@ from mtnlg_jax.model.block import (
     attention_kernel,
     gpu_generation,
 )
+from mtnlg_jax.model import moe
 from mtnlg_jax.model.buffers import Buffer
 from mtnlg_jax.model.layers import dropout, norm, param, use
 from mtnlg_jax.model import loss
 from mtnlg_jax.model.loss import cross_entropy  # also the callers' name: gpt.cross_entropy
 from mtnlg_jax.parallel.rules import constrain
+from mtnlg_jax.parallel import stage_functions as side
 from mtnlg_jax.parallel.stage_functions import StageFunctions
 
 REMAT_POLICIES = {
@@ -89,13 +94,15 @@ class GPT(nnx.Module):
             else param(rngs, (cfg.padded_vocab, cfg.hidden), ('vocab', 'embed'), cfg.init_std)
         )
         kernel = attention_kernel(cfg, device)
+        grouped = moe.grouped_matmul_kind(device)
         make_blocks = nnx.vmap(
-            lambda key: Block(cfg, nnx.Rngs(params=key), kernel, gpu_generation(device)),
+            lambda key: Block(cfg, nnx.Rngs(params=key), kernel, gpu_generation(device), grouped),
             transform_metadata={nnx.PARTITION_NAME: 'layers', 'logical_axes': 'layers'},
         )
         self.blocks = make_blocks(layer_keys)
         self.final_norm = norm(cfg)
         self.num_layers = cfg.num_layers
+        self.experts = moe.experts_of(cfg)  # 0: dense blocks
         self.vocab_size = cfg.vocab_size
         self.hidden_dropout = cfg.hidden_dropout
         self.remat = cfg.remat
@@ -108,10 +115,21 @@ class GPT(nnx.Module):
         (data/packing.py), or None for 0 .. seq - 1 and one segment."""
         graphdef, stacked = nnx.split(self.blocks)
         x = self.embed(tokens, row_keys, positions)
-        x = apply_block_stack(
-            graphdef, stacked, x, row_keys, self.remat, positions=positions, segment_ids=segment_ids
+        x, _ = apply_block_stack(
+            graphdef,
+            stacked,
+            x,
+            row_keys,
+            self.remat,
+            positions=positions,
+            segment_ids=segment_ids,
+            declared=self.side_values(),
         )
         return self.final_norm(x)
+
+    def side_values(self):
+        """{name: SideValue} the block stack emits (parallel/stage_functions.py): an MoE's."""
+        return moe.side_values(self.num_layers, self.experts)
 
     def embed(self, tokens, row_keys=None, positions=None):
         """Token (+ learned position) embeddings (..., seq, embed) of tokens (..., seq), with
@@ -157,9 +175,12 @@ def apply_block_stack(
     positions=None,
     segment_ids=None,
     used=None,
+    declared=None,
 ):
-    """Run blocks whose parameters are stacked on a leading axis over x, with lax.scan.
-    graphdef: one Block's graph; first_layer: the global index of the first (for dropout);
+    """(x, side values): blocks whose parameters are stacked on a leading axis run over x
+    with lax.scan, the values each emits combined over the blocks (declared: {name:
+    SideValue}, None: none). graphdef: one Block's graph; first_layer: the global index of
+    the first (for dropout);
     positions: the tokens' positions for rope (None: 0 .. seq - 1); segment_ids: (batch,
     seq) packed documents' ids, or None; used: how many of the stacked blocks are layers (a
     traced int; the rest are a short pipeline stage's padding slots, parallel/stage_order.py),
@@ -171,22 +192,23 @@ def apply_block_stack(
     around each layer hides the layers' tensor collectives from XLA:GPU's scheduler (Llama 3
     405B: 29 % of them hidden in a cond, 81 % without; docs/training.md)."""
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
+    declared = declared or {}
 
-    def one_block(x, slot_layer_and_params):
+    def one_block(carry, slot_layer_and_params):
+        x, values = carry
         slot, layer, params = slot_layer_and_params
-
-        def block(x):
-            return nnx.merge(graphdef, params)(x, row_keys, layer, positions, segment_ids)
-
-        if used is None:
-            return block(x), None
-        return jnp.where(slot < used, block(x), x), None
+        ran = None if used is None else slot < used
+        out, emitted = nnx.merge(graphdef, params)(x, row_keys, layer, positions, segment_ids)
+        if ran is not None:
+            out, emitted = jnp.where(ran, out, x), side.where_ran(declared, ran, emitted)
+        return (out, side.combine(declared, values, emitted)), None
 
     if remat != 'none':
         one_block = jax.checkpoint(one_block, policy=REMAT_POLICIES[remat], prevent_cse=False)
     slots = jnp.arange(num_layers)
-    x, _ = jax.lax.scan(one_block, x, (slots, first_layer + slots, stacked))
-    return x
+    init = (x, side.identities(declared))
+    (x, values), _ = jax.lax.scan(one_block, init, (slots, first_layer + slots, stacked))
+    return x, values
 
 
 def cast_params(params, dtype):
@@ -251,6 +273,7 @@ def stage_functions(graphdef, param_axes=None):
     skeleton = nnx.merge(graphdef, [placeholder] * graphdef.num_leaves)
     block_graphdef, placeholder_blocks = nnx.split(skeleton.blocks)
     placeholder_blocks = nnx.to_pure_dict(placeholder_blocks)
+    declared = skeleton.side_values()
 
     def view(shared):
         return merge(graphdef, {**shared, 'blocks': placeholder_blocks})
@@ -260,7 +283,7 @@ def stage_functions(graphdef, param_axes=None):
 
     def apply_blocks(chunk, hidden, batch, first_layer, remat, used=None):
         keys, positions, segment_ids = batch.row_keys, batch.positions, batch.segment_ids
-        hidden = apply_block_stack(
+        return apply_block_stack(
             block_graphdef,
             chunk,
             hidden,
@@ -270,8 +293,8 @@ def stage_functions(graphdef, param_axes=None):
             positions,
             segment_ids,
             used=used,
+            declared=declared,
         )
-        return hidden, {}  # no side values yet (parallel/stage_functions.py)
 
     def head_loss_sum(shared, hidden, batch):
         model = view(shared)
@@ -291,4 +314,5 @@ def stage_functions(graphdef, param_axes=None):
         remat_policy=REMAT_POLICIES.get(skeleton.remat),
         dtype=jnp.dtype(skeleton.dtype),
         param_axes=param_axes,
+        values=declared,
     )

@@ -86,10 +86,12 @@ def add_bias(x, bias, dtype):
 class MLP(nnx.Module):
     """hidden -> ffn_hidden (GeLU, tanh approximation as GPT-2) -> hidden."""
 
-    def __init__(self, cfg, rngs):
-        self.in_kernel = param(rngs, (cfg.hidden, cfg.ffn_hidden), ('embed', 'mlp'), cfg.init_std)
-        self.in_bias = maybe_bias(cfg, (cfg.ffn_hidden,), ('mlp',))
-        self.out_kernel = param(rngs, (cfg.ffn_hidden, cfg.hidden), ('mlp', 'embed'), out_std(cfg))
+    def __init__(self, cfg, rngs, width=None):
+        """width: the MLP's (None: model.ffn_hidden; an MoE block's shared experts: theirs)."""
+        f = width or cfg.ffn_hidden
+        self.in_kernel = param(rngs, (cfg.hidden, f), ('embed', 'mlp'), cfg.init_std)
+        self.in_bias = maybe_bias(cfg, (f,), ('mlp',))
+        self.out_kernel = param(rngs, (f, cfg.hidden), ('mlp', 'embed'), out_std(cfg))
         self.out_bias = maybe_bias(cfg, (cfg.hidden,), ('embed',))
         self.dtype = cfg.compute_dtype
 
@@ -113,13 +115,14 @@ class SwiGLU(nnx.Module):
     out (down) row parallel. Hugging Face's gate_proj, up_proj, down_proj are gate_kernel,
     in_kernel, out_kernel (transposed)."""
 
-    def __init__(self, cfg, rngs):
-        shape = (cfg.hidden, cfg.ffn_hidden)
-        self.gate_kernel = param(rngs, shape, ('embed', 'mlp'), cfg.init_std)
-        self.in_kernel = param(rngs, shape, ('embed', 'mlp'), cfg.init_std)
-        self.gate_bias = maybe_bias(cfg, (cfg.ffn_hidden,), ('mlp',))
-        self.in_bias = maybe_bias(cfg, (cfg.ffn_hidden,), ('mlp',))
-        self.out_kernel = param(rngs, (cfg.ffn_hidden, cfg.hidden), ('mlp', 'embed'), out_std(cfg))
+    def __init__(self, cfg, rngs, width=None):
+        """width: as MLP's."""
+        f = width or cfg.ffn_hidden
+        self.gate_kernel = param(rngs, (cfg.hidden, f), ('embed', 'mlp'), cfg.init_std)
+        self.in_kernel = param(rngs, (cfg.hidden, f), ('embed', 'mlp'), cfg.init_std)
+        self.gate_bias = maybe_bias(cfg, (f,), ('mlp',))
+        self.in_bias = maybe_bias(cfg, (f,), ('mlp',))
+        self.out_kernel = param(rngs, (f, cfg.hidden), ('mlp', 'embed'), out_std(cfg))
         self.out_bias = maybe_bias(cfg, (cfg.hidden,), ('embed',))
         self.dtype = cfg.compute_dtype
 
@@ -132,9 +135,9 @@ class SwiGLU(nnx.Module):
         return project_down(self, jax.nn.silu(gate) * h)
 
 
-def mlp(cfg, rngs):
-    """The MLP `model.mlp` names."""
-    return (SwiGLU if cfg.get('mlp', 'gelu') == 'swiglu' else MLP)(cfg, rngs)
+def mlp(cfg, rngs, width=None):
+    """The MLP `model.mlp` names, of `width` (None: model.ffn_hidden)."""
+    return (SwiGLU if cfg.get('mlp', 'gelu') == 'swiglu' else MLP)(cfg, rngs, width)
 
 
 def dropout(x, rate, row_keys, site):

@@ -88,6 +88,11 @@ LOGICAL_RULES = (
     ('heads', 'tensor'),
     ('kv_heads', 'tensor'),  # grouped-query attention: mesh.tensor divides model.kv_heads
     ('mlp', 'tensor'),
+    # A mixture of experts' stacked expert weights (model/moe.py): whole on every rank until
+    # expert parallelism maps `experts` to 'expert'; each expert's own MLP width splits over
+    # tensor as `mlp` does (column parallel in, row parallel out).
+    ('experts', None),
+    ('expert_mlp', 'tensor'),
     ('embed', None),
     ('head_dim', None),
     ('q_per_kv', None),  # the query heads of one key/value head

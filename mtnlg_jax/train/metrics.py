@@ -3,8 +3,10 @@
 metrics.jsonl holds one JSON object per logged step (`step`, `loss` (the mean over the steps
 since the last record, as Megatron logs it), `lr`, `grad_norm`,
 `global_batch`, `tokens_seen`, `step_time_s`, `tokens_per_s`, `tflops_per_device`, `mfu`,
-`skipped_steps`, `pipeline_bubble_fraction`; train/loop.py's step_record builds it) and one
-per evaluation (`"eval": true`, `step`, `loss`, `perplexity`).
+`skipped_steps`, `pipeline_bubble_fraction`; a mixture of experts adds `moe_aux_loss`,
+`moe_z_loss`, `moe_load_max_over_mean` (the largest over layers), the per-layer
+`moe_layer_load_max_over_mean` (metrics.jsonl only) and `moe_dropped_fraction`; train/loop.py's
+step_record builds it) and one per evaluation (`"eval": true`, `step`, `loss`, `perplexity`).
 """
 
 import json

@@ -53,6 +53,25 @@ def step_record(config, position, batch, losses, step_metrics, throughput):
         mfu=tflops / peak if peak else None,
         skipped_steps=position.counters['skipped_steps'],
         pipeline_bubble_fraction=engine_lib.engine(config).bubble_fraction(batch.micro_steps),
+        **moe_record(step_metrics),
+    )
+
+
+def moe_record(step_metrics):
+    """A mixture of experts' fields of the record, from the logged step's side values
+    (model/moe.py; none for a dense model): its aux and z losses per token, each layer's
+    largest expert load over the mean (1: balanced), their largest, and the share of the
+    choices capacity dropped."""
+    if 'moe_loads' not in step_metrics:
+        return {}
+    loads = np.asarray(step_metrics['moe_loads'], np.float64)  # (layers, experts)
+    imbalance = loads.max(-1) / np.maximum(loads.mean(-1), 1e-30)
+    return dict(
+        moe_aux_loss=float(step_metrics['moe_aux_loss']),
+        moe_z_loss=float(step_metrics['moe_z_loss']),
+        moe_load_max_over_mean=float(imbalance.max()),
+        moe_layer_load_max_over_mean=[round(float(x), 4) for x in imbalance],
+        moe_dropped_fraction=float(step_metrics['moe_dropped']) / max(float(loads.sum()), 1.0),
     )
 
 

@@ -1,0 +1,293 @@
+"""A mixture of experts in place of the block's MLP: a router picks top_k of `experts` MLPs
+for every token, the tokens are sorted by expert and each expert multiplies only its own.
+
+    x (batch, seq, embed)
+      -> router (fp32): logits = x @ router_kernel, scores = softmax | sigmoid (logits);
+         the k experts of highest score + router_bias (the bias only chooses), their weights
+         the scores, renormalised to sum to 1 under model.moe.norm_top_k
+      -> capacity (model.moe.capacity_factor > 0): within each sequence an expert takes at
+         most C = ceil(factor x seq x k / experts) choices, every token's first choice
+         before any second choice, in token order; the rest are dropped (weight 0)
+      -> dispatch: the batch's (token, choice) pairs sorted by expert (dropped ones last),
+         each expert's rows a contiguous group:
+
+             rows  [ e0 e0 e0 | e1 | e2 e2 | ... | dropped ]   group_sizes (experts,)
+
+         a grouped matmul multiplies group g by expert g's weights: the work of the chosen
+         experts only, never of every expert on every token
+      -> the rows back in token order, weighted and summed over the k choices
+      -> + the shared experts (one dense MLP of model.moe.shared_ffn_hidden, always on)
+
+The grouped matmul (`grouped_matmul_kind`): each group padded to whole blocks of rows and
+every block multiplied by its expert's weights (`BlockLayout`), the work of the chosen rows
+plus at most one partial block per expert, on the CPU and GPUs; jax.lax.ragged_dot on TPUs.
+XLA:CPU and XLA:GPU (jax 0.10.2) both lower ragged_dot to a dense product over every expert:
+compiled for an H100 at tiny_moe's shapes its matmul FLOPs are 7.97 times the active count
+(a (rows, experts x hidden) masked copy of the input against every expert's weights), the
+blocks' 1.05 times. The blocks' cost is memory: each block reads its expert's weights as a
+gathered copy, (blocks, embed, width), about 17 copies of the experts at the CPU's block
+size; a grouped-matmul kernel that reads the weights in place is the GPU's next step.
+
+Parameters (E = embed, X = experts, F = model.moe.ffn_hidden; logical axes in brackets, see
+parallel/rules.py: `experts` is whole until expert parallelism, `expert_mlp` splits over
+tensor as `mlp` does):
+
+    router_kernel   (E, X)        [embed, experts]            fp32 in use
+    gate_kernel     (X, E, F)     [experts, embed, expert_mlp]  SwiGLU blocks only
+    in_kernel       (X, E, F)     [experts, embed, expert_mlp]
+    out_kernel      (X, F, E)     [experts, expert_mlp, embed]
+    shared          the block's MLP (model/layers.py) of the shared width, if any
+    router_bias     (X,)          a buffer (model/buffers.py), not a parameter
+
+The experts have no biases (Mixtral's, Qwen's and DeepSeek's have none).
+
+Side values each MoE block emits (parallel/stage_functions.py), summed over the batch:
+
+    moe_aux_loss  differentiable: Switch's load-balancing loss of each sequence, aux_loss_coeff
+                  x X x sum_e f_e P_e (f_e: the fraction of the sequence's choices that went
+                  to e, P_e: e's mean normalised score), times seq: the step divides by the
+                  token count, so the objective gains its mean over sequences (per sequence:
+                  a group fixed by the data, so every layout computes the same loss)
+    moe_z_loss    differentiable: z_loss_coeff x the sum over tokens of logsumexp(logits)^2
+    moe_loads     (layers, X): the choices each expert received (before capacity), each layer
+                  its own row
+    moe_dropped   the choices dropped by capacity
+
+router_bias moves after each step by bias_update_rate x sign(mean load - load) of its layer's
+row of moe_loads (auxiliary-loss-free balancing): an under-loaded expert is chosen more often.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from mtnlg_jax.config import moe_ffn_hidden, shared_ffn_hidden
+from mtnlg_jax.model import buffers
+from mtnlg_jax.model.layers import mlp, out_std, param, use
+from mtnlg_jax.parallel.rules import constrain
+from mtnlg_jax.parallel.stage_functions import SideValue
+
+AUX_LOSS, Z_LOSS, LOADS, DROPPED = 'moe_aux_loss', 'moe_z_loss', 'moe_loads', 'moe_dropped'
+# Names selective recompute keeps (model/block.py's SELECTIVE_SAVED): the router's choice and
+# the dispatch's sort, so the backward never routes or sorts again, and the grouped matmuls'
+# outputs, as the dense MLP's.
+SAVED_NAMES = ('moe_route', 'moe_in', 'moe_out')
+# The CPU's grouped matmul pads each expert's group to whole blocks: the block is the largest
+# power of two that keeps the padding within 1/16 of the rows (at most BLOCK_MAX rows).
+PADDING_SHARE, BLOCK_MAX = 16, 256
+
+
+def experts_of(cfg):
+    """model.moe.experts of a model config (0: a dense MLP; a config without the section too)."""
+    return cfg.moe.experts if 'moe' in cfg else 0
+
+
+def side_values(num_layers, experts):
+    """{name: SideValue} a model of `experts` routed experts emits ({} for a dense model)."""
+    if not experts:
+        return {}
+    return {
+        AUX_LOSS: SideValue('sum', differentiable=True),
+        Z_LOSS: SideValue('sum', differentiable=True),
+        LOADS: SideValue('sum', shape=(num_layers, experts)),
+        DROPPED: SideValue('sum'),
+    }
+
+
+def grouped_matmul_kind(device):
+    """'ragged' (jax.lax.ragged_dot) on a TPU, 'blocks' elsewhere (None: the CPU): XLA:CPU and
+    XLA:GPU lower ragged_dot densely over every expert (the module's docstring)."""
+    return 'ragged' if device is not None and device.platform == 'tpu' else 'blocks'
+
+
+def bias_rule(rate):
+    """The name of router_bias's update rule at `rate`, registered on first use: the rate is
+    the rule's own (a resumed run may change it; the buffer stays)."""
+    name = f'router_bias(rate={rate!r})'
+    if name not in buffers.RULES:
+
+        def move(value, values, step):
+            """value (layers, experts) in layer order; loads the step's, over the batch."""
+            loads = values[LOADS]
+            return value + rate * jnp.sign(loads.mean(-1, keepdims=True) - loads)
+
+        buffers.update_rule(name)(move)
+    return name
+
+
+class MoE(nnx.Module):
+    """The module docstring's layer: __call__(x, layer) -> (output, side values)."""
+
+    def __init__(self, cfg, rngs, grouped='blocks'):
+        moe = cfg.moe
+        experts, hidden, width = moe.experts, cfg.hidden, moe_ffn_hidden(cfg)
+        inward = ('experts', 'embed', 'expert_mlp')
+        self.router_kernel = param(rngs, (hidden, experts), ('embed', 'experts'), cfg.init_std)
+        self.swiglu = cfg.get('mlp', 'gelu') == 'swiglu'
+        self.gate_kernel = (
+            param(rngs, (experts, hidden, width), inward, cfg.init_std) if self.swiglu else None
+        )
+        self.in_kernel = param(rngs, (experts, hidden, width), inward, cfg.init_std)
+        self.out_kernel = param(
+            rngs, (experts, width, hidden), ('experts', 'expert_mlp', 'embed'), out_std(cfg)
+        )
+        shared = shared_ffn_hidden(cfg)
+        self.shared = mlp(cfg, rngs, shared) if shared else None
+        rule = bias_rule(moe.bias_update_rate)
+        self.router_bias = buffers.buffer(jnp.zeros((experts,), jnp.float32), ('experts',), rule)
+        self.experts, self.top_k, self.num_layers = experts, moe.top_k, cfg.num_layers
+        self.router, self.norm_top_k = moe.router, moe.norm_top_k
+        self.capacity_factor = moe.capacity_factor
+        self.aux_loss_coeff, self.z_loss_coeff = moe.aux_loss_coeff, moe.z_loss_coeff
+        self.grouped = grouped  # grouped_matmul_kind()
+        self.dtype = cfg.compute_dtype
+
+    def __call__(self, x, layer):
+        """x (batch, seq, embed), whole along seq (capacity counts whole sequences); layer:
+        the block's global index (its row of moe_loads). Returns (batch, residual_seq, embed)
+        and the side values."""
+        logits, scores, chosen, weights = self.route(x)
+        keep = self.kept(chosen)
+        out = self.dispatch(x, chosen, jnp.where(keep, weights, 0.0), keep)
+        out = constrain(out, ('batch', 'residual_seq', 'embed'))
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out, self.values(logits, scores, chosen, keep, layer)
+
+    def route(self, x):
+        """(logits, scores (batch, seq, experts), chosen, weights (batch, seq, top_k)), fp32:
+        the k experts of highest score + router_bias, their scores as weights."""
+        kernel = self.router_kernel[...].astype(jnp.float32)
+        logits = jnp.einsum('bse,ex->bsx', x.astype(jnp.float32), kernel)
+        scores = jax.nn.softmax(logits) if self.router == 'softmax' else jax.nn.sigmoid(logits)
+        bias = jax.lax.stop_gradient(self.router_bias[...].astype(jnp.float32))
+        chosen = checkpoint_name(jax.lax.top_k(scores + bias, self.top_k)[1], 'moe_route')
+        weights = jnp.take_along_axis(scores, chosen, axis=-1)
+        if self.norm_top_k:
+            weights = weights / weights.sum(-1, keepdims=True)
+        return logits, scores, chosen, weights
+
+    def kept(self, chosen):
+        """(batch, seq, top_k) bool: the choices within their expert's capacity (all of them
+        when dropless). Each sequence competes alone: its choices queue at their experts first
+        choices first, then second ones, each in token order. The one-hot here is (tokens x
+        experts) of int32, no hidden dimension."""
+        if not self.capacity_factor:
+            return jnp.ones(chosen.shape, bool)
+        b, s, k = chosen.shape
+        capacity = math.ceil(self.capacity_factor * s * k / self.experts)
+        queue = jax.nn.one_hot(chosen.transpose(0, 2, 1).reshape(b, k * s), self.experts)
+        queue = queue.astype(jnp.int32)
+        place = ((jnp.cumsum(queue, axis=1) - 1) * queue).sum(-1)  # within its expert's queue
+        return (place < capacity).reshape(b, k, s).transpose(0, 2, 1)
+
+    def dispatch(self, x, chosen, weights, keep):
+        """The routed experts' output (batch, seq, embed): the (token, choice) rows sorted by
+        expert, the dropped past the last, through the grouped matmuls and back."""
+        b, s, embed = x.shape
+        k = self.top_k
+        ids = jnp.where(keep, chosen, self.experts).reshape(-1)
+        order = checkpoint_name(jnp.argsort(ids, stable=True), 'moe_route')  # no second sort
+        group_sizes = jnp.bincount(ids, length=self.experts + 1)[:-1].astype(jnp.int32)
+        rows = x.reshape(b * s, embed)[order // k]
+        out = self.grouped_mlp(rows, group_sizes)
+        back = jnp.zeros_like(order).at[order].set(jnp.arange(order.size))  # order's inverse
+        out = out[back].reshape(b, s, k, embed)
+        return jnp.einsum('bske,bsk->bse', out, weights.astype(out.dtype))
+
+    def grouped_mlp(self, rows, group_sizes):
+        """The experts' MLP on rows (n, embed) sorted by expert, group g of group_sizes[g]
+        rows through expert g; rows past the groups come out 0."""
+        if self.grouped == 'ragged':
+            return self.expert_mlp(
+                rows, lambda a, w: jax.lax.ragged_dot(a, w, group_sizes, precision=None)
+            )
+        layout = BlockLayout.of(group_sizes, rows.shape[0], block_rows(rows.shape[0], self.experts))
+        blocks = layout.pack(rows)
+        out = self.expert_mlp(
+            blocks, lambda a, w: jnp.einsum('nbe,nef->nbf', a, w[layout.block_expert])
+        )
+        return layout.unpack(out)
+
+    def expert_mlp(self, rows, matmul):
+        """The block's MLP kind through matmul(rows, expert weights): GeLU, or SwiGLU."""
+
+        def up(kernel):
+            return checkpoint_name(matmul(rows, use(kernel, self.dtype)), 'moe_in')
+
+        h = up(self.in_kernel)
+        h = jax.nn.silu(up(self.gate_kernel)) * h if self.swiglu else jax.nn.gelu(h, True)
+        return checkpoint_name(matmul(h, use(self.out_kernel, self.dtype)), 'moe_out')
+
+    def values(self, logits, scores, chosen, keep, layer):
+        """The side values of this layer (the module docstring)."""
+        b, s, k = chosen.shape
+        counts = jax.nn.one_hot(chosen, self.experts, dtype=jnp.float32).sum(2).sum(1)  # (b, X)
+        fraction = counts / (s * k)
+        probability = (scores / scores.sum(-1, keepdims=True)).mean(1)  # (b, X)
+        aux = self.experts * (fraction * probability).sum() * s
+        z = jnp.square(jax.nn.logsumexp(logits, axis=-1)).sum()
+        row = jax.nn.one_hot(layer, self.num_layers, dtype=jnp.float32)
+        return {
+            AUX_LOSS: self.aux_loss_coeff * aux,
+            Z_LOSS: self.z_loss_coeff * z,
+            LOADS: row[:, None] * counts.sum(0)[None, :],
+            DROPPED: (~keep).sum().astype(jnp.float32),
+        }
+
+
+def block_rows(rows, experts):
+    """The CPU grouped matmul's block: the largest power of two with experts x block within
+    1/PADDING_SHARE of the rows, at most BLOCK_MAX."""
+    block = 1
+    while block * 2 <= BLOCK_MAX and experts * block * 2 * PADDING_SHARE <= rows:
+        block *= 2
+    return block
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockLayout:
+    """Rows sorted by expert, each group padded to whole blocks of `block` rows:
+
+        rows   [ e0 e0 e0 | e1 | e2 e2 ]          group_sizes (3, 1, 2), block 2
+        blocks [ e0 e0 | e0 . | e1 . | e2 e2 | . . ]   block_expert (0, 0, 1, 2, 2)
+
+    `dest` is each row's place among the blocks' rows (`size`, past them, for a row in no
+    group); the blocks after the last group hold zeros and take the last expert's weights.
+    Their count is fixed by the shapes: rows / block + experts, rounded up."""
+
+    dest: jax.Array
+    block_expert: jax.Array
+    block: int
+    size: int
+
+    @classmethod
+    def of(cls, group_sizes, rows, block):
+        experts = group_sizes.shape[0]
+        ends = jnp.cumsum(group_sizes)
+        padded = -(-group_sizes // block) * block
+        padded_ends = jnp.cumsum(padded)
+        size = -(-(rows + experts * (block - 1)) // block) * block
+        row = jnp.arange(rows)
+        group = jnp.searchsorted(ends, row, side='right')
+        inside = jnp.minimum(group, experts - 1)
+        place = padded_ends[inside] - padded[inside] + row - (ends[inside] - group_sizes[inside])
+        dest = jnp.where(group < experts, place, size)
+        starts = jnp.arange(size // block) * block
+        block_expert = jnp.minimum(jnp.searchsorted(padded_ends, starts, side='right'), experts - 1)
+        return cls(dest, block_expert, block, size)
+
+    def pack(self, rows):
+        """(n, embed) -> (blocks, block, embed)."""
+        packed = jnp.zeros((self.size, rows.shape[-1]), rows.dtype)
+        packed = packed.at[self.dest].set(rows, mode='drop')
+        return packed.reshape(self.size // self.block, self.block, rows.shape[-1])
+
+    def unpack(self, blocks):
+        """(blocks, block, embed) -> (n, embed): each row's own, 0 for a row in no group."""
+        flat = blocks.reshape(self.size, blocks.shape[-1])
+        return jnp.take(flat, self.dest, axis=0, mode='fill', fill_value=0)
