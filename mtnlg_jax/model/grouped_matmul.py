@@ -37,7 +37,8 @@ from jax.experimental.pallas import triton as plgpu
 # each is 2 x (tiles x tile) x K x N multiply-adds' worth of work at most.
 FORWARD, ROWS, WEIGHTS = 'grouped_matmul', 'grouped_matmul_drows', 'grouped_matmul_dweights'
 KERNELS = (FORWARD, ROWS, WEIGHTS)
-BLOCK = 64  # K and N blocks of a program
+BLOCK = 64  # K and N blocks of a program, at most
+SMALLEST = 16  # Triton's smallest matmul side
 
 
 class Layout(NamedTuple):
@@ -56,15 +57,18 @@ class Layout(NamedTuple):
 
 def tile_layout(group_sizes, rows, tile):
     """The Layout of `rows` rows sorted by expert, group_sizes (experts,) int32 rows each:
-    every expert's rows padded to whole tiles; room for the most tiles any routing needs."""
+    every expert's rows padded to whole tiles; room for the most tiles any routing needs.
+    Rows past the groups (an MoE's dropped choices, sorted last) go in no tile."""
     experts = group_sizes.shape[0]
     tiles = -(-rows // tile) + experts
     counts = -(-group_sizes // tile)
     first = jnp.cumsum(counts) - counts
     ends = jnp.cumsum(group_sizes)
-    expert = jnp.searchsorted(ends, jnp.arange(rows), side='right')
+    group = jnp.searchsorted(ends, jnp.arange(rows), side='right')
+    expert = jnp.minimum(group, experts - 1)
     position = jnp.arange(rows) - (ends - group_sizes)[expert]
-    index = (first[expert] * tile + position).astype(jnp.int32)
+    inside = first[expert] * tile + position
+    index = jnp.where(group < experts, inside, tiles * tile).astype(jnp.int32)
     tile_expert = jnp.searchsorted(jnp.cumsum(counts), jnp.arange(tiles), side='right')
     tile_expert = jnp.minimum(tile_expert, experts - 1).astype(jnp.int32)
     return Layout(
@@ -77,12 +81,12 @@ def to_tiles(rows, layout):
     """(tiles x tile, K) of rows (rows, K) sorted by expert; padding rows zero."""
     tiles = layout.tile_expert.shape[0]
     out = jnp.zeros((tiles * layout.tile, rows.shape[1]), rows.dtype)
-    return out.at[layout.index].set(rows, unique_indices=True)
+    return out.at[layout.index].set(rows, mode='drop')
 
 
 def from_tiles(tiled, layout):
-    """The sorted rows' (rows, N) of tiled (tiles x tile, N)."""
-    return tiled[layout.index]
+    """The sorted rows' (rows, N) of tiled (tiles x tile, N); 0 for a row in no tile."""
+    return jnp.take(tiled, layout.index, axis=0, mode='fill', fill_value=0)
 
 
 def grouped_matmul(x, weights, layout, *, interpret=False):
@@ -118,10 +122,12 @@ _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 def _block(size):
-    """A K or N block: BLOCK, or the whole dimension when it is smaller (a power of two)."""
-    block = min(BLOCK, size)
-    if size % block:
-        raise ValueError(f'grouped_matmul: a dimension of {size} is not a multiple of {block}')
+    """A K or N block: the largest power of two up to BLOCK that divides the dimension."""
+    block = BLOCK
+    while size % block:
+        block //= 2
+    if block < SMALLEST:
+        raise ValueError(f'grouped_matmul: a dimension of {size} is not a multiple of {SMALLEST}')
     return block
 
 

@@ -18,15 +18,16 @@ for every token, the tokens are sorted by expert and each expert multiplies only
       -> the rows back in token order, weighted and summed over the k choices
       -> + the shared experts (one dense MLP of model.moe.shared_ffn_hidden, always on)
 
-The grouped matmul (`grouped_matmul_kind`): each group padded to whole blocks of rows and
-every block multiplied by its expert's weights (`BlockLayout`), the work of the chosen rows
-plus at most one partial block per expert, on the CPU and GPUs; jax.lax.ragged_dot on TPUs.
-XLA:CPU and XLA:GPU (jax 0.10.2) both lower ragged_dot to a dense product over every expert:
-compiled for an H100 at tiny_moe's shapes its matmul FLOPs are 7.97 times the active count
-(a (rows, experts x hidden) masked copy of the input against every expert's weights), the
-blocks' 1.05 times. The blocks' cost is memory: each block reads its expert's weights as a
-gathered copy, (blocks, embed, width), about 17 copies of the experts at the CPU's block
-size; a grouped-matmul kernel that reads the weights in place is the GPU's next step.
+The grouped matmul (`grouped_matmul_kind`): each group padded to whole tiles of rows
+(model/grouped_matmul.py's layout), every tile multiplied by its expert's weights: the work
+of the chosen rows plus at most one partial tile per expert. On GPUs the Pallas kernel of
+model/grouped_matmul.py reads each tile's expert weights in place; on the CPU a batched
+matmul over the tiles reads them as a gathered copy, (tiles, embed, width), about 17 copies
+of the experts at the CPU's tile size (memory the tests' small models afford); on TPUs
+jax.lax.ragged_dot. XLA:CPU and XLA:GPU (jax 0.10.2) both lower ragged_dot to a dense product
+over every expert: compiled for an H100 at tiny_moe's shapes its matmul FLOPs are 7.97 times
+the active count (a (rows, experts x hidden) masked copy of the input against every expert's
+weights), the tiles' 1.05 times.
 
 Parameters (E = embed, X = experts, F = model.moe.ffn_hidden; logical axes in brackets, see
 parallel/rules.py: `experts` is whole until expert parallelism, `expert_mlp` splits over
@@ -57,7 +58,7 @@ router_bias moves after each step by bias_update_rate x sign(mean load - load) o
 row of moe_loads (auxiliary-loss-free balancing): an under-loaded expert is chosen more often.
 """
 
-import dataclasses
+import functools
 import math
 
 import jax
@@ -66,9 +67,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from mtnlg_jax.config import moe_ffn_hidden, shared_ffn_hidden
-from mtnlg_jax.model import buffers
+from mtnlg_jax.model import buffers, grouped_matmul
 from mtnlg_jax.model.layers import mlp, out_std, param, use
-from mtnlg_jax.parallel.rules import constrain
+from mtnlg_jax.parallel.rules import constrain, shards
 from mtnlg_jax.parallel.stage_functions import SideValue
 
 AUX_LOSS, Z_LOSS, LOADS, DROPPED = 'moe_aux_loss', 'moe_z_loss', 'moe_loads', 'moe_dropped'
@@ -99,9 +100,11 @@ def side_values(num_layers, experts):
 
 
 def grouped_matmul_kind(device):
-    """'ragged' (jax.lax.ragged_dot) on a TPU, 'blocks' elsewhere (None: the CPU): XLA:CPU and
-    XLA:GPU lower ragged_dot densely over every expert (the module's docstring)."""
-    return 'ragged' if device is not None and device.platform == 'tpu' else 'blocks'
+    """'pallas' (model/grouped_matmul.py's kernel) on a GPU, 'ragged' (jax.lax.ragged_dot) on a
+    TPU, 'blocks' on the CPU (device None too): XLA:CPU and XLA:GPU lower ragged_dot densely
+    over every expert (the module's docstring)."""
+    platform = None if device is None else device.platform
+    return {'gpu': 'pallas', 'cuda': 'pallas', 'tpu': 'ragged'}.get(platform, 'blocks')
 
 
 def bias_rule(rate):
@@ -206,12 +209,21 @@ class MoE(nnx.Module):
             return self.expert_mlp(
                 rows, lambda a, w: jax.lax.ragged_dot(a, w, group_sizes, precision=None)
             )
-        layout = BlockLayout.of(group_sizes, rows.shape[0], block_rows(rows.shape[0], self.experts))
-        blocks = layout.pack(rows)
-        out = self.expert_mlp(
-            blocks, lambda a, w: jnp.einsum('nbe,nef->nbf', a, w[layout.block_expert])
-        )
-        return layout.unpack(out)
+        # the kernel has no tensor-parallel form yet: split experts take the batched path
+        kernel = self.grouped == 'pallas' and shards('expert_mlp') == 1
+        tile = block_rows(rows.shape[0], self.experts, kernel)
+        layout = grouped_matmul.tile_layout(group_sizes, rows.shape[0], tile)
+        if kernel:
+            matmul = functools.partial(grouped_matmul.grouped_matmul, layout=layout)
+        else:
+
+            def matmul(a, w):  # the tiles' batched matmul, each with its expert's weights
+                tiles = a.reshape(-1, tile, a.shape[-1])
+                out = jnp.einsum('nbe,nef->nbf', tiles, w[layout.tile_expert])
+                return out.reshape(-1, w.shape[-1])
+
+        out = self.expert_mlp(grouped_matmul.to_tiles(rows, layout), matmul)
+        return grouped_matmul.from_tiles(out, layout)
 
     def expert_mlp(self, rows, matmul):
         """The block's MLP kind through matmul(rows, expert weights): GeLU, or SwiGLU."""
@@ -240,54 +252,11 @@ class MoE(nnx.Module):
         }
 
 
-def block_rows(rows, experts):
-    """The CPU grouped matmul's block: the largest power of two with experts x block within
-    1/PADDING_SHARE of the rows, at most BLOCK_MAX."""
+def block_rows(rows, experts, kernel=False):
+    """The grouped matmul's tile: the largest power of two with experts x tile within
+    1/PADDING_SHARE of the rows, at most BLOCK_MAX; the Pallas kernel's at least Triton's
+    smallest matmul side."""
     block = 1
     while block * 2 <= BLOCK_MAX and experts * block * 2 * PADDING_SHARE <= rows:
         block *= 2
-    return block
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockLayout:
-    """Rows sorted by expert, each group padded to whole blocks of `block` rows:
-
-        rows   [ e0 e0 e0 | e1 | e2 e2 ]          group_sizes (3, 1, 2), block 2
-        blocks [ e0 e0 | e0 . | e1 . | e2 e2 | . . ]   block_expert (0, 0, 1, 2, 2)
-
-    `dest` is each row's place among the blocks' rows (`size`, past them, for a row in no
-    group); the blocks after the last group hold zeros and take the last expert's weights.
-    Their count is fixed by the shapes: rows / block + experts, rounded up."""
-
-    dest: jax.Array
-    block_expert: jax.Array
-    block: int
-    size: int
-
-    @classmethod
-    def of(cls, group_sizes, rows, block):
-        experts = group_sizes.shape[0]
-        ends = jnp.cumsum(group_sizes)
-        padded = -(-group_sizes // block) * block
-        padded_ends = jnp.cumsum(padded)
-        size = -(-(rows + experts * (block - 1)) // block) * block
-        row = jnp.arange(rows)
-        group = jnp.searchsorted(ends, row, side='right')
-        inside = jnp.minimum(group, experts - 1)
-        place = padded_ends[inside] - padded[inside] + row - (ends[inside] - group_sizes[inside])
-        dest = jnp.where(group < experts, place, size)
-        starts = jnp.arange(size // block) * block
-        block_expert = jnp.minimum(jnp.searchsorted(padded_ends, starts, side='right'), experts - 1)
-        return cls(dest, block_expert, block, size)
-
-    def pack(self, rows):
-        """(n, embed) -> (blocks, block, embed)."""
-        packed = jnp.zeros((self.size, rows.shape[-1]), rows.dtype)
-        packed = packed.at[self.dest].set(rows, mode='drop')
-        return packed.reshape(self.size // self.block, self.block, rows.shape[-1])
-
-    def unpack(self, blocks):
-        """(blocks, block, embed) -> (n, embed): each row's own, 0 for a row in no group."""
-        flat = blocks.reshape(self.size, blocks.shape[-1])
-        return jnp.take(flat, self.dest, axis=0, mode='fill', fill_value=0)
+    return max(block, grouped_matmul.SMALLEST) if kernel else block
