@@ -111,3 +111,17 @@ def print_table(title, header, rows):
     print('|' + '|'.join('---' for _ in header) + '|')
     for row in rows:
         print('| ' + ' | '.join(str(cell) for cell in row) + ' |')
+
+
+def compile_for_one_h100(fn, shapes):
+    """fn compiled by XLA:GPU for one compile-only H100 (`make gpu-compile`, enabled before JAX
+    started) on arrays of `shapes`, (shape, dtype) pairs: the optimized program, nothing run."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: PLC0415
+
+    from mtnlg_jax.plan import gpu_target  # noqa: PLC0415
+
+    devices = gpu_target.devices('h100-80gb', 1)
+    whole = NamedSharding(Mesh(devices, ('x',)), PartitionSpec())
+    specs = [jax.ShapeDtypeStruct(shape, dtype, sharding=whole) for shape, dtype in shapes]
+    with gpu_target.compiling_for(devices):
+        return jax.jit(fn).lower(*specs).compile()

@@ -11,6 +11,7 @@ three products' work.
 """
 
 import argparse
+import functools
 import sys
 
 GPU = '--gpu' in sys.argv
@@ -23,9 +24,8 @@ if GPU:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
-from common import print_table  # noqa: E402
+from common import compile_for_one_h100, print_table  # noqa: E402
 from mtnlg_jax.model import fp8  # noqa: E402
 from mtnlg_jax.plan import hlo_module  # noqa: E402
 
@@ -71,17 +71,12 @@ def cpu_rows(args):
 
 
 def gpu_rows(args):
-    from mtnlg_jax.plan import gpu_target  # noqa: PLC0415
-
-    devices = gpu_target.devices('h100-80gb', 1)
-    whole = NamedSharding(Mesh(devices, ('x',)), PartitionSpec())
     shapes = [(args.rows, args.hidden), (args.hidden, args.ffn), (args.rows, args.ffn)]
-    specs = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=whole) for s in shapes]
     work = 3 * 2 * args.rows * args.hidden * args.ffn
     rows = []
     for recipe in ('fp32', *fp8.RECIPES):
-        with gpu_target.compiling_for(devices):
-            compiled = jax.jit(lambda *a, r=recipe: step(r, *a)).lower(*specs).compile()
+        program = functools.partial(step, recipe)
+        compiled = compile_for_one_h100(program, [(s, jnp.bfloat16) for s in shapes])
         by_dtype = hlo_module.matmul_flops_by_dtype(compiled.as_text())
         shares = ', '.join(f'{k} {v / work:.2f}' for k, v in sorted(by_dtype.items()))
         rows.append(['bf16' if recipe == 'fp32' else recipe, shares])

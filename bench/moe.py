@@ -41,9 +41,8 @@ if GPU:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
-from common import print_table  # noqa: E402
+from common import compile_for_one_h100, print_table  # noqa: E402
 from mtnlg_jax.model import grouped_matmul  # noqa: E402
 from mtnlg_jax.plan import hlo_module  # noqa: E402
 
@@ -177,22 +176,15 @@ def cpu_rows(args):
 
 
 def gpu_rows(args):
-    from mtnlg_jax.plan import gpu_target  # noqa: PLC0415
-
     args.on_gpu = True
-    devices = gpu_target.devices('h100-80gb', 1)
-    sharding = NamedSharding(Mesh(devices, ('x',)), PartitionSpec())
     rows = []
     for experts, top_k in SHAPES:
-        data = inputs(experts, top_k, args, jnp.bfloat16)
-        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in data]
+        shapes = [(a.shape, a.dtype) for a in inputs(experts, top_k, args, jnp.bfloat16)]
         active = 2 * args.tokens * top_k * args.hidden * args.ffn
         for way in WAYS:
             cells = [f'{experts} x top {top_k}', way]
             for program, work in zip(programs(way, args), (active, 3 * active)):
-                with gpu_target.compiling_for(devices):
-                    compiled = jax.jit(program).lower(*specs).compile()
-                ratio, temp = measure(compiled, work)
+                ratio, temp = measure(compile_for_one_h100(program, shapes), work)
                 cells += [f'{ratio:.2f}', f'{temp / 2**20:.1f}']
             rows.append(cells)
     return rows
