@@ -95,7 +95,8 @@ _installed = False
 def quiet_background_noise():
     """Keep a failed write's tracebacks from other threads off stderr (once per process):
     tensorstore prints its callbacks' errors through sys.unraisablehook or sys.excepthook,
-    threads through threading.excepthook, asyncio through its logger. Other exceptions print as before."""
+    threads through threading.excepthook, asyncio through its logger. Other exceptions print
+    as before."""
     global _installed
     if _installed:
         return
