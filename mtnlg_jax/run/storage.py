@@ -21,6 +21,13 @@ import sys
 import threading
 
 FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
+class StorageError(RuntimeError):
+    """An output the storage refused (a full disk): the one-line message names the file and
+    why; the run's status is 1, as for any run gone wrong."""
+
+
 _CODE = re.compile(r"os_error_code='?(\d+)")  # tensorstore's text of a failed write
 
 
@@ -52,7 +59,7 @@ def free_space(path):
     """'12.0 MiB free on /mnt' for the file system holding `path` (its nearest existing
     folder), or '' where it cannot be read."""
     folder = os.path.abspath(path)
-    while not os.path.exists(folder):
+    while not os.path.isdir(folder):
         folder = os.path.dirname(folder)
     try:
         stats = os.statvfs(folder)
@@ -90,6 +97,12 @@ class _NoNoiseRecords(logging.Filter):
 
 
 _installed = False
+_in_background = []  # refusals a thread died of, quietly (tensorboard's writer)
+
+
+def refused_in_background():
+    """The storage refusal a background thread died of (quietly), or None."""
+    return _in_background[-1] if _in_background else None
 
 
 def quiet_background_noise():
@@ -112,6 +125,8 @@ def quiet_background_noise():
     def thread_hook(args):
         if not _is_noise(args.exc_value):
             previous_thread(args)
+        elif storage_errno(args.exc_value) is not None:
+            _in_background.append(args.exc_value)
 
     def unraisable_hook(unraisable):
         if not _is_noise(unraisable.exc_value):

@@ -33,6 +33,7 @@ from mtnlg_jax.data import loader as loader_lib
 from mtnlg_jax.data import packing
 from mtnlg_jax.config import rampup
 from mtnlg_jax.parallel.mesh import mesh_from_config
+from mtnlg_jax.run import storage
 from mtnlg_jax.run.rundir import RunDir
 from mtnlg_jax.train import banner, faults, resume
 from mtnlg_jax.train import metrics as metrics_lib
@@ -107,7 +108,8 @@ def train(config, workdir, identity=None):
     """Train a resolved config in workdir, resuming from its newest checkpoint if it has one.
     Raises DataError, CheckpointError or ConfigError (data.eod_id with no tokenizer to take
     it from) before anything is written, NonFiniteError after train.max_consecutive_skips
-    non-finite steps, SaveFailedError after a failed save (checkpoint.on_save_error=stop). A
+    non-finite steps, SaveFailedError after a failed save (checkpoint.on_save_error=stop),
+    storage.StorageError after metrics or the loss curve the storage refused (a full disk). A
     stalled phase ends the process (train/watchdog.py). identity: what the workdir records of
     the run (identity.json; launch/train.py checks it against the workdir's before). Returns
     the final state."""
@@ -173,6 +175,8 @@ def train(config, workdir, identity=None):
             saver.finish()
         checkpoints.close()
     faults.raise_if_failed(guard.error, saver.error)
+    if report.writer.failed:
+        raise storage.StorageError(report.writer.failed)
     if primary:
         write_loss_curve(workdir, metrics_path)
     return position.state
@@ -231,7 +235,13 @@ def stop_requested(checkpoints, stop_signals, step):
 def write_loss_curve(workdir, metrics_path):
     run_dir = RunDir(workdir)
     png = run_dir.loss_png
-    metrics_lib.plot_loss_curve(metrics_path, png, title=os.path.basename(workdir.rstrip('/')))
+    try:
+        metrics_lib.plot_loss_curve(metrics_path, png, title=os.path.basename(workdir.rstrip('/')))
+    except OSError as error:
+        refused = storage.refusal(error)
+        if refused is None:
+            raise
+        raise storage.StorageError(f'{png} not written: {refused}') from None
     print(f'wrote {metrics_path}, {png} and tensorboard events in {run_dir.tensorboard}')
 
 

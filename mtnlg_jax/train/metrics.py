@@ -7,21 +7,29 @@ since the last record, as Megatron logs it), `lr`, `grad_norm`,
 per evaluation (`"eval": true`, `step`, `loss`, `perplexity`).
 """
 
+import contextlib
+import errno
 import json
 import math
 import os
+import sys
 
 import matplotlib
 
 matplotlib.use('Agg')  # no display on training machines
 import matplotlib.pyplot as plt  # noqa: E402
 from tensorboardX import SummaryWriter  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
+from mtnlg_jax.run import storage  # noqa: E402
 from mtnlg_jax.run.rundir import RunDir  # noqa: E402
 
 
 class MetricsWriter:
-    """Appends records to metrics.jsonl and mirrors their numbers to tensorboard."""
+    """Appends records to metrics.jsonl and mirrors their numbers to tensorboard. A write the
+    storage refuses (a full disk) is one warning line and the end of writing: `failed` holds
+    the message the run ends with (the run itself goes on to its next checkpoint, which on
+    the same full disk stops it)."""
 
     def __init__(self, workdir, resume_step=0, enabled=True):
         """Records past `resume_step` are dropped: a resumed run computes them again.
@@ -29,8 +37,10 @@ class MetricsWriter:
         run_dir = RunDir(workdir)
         self.path = run_dir.metrics
         self.enabled = enabled
+        self.failed = None
         if not enabled:
             return
+        storage.quiet_background_noise()  # tensorboard's writer thread on a full disk
         if os.path.exists(self.path):
             kept = [r for r in read_metrics(self.path) if r['step'] <= resume_step]
             with open(self.path + '.tmp', 'w') as f:
@@ -40,24 +50,56 @@ class MetricsWriter:
         self._tensorboard = SummaryWriter(run_dir.tensorboard)
 
     def write(self, record):
-        if not self.enabled:
+        if not self.enabled or self.failed:
             return
-        self._file.write(json.dumps(record) + '\n')
-        self._file.flush()
-        prefix = 'eval' if record.get('eval') else 'train'
-        for key, value in record.items():
-            if (
-                key not in ('step', 'eval')
-                and isinstance(value, (int, float))
-                and value is not None
-            ):
-                self._tensorboard.add_scalar(f'{prefix}/{key}', value, record['step'])
+        with self._refusals_named():
+            self._file.write(json.dumps(record) + '\n')
+            self._file.flush()
+            prefix = 'eval' if record.get('eval') else 'train'
+            for key, value in record.items():
+                if (
+                    key not in ('step', 'eval')
+                    and isinstance(value, (int, float))
+                    and value is not None
+                ):
+                    self._check_tensorboard()
+                    self._tensorboard.add_scalar(f'{prefix}/{key}', value, record['step'])
 
     def close(self):
         if not self.enabled:
             return
-        self._file.close()
-        self._tensorboard.close()
+        closes = [self._file.close] + [self._tensorboard.close] * self._tensorboard_alive()
+        for close in closes:
+            with self._refusals_named():
+                close()
+
+    def _tensorboard_alive(self):
+        """Whether tensorboardX's writer thread still runs: once a full disk ended it, its
+        queue fills and the next event would block forever."""
+        writer = getattr(getattr(self._tensorboard, 'file_writer', None), 'event_writer', None)
+        worker = getattr(writer, '_worker', None)
+        return worker is None or worker.is_alive()
+
+    def _check_tensorboard(self):
+        if not self._tensorboard_alive():
+            raise storage.refused_in_background() or OSError(
+                errno.EIO, 'tensorboard writer thread ended'
+            )
+
+    @contextlib.contextmanager
+    def _refusals_named(self):
+        try:
+            yield
+        except OSError as error:
+            refused = storage.refusal(error)
+            if refused is None:
+                raise
+            if self.failed is None:
+                self.failed = storage.noted(
+                    f'{self.path} (or its tensorboard events) not written from here on: '
+                    f'{refused}; {storage.free_space(self.path)}'
+                )
+                tqdm.write(f'warning: {self.failed}', sys.stderr)
 
 
 def read_metrics(path):
