@@ -9,6 +9,7 @@ line, and the tracebacks such a failure sets off in background threads kept off 
                               (orbax's event loop closed under tensorstore's callbacks, an
                               asyncio future nobody awaits, tensorboard's writer) print no
                               traceback; the failure reaches the main thread, which names it
+    quiet_logged_refusals(..) the same for a library's logs of it (Ray Data's)
 
 This module imports neither JAX nor orbax: launch tools use it before JAX starts.
 """
@@ -19,6 +20,7 @@ import os
 import re
 import sys
 import threading
+import warnings
 
 FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
@@ -83,6 +85,8 @@ def noted(message):
     """`message` (a refusal's one line), remembered: from now on asyncio's complaints about
     the failed write's tasks and futures (pending at exit, never retrieved) stay quiet."""
     _refused.append(message)
+    # The failed write's coroutines, dropped unawaited, are garbage-collected at exit.
+    warnings.filterwarnings('ignore', 'coroutine .* was never awaited', RuntimeWarning)
     return message
 
 
@@ -94,6 +98,32 @@ class _NoNoiseRecords(logging.Filter):
         if record.exc_info and _is_noise(record.exc_info[1]):
             return False
         return not (_refused and record.levelno >= logging.ERROR)
+
+
+def _carries_refusal(record):
+    if record.exc_info and storage_errno(record.exc_info[1]) is not None:
+        return True
+    return any(os.strerror(code) in record.getMessage() for code in FULL)
+
+
+class _LoggedRefusals(logging.Filter):
+    """A library's log of a refused write (Ray Data logs its failed task with the worker's
+    traceback, then an error of its own): the caller's one line names it instead."""
+
+    def filter(self, record):
+        if _carries_refusal(record):
+            noted('a write refused')
+            return False
+        return not (_refused and record.levelno >= logging.ERROR)
+
+
+def quiet_logged_refusals(*names):
+    """Keep the loggers `names`' logs of a refused write, and their errors after one, off
+    their handlers (a handler filter: the libraries log from child loggers)."""
+    for name in names:
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, _LoggedRefusals) for f in handler.filters):
+                handler.addFilter(_LoggedRefusals())
 
 
 _installed = False

@@ -94,6 +94,14 @@ class MetricsWriter:
             refused = storage.refusal(error)
             if refused is None:
                 raise
+            # Its writer thread ended (a live one is asked to end: left in its queue's wait it
+            # fails when the queue closes at exit); tensorboardX skips its writes, flushes and
+            # its close at exit once closed.
+            writer = getattr(getattr(self._tensorboard, 'file_writer', None), 'event_writer', None)
+            if writer is not None:
+                if not writer._closed and writer._worker.is_alive():
+                    writer._worker.stop()
+                writer._closed = True
             if self.failed is None:
                 self.failed = storage.noted(
                     f'{self.path} (or its tensorboard events) not written from here on: '
