@@ -6,6 +6,7 @@
         batch   = next global batch             (ramp-up: its size grows; a new size compiles)
         position = position after train_step    (CompiledSteps caches one per micro-step count)
         log      every train.log_every          (reporter.py: step_record, a pure function)
+        profile  train.profile_steps from train.profile_start   (profile.py: a jax.profiler trace)
         save     every checkpoint.every, at the end, on SIGTERM   (periodic.py: Saver)
         evaluate every train.eval_every, at the end               (periodic.py: Evaluator)
         loss spike?  position = roll_back       (resume.py; the data moves on past the spike)
@@ -39,6 +40,7 @@ from mtnlg_jax.train import banner, faults, resume
 from mtnlg_jax.train import metrics as metrics_lib
 from mtnlg_jax.train.state import make_setup, pipeline_order
 from mtnlg_jax.train.periodic import Evaluator, Saver, due
+from mtnlg_jax.train.profile import StepProfile
 from mtnlg_jax.train.reporter import Reporter
 from mtnlg_jax.train.step import make_eval_step, make_train_step
 from mtnlg_jax.train.watchdog import Watchdog
@@ -137,23 +139,27 @@ def train(config, workdir, identity=None):
             in_layer_order = pipeline_order(config, setup, to='layer')  # what checkpoints hold
             saver = Saver(config, checkpoints, in_layer_order, guard, watchdog)
             evaluator = Evaluator(config, compiled, valid_data, mesh, report, watchdog)
+            profile = StepProfile(config, workdir, report.say_everywhere)
             while position.step < train_cfg.steps:
                 step = position.step + 1
-                with watchdog.phase('batch', f'step {step}'):
-                    faults.hang_if_drilled(config, first_step, step)
-                    batch = next(batches)
-                with watchdog.phase('step', f'step {step}'):
-                    with watchdog.unwatched():  # a new batch size or a drill compiles
-                        train_step = compiled.for_batch(batch, drills.pop(step, None), report)
-                    position, step_metrics = take_step(train_step, position, batch, config)
-                    faults.kill_if_drilled(config, first_step, step, checkpoints)
-                    report.stepped(step_metrics)
-                    guard.push(step, step_metrics)
-                    stopping = stop_requested(checkpoints, stop_signals, step)
-                    if due(train_cfg.log_every, step, train_cfg.steps) or stopping:
-                        position = guard.settle(position)
-                        report.log(position, batch, step_metrics)
-                position = saver.maybe_save(step, position, force=stopping)
+                with profile.step(step):
+                    with watchdog.phase('batch', f'step {step}'), profile.phase('batch'):
+                        faults.hang_if_drilled(config, first_step, step)
+                        batch = next(batches)
+                    with watchdog.phase('step', f'step {step}'), profile.phase('step'):
+                        with watchdog.unwatched():  # a new batch size or a drill compiles
+                            train_step = compiled.for_batch(batch, drills.pop(step, None), report)
+                        position, step_metrics = take_step(train_step, position, batch, config)
+                        faults.kill_if_drilled(config, first_step, step, checkpoints)
+                        report.stepped(step_metrics)
+                        guard.push(step, step_metrics)
+                        stopping = stop_requested(checkpoints, stop_signals, step)
+                        if due(train_cfg.log_every, step, train_cfg.steps) or stopping:
+                            position = guard.settle(position)
+                            report.log(position, batch, step_metrics)
+                    with profile.phase('save'):
+                        position = saver.maybe_save(step, position, force=stopping)
+                profile.stepped(step, position.state)
                 if guard.error or saver.error:
                     break
                 if stopping:
@@ -167,6 +173,7 @@ def train(config, workdir, identity=None):
                     position, batches = roll_back(
                         config, setup, checkpoints, position, guard, report, batches
                     )
+            profile.close(position.state)  # a run that ended inside the profiled steps
             with watchdog.phase('step', 'the last step'):
                 guard.flush()
             with watchdog.phase('batch', 'closing the data reader'):
