@@ -237,6 +237,18 @@ KEYS = (
     ),
     Key('train.profile_steps', 3, 'int>0', 'steps the profile traces'),
     Key(
+        'train.straggler_every',
+        50,
+        'int>=0',
+        'steps between comparisons of the processes\' own speeds (0: never); docs/faults.md',
+    ),
+    Key(
+        'train.straggler_ratio',
+        1.5,
+        'num>0',
+        'a process slower than this x the median of the others is named (`straggler` line)',
+    ),
+    Key(
         'train.profile_all_processes',
         False,
         'bool',

@@ -7,6 +7,7 @@
         position = position after train_step    (CompiledSteps caches one per micro-step count)
         log      every train.log_every          (reporter.py: step_record, a pure function)
         profile  train.profile_steps from train.profile_start   (profile.py: a jax.profiler trace)
+        compare  the processes' own speeds every train.straggler_every  (stragglers.py)
         save     every checkpoint.every, at the end, on SIGTERM   (periodic.py: Saver)
         evaluate every train.eval_every, at the end               (periodic.py: Evaluator)
         loss spike?  position = roll_back       (resume.py; the data moves on past the spike)
@@ -41,6 +42,7 @@ from mtnlg_jax.train import metrics as metrics_lib
 from mtnlg_jax.train.state import make_setup, pipeline_order
 from mtnlg_jax.train.periodic import Evaluator, Saver, due
 from mtnlg_jax.train.profile import StepProfile
+from mtnlg_jax.train.stragglers import Stragglers
 from mtnlg_jax.train.reporter import Reporter
 from mtnlg_jax.train.step import make_eval_step, make_train_step
 from mtnlg_jax.train.watchdog import Watchdog
@@ -140,12 +142,15 @@ def train(config, workdir, identity=None):
             saver = Saver(config, checkpoints, in_layer_order, guard, watchdog)
             evaluator = Evaluator(config, compiled, valid_data, mesh, report, watchdog)
             profile = StepProfile(config, workdir, report.say_everywhere)
+            stragglers = Stragglers(config, report.say)
             while position.step < train_cfg.steps:
                 step = position.step + 1
                 with profile.step(step):
                     with watchdog.phase('batch', f'step {step}'), profile.phase('batch'):
                         faults.hang_if_drilled(config, first_step, step)
+                        reading = time.perf_counter()
                         batch = next(batches)
+                        stragglers.batch_read(time.perf_counter() - reading)
                     with watchdog.phase('step', f'step {step}'), profile.phase('step'):
                         with watchdog.unwatched():  # a new batch size or a drill compiles
                             train_step = compiled.for_batch(batch, drills.pop(step, None), report)
@@ -160,6 +165,8 @@ def train(config, workdir, identity=None):
                     with profile.phase('save'):
                         position = saver.maybe_save(step, position, force=stopping)
                 profile.stepped(step, position.state)
+                stragglers.maybe_compare(step)
+                report.relative_speed = stragglers.speeds
                 if guard.error or saver.error:
                     break
                 if stopping:
@@ -174,6 +181,7 @@ def train(config, workdir, identity=None):
                         config, setup, checkpoints, position, guard, report, batches
                     )
             profile.close(position.state)  # a run that ended inside the profiled steps
+            stragglers.close()
             with watchdog.phase('step', 'the last step'):
                 guard.flush()
             with watchdog.phase('batch', 'closing the data reader'):

@@ -3,7 +3,8 @@
 metrics.jsonl holds one JSON object per logged step (`step`, `loss` (the mean over the steps
 since the last record, as Megatron logs it), `lr`, `grad_norm`,
 `global_batch`, `tokens_seen`, `step_time_s`, `tokens_per_s`, `tflops_per_device`, `mfu`,
-`skipped_steps`, `pipeline_bubble_fraction`; train/loop.py's step_record builds it) and one
+`skipped_steps`, `pipeline_bubble_fraction`; train/loop.py's step_record builds it;
+`relative_speed`, one number per process, in runs of several processes: stragglers.py) and one
 per evaluation (`"eval": true`, `step`, `loss`, `perplexity`).
 """
 
@@ -64,6 +65,11 @@ class MetricsWriter:
                 ):
                     self._check_tensorboard()
                     self._tensorboard.add_scalar(f'{prefix}/{key}', value, record['step'])
+                elif isinstance(value, list):  # one number per process: relative_speed
+                    for index, number in enumerate(value):
+                        self._check_tensorboard()
+                        self._tensorboard.add_scalar(f'{prefix}/{key}/process_{index}', number,
+                                                     record['step'])  # fmt: skip
 
     def close(self):
         if not self.enabled:

@@ -75,6 +75,7 @@ class Reporter:
         self.say = self.progress.write if primary else lambda *_, **__: None
         self.interval = Interval(position.step, position.counters['tokens_seen'])
         self.losses = []  # device scalars: averaged at the log step, no sync per step
+        self.relative_speed = None  # every process's, at the last comparison (stragglers.py)
 
     def say_everywhere(self, message):
         """A line from every process: process 0's on the terminal, the others' in their logs."""
@@ -100,6 +101,8 @@ class Reporter:
         rates = self.interval.close(position.step, position.counters['tokens_seen'])
         throughput = rates, self.flops_per_token, self.peak
         record = step_record(self.config, position, batch, losses, step_metrics, throughput)
+        if self.relative_speed is not None:
+            record['relative_speed'] = self.relative_speed
         self.writer.write(record)
         self.progress.set_postfix(
             loss=f'{record["loss"]:.3f}',
