@@ -166,7 +166,7 @@ def train(config, workdir, identity=None):
                         position = saver.maybe_save(step, position, force=stopping)
                 profile.stepped(step, position.state)
                 stragglers.maybe_compare(step)
-                report.relative_speed = stragglers.speeds
+                report.relative_speed = stragglers.speeds, stragglers.cost_s
                 if guard.error or saver.error:
                     break
                 if stopping:

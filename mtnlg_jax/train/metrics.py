@@ -4,7 +4,8 @@ metrics.jsonl holds one JSON object per logged step (`step`, `loss` (the mean ov
 since the last record, as Megatron logs it), `lr`, `grad_norm`,
 `global_batch`, `tokens_seen`, `step_time_s`, `tokens_per_s`, `tflops_per_device`, `mfu`,
 `skipped_steps`, `pipeline_bubble_fraction`; train/loop.py's step_record builds it;
-`relative_speed`, one number per process, in runs of several processes: stragglers.py) and one
+`relative_speed`, one number per process, and `straggler_check_s`, what the last comparison
+cost, in runs of several processes: stragglers.py) and one
 per evaluation (`"eval": true`, `step`, `loss`, `perplexity`).
 """
 

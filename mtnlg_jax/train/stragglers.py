@@ -75,6 +75,7 @@ class Stragglers:
         self.on = bool(self.every) and jax.process_count() > 1
         self.say = say
         self.speeds = None  # every process's relative speed at the last comparison
+        self.cost_s = None  # seconds the last comparison took here (probe and all-gather)
         self.named = []  # (step, process, kind, factor) of every straggler named
         if not self.on:
             return
@@ -116,6 +117,7 @@ class Stragglers:
             return
         from jax.experimental import multihost_utils
 
+        start = time.perf_counter()
         mine = self._measures(step)
         hosts = np.frombuffer(socket.gethostname().encode()[:32].ljust(32), np.uint8)
         gathered = multihost_utils.process_allgather(
@@ -123,6 +125,7 @@ class Stragglers:
         )
         measures, names = gathered[:, : len(KINDS)], gathered[:, len(KINDS) :]
         self.speeds = relative_speeds(measures)
+        self.cost_s = round(time.perf_counter() - start, 5)
         for process, kind, factor, median in slow(measures, self.ratio):
             self.named.append((step, process, kind, factor))
             host = bytes(names[process].astype(np.uint8)).decode(errors='replace').strip()
