@@ -54,28 +54,38 @@ def test_a_straggler_is_the_process_above_the_ratio_times_the_median_of_the_othe
     host at half speed; below the floors nothing is named; 2 processes compare with each other."""
     measures = np.array([[1.02, 0.010, 0.002], [1.05, 0.011, 0.002], [2.0, 0.010, 0.002]])
     ((process, kind, factor, median),) = stragglers.slow(measures, 1.5)
-    assert (process, kind) == (2, 'host') and factor == pytest.approx(2.0 / 1.05)
-    assert stragglers.relative_speeds(measures)[2] == pytest.approx(1.035 / 2.0, abs=1e-3)
+    floor = stragglers.FLOORS['host']  # the others' 1.035 is under it: compared with the floor
+    assert (process, kind) == (2, 'host') and factor == pytest.approx(2.0 / floor)
+    assert stragglers.relative_speeds(measures)[2] == pytest.approx(floor / 2.0, abs=1e-3)
     noise = np.array([[1.01, 0.001, 0.0002], [1.04, 0.004, 0.0009]])  # all under the floors
     assert stragglers.slow(noise, 1.5) == []
     slow_batches = np.array([[1.0, 0.050, 0.002], [1.0, 0.010, 0.002]])
     assert [f[:2] for f in stragglers.slow(slow_batches, 1.5)] == [(0, 'batch')]
 
 
-def _process_pid(spawn_pid, index):
-    """The pid of spawn's process `index` (its JAX_PROCESS_ID), or None yet."""
-    for task in os.listdir(f'/proc/{spawn_pid}/task'):
+def _children(pid):
+    found = []
+    for task in os.listdir(f'/proc/{pid}/task'):
         try:
-            children = open(f'/proc/{spawn_pid}/task/{task}/children').read().split()
+            found += map(int, open(f'/proc/{pid}/task/{task}/children').read().split())
         except OSError:
             continue
-        for child in map(int, children):
-            try:
-                environ = open(f'/proc/{child}/environ', 'rb').read().split(b'\0')
-            except OSError:
-                continue
-            if f'JAX_PROCESS_ID={index}'.encode() in environ:
-                return child
+    return found
+
+
+def _process_pid(root, index):
+    """The pid of the training process `index` (its JAX_PROCESS_ID) under `root` (timeout,
+    then spawn), or None."""
+    pending = _children(root)
+    while pending:
+        pid = pending.pop()
+        try:
+            environ = open(f'/proc/{pid}/environ', 'rb').read().split(b'\0')
+        except OSError:
+            continue
+        if f'JAX_PROCESS_ID={index}'.encode() in environ:
+            return pid
+        pending += _children(pid)
     return None
 
 
@@ -97,6 +107,7 @@ def spawned(workdir, *overrides, data, slowed=None):
         output.append(chunk)
         if slowed is not None and target is None and b'order  ' in b''.join(output):
             target = _process_pid(process.pid, slowed)
+            assert target is not None, 'process to slow not found'
             threading.Thread(target=_half_duty, args=(target, process), daemon=True).start()
     process.wait()
     text = b''.join(output).decode(errors='replace')
