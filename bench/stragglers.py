@@ -23,25 +23,10 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, 'tests'))
 
 from mtnlg_jax.config import keys  # noqa: E402
-
-SMALL_MODEL = [  # tests/support.py's SMALL_MODEL
-    '--config.mesh.data=4',
-    '--config.mesh.stage=1',
-    '--config.mesh.tensor=2',
-    '--config.pipeline.repeats=1',
-    '--config.model.remat=none',
-    '--config.model.num_layers=4',
-    '--config.model.hidden=64',
-    '--config.model.heads=8',
-    '--config.model.seq_len=32',
-    '--config.model.vocab_size=300',
-    '--config.data.tokenizer=',
-    '--config.train.global_batch=16',
-    '--config.train.micro_batch=2',
-    '--config.train.rampup.start=0',
-]
+from support import SMALL_MODEL  # noqa: E402  (the tests' small model)
 
 
 def pattern_data(folder):
