@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from mtnlg_jax.run import storage
-from support import ROOT, SMALL_MODEL, TRAIN_ENV, run_train, train_args
+from support import ROOT, SMALL_MODEL, TRAIN_ENV, run_launch, run_train, train_args
 
 RUN = [
     *SMALL_MODEL,
@@ -176,3 +176,32 @@ def test_storage_refusals_are_read_from_orbax_text_and_error_chains():
     except RuntimeError as chained:
         assert storage.refusal(chained) == f'{os.strerror(errno.EDQUOT)} (EDQUOT)'
     assert storage.refusal(ValueError('a shape mismatch')) is None
+
+
+def _documents(path, count=3000):
+    with open(path, 'w') as f:
+        for i in range(count):
+            words = ' '.join(f'word{(i * 7 + j) % 1000} thing{j}' for j in range(40))
+            f.write(json.dumps({'text': words}) + '\n')
+    return path
+
+
+@pytest.mark.parametrize('tool', ['preprocess', 'curate'])
+def test_a_full_disk_under_curation_or_preprocessing_output_is_one_line(small_disk, tmp_path, tool):
+    """Ray's workers meet a full 256 kB tmpfs: status 1, one error line naming the output and
+    the cause, none of Ray Data's logs of the failed task."""
+    disk = small_disk('256k')
+    documents = _documents(tmp_path / 'docs.jsonl')
+    if tool == 'preprocess':
+        output = disk.path / 'corpus'
+        args = ['--input', documents, '--train-tokenizer', '--vocab-size', '280']
+        args += ['--tokenizer-model', tmp_path / 'tok.model', '--output-prefix', output]
+        expected = f'error: {output}: not written: No space left on device (ENOSPC)'
+    else:
+        output = disk.path / 'curated.jsonl'
+        args = ['--input', documents, '--output', output]
+        expected = f'error: --output {output}: not written: No space left on device (ENOSPC)'
+    result = run_launch(f'{tool}.py', *args)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert_one_error_line(result.stderr, expected)
+    assert 'ERROR' not in result.stdout and 'Traceback' not in result.stdout
