@@ -17,6 +17,7 @@ from mtnlg_jax import config as config_lib
 from mtnlg_jax.model import counts, gpt
 from mtnlg_jax.plan import hlo_module, overlap, report
 from mtnlg_jax.plan.clusters import CLUSTERS
+from mtnlg_jax.train import profile as profile_lib
 from mtnlg_jax.xla.devices import device_peak_tflops
 
 MIB = 2**20
@@ -205,7 +206,7 @@ def device_time_by_kind(trace_dir):
 def profile(trace_dir, steps=2):
     """Two traced steps, device time by kind, beside the replay of the same compile."""
     step = next(iter(STEPS.values()))
-    with jax.profiler.trace(str(trace_dir)):
+    with profile_lib.tracing(trace_dir):  # the trace train.profile_start takes
         step.step_times(steps, warmup=0)
     by_kind, lines = device_time_by_kind(trace_dir)
     target = _target()

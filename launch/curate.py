@@ -38,6 +38,7 @@ from mtnlg_jax.data.curate import decontaminate, engine, pipeline, quality, work
 from mtnlg_jax.data.curate.report import report_path, table
 from mtnlg_jax.data.pieces import sha256
 from mtnlg_jax.data.preprocess import InputError, documents, input_files
+from mtnlg_jax.run import storage
 from mtnlg_jax.run.cli import ArgumentParser, output_problem
 
 
@@ -221,9 +222,16 @@ def main(argv=None):
         chosen = options(args)
         report = engine.curate(args.input, args.output, chosen, args.work_dir, args.ray_address,
                                identity(args))  # fmt: skip
-    except (InputError, OSError) as e:
-        if isinstance(e, OSError) and os.path.exists(args.output + '.tmp'):
+    except Exception as e:
+        refused = storage.refusal(e)
+        if not (refused or isinstance(e, (InputError, OSError))):
+            raise
+        if (refused or isinstance(e, OSError)) and os.path.exists(args.output + '.tmp'):
             os.remove(args.output + '.tmp')  # a full disk: no half-written output left
+        if refused:  # a run gone wrong, not bad input: status 1
+            room = storage.free_space(args.output)
+            print(f'error: --output {args.output}: not written: {refused}; {room}', file=sys.stderr)
+            return 1
         print(f'error: {e}', file=sys.stderr)
         return 2
     print(table(report))

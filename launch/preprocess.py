@@ -43,6 +43,7 @@ except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mtnlg_jax.run.cli import ArgumentParser, output_problem  # noqa: E402
+from mtnlg_jax.run import storage  # noqa: E402
 from mtnlg_jax.data.gpt2_bpe import GPT2BPETokenizer  # noqa: E402
 from mtnlg_jax.data.preprocess import InputError, documents, tokenize  # noqa: E402
 from mtnlg_jax.data.tokenizer import KINDS, HFTokenizer, Tokenizer, TokenizerError  # noqa: E402
@@ -213,7 +214,17 @@ def main(argv=None):
                 f'tokens/s with {args.workers} worker(s)'
             )
         return 0
-    except (InputError, TokenizerError, OSError) as e:
+    except Exception as e:
+        refused = storage.refusal(e)
+        if refused:  # a run gone wrong, not bad input: status 1
+            where = args.output_prefix or args.tokenizer_model
+            print(
+                f'error: {where}: not written: {refused}; {storage.free_space(where)}',
+                file=sys.stderr,
+            )
+            return 1
+        if not isinstance(e, (InputError, TokenizerError, OSError)):
+            raise
         print(f'error: {e}', file=sys.stderr)
         return 2
 

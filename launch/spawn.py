@@ -22,7 +22,9 @@ runs its collectives through gloo, as it would run through NCCL on P GPU hosts.
                      ends them within the heartbeat timeout), then SIGKILL; spawn prints one
                      line naming the process that failed and its last line, and exits
                      non-zero (2 when the script rejected its input); a stalled process
-                     (its watchdog's status 3) is named before the peers it took down
+                     (its watchdog's status 3) is named before the peers it took down;
+                     when every process ended 1 on the same `error:` line (a full disk
+                     they share), process 0's line stands alone
 """
 
 import argparse
@@ -135,11 +137,15 @@ class QuietGloo:
 
 class Log:
     """The output of process N > 0: kept in memory until WORKDIR exists, then appended to
-    WORKDIR/logs/process_N.log; remembers the last non-empty line."""
+    WORKDIR/logs/process_N.log; remembers the last non-empty line. A log the disk refuses
+    keeps only its last KEPT lines and says so in one warning line at the end."""
+
+    KEPT = 1000
 
     def __init__(self, index, workdir):
         self.index, self.workdir = index, workdir
         self.pending, self.file, self.last_line = [], None, ''
+        self.unwritten = None  # why the log could not be written (a full disk), if it could not
 
     def add(self, line):
         if line.startswith('[Gloo]'):  # gloo's connection notices
@@ -150,19 +156,35 @@ class Log:
         self.flush()
 
     def flush(self):
-        if self.file is None and self.workdir and os.path.isdir(self.workdir):
-            path = RunDir(self.workdir).log(self.index)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            self.file = open(path, 'w')
-        if self.file is not None:
-            self.file.writelines(self.pending)
-            self.file.flush()
-            self.pending = []
+        if self.unwritten is not None:
+            self.pending = self.pending[-self.KEPT :]
+            return
+        try:
+            if self.file is None and self.workdir and os.path.isdir(self.workdir):
+                path = RunDir(self.workdir).log(self.index)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                self.file = open(path, 'w')
+            if self.file is not None:
+                self.file.writelines(self.pending)
+                self.file.flush()
+                self.pending = []
+        except OSError as error:  # a full disk: the log stops, the run's own line says why
+            self.unwritten = f'{error.strerror or error}'
 
     def close(self):
         self.flush()
         if self.file is not None:
-            self.file.close()
+            try:
+                self.file.close()
+            except OSError as error:
+                self.unwritten = self.unwritten or f'{error.strerror or error}'
+        if self.unwritten is not None:
+            path = RunDir(self.workdir).log(self.index)
+            print(
+                f'warning: {path}: not written in full ({self.unwritten}); process '
+                f'{self.index} ended on: {self.last_line[:300]}',
+                file=sys.stderr,
+            )
 
 
 def _die_with_parent():
@@ -242,6 +264,13 @@ def first_failure(processes, just_ended):
     return (killed or stalled or failures or [None])[0]
 
 
+def said_the_same(statuses, logs):
+    """Whether every process exited 1 with the same `error:` line as its last (a failed save
+    on a shared file system): the one process 0 printed says all."""
+    lines = {log.last_line for log in logs.values()}
+    return set(statuses) == {1} and len(lines) == 1 and lines.pop().startswith('error: ')
+
+
 # The same signal again within this many seconds is the same request delivered twice.
 DUPLICATE_S = 1.0
 
@@ -288,6 +317,8 @@ def main(argv):
         return BAD_INPUT  # process 0 printed its `error:` line; the others said the same
     if interrupts and all(s in (0, -signal.SIGKILL) for s in statuses):
         return 1
+    if said_the_same(statuses, logs):
+        return 1  # process 0 printed the run's `error:` line; a second one would bury it
     last = logs[failed].last_line if failed in logs else 'see its output above'
     others = '; '.join(
         f'process {i} {describe(statuses[i])} after {ended[i]:.0f} s'

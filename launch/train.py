@@ -142,6 +142,7 @@ def main(argv):
     from mtnlg_jax import config as config_lib
     from mtnlg_jax.checkpoint.store import CheckpointError
     from mtnlg_jax.data.indexed import DataError
+    from mtnlg_jax.run.storage import StorageError
     from mtnlg_jax.train import faults, loop
 
     try:
@@ -166,7 +167,7 @@ def main(argv):
         loop.train(config, args.workdir, identity=record)
     except (DataError, CheckpointError, config_lib.ConfigError) as e:
         fail(str(e))
-    except (faults.NonFiniteError, faults.SaveFailedError) as e:  # a run gone wrong: status 1
+    except (faults.NonFiniteError, faults.SaveFailedError, StorageError) as e:  # status 1
         print(f'error: {e}', file=sys.stderr)
         sys.exit(1)
     except jax.errors.JaxRuntimeError as e:

@@ -34,6 +34,7 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from mtnlg_jax.run import storage
 from mtnlg_jax.run.rundir import RunDir
 
 TMP_MARKER = '.orbax-checkpoint-tmp'
@@ -153,6 +154,8 @@ class Checkpoints:
         absl = logging.getLogger('absl')  # orbax logs through absl, absl through this logger
         if not read_only and not any(isinstance(f, _NoSaveTracebacks) for f in absl.filters):
             absl.addFilter(_NoSaveTracebacks())
+        if not read_only:
+            storage.quiet_background_noise()  # a full disk's tracebacks from orbax's threads
 
     def _open(self):
         # create=False: nothing is written to the workdir until the first save.
@@ -211,8 +214,14 @@ class Checkpoints:
             self._saving = None
             self._manager = self._open()
             newest = self._manager.latest_step()
+            refused = storage.refusal(error)
+            cause = first_line(error)
+            if refused:  # orbax's text of it is tensorstore's, hundreds of characters long
+                cause = f'{refused}' + (' (a drill)' if 'a drill' in str(error) else '')
+                room = storage.free_space(where)
+                cause = storage.noted(cause + (f'; {room}' if room else ''))
             raise SaveError(
-                f'checkpoint {where} was not saved: {first_line(error)}; the newest complete '
+                f'checkpoint {where} was not saved: {cause}; the newest complete '
                 f'checkpoint is ' + (f'step {newest}' if newest is not None else 'none')
             ) from error
 

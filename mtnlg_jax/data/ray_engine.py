@@ -26,6 +26,7 @@ import os
 import socket
 
 from mtnlg_jax.data.pieces import InputError
+from mtnlg_jax.run import storage
 
 CONNECT_SECONDS = 5
 LOOPBACK = '127.0.0.1'
@@ -81,6 +82,30 @@ class _NoCpuRace(logging.Filter):
 
 
 _NO_CPU_RACE = _NoCpuRace()
+
+
+class _RaisedAnyway(logging.Filter):
+    """Ray Data's logs of a failed task, with its traceback: the same error, worker traceback
+    and all, is raised to the caller, whose tool names it (a full disk in one line)."""
+
+    ECHOES = (
+        'An exception was raised from a task of operator',
+        'Exception occurred in user code',
+        'Exception occurred in Ray Data or Ray Core internal code',
+        'Full stack trace',
+    )
+
+    def filter(self, record):
+        return not record.getMessage().startswith(self.ECHOES)
+
+
+def _quiet_failed_tasks():
+    """On the handlers ray.init made (library loggers propagate to them, past logger filters)."""
+    storage.quiet_logged_refusals('ray', 'ray.data')
+    for name in ('ray', 'ray.data'):
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, _RaisedAnyway) for f in handler.filters):
+                handler.addFilter(_RaisedAnyway())
 
 
 def _quiet():
@@ -168,6 +193,7 @@ def started(workers, address=None, object_store_mb=None, block_mb=None):
     elif owned:
         _loopback_only()
         _init_local(ray, workers, object_store_mb)
+    _quiet_failed_tasks()  # a worker's full disk is the caller's one line
     context = DataContext.get_current()
     limits = context.execution_options.resource_limits
     context.execution_options.resource_limits = limits.copy(cpu=workers)

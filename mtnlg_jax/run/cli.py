@@ -21,6 +21,8 @@ import os
 import sys
 import tempfile
 
+from mtnlg_jax.run import storage
+
 CONFIG_PREFIX = '--config.'
 DEVICE_COUNT_FLAG = '--xla_force_host_platform_device_count'
 
@@ -302,7 +304,8 @@ def check_output(path, flag='--output', directory=False, make=False):
 def write_json(path, value, flag='--output'):
     """`value` as JSON at `path`, atomically: a failure at the end (a full disk, a folder made
     read-only meanwhile) is one error line naming `flag`, and leaves the old file, or none,
-    never a half-written one."""
+    never a half-written one. Status 1 when the storage refused it (ENOSPC, EDQUOT, EROFS),
+    else 2."""
     tmp = f'{path}.tmp{os.getpid()}'
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -312,6 +315,9 @@ def write_json(path, value, flag='--output'):
     except OSError as e:
         if os.path.exists(tmp):
             os.remove(tmp)
+        if e.errno in storage.FULL:  # a run gone wrong at its end, not bad input: status 1
+            print(f'error: {flag} {path}: not written ({e.strerror or e})', file=sys.stderr)
+            sys.exit(1)
         fail(f'{flag} {path}: not written ({e.strerror or e})')
 
 

@@ -6,6 +6,8 @@
         batch   = next global batch             (ramp-up: its size grows; a new size compiles)
         position = position after train_step    (CompiledSteps caches one per micro-step count)
         log      every train.log_every          (reporter.py: step_record, a pure function)
+        profile  train.profile_steps from train.profile_start   (profile.py: a jax.profiler trace)
+        compare  the processes' own speeds every train.straggler_every  (stragglers.py)
         save     every checkpoint.every, at the end, on SIGTERM   (periodic.py: Saver)
         evaluate every train.eval_every, at the end               (periodic.py: Evaluator)
         loss spike?  position = roll_back       (resume.py; the data moves on past the spike)
@@ -33,11 +35,14 @@ from mtnlg_jax.data import loader as loader_lib
 from mtnlg_jax.data import packing
 from mtnlg_jax.config import rampup
 from mtnlg_jax.parallel.mesh import mesh_from_config
+from mtnlg_jax.run import storage
 from mtnlg_jax.run.rundir import RunDir
 from mtnlg_jax.train import banner, faults, resume
 from mtnlg_jax.train import metrics as metrics_lib
 from mtnlg_jax.train.state import make_setup, pipeline_order
 from mtnlg_jax.train.periodic import Evaluator, Saver, due
+from mtnlg_jax.train.profile import StepProfile
+from mtnlg_jax.train.stragglers import Stragglers
 from mtnlg_jax.train.reporter import Reporter
 from mtnlg_jax.train.step import make_eval_step, make_train_step
 from mtnlg_jax.train.watchdog import Watchdog
@@ -107,7 +112,8 @@ def train(config, workdir, identity=None):
     """Train a resolved config in workdir, resuming from its newest checkpoint if it has one.
     Raises DataError, CheckpointError or ConfigError (data.eod_id with no tokenizer to take
     it from) before anything is written, NonFiniteError after train.max_consecutive_skips
-    non-finite steps, SaveFailedError after a failed save (checkpoint.on_save_error=stop). A
+    non-finite steps, SaveFailedError after a failed save (checkpoint.on_save_error=stop),
+    storage.StorageError after metrics or the loss curve the storage refused (a full disk). A
     stalled phase ends the process (train/watchdog.py). identity: what the workdir records of
     the run (identity.json; launch/train.py checks it against the workdir's before). Returns
     the final state."""
@@ -135,23 +141,32 @@ def train(config, workdir, identity=None):
             in_layer_order = pipeline_order(config, setup, to='layer')  # what checkpoints hold
             saver = Saver(config, checkpoints, in_layer_order, guard, watchdog)
             evaluator = Evaluator(config, compiled, valid_data, mesh, report, watchdog)
+            profile = StepProfile(config, workdir, report.say_everywhere)
+            stragglers = Stragglers(config, report.say)
             while position.step < train_cfg.steps:
                 step = position.step + 1
-                with watchdog.phase('batch', f'step {step}'):
-                    faults.hang_if_drilled(config, first_step, step)
-                    batch = next(batches)
-                with watchdog.phase('step', f'step {step}'):
-                    with watchdog.unwatched():  # a new batch size or a drill compiles
-                        train_step = compiled.for_batch(batch, drills.pop(step, None), report)
-                    position, step_metrics = take_step(train_step, position, batch, config)
-                    faults.kill_if_drilled(config, first_step, step, checkpoints)
-                    report.stepped(step_metrics)
-                    guard.push(step, step_metrics)
-                    stopping = stop_requested(checkpoints, stop_signals, step)
-                    if due(train_cfg.log_every, step, train_cfg.steps) or stopping:
-                        position = guard.settle(position)
-                        report.log(position, batch, step_metrics)
-                position = saver.maybe_save(step, position, force=stopping)
+                with profile.step(step):
+                    with watchdog.phase('batch', f'step {step}'), profile.phase('batch'):
+                        faults.hang_if_drilled(config, first_step, step)
+                        reading = time.perf_counter()
+                        batch = next(batches)
+                        stragglers.batch_read(time.perf_counter() - reading)
+                    with watchdog.phase('step', f'step {step}'), profile.phase('step'):
+                        with watchdog.unwatched():  # a new batch size or a drill compiles
+                            train_step = compiled.for_batch(batch, drills.pop(step, None), report)
+                        position, step_metrics = take_step(train_step, position, batch, config)
+                        faults.kill_if_drilled(config, first_step, step, checkpoints)
+                        report.stepped(step_metrics)
+                        guard.push(step, step_metrics)
+                        stopping = stop_requested(checkpoints, stop_signals, step)
+                        if due(train_cfg.log_every, step, train_cfg.steps) or stopping:
+                            position = guard.settle(position)
+                            report.log(position, batch, step_metrics)
+                    with profile.phase('save'):
+                        position = saver.maybe_save(step, position, force=stopping)
+                profile.stepped(step, position.state)
+                stragglers.maybe_compare(step)
+                report.relative_speed = stragglers.speeds, stragglers.cost_s
                 if guard.error or saver.error:
                     break
                 if stopping:
@@ -165,6 +180,8 @@ def train(config, workdir, identity=None):
                     position, batches = roll_back(
                         config, setup, checkpoints, position, guard, report, batches
                     )
+            profile.close(position.state)  # a run that ended inside the profiled steps
+            stragglers.close()
             with watchdog.phase('step', 'the last step'):
                 guard.flush()
             with watchdog.phase('batch', 'closing the data reader'):
@@ -173,6 +190,8 @@ def train(config, workdir, identity=None):
             saver.finish()
         checkpoints.close()
     faults.raise_if_failed(guard.error, saver.error)
+    if report.writer.failed:
+        raise storage.StorageError(report.writer.failed)
     if primary:
         write_loss_curve(workdir, metrics_path)
     return position.state
@@ -231,7 +250,13 @@ def stop_requested(checkpoints, stop_signals, step):
 def write_loss_curve(workdir, metrics_path):
     run_dir = RunDir(workdir)
     png = run_dir.loss_png
-    metrics_lib.plot_loss_curve(metrics_path, png, title=os.path.basename(workdir.rstrip('/')))
+    try:
+        metrics_lib.plot_loss_curve(metrics_path, png, title=os.path.basename(workdir.rstrip('/')))
+    except OSError as error:
+        refused = storage.refusal(error)
+        if refused is None:
+            raise
+        raise storage.StorageError(f'{png} not written: {refused}') from None
     print(f'wrote {metrics_path}, {png} and tensorboard events in {run_dir.tensorboard}')
 
 

@@ -5,25 +5,35 @@ since the last record, as Megatron logs it), `lr`, `grad_norm`,
 `global_batch`, `tokens_seen`, `step_time_s`, `tokens_per_s`, `tflops_per_device`, `mfu`,
 `skipped_steps`, `pipeline_bubble_fraction`; a mixture of experts adds `moe_aux_loss`,
 `moe_z_loss`, `moe_load_max_over_mean` (the largest over layers), the per-layer
-`moe_layer_load_max_over_mean` (metrics.jsonl only) and `moe_dropped_fraction`; train/loop.py's
-step_record builds it) and one per evaluation (`"eval": true`, `step`, `loss`, `perplexity`).
+`moe_layer_load_max_over_mean` (metrics.jsonl only) and `moe_dropped_fraction`; runs of
+several processes add `relative_speed`, one number per process, and `straggler_check_s`, what
+the last comparison cost (stragglers.py); train/loop.py's step_record builds it) and one per
+evaluation (`"eval": true`, `step`, `loss`, `perplexity`).
 """
 
+import contextlib
+import errno
 import json
 import math
 import os
+import sys
 
 import matplotlib
 
 matplotlib.use('Agg')  # no display on training machines
 import matplotlib.pyplot as plt  # noqa: E402
 from tensorboardX import SummaryWriter  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
+from mtnlg_jax.run import storage  # noqa: E402
 from mtnlg_jax.run.rundir import RunDir  # noqa: E402
 
 
 class MetricsWriter:
-    """Appends records to metrics.jsonl and mirrors their numbers to tensorboard."""
+    """Appends records to metrics.jsonl and mirrors their numbers to tensorboard. A write the
+    storage refuses (a full disk) is one warning line and the end of writing: `failed` holds
+    the message the run ends with (the run itself goes on to its next checkpoint, which on
+    the same full disk stops it)."""
 
     def __init__(self, workdir, resume_step=0, enabled=True):
         """Records past `resume_step` are dropped: a resumed run computes them again.
@@ -31,8 +41,10 @@ class MetricsWriter:
         run_dir = RunDir(workdir)
         self.path = run_dir.metrics
         self.enabled = enabled
+        self.failed = None
         if not enabled:
             return
+        storage.quiet_background_noise()  # tensorboard's writer thread on a full disk
         if os.path.exists(self.path):
             kept = [r for r in read_metrics(self.path) if r['step'] <= resume_step]
             with open(self.path + '.tmp', 'w') as f:
@@ -42,24 +54,69 @@ class MetricsWriter:
         self._tensorboard = SummaryWriter(run_dir.tensorboard)
 
     def write(self, record):
-        if not self.enabled:
+        if not self.enabled or self.failed:
             return
-        self._file.write(json.dumps(record) + '\n')
-        self._file.flush()
-        prefix = 'eval' if record.get('eval') else 'train'
-        for key, value in record.items():
-            if (
-                key not in ('step', 'eval')
-                and isinstance(value, (int, float))
-                and value is not None
-            ):
-                self._tensorboard.add_scalar(f'{prefix}/{key}', value, record['step'])
+        with self._refusals_named():
+            self._file.write(json.dumps(record) + '\n')
+            self._file.flush()
+            prefix = 'eval' if record.get('eval') else 'train'
+            for key, value in record.items():
+                if (
+                    key not in ('step', 'eval')
+                    and isinstance(value, (int, float))
+                    and value is not None
+                ):
+                    self._check_tensorboard()
+                    self._tensorboard.add_scalar(f'{prefix}/{key}', value, record['step'])
+                elif isinstance(value, list):  # one number per process: relative_speed
+                    for index, number in enumerate(value):
+                        self._check_tensorboard()
+                        self._tensorboard.add_scalar(f'{prefix}/{key}/process_{index}', number,
+                                                     record['step'])  # fmt: skip
 
     def close(self):
         if not self.enabled:
             return
-        self._file.close()
-        self._tensorboard.close()
+        closes = [self._file.close] + [self._tensorboard.close] * self._tensorboard_alive()
+        for close in closes:
+            with self._refusals_named():
+                close()
+
+    def _tensorboard_alive(self):
+        """Whether tensorboardX's writer thread still runs: once a full disk ended it, its
+        queue fills and the next event would block forever."""
+        writer = getattr(getattr(self._tensorboard, 'file_writer', None), 'event_writer', None)
+        worker = getattr(writer, '_worker', None)
+        return worker is None or worker.is_alive()
+
+    def _check_tensorboard(self):
+        if not self._tensorboard_alive():
+            raise storage.refused_in_background() or OSError(
+                errno.EIO, 'tensorboard writer thread ended'
+            )
+
+    @contextlib.contextmanager
+    def _refusals_named(self):
+        try:
+            yield
+        except OSError as error:
+            refused = storage.refusal(error)
+            if refused is None:
+                raise
+            # Its writer thread ended (a live one is asked to end: left in its queue's wait it
+            # fails when the queue closes at exit); tensorboardX skips its writes, flushes and
+            # its close at exit once closed.
+            writer = getattr(getattr(self._tensorboard, 'file_writer', None), 'event_writer', None)
+            if writer is not None:
+                if not writer._closed and writer._worker.is_alive():
+                    writer._worker.stop()
+                writer._closed = True
+            if self.failed is None:
+                self.failed = storage.noted(
+                    f'{self.path} (or its tensorboard events) not written from here on: '
+                    f'{refused}; {storage.free_space(self.path)}'
+                )
+                tqdm.write(f'warning: {self.failed}', sys.stderr)
 
 
 def read_metrics(path):

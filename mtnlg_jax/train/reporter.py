@@ -94,6 +94,9 @@ class Reporter:
         self.say = self.progress.write if primary else lambda *_, **__: None
         self.interval = Interval(position.step, position.counters['tokens_seen'])
         self.losses = []  # device scalars: averaged at the log step, no sync per step
+        # (every process's relative speed, the seconds the comparison took) at the last
+        # comparison of the processes (stragglers.py), or None
+        self.relative_speed = None, None
 
     def say_everywhere(self, message):
         """A line from every process: process 0's on the terminal, the others' in their logs."""
@@ -119,6 +122,9 @@ class Reporter:
         rates = self.interval.close(position.step, position.counters['tokens_seen'])
         throughput = rates, self.flops_per_token, self.peak
         record = step_record(self.config, position, batch, losses, step_metrics, throughput)
+        speeds, cost = self.relative_speed
+        if speeds is not None:
+            record.update(relative_speed=speeds, straggler_check_s=cost)
         self.writer.write(record)
         self.progress.set_postfix(
             loss=f'{record["loss"]:.3f}',

@@ -1,0 +1,156 @@
+"""Operating a long run: a profile of a range of steps on request (train.profile_*), the slow
+process named (train.straggler_*: a drill under launch/spawn.py, 2 processes x 4 devices)."""
+
+import gzip
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from mtnlg_jax.train import stragglers
+from support import ROOT, SMALL_MODEL, TRAIN_ENV, run_train, train_args
+
+RUN = [
+    *SMALL_MODEL,
+    '--config.train.log_every=1',
+    '--config.train.eval_every=0',
+    '--config.train.eval_batches=1',
+    '--config.checkpoint.every=3',
+]
+
+
+def test_a_profile_of_steps_is_traced_under_the_workdir_with_the_phases_annotated(
+    tmp_path, token_data
+):
+    """Steps 2-3 of 4 traced by process 0: a TensorBoard (.xplane.pb) and a Perfetto trace
+    under WORKDIR/profile, the log line naming it, each step and its batch, step and save
+    phases annotated."""
+    workdir = tmp_path / 'run'
+    profile = ['--config.train.profile_start=2', '--config.train.profile_steps=2']
+    result = run_train(workdir, *RUN, '--config.train.steps=4', *profile, data=token_data)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith('profile ')]
+    assert len(lines) == 1 and lines[0].startswith('profile      steps 2-3 traced: '), lines
+    traced = lines[0].split('traced: ')[1]
+    assert traced.startswith(str(workdir / 'profile' / 'process_0')), traced
+    assert list((workdir / 'profile').rglob('*.xplane.pb')), 'no TensorBoard trace'
+    (perfetto,) = (workdir / 'profile').rglob('perfetto_trace.json.gz')
+    events = json.loads(gzip.decompress(perfetto.read_bytes()))['traceEvents']
+    names = [event.get('name') for event in events]
+    assert names.count('train') == 2, 'one StepTraceAnnotation per traced step'
+    for phase in ('batch', 'step', 'save'):
+        assert names.count(phase) == 2, phase
+
+
+def test_a_straggler_is_the_process_above_the_ratio_times_the_median_of_the_others():
+    """Pure: the measures (host slowdown, batch s, device probe s) of 3 processes, process 2's
+    host at half speed; below the floors nothing is named; 2 processes compare with each other."""
+    measures = np.array([[1.02, 0.010, 0.002], [1.05, 0.011, 0.002], [2.0, 0.010, 0.002]])
+    ((process, kind, factor, median),) = stragglers.slow(measures, 1.5)
+    floor = stragglers.FLOORS['host']  # the others' 1.035 is under it: compared with the floor
+    assert (process, kind) == (2, 'host') and factor == pytest.approx(2.0 / floor)
+    assert stragglers.relative_speeds(measures)[2] == pytest.approx(floor / 2.0, abs=1e-3)
+    noise = np.array([[1.01, 0.001, 0.0002], [1.04, 0.004, 0.0009]])  # all under the floors
+    assert stragglers.slow(noise, 1.5) == []
+    slow_batches = np.array([[1.0, 0.050, 0.002], [1.0, 0.010, 0.002]])
+    assert [f[:2] for f in stragglers.slow(slow_batches, 1.5)] == [(0, 'batch')]
+
+
+def _children(pid):
+    found = []
+    for task in os.listdir(f'/proc/{pid}/task'):
+        try:
+            found += map(int, open(f'/proc/{pid}/task/{task}/children').read().split())
+        except OSError:
+            continue
+    return found
+
+
+def _process_pid(root, index):
+    """The pid of the training process `index` (its JAX_PROCESS_ID) under `root` (timeout,
+    then spawn), or None."""
+    pending = _children(root)
+    while pending:
+        pid = pending.pop()
+        try:
+            environ = open(f'/proc/{pid}/environ', 'rb').read().split(b'\0')
+        except OSError:
+            continue
+        if f'JAX_PROCESS_ID={index}'.encode() in environ:
+            return pid
+        pending += _children(pid)
+    return None
+
+
+def spawned(workdir, *overrides, data, slowed=None):
+    """launch/spawn.py, 2 processes x 4 devices; slowed: the process stopped and continued
+    at half duty (0.25 s each) from its first step on. Process 0's output lines."""
+    spawn = [sys.executable, str(ROOT / 'launch/spawn.py'), '--processes', '2']
+    spawn += ['--devices_per_process', '4', '--grace_s', '30', '--']
+    command = train_args(workdir, *RUN, *overrides, data=data)[1:]
+    process = subprocess.Popen(
+        ['timeout', '-k', '5', '240', *spawn, *command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env=TRAIN_ENV,
+    )
+    output, target = [], None
+    for chunk in iter(lambda: process.stdout.read1(65536), b''):
+        output.append(chunk)
+        if slowed is not None and target is None and b'order  ' in b''.join(output):
+            target = _process_pid(process.pid, slowed)
+            assert target is not None, 'process to slow not found'
+            threading.Thread(target=_half_duty, args=(target, process), daemon=True).start()
+    process.wait()
+    text = b''.join(output).decode(errors='replace')
+    assert process.returncode == 0, text[-3000:]
+    return re.split(r'[\r\n]+', text)
+
+
+def _half_duty(pid, spawn):
+    while spawn.poll() is None:
+        try:
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.25)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.25)
+        except ProcessLookupError:
+            return
+
+
+def test_a_process_slowed_from_outside_is_named_within_3_intervals(tmp_path, token_data):
+    """Process 1 stopped half the time (SIGSTOP / SIGCONT): named by process 0 in a line
+    starting `straggler` at one of the first 3 comparisons; metrics.jsonl holds its speed."""
+    lines = spawned(
+        tmp_path / 'run',
+        '--config.train.steps=15',
+        '--config.train.straggler_every=5',
+        data=token_data,
+        slowed=1,
+    )
+    named = [line for line in lines if line.startswith('straggler')]
+    assert named and named[0].startswith('straggler    process 1 on '), named
+    assert re.search(r'at steps \d+-(5|10|15):', named[0]), named[0]
+    records = [json.loads(r) for r in (tmp_path / 'run/metrics.jsonl').read_text().splitlines()]
+    speeds = [r['relative_speed'] for r in records if 'relative_speed' in r]
+    assert speeds and min(s[1] for s in speeds) < 0.7 and all(s[0] == 1.0 for s in speeds)
+
+
+def test_a_healthy_run_names_no_straggler(tmp_path, token_data):
+    """Two healthy processes compared every 5 steps: no `straggler` line (200 steps measured
+    in docs/benchmarks.md; 20 here)."""
+    lines = spawned(
+        tmp_path / 'run', '--config.train.steps=20', '--config.train.straggler_every=5',
+        data=token_data,
+    )  # fmt: skip
+    assert not [line for line in lines if line.startswith('straggler')], lines[-20:]
+    records = [json.loads(r) for r in (tmp_path / 'run/metrics.jsonl').read_text().splitlines()]
+    assert any('relative_speed' in r for r in records)
