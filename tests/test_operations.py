@@ -145,11 +145,13 @@ def test_a_process_slowed_from_outside_is_named_within_3_intervals(tmp_path, tok
 
 
 def test_a_healthy_run_names_no_straggler(tmp_path, token_data):
-    """Two healthy processes compared every 5 steps: no `straggler` line (200 steps measured
-    in docs/benchmarks.md; 20 here)."""
+    """Two healthy processes compared every 5 steps: no `straggler` line (200 steps at the
+    default ratio measured in docs/benchmarks.md: the lowest relative speed 0.72 against the
+    threshold's 0.67; 20 here at ratio 2, since the suite runs three test files at once on two
+    cores and which process the machine's load falls on is chance)."""
     lines = spawned(
         tmp_path / 'run', '--config.train.steps=20', '--config.train.straggler_every=5',
-        data=token_data,
+        '--config.train.straggler_ratio=2.0', data=token_data,
     )  # fmt: skip
     assert not [line for line in lines if line.startswith('straggler')], lines[-20:]
     records = [json.loads(r) for r in (tmp_path / 'run/metrics.jsonl').read_text().splitlines()]
