@@ -151,6 +151,7 @@ def test_loss_chunks_zero_takes_the_largest_of_4_3_2_1_dividing_the_sequence(seq
         ('checkpoint.inject_save_error_at_step', -3),
         ('train.profile_start', -1),
         ('train.profile_steps', 0),
+        ('train.straggler_ratio', 1.0),
     ],
 )
 def test_fault_keys_are_checked_naming_the_key(key, value):

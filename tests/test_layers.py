@@ -25,7 +25,7 @@ ALLOWED = {
     'interop': {'config'},
     'parallel': {'config', 'run'},
     'model': {'config', 'parallel'},
-    'data': {'config', 'parallel'},
+    'data': {'config', 'run', 'parallel'},
     'checkpoint': {'config', 'run', 'parallel'},
     'train': {'config', 'xla', 'run', 'parallel', 'model', 'data', 'checkpoint'},
     'eval': {'config', 'run', 'parallel', 'model', 'data', 'checkpoint'},

@@ -238,6 +238,11 @@ def check_train(config):
         'train.spike_factor',
         f'must be 0 (off) or above 1, got {train.spike_factor}',
     )
+    _require(
+        train.get('straggler_ratio', 1.5) > 1,
+        'train.straggler_ratio',
+        f'must be above 1 (at most 1 would name every process), got {train.get("straggler_ratio")}',
+    )
 
 
 def check_optimizer(config):

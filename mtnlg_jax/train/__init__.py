@@ -11,4 +11,6 @@ metrics.py     metrics.jsonl, tensorboard, the loss PNG
 resume.py      where a run starts (fresh, continued, restored)
 faults.py      signals, skipped steps, loss spikes
 watchdog.py    stalled processes
+profile.py     a jax.profiler trace of steps, on request
+stragglers.py  the slow process named: each measures its own speed, the processes compare
 """
