@@ -126,6 +126,7 @@ def _half_duty(pid, spawn):
             return
 
 
+@pytest.mark.serial
 def test_a_process_slowed_from_outside_is_named_within_3_intervals(tmp_path, token_data):
     """Process 1 stopped half the time (SIGSTOP / SIGCONT): named by process 0 in a line
     starting `straggler` at one of the first 3 comparisons; metrics.jsonl holds its speed."""
@@ -144,11 +145,12 @@ def test_a_process_slowed_from_outside_is_named_within_3_intervals(tmp_path, tok
     assert speeds and min(s[1] for s in speeds) < 0.7 and all(s[0] == 1.0 for s in speeds)
 
 
+@pytest.mark.serial
 def test_a_healthy_run_names_no_straggler(tmp_path, token_data):
     """Two healthy processes compared every 5 steps: no `straggler` line (200 steps at the
     default ratio measured in docs/benchmarks.md: the lowest relative speed 0.72 against the
-    threshold's 0.67; 20 here at ratio 2, since the suite runs three test files at once on two
-    cores and which process the machine's load falls on is chance)."""
+    threshold's 0.67 on a shared 2-core VM: a thin margin; 20 here at ratio 2, run alone
+    after the rest of the suite, as the drill above is)."""
     lines = spawned(
         tmp_path / 'run', '--config.train.steps=20', '--config.train.straggler_every=5',
         '--config.train.straggler_ratio=2.0', data=token_data,
