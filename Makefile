@@ -42,8 +42,10 @@ gpu-compile: .gpu-compile/.installed
 # a ~2 B model's step, memory, the HLO checks, a profile. Needs only pure-Python extras
 # (bench/gpu_check.py names any missing); exits 2 with one line on a machine without a GPU.
 GPU_PYTHON ?= python3
+GPU_CHECK_OUT ?= runs/gpu_check
+GPU_CHECK_ARGS ?=
 gpu-check:
-	PYTHONPATH=. $(GPU_PYTHON) bench/gpu_check.py --out runs/gpu_check
+	PYTHONPATH=.:$(PYTHONPATH) $(GPU_PYTHON) bench/gpu_check.py --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 # The default corpus: each source exported to jsonl and curated (launch/curate.py: exact and
 # fuzzy deduplication; DATA/curated/SOURCE.report.json says what was removed and why), one

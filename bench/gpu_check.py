@@ -174,6 +174,7 @@ def environment():
         compute_capability=str(getattr(device, 'compute_capability', 'unknown')),
         xla_flags=os.environ.get('XLA_FLAGS', ''),
         recommended_flags_in_force=flags.describe(),
+        recommended_flags_this_xla_refused=flags.left_out(),
     )
 
 

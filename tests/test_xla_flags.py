@@ -46,3 +46,19 @@ def test_the_gpu_compiler_is_looked_for_where_make_installs_it():
         assert gpu_compile.COMPILER_DIR == root / '.gpu-compile'
     if (gpu_compile.COMPILER_DIR / '.installed').exists():
         assert gpu_compile.missing() is None, gpu_compile.missing()
+
+
+def test_flags_this_xla_does_not_know_are_named_not_fatal(monkeypatch):
+    # XLA aborts a process whose XLA_FLAGS names a flag it does not know; under a jaxlib the
+    # flags were not compared on, apply() asks a child process and leaves those out.
+    assert xla_flags.unknown_to_xla(f'--{LHS}=true --xla_no_such_flag=1') == {'xla_no_such_flag'}
+    assert xla_flags.unknown_to_xla(f'--{LHS}=true') == set()
+    rows = (*xla_flags.RECOMMENDED_GPU_FLAGS, ('xla_no_such_flag', '1', 'gone'))
+    monkeypatch.setattr(xla_flags, 'RECOMMENDED_GPU_FLAGS', rows)
+    environ = {}
+    applied = xla_flags.apply(environ, jaxlib='99.0')
+    assert 'xla_no_such_flag' not in [flag for flag, _ in applied]
+    assert f'--{LHS}=true' in environ['XLA_FLAGS']
+    assert xla_flags.left_out(environ) == ['xla_no_such_flag']
+    xla_flags.apply(environ := {}, jaxlib=xla_flags.VERIFIED_JAXLIB)  # no child: all applied
+    assert 'xla_no_such_flag' in environ['XLA_FLAGS']

@@ -9,8 +9,11 @@ the user sets in their own XLA_FLAGS wins over ours, whatever its value:
 What each changed in the compiled 530 B step is in docs/scale.md ("XLA:GPU flags").
 """
 
+import importlib.metadata
 import os
 import re
+import subprocess
+import sys
 
 # (flag, value, why). Each was compared on the GPU compile of the 530 B step, one at a time
 # and together (docs/scale.md, "XLA:GPU flags"); the ones that did not help are not here.
@@ -59,6 +62,11 @@ RECOMMENDED_GPU_FLAGS = (
     ),
 )
 
+# The jaxlib the flags above were compared on (requirements.txt). XLA aborts a process whose
+# XLA_FLAGS names a flag it does not know, and flags come and go between releases: under any
+# other jaxlib, apply() asks a child process first and leaves out the ones it refuses.
+VERIFIED_JAXLIB = '0.10.2'
+
 _FLAG_NAME = re.compile(r'--([A-Za-z0-9_]+)')
 
 
@@ -78,13 +86,43 @@ def merged(xla_flags_value, recommended=RECOMMENDED_GPU_FLAGS):
     return ' '.join(parts), applied
 
 
-def apply(environ=os.environ):
+def unknown_to_xla(xla_flags_value, python=sys.executable):
+    """Names of the flags in an XLA_FLAGS string that this XLA refuses: a child process on
+    the CPU (about a second) reads them, as XLA:GPU would, and names them as it aborts."""
+    environ = {**os.environ, 'XLA_FLAGS': xla_flags_value, 'JAX_PLATFORMS': 'cpu'}
+    child = subprocess.run([python, '-c', 'import jax; jax.devices()'], env=environ,
+                           capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    refused = [line for line in child.stderr.splitlines() if 'Unknown flag' in line]
+    return user_flag_names(' '.join(refused))
+
+
+def _installed_jaxlib():
+    try:
+        return importlib.metadata.version('jaxlib')
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def apply(environ=os.environ, jaxlib=None):
     """Put the recommended flags into environ['XLA_FLAGS'] (before JAX is imported); returns
-    the (flag, value) pairs applied, for the banner."""
-    value, applied = merged(environ.get('XLA_FLAGS', ''))
+    the (flag, value) pairs applied, for the banner. Under a jaxlib other than
+    VERIFIED_JAXLIB, the ones this XLA does not know are left out."""
+    recommended = RECOMMENDED_GPU_FLAGS
+    if (jaxlib or _installed_jaxlib()) not in (VERIFIED_JAXLIB, None):
+        value, applied = merged('', recommended)
+        unknown = unknown_to_xla(value) if applied else set()
+        recommended = tuple(row for row in recommended if row[0] not in unknown)
+    value, applied = merged(environ.get('XLA_FLAGS', ''), recommended)
     if value:
         environ['XLA_FLAGS'] = value
     return applied
+
+
+def left_out(environ=os.environ):
+    """The recommended flags neither in effect nor set by the user: the ones apply() found
+    this XLA does not know."""
+    named = user_flag_names(environ.get('XLA_FLAGS', ''))
+    return [flag for flag, _, _ in RECOMMENDED_GPU_FLAGS if flag not in named]
 
 
 def in_effect(environ=os.environ):
