@@ -3,7 +3,8 @@
     make gpu-check      (python bench/gpu_check.py --out runs/gpu_check, on the machine's JAX)
     python bench/gpu_check.py [--out DIR] [--only SECTION ...]
 
-Sections, in order (each a function of bench/gpu_check_kernels.py or gpu_check_train.py):
+Sections, in order (each a function of bench/gpu_check_kernels.py, gpu_check_train.py or
+gpu_check_matmuls.py):
 
     environment    jax, jaxlib, the CUDA plugin, cuDNN, Python, the device, its compute
                    capability, the XLA flags in force, the packages the model needs
@@ -25,6 +26,9 @@ Sections, in order (each a function of bench/gpu_check_kernels.py or gpu_check_t
     profile        a jax.profiler trace of two steps, device time split by kind (matmuls,
                    attention, copies, slicing, transposes, collectives, elementwise) beside
                    the replay of the same compile (plan/overlap.py)
+    grouped_matmul the MoE's Pallas grouped matmul against the fp32 reference (output and
+                   both gradients), then timed beside ragged_dot, capacity padding, blocks
+    fp8            each FP8 recipe's product and gradients against fp32, timed beside bf16
 
 OUT/gpu_check.json is rewritten after every section (a run cut off keeps what it measured)
 and OUT/gpu_check.md is its markdown table; a section that fails records its error and the
@@ -47,7 +51,17 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-SECTIONS = ('environment', 'attention', 'kernel_speed', 'train_step', 'memory', 'hlo', 'profile')
+SECTIONS = (
+    'environment',
+    'attention',
+    'kernel_speed',
+    'train_step',
+    'memory',
+    'hlo',
+    'profile',
+    'grouped_matmul',
+    'fp8',
+)
 PURE_PYTHON = ('flax', 'optax', 'ml_collections', 'orbax.checkpoint', 'numpy', 'tqdm')
 
 
@@ -174,7 +188,7 @@ def environment():
         compute_capability=str(getattr(device, 'compute_capability', 'unknown')),
         xla_flags=os.environ.get('XLA_FLAGS', ''),
         recommended_flags_in_force=flags.describe(),
-        recommended_flags_this_xla_refused=flags.left_out(),
+        recommended_flags_left_out=flags.left_out(),
     )
 
 
@@ -195,6 +209,7 @@ def main():
         print(f'error: no GPU: {reason}; bench/gpu_check.py runs on a GPU machine', file=sys.stderr)
         sys.exit(2)
     import gpu_check_kernels  # noqa: PLC0415 -- imports JAX
+    import gpu_check_matmuls  # noqa: PLC0415
     import gpu_check_train  # noqa: PLC0415
 
     report = Report(args.out, 'python ' + ' '.join(sys.argv))
@@ -207,6 +222,8 @@ def main():
         'memory': (gpu_check_train.memory,),
         'hlo': (gpu_check_train.hlo,),
         'profile': (gpu_check_train.profile, report.out / 'trace'),
+        'grouped_matmul': (gpu_check_matmuls.grouped_matmul,),
+        'fp8': (gpu_check_matmuls.fp8_matmuls,),
     }
     for name in SECTIONS:
         if name in wanted:

@@ -173,7 +173,7 @@ def hlo():
 KIND_MARKS = (  # (kind, substrings of a GPU kernel's name), the first that matches
     ('attention', ('flash_attention', 'fmha', 'sdpa', 'cudnn', 'mha')),
     ('collectives', ('nccl', 'all_reduce', 'all_gather', 'reduce_scatter')),
-    ('matmuls', ('gemm', 'cublas', 'cutlass', 'xmma', 'matmul', 'dot')),
+    ('matmuls', ('gemm', 'cublas', 'cutlass', 'xmma', 'nvjet', 'matmul', 'dot')),
     ('copies', ('copy', 'memcpy')),
     ('slicing', ('dynamic_update_slice', 'dynamic_slice', 'dynamic-update-slice', 'slice')),
     ('transposes', ('transpose',)),
@@ -191,7 +191,7 @@ def device_time_by_kind(trace_dir):
     planes' stream lines (not the 'XLA Ops' / 'XLA Modules' summary lines)."""
     paths = sorted(pathlib.Path(trace_dir).rglob('*.xplane.pb'), key=lambda p: p.stat().st_mtime)
     data = jax.profiler.ProfileData.from_file(str(paths[-1]))
-    seconds, lines_seen = collections.Counter(), set()
+    seconds, kernels, lines_seen = collections.Counter(), collections.Counter(), set()
     for plane in data.planes:
         if not plane.name.startswith('/device:GPU'):
             continue
@@ -200,7 +200,9 @@ def device_time_by_kind(trace_dir):
             if line.name.startswith('Stream'):
                 for event in line.events:
                     seconds[kind_of(event.name)] += event.duration_ns / 1e9
-    return {kind: round(s, 4) for kind, s in seconds.most_common()}, sorted(lines_seen)
+                    kernels[event.name[:80]] += event.duration_ns / 1e9
+    by_kind = {kind: round(s, 4) for kind, s in seconds.most_common()}
+    return by_kind, kernels.most_common(12), sorted(lines_seen)
 
 
 def profile(trace_dir, steps=2):
@@ -208,7 +210,7 @@ def profile(trace_dir, steps=2):
     step = next(iter(STEPS.values()))
     with profile_lib.tracing(trace_dir):  # the trace train.profile_start takes
         step.step_times(steps, warmup=0)
-    by_kind, lines = device_time_by_kind(trace_dir)
+    by_kind, kernels, lines = device_time_by_kind(trace_dir)
     target = _target()
     replay = {}
     if target:
@@ -221,4 +223,8 @@ def profile(trace_dir, steps=2):
         replay_step_s=replay.get('step_s'),
         replay_time_by_kind=replay.get('time_by_kind', 'not in this version of plan/overlap.py'),
         device_lines=lines,
+        top_kernels=[
+            dict(kernel=name, kind=kind_of(name), ms_per_step=round(1e3 * s / steps, 2))
+            for name, s in kernels
+        ],  # fmt: skip
     )

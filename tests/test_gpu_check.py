@@ -57,6 +57,7 @@ def test_the_report_keeps_each_section_as_it_finishes(tmp_path):
     [
         ('flash_attention_dkv', 'attention'),
         ('sm90_xmma_gemm_bf16bf16_bf16f32', 'matmuls'),
+        ('nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NTT', 'matmuls'),  # cuBLAS 13 on Hopper
         ('loop_dynamic_update_slice_fusion_3', 'slicing'),
         ('wrapped_copy_2', 'copies'),
         ('input_transpose_fusion', 'transposes'),
@@ -69,3 +70,23 @@ def test_profiled_kernels_are_split_by_kind(name, kind):
     import gpu_check_train  # noqa: PLC0415
 
     assert gpu_check_train.kind_of(name) == kind
+
+
+def test_the_matmul_sections_check_the_kernels_against_their_references():
+    # Interpreted on the CPU at small shapes: the agreement is the GPU check's own measure,
+    # and a kernel broken on purpose would fail it.
+    pytest.importorskip('flax')
+    import gpu_check_matmuls  # noqa: PLC0415
+
+    moe = gpu_check_matmuls.grouped_matmul(
+        shapes=((8, 2),), tokens=128, hidden=32, ffn=64, block=16, ways=('grouped', 'padded'),
+        agreement_shape=(128, 32, 64, 16),
+    )  # fmt: skip
+    assert moe['agreement']['agrees'], moe['agreement']
+    assert [row['way'] for row in moe['rows']] == ['grouped', 'padded']
+    assert all('error' not in row for row in moe['rows']), moe['rows']
+    assert moe['rows'][1]['compiled_vs_active'] == 1.0
+    fp8 = {row['recipe']: row for row in gpu_check_matmuls.fp8_matmuls(size=128)['rows']}
+    assert list(fp8) == ['bf16', 'tensorwise', 'delayed', 'blockwise']
+    assert fp8['bf16']['out'] < 0.01 < fp8['tensorwise']['out'] < 0.1
+    assert all(0.01 < fp8[recipe][leaf] < 0.1 for recipe in list(fp8)[1:] for leaf in ('out', 'dx'))

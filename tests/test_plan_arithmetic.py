@@ -144,7 +144,7 @@ def test_1f1b_engine_hand_offs_and_recompute_by_hand():
 
 
 def test_every_cluster_has_the_figures_the_estimate_needs():
-    assert {'a100-80gb', 'h100-80gb'} <= set(clusters.CLUSTERS)
+    assert {'a100-80gb', 'h100-80gb', 'h200-141gb'} <= set(clusters.CLUSTERS)
     for cluster in clusters.CLUSTERS.values():
-        assert cluster.peak_tflops['bfloat16'] > 0 and cluster.hbm_bytes == 80e9
+        assert cluster.peak_tflops['bfloat16'] > 0 and cluster.hbm_bytes in (80e9, 141e9)
         assert cluster.nvlink_bandwidth > cluster.internode_bandwidth > 0

@@ -59,6 +59,6 @@ def test_flags_this_xla_does_not_know_are_named_not_fatal(monkeypatch):
     applied = xla_flags.apply(environ, jaxlib='99.0')
     assert 'xla_no_such_flag' not in [flag for flag, _ in applied]
     assert f'--{LHS}=true' in environ['XLA_FLAGS']
-    assert xla_flags.left_out(environ) == ['xla_no_such_flag']
+    assert xla_flags.left_out(environ) == [*xla_flags.ONLY_ON_VERIFIED, 'xla_no_such_flag']
     xla_flags.apply(environ := {}, jaxlib=xla_flags.VERIFIED_JAXLIB)  # no child: all applied
     assert 'xla_no_such_flag' in environ['XLA_FLAGS']

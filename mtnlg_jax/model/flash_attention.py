@@ -82,12 +82,12 @@ class Blocks(NamedTuple):
 
 # Blocks per GPU generation and lane width (what passes XLA:GPU's shared-memory check: A100s
 # have 164 KiB a multiprocessor, H100s 228 KiB), the largest first; bench/gpu_check.py sweeps
-# them on a device.
+# them on a device. Hopper's: the fastest of that sweep on an H200 (docs/benchmarks.md).
 _BLOCKS = {
     8: ((64, Blocks(128, 64, 32, 4, 4)), (128, Blocks(128, 64, 32, 8, 4)),
         (256, Blocks(64, 64, 32, 8, 4))),
-    9: ((64, Blocks(128, 128, 64, 4, 4)), (128, Blocks(128, 64, 64, 8, 8)),
-        (256, Blocks(128, 64, 32, 8, 4))),
+    9: ((64, Blocks(128, 128, 64, 4, 4)), (128, Blocks(128, 128, 64, 8, 4)),
+        (256, Blocks(128, 64, 64, 8, 4))),
 }  # fmt: skip
 
 

@@ -82,13 +82,15 @@ class Efficiency:
 # link bandwidths): once attention, elementwise traffic and collectives are counted at the
 # hardware's own speed, table 1 has nothing left to charge to them (its small models ran
 # faster, not slower, than those counts). From two starting points the fit lands on the
-# same values. No H100 step time is fitted: h100-80gb reuses the A100's fractions of its
-# own, higher, peak and bandwidths (an assumption, printed with every H100 prediction).
+# same values. No H100 or H200 step time is fitted: h100-80gb and h200-141gb reuse the A100's
+# fractions of their own, higher, peak and bandwidths (an assumption, printed with every
+# such prediction).
 A100_FIT = 'fitted on Narayanan et al. 2021 (arXiv 2104.04473) table 1, A100 80 GB'
 A100 = Efficiency(0.6632, 0.0, 1.0, 1.0, A100_FIT)
 FIGURES = {
     'a100-80gb': A100,
     'h100-80gb': dataclasses.replace(A100, source='the A100 fit reused: no H100 row is fitted'),
+    'h200-141gb': dataclasses.replace(A100, source='the A100 fit reused: no H200 row is fitted'),
 }
 
 

@@ -66,6 +66,12 @@ RECOMMENDED_GPU_FLAGS = (
 # XLA_FLAGS names a flag it does not know, and flags come and go between releases: under any
 # other jaxlib, apply() asks a child process first and leaves out the ones it refuses.
 VERIFIED_JAXLIB = '0.10.2'
+# Flags applied under VERIFIED_JAXLIB alone: XLA of another jaxlib was seen failing with them.
+ONLY_ON_VERIFIED = {
+    'xla_gpu_enable_analytical_latency_estimator': 'XLA of jaxlib 0.11.2 aborts compiling a '
+    'one-GPU train step with it (a failed check in CalculateLaunchDimensions under '
+    'AnalyticalLatencyEstimator::NodeCost; make gpu-check on an H200, docs/benchmarks.md)',
+}
 
 _FLAG_NAME = re.compile(r'--([A-Za-z0-9_]+)')
 
@@ -106,11 +112,11 @@ def _installed_jaxlib():
 def apply(environ=os.environ, jaxlib=None):
     """Put the recommended flags into environ['XLA_FLAGS'] (before JAX is imported); returns
     the (flag, value) pairs applied, for the banner. Under a jaxlib other than
-    VERIFIED_JAXLIB, the ones this XLA does not know are left out."""
+    VERIFIED_JAXLIB, the ones this XLA does not know and ONLY_ON_VERIFIED are left out."""
     recommended = RECOMMENDED_GPU_FLAGS
     if (jaxlib or _installed_jaxlib()) not in (VERIFIED_JAXLIB, None):
         value, applied = merged('', recommended)
-        unknown = unknown_to_xla(value) if applied else set()
+        unknown = (unknown_to_xla(value) if applied else set()) | set(ONLY_ON_VERIFIED)
         recommended = tuple(row for row in recommended if row[0] not in unknown)
     value, applied = merged(environ.get('XLA_FLAGS', ''), recommended)
     if value:
@@ -119,8 +125,8 @@ def apply(environ=os.environ, jaxlib=None):
 
 
 def left_out(environ=os.environ):
-    """The recommended flags neither in effect nor set by the user: the ones apply() found
-    this XLA does not know."""
+    """The recommended flags neither in effect nor set by the user: the ones apply() left
+    out under this jaxlib."""
     named = user_flag_names(environ.get('XLA_FLAGS', ''))
     return [flag for flag, _, _ in RECOMMENDED_GPU_FLAGS if flag not in named]
 
