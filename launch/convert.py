@@ -1,4 +1,5 @@
-"""Convert between Hugging Face model directories (GPT-2, Llama) and workdir checkpoints.
+"""Convert between Hugging Face model directories (GPT-2, Llama, Qwen3, Mixtral, Qwen3-MoE)
+and workdir checkpoints.
 
     # import: a workdir whose step-0 checkpoint is the HF model, laid out for this mesh
     python launch/convert.py --import_hf DIR --workdir W [--config configs/gpt2_124m.py] \\
@@ -12,17 +13,21 @@
     python launch/convert.py --export_hf DIR --workdir W [--step N] [--tokenizer PATH] \\
         [--dtype bfloat16] [--shard_size 5GB]
 
-DIR is a GPT2LMHeadModel or a LlamaForCausalLM directory (config.json and model.safetensors,
-or shards with their index; config.json in transformers 5's layout or the published Llama
-3.1 one). Its config.json fixes the architecture's `model` keys (GPT-2: its shapes, tanh
-GeLU, layer norm, learned positions, tied embeddings; Llama: its shapes, GQA, rope and its
-llama3 scaling, RMSNorm, SwiGLU, untied embeddings): an override of one of those that
-disagrees is refused with one error line, one that agrees is accepted. The other keys come
+DIR is a GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM or
+Qwen3MoeForCausalLM directory (config.json and model.safetensors, or shards with their index;
+config.json in transformers 5's layout or the published checkpoints'; the experts in the Hub's
+per-expert tensors). Its config.json fixes the architecture's `model` keys (GPT-2: its shapes,
+tanh GeLU, layer norm, learned positions, tied embeddings; Llama: its shapes, GQA, rope and its
+llama3 scaling, RMSNorm, SwiGLU, untied embeddings; Qwen3: model.qk_norm too; Mixtral and
+Qwen3-MoE: model.moe's experts, top_k, width and renormalisation, interop/hf_variants.py): an
+override of one of those that disagrees is refused with one error line, one that agrees is
+accepted. The other keys come
 from --config and its overrides, which are honoured: the recipe, data, mesh, compute dtype,
 recompute, dropout, and, for Llama, seq_len (at most max_position_embeddings). data.tokenizer
 is the HF directory's own (vocab.json + merges.txt, or tokenizer.json) unless overridden.
-Llama weights are read tensor by tensor, each device reading its own shard of each parameter
-from the files, so the whole model is never in one host's memory; export reads the
+Llama-family weights are read tensor by tensor, each device reading its own shard of each
+parameter from the files (its own experts' tensors only), so the whole model is never in one
+host's memory; export reads the
 checkpoint's files on the host, one layer of one parameter at a time, with no device, and
 writes each as it is read. The imported workdir trains on with
 `launch/train.py --config configs/workdir.py:W --workdir W` under any layout (restoring
@@ -46,7 +51,9 @@ def parse_args(argv):
         default=DEFAULT_CONFIG, help='config of every non-model key (import; default gpt2_124m)'
     )
     direction = parser.add_mutually_exclusive_group(required=True)
-    direction.add_argument('--import_hf', metavar='DIR', help='Hugging Face GPT-2 or Llama')
+    direction.add_argument(
+        '--import_hf', metavar='DIR', help='Hugging Face GPT-2, Llama, Qwen3, Mixtral, Qwen3-MoE'
+    )
     direction.add_argument('--export_hf', metavar='DIR', help='directory to export to')
     parser.add_argument('--workdir', required=True, help='workdir to write (import) or read')
     parser.add_argument('--step', type=int, help='checkpoint to export (default: the newest)')
@@ -118,13 +125,13 @@ def model_config(hf_dir, hf_config, config, overrides):
     override that disagrees is refused), the others (dropout, init, Llama's seq_len) only
     where not overridden; data.tokenizer the directory's own unless overridden."""
     from mtnlg_jax.data import gpt2_bpe
-    from mtnlg_jax.interop import hf_gpt2, hf_llama
+    from mtnlg_jax.interop import hf_gpt2, hf_llama, hf_variants
 
-    kind = hf_llama if hf_llama.is_llama(hf_config) else hf_gpt2
+    kind = hf_kind(hf_config)
     fixed = kind.model_keys(hf_config)
     if any(key not in config.model for key in fixed):
         missing = sorted(key for key in fixed if key not in config.model)
-        if kind is hf_llama:
+        if kind is not hf_gpt2:
             fail(f'--import_hf {hf_dir}: a Llama needs the model keys {missing}')
         fixed = {key: value for key, value in fixed.items() if key in config.model}
     for key, text in overrides.items():
@@ -143,7 +150,7 @@ def model_config(hf_dir, hf_config, config, overrides):
         if f'model.{name}' not in overrides:
             config.model[name] = value
     config.model.update(fixed)
-    limit = hf_llama.max_seq_len(hf_config) if kind is hf_llama else None
+    limit = kind.max_seq_len(hf_config) if kind in (hf_llama, hf_variants) else None
     if limit and config.model.seq_len > limit:
         if 'model.seq_len' in overrides:
             fail(f'--config.model.seq_len={config.model.seq_len}: --import_hf {hf_dir} has '
@@ -155,6 +162,16 @@ def model_config(hf_dir, hf_config, config, overrides):
         elif os.path.isfile(os.path.join(hf_dir, 'tokenizer.json')):
             config.data.tokenizer = os.path.abspath(os.path.join(hf_dir, 'tokenizer.json'))
     return kind
+
+
+def hf_kind(hf_config):
+    """The interop module of a config.json: hf_llama, hf_variants (Qwen3, Mixtral, Qwen3-MoE)
+    or hf_gpt2 (whose model_keys refuses what is not GPT-2)."""
+    from mtnlg_jax.interop import hf_gpt2, hf_llama, hf_variants
+
+    if hf_llama.is_llama(hf_config):
+        return hf_llama
+    return hf_variants if hf_variants.is_variant(hf_config) else hf_gpt2
 
 
 def import_hf(hf_dir, workdir, config, at_step=0, samples_consumed=0, overrides=None):
@@ -177,7 +194,7 @@ def import_hf(hf_dir, workdir, config, at_step=0, samples_consumed=0, overrides=
         reader = safetensors_files.Reader(hf_dir)
         mesh = mesh_from_config(config)
         setup = make_setup(config, mesh)
-        if kind is hf_llama:
+        if kind is not hf_gpt2:
             # checkpoints hold the layers in layer order (padded stages: parallel/stage_order.py)
             abstract = setup.layer_abstract_state['params']
             shardings = setup.layer_state_shardings['params']
@@ -198,6 +215,8 @@ def import_hf(hf_dir, workdir, config, at_step=0, samples_consumed=0, overrides=
         params = jax.device_put(params, shardings['params'])
         init_opt = jax.jit(setup.optimizer.init, out_shardings=shardings['opt_state'])
         state = dict(params=params, opt_state=init_opt(params), step=jax.numpy.int32(at_step))
+        if 'buffers' in shardings:  # their initial values (a router's bias: 0, HF has none)
+            state['buffers'] = initial_buffers(config, shardings['buffers'])
         counters = dict(
             fresh_counters(),
             samples_consumed=samples_consumed,
@@ -217,17 +236,30 @@ def import_hf(hf_dir, workdir, config, at_step=0, samples_consumed=0, overrides=
     )
 
 
-def hf_kind_of(model_cfg):
-    """hf_llama or hf_gpt2, whichever Hugging Face class holds this block; None: neither (a
-    mixture of experts or query/key norms: no conversion of them yet)."""
-    from mtnlg_jax.interop import hf_gpt2, hf_llama
+def initial_buffers(config, shardings):
+    """The model's buffers (model/buffers.py) as it initialises them, in layer order, laid
+    out by `shardings`: only they are computed (the rest of the model is dead code)."""
+    import jax
 
-    if model_cfg.get('qk_norm', False) or model_cfg.get('moe', {}).get('experts', 0):
-        return None
+    from mtnlg_jax.model import gpt
+
+    def init():
+        return gpt.buffers(gpt.create(config.model, config.train.seed))[0]
+
+    return jax.jit(init, out_shardings=shardings)()
+
+
+def hf_kind_of(model_cfg):
+    """hf_llama, hf_variants (q/k norms or experts) or hf_gpt2, whichever Hugging Face class
+    holds this block; None: none."""
+    from mtnlg_jax.interop import hf_gpt2, hf_llama, hf_variants
+
     gpt2 = hf_gpt2.block_keys()  # a key the config lacks has GPT's default
     for kind in (hf_llama, hf_gpt2):
         if all(model_cfg.get(k, gpt2[k]) == v for k, v in kind.block_keys().items()):
-            return kind
+            if hf_llama.architecture(model_cfg) == 'LlamaForCausalLM':
+                return kind
+            return hf_variants if kind is hf_llama else None
     return None
 
 
@@ -243,7 +275,7 @@ def export_hf(hf_dir, workdir, step, tokenizer_path=None, dtype=None, shard_byte
     from mtnlg_jax import config as config_lib
     from mtnlg_jax.data import tokenizer as tokenizer_lib
     from mtnlg_jax.eval import workdir as workdir_lib
-    from mtnlg_jax.interop import hf_llama, safetensors_files
+    from mtnlg_jax.interop import hf_gpt2, hf_llama, hf_variants, safetensors_files
 
     tokenizer = None
     try:
@@ -252,9 +284,11 @@ def export_hf(hf_dir, workdir, step, tokenizer_path=None, dtype=None, shard_byte
         model_cfg = config.model
         kind = hf_kind_of(model_cfg)
         if kind is None:
-            fail(f'--workdir {workdir}: no Hugging Face class holds this block (Llama: rope, '
-                 'rmsnorm, swiglu; GPT-2: learned positions, layernorm, gelu, tied; neither '
-                 'with model.qk_norm or model.moe.experts yet)')  # fmt: skip
+            fail(f'--workdir {workdir}: no Hugging Face class holds this block (Llama and its '
+                 'variants: rope, rmsnorm, swiglu; GPT-2: learned positions, layernorm, gelu, '
+                 'tied, without model.qk_norm or model.moe.experts)')  # fmt: skip
+        if kind is hf_variants and hf_variants.unexportable(model_cfg):
+            fail(f'--workdir {workdir}: {hf_variants.unexportable(model_cfg)}')
         path = tokenizer_path or saved['data']['tokenizer']
         if tokenizer_path or os.path.exists(path):
             name = '--tokenizer' if tokenizer_path else "the run's data.tokenizer (or --tokenizer)"
@@ -267,9 +301,9 @@ def export_hf(hf_dir, workdir, step, tokenizer_path=None, dtype=None, shard_byte
     out_dtype = ml_dtypes.bfloat16 if dtype == 'bfloat16' else np.float32
     eod_id = tokenizer.eod_id if tokenizer else None
     bos_id = getattr(tokenizer, 'bos_id', None)
-    if kind is hf_llama:
+    if kind is not hf_gpt2:
         paths = [tuple(k.key for k in p) for p, _ in jax.tree_util.tree_leaves_with_path(shapes)]
-        hf_config = hf_llama.hf_config_of(model_cfg, bos_id, eod_id, dtype or 'float32')
+        hf_config = kind.hf_config_of(model_cfg, bos_id, eod_id, dtype or 'float32')
         tensors = hf_llama.hf_tensors(paths, read, model_cfg, out_dtype)
     else:
         hf_config = kind.hf_config_of(model_cfg, eod_id)

@@ -1,4 +1,6 @@
-"""Hugging Face LlamaForCausalLM <-> our Llama parameters, tensor by tensor.
+"""Hugging Face LlamaForCausalLM <-> our Llama parameters, tensor by tensor; and the tensors
+of the Llama's variants, whose config.json interop/hf_variants.py reads: Qwen3 (the Llama's
+tensors plus q_norm / k_norm), Mixtral and Qwen3-MoE (experts in place of the MLP).
 
 config.json comes in two layouts, both read: transformers 5's (`rope_parameters`: rope_theta,
 rope_type, factor, ...) and the published Llama 3.1 checkpoints' (`rope_theta` beside
@@ -23,12 +25,21 @@ intermediate, V vocab; HF's Linear weights are (out, in), ours (in, out), heads 
     mlp.gate_proj / up_proj.weight     (F, E)         mlp.gate_kernel / in_kernel (E, F)
     mlp.down_proj.weight               (E, F)         mlp.out_kernel (F, E)
     (attention_bias, mlp_bias: the .bias of each projection, as q_bias, kv_bias, ...)
+    self_attn.q_norm / k_norm.weight   (D,)           attention.qk_norm (2, D)   Qwen3, -MoE
+
+Experts (X experts of width M, j = 0 .. X - 1; `architecture` picks the names):
+
+    Mixtral: block_sparse_moe.   Qwen3-MoE: mlp.
+    ...gate.weight                               (X, E)   moe.router_kernel (E, X)
+    ...experts.{j}.w1 | gate_proj .weight        (M, E)   moe.gate_kernel (X, E, M)
+    ...experts.{j}.w3 | up_proj .weight          (M, E)   moe.in_kernel (X, E, M)
+    ...experts.{j}.w2 | down_proj .weight        (E, M)   moe.out_kernel (X, M, E)
 
 Rope needs no permutation of q/k rows: our rope (model/rope.py) pairs channel i with
 i + D / 2, as Hugging Face's rotate_half does. Each leaf is described by its axes and the
 HF tensors it is made of (`LEAVES`), so a device's shard of a leaf is read as exactly the
-rows and columns it holds (`read_leaf`), and written back one layer at a time
-(`hf_tensors`).
+rows and columns it holds (`read_leaf`: a device holding experts 2 and 3 reads those two
+experts' tensors), and written back one layer at a time (`hf_tensors`).
 """
 
 import dataclasses
@@ -40,7 +51,8 @@ from mtnlg_jax.interop.safetensors_files import SafetensorsError
 
 
 class HFFormatError(ValueError):
-    """A model directory that is not a Llama this model can express; the message says why."""
+    """A model directory that is not a Llama (or a variant) this model can express; the
+    message says why."""
 
 
 # Architectures and rope types read; others (Mistral's sliding window, Qwen2's q/k/v-only
@@ -110,7 +122,21 @@ def model_keys(hf_config):
         mlp='swiglu',
         tie_embeddings=bool(hf_config.get('tie_word_embeddings', False)),
         bias=bias,
+        qk_norm=False,
+        moe=dict(experts=0),
     )
+
+
+def architecture(model_cfg):
+    """The Hugging Face class of a Llama-block model: its q/k norms and experts decide."""
+    experts = model_cfg.get('moe', {}).get('experts', 0)
+    qk_norm = bool(model_cfg.get('qk_norm', False))
+    return {
+        (False, False): 'LlamaForCausalLM',
+        (True, False): 'Qwen3ForCausalLM',
+        (False, True): 'MixtralForCausalLM',
+        (True, True): 'Qwen3MoeForCausalLM',
+    }[qk_norm, bool(experts)]
 
 
 def block_keys():
@@ -180,12 +206,21 @@ def dims(model_cfg):
 @dataclasses.dataclass(frozen=True)
 class Leaf:
     """One of our parameters as HF tensors: `axes` names its axes (per layer for blocks) by
-    letter; `parts` are the HF tensors stacked along axis `part` (None: one tensor), each
-    (name, its axes as letter groups: 'hd' is one HF axis of H x D, h outer)."""
+    letter; `sources` are the HF tensors stacked along axis `part` (None: one tensor), each
+    (name, its axes as letter groups: 'hd' is one HF axis of H x D, h outer). Part 'x' (the
+    experts) has one source, a name with {j}, one tensor per expert (`for_experts`)."""
 
     axes: str
     sources: tuple
     part: str = None
+
+    def for_experts(self, experts):
+        """This leaf with its per-expert source spelled out for each of `experts`."""
+        if self.part != 'x':
+            return self
+        ((name, groups),) = self.sources
+        names = (name.replace('{j}', str(j)) for j in range(experts))
+        return dataclasses.replace(self, sources=tuple((n, groups) for n in names))
 
 
 _L = 'model.layers.{i}.'
@@ -198,8 +233,8 @@ def _linear(names, out, kind='weight'):
     return tuple((f'{name}.{kind}', groups) for name in names)
 
 
-def _vector(name):
-    return ((name, ('e',)),)
+def _vector(name, axis='e'):
+    return ((name, (axis,)),)
 
 
 _Q = [_ATT + 'q_proj']
@@ -226,22 +261,60 @@ LEAVES = {
     ('blocks', 'mlp', 'out_kernel'): Leaf('fe', ((_MLP + 'down_proj.weight', ('e', 'f')),)),
     ('blocks', 'mlp', 'out_bias'): Leaf('e', _vector(_MLP + 'down_proj.bias')),
 }
+QK_NORM = {
+    ('blocks', 'attention', 'qk_norm'): Leaf(
+        'td', _vector(_ATT + 'q_norm.weight', 'd') + _vector(_ATT + 'k_norm.weight', 'd'), 't'
+    ),
+}
+
+
+def _experts(prefix, gate, up, down):
+    """The MoE leaves of experts named `prefix`experts.{j}.`gate` / `up` / `down`."""
+    expert = prefix + 'experts.{j}.'
+    down = ((expert + down + '.weight', ('e', 'm')),)
+    return {
+        ('blocks', 'moe', 'router_kernel'): Leaf('ex', ((prefix + 'gate.weight', ('x', 'e')),)),
+        ('blocks', 'moe', 'gate_kernel'): Leaf('xem', _linear([expert + gate], 'm'), 'x'),
+        ('blocks', 'moe', 'in_kernel'): Leaf('xem', _linear([expert + up], 'm'), 'x'),
+        ('blocks', 'moe', 'out_kernel'): Leaf('xme', down, 'x'),
+    }
+
+
+EXPERTS = {
+    'MixtralForCausalLM': _experts(_L + 'block_sparse_moe.', 'w1', 'w3', 'w2'),
+    'Qwen3MoeForCausalLM': _experts(_MLP, 'gate_proj', 'up_proj', 'down_proj'),
+}
+
+
+def leaves(model_cfg):
+    """{our parameter path: Leaf} of the model's Hugging Face class (`architecture`)."""
+    name = architecture(model_cfg)
+    return {**LEAVES, **(QK_NORM if name.startswith('Qwen3') else {}), **EXPERTS.get(name, {})}
 
 
 def sizes(model_cfg):
-    """Each axis letter's size in HF's tensors (v: the unpadded vocabulary)."""
+    """Each axis letter's size in HF's tensors (v: the unpadded vocabulary; x the experts, m
+    their width)."""
     heads, kv_heads, head_dim = dims(model_cfg)
-    return dict(
+    size = dict(
         e=model_cfg.hidden, h=heads, k=kv_heads, d=head_dim, f=model_cfg.ffn_hidden,
         v=model_cfg.vocab_size,
     )  # fmt: skip
+    moe = model_cfg.get('moe', {})
+    if moe.get('experts', 0):
+        size.update(x=moe.experts, m=moe.ffn_hidden or model_cfg.ffn_hidden)
+    return size
 
 
-def leaf_of(path):
-    """The Leaf of our parameter `path` (a tuple of keys); HFFormatError if Llama has none."""
-    if path not in LEAVES:
-        raise HFFormatError(f'our parameter {".".join(path)} has no Llama counterpart')
-    return LEAVES[path]
+def leaf_of(path, model_cfg):
+    """The Leaf of our parameter `path` (a tuple of keys), its experts spelled out;
+    HFFormatError if the model's Hugging Face class has none."""
+    table = leaves(model_cfg)
+    if path not in table:
+        raise HFFormatError(
+            f'our parameter {".".join(path)} has no {architecture(model_cfg)} counterpart'
+        )
+    return table[path].for_experts(sizes(model_cfg).get('x', 0))
 
 
 def hf_names(path, leaf, num_layers):
@@ -283,15 +356,16 @@ def params_on_mesh(reader, abstract, shardings, model_cfg):
     paths = [tuple(k.key for k in path) for path, _ in leaves]
     used = set()
     for path in paths:
-        check_shapes(reader, path, leaf_of(path), model_cfg)
-        used.update(hf_names(path, LEAVES[path], model_cfg.num_layers))
+        leaf = leaf_of(path, model_cfg)
+        check_shapes(reader, path, leaf, model_cfg)
+        used.update(hf_names(path, leaf, model_cfg.num_layers))
     if model_cfg.tie_embeddings:
         used.add('lm_head.weight')  # a tied model's head, when stored, is the embedding again
     extra = [n for n in reader.names() if n not in used and not n.endswith(_BUFFERS)]
     if extra:
         raise HFFormatError(
-            f'{len(extra)} tensor(s) have no place in this Llama (config.json\'s shape and '
-            f'options), e.g. {extra[0]}'
+            f'{len(extra)} tensor(s) have no place in this {architecture(model_cfg)} '
+            f"(config.json's shape and options), e.g. {extra[0]}"
         )
 
     def make(path, value, sharding):
@@ -310,7 +384,7 @@ def read_leaf(reader, path, model_cfg, padded_vocab, index):
     `layers` axis first for blocks), read from the HF tensors: only the rows and columns the
     slice needs are read where the layout allows (a head range is a row range), so a device
     reads about its own shard."""
-    leaf = LEAVES[path]
+    leaf = leaf_of(path, model_cfg)
     size = dict(sizes(model_cfg), t=len(leaf.sources))
     ours = dict(size, v=padded_vocab)
     layered = path[0] == 'blocks'
@@ -370,7 +444,7 @@ def hf_tensors(paths, get, model_cfg, dtype=np.float32):
     blocks = [p for p in paths if p[0] == 'blocks']
 
     def convert(path, layer):
-        leaf = leaf_of(path)
+        leaf = leaf_of(path, model_cfg)
         value = np.asarray(get(path, layer), np.float32)
         if 'v' in leaf.axes:  # the padded vocabulary's rows are cut
             value = np.take(value, range(size['v']), axis=leaf.axes.index('v'))
