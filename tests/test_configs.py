@@ -39,12 +39,32 @@ def _param_count(path):
         ('configs/llama3_8b.py', 8.03e9),  # Llama 3: 8.03 B, 70.55 B, 405.85 B (Hugging Face)
         ('configs/llama3_70b.py', 70.55e9),
         ('configs/llama3_405b.py', 405.85e9),
+        # Hugging Face's checkpoints: 46.70 B, 140.62 B, 30.53 B, 235.09 B (the padded
+        # vocabulary adds at most 0.02 %)
+        ('configs/mixtral_8x7b.py', 46.70e9),
+        ('configs/mixtral_8x22b.py', 140.62e9),
+        ('configs/qwen3_30b_a3b.py', 30.53e9),
+        ('configs/qwen3_235b_a22b.py', 235.09e9),
     ],
 )
 def test_paper_configs_have_the_papers_parameter_counts(path, expected):
     count, _ = _param_count(path)
-    rounding = 0.001 if 'llama' in path else 0.01  # published to 4 digits, or to 2 or 3
+    rounding = 0.01 if 'gpt2' in path or '8_3b' in path or '530b' in path else 0.001
     assert abs(count - expected) / expected < rounding, f'{count:,} parameters'
+
+
+@pytest.mark.parametrize(
+    'path, active',
+    [
+        ('configs/mixtral_8x7b.py', 12.88e9),  # Mistral's 13 B, Qwen's 3.3 B and 22 B
+        ('configs/mixtral_8x22b.py', 39.15e9),
+        ('configs/qwen3_30b_a3b.py', 3.35e9),
+        ('configs/qwen3_235b_a22b.py', 22.19e9),
+    ],
+)
+def test_moe_configs_have_the_published_active_parameters(path, active):
+    count, config = _param_count(path)
+    assert counts.active_params(config.model, count) == pytest.approx(active, rel=0.002)
 
 
 def test_mtnlg_vocabulary_pads_to_51200_under_tensor_8():
