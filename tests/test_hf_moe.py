@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from test_hf_llama import assert_same_parameters, convert, convert_main, import_config, our_logits
 
+from mtnlg_jax.eval import workdir as workdir_lib
+from mtnlg_jax.eval.generation import Generator
 from mtnlg_jax.interop import hf_llama, hf_variants
 from mtnlg_jax.interop import safetensors_files as st
 
@@ -181,6 +183,20 @@ def test_imported_logits_equal_transformers_under_tensor_2(imported, name):
     difference = np.abs(logits - saved(name)['logits'][0]).max()
     print(f'{name}: max |our logits - transformers logits| = {difference:.3g}')
     np.testing.assert_allclose(logits, saved(name)['logits'][0], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize('name', ['mixtral', 'qwen3_moe'])
+def test_kv_cache_generation_from_the_import_starts_with_transformers_argmax(imported, name):
+    """Greedy generation on the import: the first new token after the fixture's first 20 is
+    the argmax of transformers' logits at position 19, and the cached decode (one token a
+    step through the experts) gives what recomputing the whole sequence gives."""
+    loaded = workdir_lib.load(str(imported[name]), data=1, tensor=2, dtype='float32')
+    generator = Generator(loaded.graphdef, loaded.params, loaded.config.model, loaded.mesh)
+    prompt = saved(name)['tokens'][0, :20].tolist()
+    [cached] = generator([prompt], 6)
+    [recomputed] = generator([prompt], 6, use_cache=False)
+    assert cached[0] == int(saved(name)['logits'][0, 19].argmax())
+    assert cached == recomputed
 
 
 @pytest.mark.parametrize(
