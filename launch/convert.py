@@ -166,12 +166,20 @@ def model_config(hf_dir, hf_config, config, overrides):
 
 def hf_kind(hf_config):
     """The interop module of a config.json: hf_llama, hf_variants (Qwen3, Mixtral, Qwen3-MoE)
-    or hf_gpt2 (whose model_keys refuses what is not GPT-2)."""
+    or hf_gpt2 (whose model_keys refuses what is not GPT-2); HFFormatError naming another
+    model_type (a DeepSeek-V3 or Qwen2-MoE would otherwise be read as a broken GPT-2)."""
     from mtnlg_jax.interop import hf_gpt2, hf_llama, hf_variants
 
     if hf_llama.is_llama(hf_config):
         return hf_llama
-    return hf_variants if hf_variants.is_variant(hf_config) else hf_gpt2
+    if hf_variants.is_variant(hf_config):
+        return hf_variants
+    known = ('gpt2', 'llama', *hf_variants.CLASSES)
+    if hf_config.get('model_type', 'gpt2') not in known:
+        raise hf_llama.HFFormatError(
+            f'config.json model_type {hf_config["model_type"]!r}: only {", ".join(known)}'
+        )
+    return hf_gpt2
 
 
 def import_hf(hf_dir, workdir, config, at_step=0, samples_consumed=0, overrides=None):

@@ -263,12 +263,18 @@ def test_a_missing_expert_or_an_unrepresentable_config_is_one_import_error_line(
         tensors = [(n, reader.read(n)) for n in reader.names() if n != gone]
     (missing / st.SINGLE).unlink()
     st.write(missing, tensors)
-    jitter = tmp_path / 'jitter'
-    shutil.copytree(FIXTURE / 'mixtral', jitter)
-    config = dict(transformers_config('mixtral'), router_jitter_noise=0.01)
-    (jitter / 'config.json').write_text(json.dumps(config))
-    for directory, message in ((missing, f'no tensor {gone}'),
-                               (jitter, 'router_jitter_noise = 0.01')):  # fmt: skip
+    cases = [(missing, f'no tensor {gone}')]
+    for case, change, message in (
+        ('jitter', dict(router_jitter_noise=0.01), 'router_jitter_noise = 0.01'),
+        ('deepseek', dict(model_type='deepseek_v3', architectures=['DeepseekV3ForCausalLM']),
+         "config.json model_type 'deepseek_v3': only gpt2, llama, qwen3, mixtral, qwen3_moe"),
+    ):  # fmt: skip
+        directory = tmp_path / case
+        shutil.copytree(FIXTURE / 'mixtral', directory)
+        config = dict(transformers_config('mixtral'), **change)
+        (directory / 'config.json').write_text(json.dumps(config))
+        cases.append((directory, message))
+    for directory, message in cases:
         workdir = tmp_path / f'w_{directory.name}'
         status, err = convert_main(capsys, '--import_hf', directory, '--workdir', workdir)
         assert status == 2 and len(err) == 1, err
