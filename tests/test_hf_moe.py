@@ -280,3 +280,21 @@ def test_a_missing_expert_or_an_unrepresentable_config_is_one_import_error_line(
         assert status == 2 and len(err) == 1, err
         assert err[0].startswith(f'error: --import_hf {directory}') and message in err[0], err
         assert not workdir.exists()
+
+
+@pytest.mark.parametrize(
+    'override, message',
+    [
+        ('--config.model.moe.top_k=1', 'config.json gives model.moe = {'),
+        ('--config.model.moe.experts=8', "'experts': 4"),
+        ('--config.model.qk_norm=true', 'config.json gives model.qk_norm = False'),
+    ],
+)
+def test_an_import_refuses_moe_overrides_its_config_json_contradicts(tmp_path, capsys, override,
+                                                                     message):  # fmt: skip
+    status, err = convert_main(
+        capsys, '--import_hf', FIXTURE / 'mixtral', '--workdir', tmp_path / 'w', override
+    )
+    assert status == 2 and len(err) == 1, err
+    assert err[0].startswith(f'error: {override}') and message in err[0], err
+    assert not (tmp_path / 'w').exists()
