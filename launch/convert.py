@@ -304,6 +304,12 @@ def export_hf(hf_dir, workdir, step, tokenizer_path=None, dtype=None, shard_byte
         step = workdir_lib.checkpoint_step(workdir, step)
         # fp32, the master copy as saved: the checkpoint's own values, bit for bit
         read, shapes = workdir_lib.layer_reader(workdir, step, config)
+        if kind is hf_variants and model_cfg.moe.experts:
+            why = hf_variants.check_router_bias(
+                model_cfg, read.buffers(('blocks', 'moe', 'router_bias'))
+            )
+            if why:
+                fail(f'--workdir {workdir} step {step}: {why}')
     except (workdir_lib.WorkdirError, config_lib.ConfigError, tokenizer_lib.TokenizerError) as e:
         fail(str(e))
     out_dtype = ml_dtypes.bfloat16 if dtype == 'bfloat16' else np.float32

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from test_hf_llama import assert_same_parameters, convert, convert_main, import_config, our_logits
 
+from mtnlg_jax.checkpoint import slices
 from mtnlg_jax.eval import workdir as workdir_lib
 from mtnlg_jax.eval.generation import Generator
 from mtnlg_jax.interop import hf_llama, hf_variants
@@ -243,16 +244,47 @@ def test_transformers_reloaded_our_exports_into_its_logits():
         assert check['max_abs_logit_difference'] < 1e-4, check
 
 
+def with_moe_keys(tmp_path, workdir, **moe):
+    """A copy of `workdir` whose config.json has these model.moe keys."""
+    copy = tmp_path / 'w'
+    shutil.copytree(workdir, copy)
+    saved_config = json.loads((copy / 'config.json').read_text())
+    saved_config['inputs']['model']['moe'].update(moe)
+    (copy / 'config.json').write_text(json.dumps(saved_config))
+    return copy
+
+
 def test_a_model_no_hugging_face_class_holds_is_one_export_error_line(imported, tmp_path, capsys):
-    workdir = tmp_path / 'sigmoid'
-    shutil.copytree(imported['mixtral'], workdir)
-    saved_config = json.loads((workdir / 'config.json').read_text())
-    saved_config['inputs']['model']['moe']['router'] = 'sigmoid'
-    (workdir / 'config.json').write_text(json.dumps(saved_config))
+    workdir = with_moe_keys(tmp_path, imported['mixtral'], router='sigmoid')
     status, err = convert_main(capsys, '--export_hf', tmp_path / 'out', '--workdir', workdir)
     assert status == 2 and len(err) == 1, err
     assert "model.moe.router = 'sigmoid': MixtralForCausalLM routes by softmax" in err[0], err
     assert not (tmp_path / 'out').exists()
+
+
+def test_a_router_bias_that_moved_is_refused_at_export_one_that_did_not_is_not(
+    imported, tmp_path, capsys, monkeypatch
+):
+    """The checkpoint's router_bias decides, not the rate: a run with bias_update_rate set
+    whose bias is still 0 exports; one whose bias moved (read from the checkpoint as any
+    parameter) is one error line, since transformers' router would choose other experts."""
+    workdir = with_moe_keys(tmp_path, imported['qwen3_moe'], bias_update_rate=0.01)
+    convert.export_hf(str(tmp_path / 'out'), str(workdir), None)
+    assert (tmp_path / 'out' / 'config.json').exists()
+    read = slices.LayerReader.__call__
+
+    def moved(self, path, layer=None):
+        value = read(self, path, layer)
+        return value + 0.25 if self.section == 'buffers' else value
+
+    monkeypatch.setattr(slices.LayerReader, '__call__', moved)
+    status, err = convert_main(capsys, '--export_hf', tmp_path / 'out2', '--workdir', workdir)
+    assert status == 2 and len(err) == 1, err
+    assert (
+        f'--workdir {workdir} step 0: the router bias (model.moe.bias_update_rate) has '
+        'moved, up to 0.25: Qwen3MoeForCausalLM has none' in err[0]
+    ), err
+    assert not (tmp_path / 'out2').exists()
 
 
 def test_a_missing_expert_or_an_unrepresentable_config_is_one_import_error_line(tmp_path, capsys):

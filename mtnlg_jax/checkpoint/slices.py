@@ -5,6 +5,7 @@ a model larger than one host's accelerators needs (launch/convert.py --export_hf
     read = LayerReader(step_dir)                   # a checkpoint the trainer wrote
     read(('blocks', 'mlp', 'in_kernel'), 7)        # layer 7 of a stacked leaf, as numpy
     read(('token_embed',))                         # a whole top-level leaf
+    LayerReader(step_dir, 'buffers')(('blocks', 'moe', 'router_bias'))   # a buffer
 
 Orbax builds each stored array's TensorStore spec (the spec its own restore opens: OCDBT,
 zarr), and TensorStore reads just the slice asked for, touching only the chunks that hold it
@@ -19,11 +20,13 @@ import numpy as np
 
 
 class LayerReader:
-    """read(path, layer=None): the parameter at `path` (a tuple of keys under 'params') of the
-    checkpoint in `step_dir`, its layer `layer` only if given, as a numpy array."""
+    """read(path, layer=None): the parameter at `path` (a tuple of keys under `section`,
+    'params' or 'buffers') of the checkpoint in `step_dir`, its layer `layer` only if given,
+    as a numpy array."""
 
-    def __init__(self, step_dir):
+    def __init__(self, step_dir, section='params'):
         self.state = os.path.join(os.path.abspath(step_dir), 'state')
+        self.section = section
         with open(os.path.join(self.state, '_METADATA')) as f:
             metadata = json.load(f)  # how orbax stored the arrays
         self.ocdbt = metadata.get('use_ocdbt', True)
@@ -43,7 +46,7 @@ class LayerReader:
             if self._context is None:  # one for every array: OCDBT's caches shared
                 self._context = ocp.type_handlers.get_ts_context(use_ocdbt=self.ocdbt)
             info = ocp.type_handlers.ParamInfo(
-                name='.'.join(('params', *path)),
+                name='.'.join((self.section, *path)),
                 parent_dir=epath.Path(self.state),
                 is_ocdbt_checkpoint=self.ocdbt,
                 use_zarr3=self.zarr3,

@@ -145,13 +145,16 @@ def _reading(workdir, step):
 def layer_reader(workdir, step, config):
     """(read, the fp32 parameters' ShapeDtypeStructs) of checkpoint `step`, read on the host a
     layer at a time with no device (checkpoint/slices.py: an export of a model larger than the
-    host's devices); WorkdirError unless the checkpoint reads and fits the config's model."""
+    host's devices); WorkdirError unless the checkpoint reads and fits the config's model.
+    read.buffers reads the model's buffers (model/buffers.py) the same way."""
     from mtnlg_jax.checkpoint.slices import LayerReader
 
     _, params_shapes, _ = abstract_params(config)
     with _reading(workdir, step) as checkpoints:
         checkpoints.check_fits(dict(params=params_shapes), step, partial=True)
-        read = LayerReader(os.path.join(RunDir(workdir).checkpoints, str(step)))
+        step_dir = os.path.join(RunDir(workdir).checkpoints, str(step))
+        read = LayerReader(step_dir)
+        read.buffers = LayerReader(step_dir, 'buffers')
     return read, params_shapes
 
 

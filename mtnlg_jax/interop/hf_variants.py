@@ -144,7 +144,6 @@ def unexportable(model_cfg):
         'router': (moe.router != 'softmax', 'routes by softmax'),
         'shared_experts': (moe.shared_experts > 0, 'has no shared expert'),
         'dense_layers': (moe.dense_layers > 0, 'is converted with every layer an MoE'),
-        'bias_update_rate': (moe.bias_update_rate > 0, 'has no router bias'),
         'norm_top_k': (
             name == 'MixtralForCausalLM' and not moe.norm_top_k,
             'always renormalises (Qwen3-MoE may not: model.qk_norm)',
@@ -154,6 +153,19 @@ def unexportable(model_cfg):
         if refused:
             return f'model.moe.{key} = {moe[key]!r}: {name} {reason}'
     return None
+
+
+def check_router_bias(model_cfg, router_bias):
+    """None, or why the checkpoint's router_bias (layers, experts) has no place in the
+    model's class: it has moved (model.moe.bias_update_rate > 0 at some step), and Mixtral
+    and Qwen3-MoE choose experts by the scores alone."""
+    moved = float(abs(router_bias).max()) if router_bias.size else 0.0
+    if not moved:
+        return None
+    return (
+        f'the router bias (model.moe.bias_update_rate) has moved, up to {moved:.3g}: '
+        f'{hf_llama.architecture(model_cfg)} has none, so it would choose other experts'
+    )
 
 
 def hf_config_of(model_cfg, bos_id=None, eos_id=None, dtype='float32'):
