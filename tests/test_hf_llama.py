@@ -216,6 +216,31 @@ def test_the_other_file_layouts_import_into_the_same_parameters(imported, tmp_pa
     )
 
 
+def pipelined_loss_against_transformers(workdir, saved, seq_len):
+    """(the eval step's mean loss of the fixture's first seq_len + 1 tokens, every row of the
+    batch those, on the workdir's checkpoint under its own layout; the cross-entropy of
+    transformers' logits `saved` for them)."""
+    config = config_lib.resolve(
+        config_lib.inputs_of(json.loads((workdir / 'config.json').read_text())['inputs']), 8
+    )
+    mesh, setup = support.layout(config)
+    checkpoints = checkpoint_lib.Checkpoints(str(workdir), read_only=True)
+    _, state, _ = resume._restore_newest(config, checkpoints, setup)
+    checkpoints.close()
+    tokens = saved['tokens'][:, : seq_len + 1]
+    batch = np.repeat(tokens, config.train.global_batch, axis=0)
+    with jax.set_mesh(mesh):
+        micro_steps = batch_lib.to_micro_steps(batch, config.train.micro_steps)
+        batch, _ = batch_lib.place_batch(*micro_steps, mesh)
+        eval_step = step_lib.make_eval_step(config, setup)
+        loss_sum, count = eval_step(state['params'], batch, state.get('buffers'))
+    assert float(count) == seq_len * config.train.global_batch
+    logits = saved['logits'][0, :seq_len].astype(np.float64)
+    log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    theirs = (log_z - logits[np.arange(seq_len), tokens[0, 1:]]).mean()
+    return float(loss_sum) / float(count), theirs
+
+
 def test_the_loss_under_an_interleaved_pipeline_equals_transformers(tmp_path):
     """data 2 x stage 2 x tensor 2, two chunks a stage: the eval step's pipelined loss of the
     fixture's tokens is the cross-entropy of transformers' logits."""
@@ -224,24 +249,8 @@ def test_the_loss_under_an_interleaved_pipeline_equals_transformers(tmp_path):
     # GPT block too (reported; the train step is fine).
     config.model.sequence_parallel = False
     workdir = import_fixture(FIXTURE / 'llama', tmp_path / 'w', config, {'model.seq_len': '32'})
-    config = config_lib.resolve(
-        config_lib.inputs_of(json.loads((workdir / 'config.json').read_text())['inputs']), 8
-    )
-    mesh, setup = support.layout(config)
-    checkpoints = checkpoint_lib.Checkpoints(str(workdir), read_only=True)
-    _, state, _ = resume._restore_newest(config, checkpoints, setup)
-    checkpoints.close()
-    tokens = SAVED['tokens'][:, :33]
-    batch = np.repeat(tokens, config.train.global_batch, axis=0)
-    with jax.set_mesh(mesh):
-        micro_steps = batch_lib.to_micro_steps(batch, config.train.micro_steps)
-        batch, _ = batch_lib.place_batch(*micro_steps, mesh)
-        loss_sum, count = step_lib.make_eval_step(config, setup)(state['params'], batch)
-    logits = SAVED['logits'][0, :32].astype(np.float64)
-    log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
-    theirs = (log_z - logits[np.arange(32), tokens[0, 1:]]).mean()
-    assert float(count) == 32 * config.train.global_batch
-    assert float(loss_sum) / float(count) == pytest.approx(theirs, abs=1e-5)
+    ours, theirs = pipelined_loss_against_transformers(workdir, SAVED, 32)
+    assert ours == pytest.approx(theirs, abs=1e-5)
 
 
 def test_export_then_import_is_bit_exact_and_transformers_reloads_it(

@@ -9,7 +9,14 @@ import shutil
 import ml_collections
 import numpy as np
 import pytest
-from test_hf_llama import assert_same_parameters, convert, convert_main, import_config, our_logits
+from test_hf_llama import (
+    assert_same_parameters,
+    convert,
+    convert_main,
+    import_config,
+    our_logits,
+    pipelined_loss_against_transformers,
+)
 
 from mtnlg_jax.checkpoint import slices
 from mtnlg_jax.eval import workdir as workdir_lib
@@ -330,3 +337,16 @@ def test_an_import_refuses_moe_overrides_its_config_json_contradicts(tmp_path, c
     assert status == 2 and len(err) == 1, err
     assert err[0].startswith(f'error: {override}') and message in err[0], err
     assert not (tmp_path / 'w').exists()
+
+
+def test_the_loss_under_a_pipeline_equals_transformers(tmp_path):
+    """Qwen3-MoE under data 2 x stage 2 x tensor 2, a layer a stage: the eval step's
+    pipelined loss of the fixture's tokens is the cross-entropy of transformers' logits."""
+    config = import_config(data=2, stage=2, tensor=2, seq_len=32)
+    config.model.sequence_parallel = False  # as test_hf_llama.py's pipeline test says
+    workdir = tmp_path / 'w'
+    convert.import_hf(
+        str(FIXTURE / 'qwen3_moe'), str(workdir), config, overrides={'model.seq_len': '32'}
+    )
+    ours, theirs = pipelined_loss_against_transformers(workdir, saved('qwen3_moe'), 32)
+    assert ours == pytest.approx(theirs, abs=1e-5)
