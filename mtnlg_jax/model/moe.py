@@ -69,7 +69,7 @@ from jax.ad_checkpoint import checkpoint_name
 from mtnlg_jax.config import moe_ffn_hidden, shared_ffn_hidden
 from mtnlg_jax.model import buffers, grouped_matmul
 from mtnlg_jax.model.layers import mlp, out_std, param, use
-from mtnlg_jax.parallel.rules import constrain, shards
+from mtnlg_jax.parallel.rules import EXPERT_AXIS, constrain, shards
 from mtnlg_jax.parallel.stage_functions import SideValue
 
 AUX_LOSS, Z_LOSS, LOADS, DROPPED = 'moe_aux_loss', 'moe_z_loss', 'moe_loads', 'moe_dropped'
@@ -129,7 +129,8 @@ class MoE(nnx.Module):
         moe = cfg.moe
         experts, hidden, width = moe.experts, cfg.hidden, moe_ffn_hidden(cfg)
         inward = ('experts', 'embed', 'expert_mlp')
-        self.router_kernel = param(rngs, (hidden, experts), ('embed', 'experts'), cfg.init_std)
+        scores = ('embed', 'expert_scores')  # every rank routes to every expert
+        self.router_kernel = param(rngs, (hidden, experts), scores, cfg.init_std)
         self.swiglu = cfg.get('mlp', 'gelu') == 'swiglu'
         self.gate_kernel = (
             param(rngs, (experts, hidden, width), inward, cfg.init_std) if self.swiglu else None
@@ -141,7 +142,9 @@ class MoE(nnx.Module):
         shared = shared_ffn_hidden(cfg)
         self.shared = mlp(cfg, rngs, shared) if shared else None
         rule = bias_rule(moe.bias_update_rate)
-        self.router_bias = buffers.buffer(jnp.zeros((experts,), jnp.float32), ('experts',), rule)
+        self.router_bias = buffers.buffer(
+            jnp.zeros((experts,), jnp.float32), ('expert_scores',), rule
+        )
         self.experts, self.top_k, self.num_layers = experts, moe.top_k, cfg.num_layers
         self.router, self.norm_top_k = moe.router, moe.norm_top_k
         self.capacity_factor = moe.capacity_factor
@@ -155,7 +158,9 @@ class MoE(nnx.Module):
         and the side values."""
         logits, scores, chosen, weights = self.route(x)
         keep = self.kept(chosen)
-        out = self.dispatch(x, chosen, jnp.where(keep, weights, 0.0), keep)
+        over_experts = EXPERT_AXIS in jax.sharding.get_abstract_mesh().manual_axes
+        dispatch = self.exchange if over_experts and shards('experts') > 1 else self.dispatch
+        out = dispatch(x, chosen, jnp.where(keep, weights, 0.0), keep)
         out = constrain(out, ('batch', 'residual_seq', 'embed'))
         if self.shared is not None:
             out = out + self.shared(x)
@@ -182,7 +187,7 @@ class MoE(nnx.Module):
         if not self.capacity_factor:
             return jnp.ones(chosen.shape, bool)
         b, s, k = chosen.shape
-        capacity = math.ceil(self.capacity_factor * s * k / self.experts)
+        capacity = self.slots(s)
         queue = jax.nn.one_hot(chosen.transpose(0, 2, 1).reshape(b, k * s), self.experts)
         queue = queue.astype(jnp.int32)
         place = ((jnp.cumsum(queue, axis=1) - 1) * queue).sum(-1)  # within its expert's queue
@@ -201,6 +206,46 @@ class MoE(nnx.Module):
         back = jnp.zeros_like(order).at[order].set(jnp.arange(order.size))  # order's inverse
         out = out[back].reshape(b, s, k, embed)
         return jnp.einsum('bske,bsk->bse', out, weights.astype(out.dtype))
+
+    def exchange(self, x, chosen, weights, keep):
+        """dispatch's output under expert parallelism, inside a region manual over 'expert'
+        (the train step's, over the replica axes): x holds this rank's rows, the expert
+        weights its own experts (experts / ranks of them). Each kept (token, choice) takes a
+        slot of its expert's buffer of C rows, C the most one expert can receive from these
+        rows (capacity: rows x its per-sequence slots; dropless: every row, as a token
+        chooses an expert once); one all-to-all over 'expert' sends each rank the buffers of
+        its experts from every rank, each expert multiplies its (ranks x C) rows as one
+        batched matmul, and a second all-to-all brings the rows back to their tokens."""
+        b, s, embed = x.shape
+        k, experts, ranks = self.top_k, self.experts, shards('experts')
+        capacity = b * (self.slots(s) if self.capacity_factor else s)
+        ids = jnp.where(keep, chosen, experts).reshape(-1)
+        order = checkpoint_name(jnp.argsort(ids, stable=True), 'moe_route')
+        sizes = jnp.bincount(ids, length=experts + 1)
+        starts = jnp.cumsum(sizes) - sizes
+        sorted_ids = ids[order]
+        place = jnp.arange(ids.size) - starts[sorted_ids]  # within its expert's slots
+        slot = jnp.where(sorted_ids < experts, sorted_ids * capacity + place, experts * capacity)
+        rows = x.reshape(b * s, embed)[order // k]
+        buffer = jnp.zeros((experts * capacity, embed), x.dtype).at[slot].set(rows, mode='drop')
+        local = experts // ranks
+        buffer = buffer.reshape(ranks, local * capacity, embed)
+        received = jax.lax.all_to_all(buffer, EXPERT_AXIS, 0, 0)  # (source rank, ...)
+        received = received.reshape(ranks, local, capacity, embed).transpose(1, 0, 2, 3)
+        out = self.expert_mlp(
+            received.reshape(local, ranks * capacity, embed),
+            lambda a, w: jnp.einsum('xne,xef->xnf', a, w),
+        )
+        out = out.reshape(local, ranks, capacity, embed).transpose(1, 0, 2, 3)
+        out = jax.lax.all_to_all(out.reshape(ranks, local * capacity, embed), EXPERT_AXIS, 0, 0)
+        out = out.reshape(experts * capacity, embed).at[slot].get(mode='fill', fill_value=0)
+        back = jnp.zeros_like(order).at[order].set(jnp.arange(order.size))  # order's inverse
+        out = out[back].reshape(b, s, k, embed)
+        return jnp.einsum('bske,bsk->bse', out, weights.astype(out.dtype))
+
+    def slots(self, seq):
+        """Each expert's slots in a sequence of `seq` tokens under capacity_factor."""
+        return math.ceil(self.capacity_factor * seq * self.top_k / self.experts)
 
     def grouped_mlp(self, rows, group_sizes):
         """The experts' MLP on rows (n, embed) sorted by expert, group g of group_sizes[g]
