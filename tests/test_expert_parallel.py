@@ -2,9 +2,10 @@
 under data x expert x tensor, expert x tensor with sequence parallelism, stage x expert x
 tensor interleaved and expert 8 alone computes one device's loss, every gradient leaf and
 side value (dropless, and with capacity 1.0 the same tokens dropped), GPT's and Llama's
-blocks; the router bias moves alike; a checkpoint restores under another expert layout;
-the compiled step carries the tokens by all-to-all over 'expert'; the experts' state is split
-over 'expert' and ZeRO-1 over 'data' alone; bad input is one line."""
+blocks; the router bias moves alike; the eval step scores alike; a checkpoint restores
+under another expert layout; the compiled step carries the tokens by all-to-all over
+'expert'; the experts' state is split over 'expert' and ZeRO-1 over 'data' alone; bad input
+is one line."""
 
 import jax
 import numpy as np
@@ -18,7 +19,10 @@ from mtnlg_jax import config as config_lib
 from mtnlg_jax.model import moe as moe_lib
 from mtnlg_jax.plan import compile as compile_lib
 from mtnlg_jax.plan import hlo, hlo_module
+from mtnlg_jax.data import batch as batch_lib
 from mtnlg_jax.train import resume
+from mtnlg_jax.train import state as state_lib
+from mtnlg_jax.train import step as step_lib
 
 RELATIVE = 1e-5  # of each gradient leaf's and value's largest entry (fp32)
 # A shared expert beside the routed ones, the aux loss and the router bias update on.
@@ -75,6 +79,27 @@ def test_the_router_bias_moves_alike_under_expert_parallelism(layout):
     np.testing.assert_allclose(
         jax.device_get(many['buffers'])['blocks']['moe']['router_bias'], bias, atol=1e-7
     )
+
+
+def eval_loss(config, batch):
+    """The eval step's (loss sum, token count) of one global batch from the initial state."""
+    mesh, setup = support.layout(config)
+    with jax.set_mesh(mesh):
+        state = state_lib.init_state(config, setup)
+        tokens, _ = batch_lib.place_batch(
+            *batch_lib.to_micro_steps(batch.astype(np.int32), config.train.micro_steps), mesh
+        )
+        step = step_lib.make_eval_step(config, setup)
+        return jax.device_get(step(state['params'], tokens, state['buffers']))
+
+
+def test_the_eval_step_under_expert_parallelism_equals_one_devices():
+    """Validation without a pipeline runs in the replica region too, where the experts are
+    each rank's own: data 2 x expert 2 x tensor 2 scores one device's loss sum and count."""
+    batch = support.random_batches(1)[0]
+    one = eval_loss(support.small_config(moe=CAPACITY), batch)
+    many = eval_loss(support.small_config(data=2, expert=2, tensor=2, moe=CAPACITY), batch)
+    np.testing.assert_allclose(many, one, rtol=1e-6)
 
 
 def test_the_compiled_step_sends_tokens_to_their_experts_by_all_to_all():
