@@ -18,6 +18,10 @@ for every token, the tokens are sorted by expert and each expert multiplies only
       -> the rows back in token order, weighted and summed over the k choices
       -> + the shared experts (one dense MLP of model.moe.shared_ffn_hidden, always on)
 
+Under expert parallelism (mesh.expert > 1, inside the train step's region manual over
+'expert') `exchange` takes dispatch's place: the rows go to their experts' ranks in
+capacity-padded buffers by all_to_all over 'expert', and come back the same way.
+
 The grouped matmul (`grouped_matmul_kind`): each group padded to whole tiles of rows
 (model/grouped_matmul.py's layout), every tile multiplied by its expert's weights: the work
 of the chosen rows plus at most one partial tile per expert. On GPUs the Pallas kernel of
@@ -30,15 +34,15 @@ the active count (a (rows, experts x hidden) masked copy of the input against ev
 weights), the tiles' 1.05 times.
 
 Parameters (E = embed, X = experts, F = model.moe.ffn_hidden; logical axes in brackets, see
-parallel/rules.py: `experts` is whole until expert parallelism, `expert_mlp` splits over
-tensor as `mlp` does):
+parallel/rules.py: `experts` splits over the `expert` mesh axis, each rank its own experts;
+`expert_mlp` splits over tensor as `mlp` does; `expert_scores`, the router's, stay whole):
 
-    router_kernel   (E, X)        [embed, experts]            fp32 in use
+    router_kernel   (E, X)        [embed, expert_scores]      fp32 in use
     gate_kernel     (X, E, F)     [experts, embed, expert_mlp]  SwiGLU blocks only
     in_kernel       (X, E, F)     [experts, embed, expert_mlp]
     out_kernel      (X, F, E)     [experts, expert_mlp, embed]
     shared          the block's MLP (model/layers.py) of the shared width, if any
-    router_bias     (X,)          a buffer (model/buffers.py), not a parameter
+    router_bias     (X,)          [expert_scores] a buffer (model/buffers.py), not a parameter
 
 The experts have no biases (Mixtral's, Qwen's and DeepSeek's have none).
 
