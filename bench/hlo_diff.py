@@ -30,6 +30,7 @@ os.environ['XLA_FLAGS'] = ' '.join([os.environ.get('XLA_FLAGS', ''), *_FLAGS]).s
 
 # The small GPT every layout starts from (4 layers, hidden 64, 8 heads, seq 32), then its keys.
 BASE = dict(num_layers=4, hidden=64, heads=8, seq_len=32, vocab_size=256, remat='none')
+MOE = dict(experts=8, top_k=2, ffn_hidden=32, shared_experts=1, aux_loss_coeff=0.01)
 LAYOUTS = {
     'sequential': dict(data=2, tensor=2),
     '1f1b': dict(stage=2, tensor=2, micro_steps=4),
@@ -41,6 +42,9 @@ LAYOUTS = {
     'sequence_parallel': dict(stage=2, tensor=2, micro_steps=4, sequence_parallel=True),
     'bf16': dict(data=2, stage=2, tensor=2, micro_steps=2, compute_dtype='bfloat16'),
     'sequential_dropout': dict(data=2, hidden_dropout=0.1, micro_steps=2),
+    # a mixture of experts (model/moe.py) on mesh.expert 1, as the layouts without it
+    'moe': dict(data=2, tensor=2, moe=MOE),
+    'moe_1f1b': dict(stage=2, tensor=2, micro_steps=4, moe=MOE),
 }
 
 

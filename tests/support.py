@@ -43,11 +43,19 @@ LLAMA_BLOCK = dict(
 
 
 def small_config(
-    data=1, stage=1, tensor=1, micro_steps=2, repeats=1, schedule='1f1b', **model_overrides
+    data=1,
+    stage=1,
+    tensor=1,
+    micro_steps=2,
+    repeats=1,
+    schedule='1f1b',
+    expert=1,
+    **model_overrides,
 ):
-    """A 2-layer GPT (heads divisible by 8) that runs in seconds, fp32, no dropout."""
+    """A 2-layer GPT (heads divisible by 8) that runs in seconds, fp32, no dropout; expert:
+    mesh.expert (an MoE model's), more replicas of the batch beside data's."""
     config = config_lib.defaults()
-    config.mesh.update(dict(data=data, stage=stage, tensor=tensor))
+    config.mesh.update(dict(data=data, stage=stage, tensor=tensor, expert=expert))
     config.pipeline.update(dict(repeats=repeats, schedule=schedule))
     config.model.update(
         dict(
@@ -63,11 +71,15 @@ def small_config(
     )
     config.model.update(model_overrides)
     config.train.update(
-        dict(global_batch=GLOBAL_BATCH, micro_batch=GLOBAL_BATCH // (data * micro_steps), seed=3)
+        dict(
+            global_batch=GLOBAL_BATCH,
+            micro_batch=GLOBAL_BATCH // (data * expert * micro_steps),
+            seed=3,
+        )
     )
     config.optimizer.update(dict(lr=3e-3, min_lr=3e-4, warmup_tokens=1024))
     config.train.steps = 10
-    return config_lib.resolve(config, data * stage * tensor)
+    return config_lib.resolve(config, data * stage * expert * tensor)
 
 
 # Small layouts the planner is checked against, compiled by XLA:CPU (test_plan_compiled.py)

@@ -177,7 +177,6 @@ BAD = [
     (dict(moe={**MOE, 'capacity_factor': -1.0}), {}, 'model.moe.capacity_factor: must be >= 0'),
     (dict(moe={**MOE, 'router': 'relu'}), {}, "model.moe.router: 'relu' is not one of"),
     (dict(moe={**MOE, 'dense_layers': 1}), {}, 'model.moe.dense_layers: 1: a dense stack'),
-    (dict(moe=MOE), dict(expert=2), 'mesh.expert: must be 1 (got 2)'),
 ]
 
 

@@ -13,6 +13,7 @@ from mtnlg_jax.config.checks import (
     default_ffn_hidden,
     moe_ffn_hidden,
     padded_vocab_size,
+    replicas,
     shared_ffn_hidden,
 )
 from mtnlg_jax.config.keys import ConfigError
@@ -26,6 +27,7 @@ __all__ = [
     'load',
     'moe_ffn_hidden',
     'padded_vocab_size',
+    'replicas',
     'resolve',
     'resolve_model',
     'shared_ffn_hidden',

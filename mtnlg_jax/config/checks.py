@@ -125,6 +125,12 @@ def check_moe(model, mesh):
     )
 
 
+def replicas(mesh):
+    """The batch's replicas: mesh.data x mesh.expert (expert ranks are data-parallel for every
+    parameter but the experts)."""
+    return mesh.data * mesh.expert
+
+
 def moe_ffn_hidden(model):
     """Each routed expert's MLP width: model.moe.ffn_hidden, 0 meaning model.ffn_hidden."""
     return model.moe.ffn_hidden or model.ffn_hidden
@@ -229,6 +235,7 @@ def check_train(config):
         train.global_batch,
         ('train.micro_batch', train.micro_batch),
         ('mesh.data', config.mesh.data),
+        *((('mesh.expert', config.mesh.expert),) if config.mesh.expert > 1 else ()),
     )
     train.micro_steps = train.global_batch // replica_batch
     _check_rampup(train, replica_batch)
@@ -302,8 +309,9 @@ def _check_pipeline(config, replica_batch):
         repeats == 1 or smallest // replica_batch >= stage,
         key,
         f'the circular pipeline (mesh.stage={stage}, pipeline.repeats={repeats}) needs at least '
-        f'{stage} micro-batches per step, but {key} / (train.micro_batch x mesh.data) = '
-        f'{smallest} / ({train.micro_batch} x {config.mesh.data}) = {smallest // replica_batch}',
+        f'{stage} micro-batches per step, but {key} / (train.micro_batch x replicas) = '
+        f'{smallest} / ({train.micro_batch} x {replicas(config.mesh)}) = '
+        f'{smallest // replica_batch}',
     )
 
 
@@ -334,7 +342,7 @@ def _check_rampup(train, replica_batch):
         _require(
             ramp[name] % replica_batch == 0,
             f'train.rampup.{name}',
-            f'{ramp[name]} is not divisible by train.micro_batch x mesh.data = {replica_batch}, '
+            f'{ramp[name]} is not divisible by train.micro_batch x replicas = {replica_batch}, '
             f'so some batch of the ramp would not split into micro-steps',
         )
 

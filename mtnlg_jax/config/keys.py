@@ -56,7 +56,8 @@ KEYS = (
         'mesh.expert',
         1,
         'any',
-        'expert-parallel ranks (MoE experts; not split over yet, so only 1); -1 as mesh.data',
+        'expert-parallel ranks: MoE experts split over them, more data parallelism for the '
+        'rest (MoE models only); -1 as mesh.data',
     ),
     Key(
         'mesh.context',

@@ -1,5 +1,5 @@
 """How a global batch is laid out on the mesh: (micro_steps, rows, seq + 1), rows over the
-replica axes (the rule table's `batch` row: rules.REPLICA_AXES, 'data').
+replica axes (the rule table's `batch` row: rules.REPLICA_AXES, 'data' and 'expert').
 
     global batch (B, seq + 1)  --reshape-->  (M, B / M, seq + 1)    M = micro-steps
     row ids      (M, B / M):   each sequence's index in the global batch, 0 .. B - 1

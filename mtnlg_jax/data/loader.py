@@ -30,6 +30,7 @@ from mtnlg_jax.data.blend import BlendedDataset
 from mtnlg_jax.data.gpt_dataset import GPTDataset, split_ranges
 from mtnlg_jax.data.indexed import DataError, IndexedDataset
 from mtnlg_jax.parallel import rules
+from mtnlg_jax import config as config_lib
 from mtnlg_jax.config import rampup
 from mtnlg_jax.data.batch import BATCH_AXES, micro_step_row_ids, place_row_ids
 
@@ -124,7 +125,7 @@ def place_train_batch(dataset, mesh, samples_consumed, global_batch, micro_steps
 
 def abstract_train_batch(config, mesh, micro_steps):
     """Shapes and shardings of a train batch with `micro_steps` (for compiling ahead of time)."""
-    rows = config.train.micro_batch * config.mesh.data
+    rows = config.train.micro_batch * config_lib.replicas(config.mesh)
     tokens_shape = (micro_steps, rows, config.model.seq_len + 1)
     return (
         jax.ShapeDtypeStruct(
@@ -163,7 +164,9 @@ class TrainBatches:
         global_batch = rampup.global_batch_at(
             train_cfg, self._config.model.seq_len, samples_consumed
         )
-        micro_steps = global_batch // (train_cfg.micro_batch * self._config.mesh.data)
+        micro_steps = global_batch // (
+            train_cfg.micro_batch * config_lib.replicas(self._config.mesh)
+        )
         tokens, row_ids = place_train_batch(
             self._dataset, self._mesh, samples_consumed, global_batch, micro_steps
         )

@@ -5,7 +5,7 @@ history (rolled by each step's amax values) are part of the model, but not param
 gradient, no optimizer, no weight decay. A module declares one where it declares its
 parameters, with its logical axes and the name of its update rule:
 
-    self.bias = buffer(jnp.zeros((experts,)), ('experts',), rule='router_bias')
+    self.bias = buffer(jnp.zeros((experts,)), ('expert_scores',), rule='router_bias')
 
     @update_rule('router_bias')
     def _(value, values, step):       # value: this buffer in plain layer order (a block's

@@ -18,6 +18,10 @@ for every token, the tokens are sorted by expert and each expert multiplies only
       -> the rows back in token order, weighted and summed over the k choices
       -> + the shared experts (one dense MLP of model.moe.shared_ffn_hidden, always on)
 
+Under expert parallelism (mesh.expert > 1, inside the train step's region manual over
+'expert') `exchange` takes dispatch's place: the rows go to their experts' ranks in
+capacity-padded buffers by all_to_all over 'expert', and come back the same way.
+
 The grouped matmul (`grouped_matmul_kind`): each group padded to whole tiles of rows
 (model/grouped_matmul.py's layout), every tile multiplied by its expert's weights: the work
 of the chosen rows plus at most one partial tile per expert. On GPUs the Pallas kernel of
@@ -30,15 +34,15 @@ the active count (a (rows, experts x hidden) masked copy of the input against ev
 weights), the tiles' 1.05 times.
 
 Parameters (E = embed, X = experts, F = model.moe.ffn_hidden; logical axes in brackets, see
-parallel/rules.py: `experts` is whole until expert parallelism, `expert_mlp` splits over
-tensor as `mlp` does):
+parallel/rules.py: `experts` splits over the `expert` mesh axis, each rank its own experts;
+`expert_mlp` splits over tensor as `mlp` does; `expert_scores`, the router's, stay whole):
 
-    router_kernel   (E, X)        [embed, experts]            fp32 in use
+    router_kernel   (E, X)        [embed, expert_scores]      fp32 in use
     gate_kernel     (X, E, F)     [experts, embed, expert_mlp]  SwiGLU blocks only
     in_kernel       (X, E, F)     [experts, embed, expert_mlp]
     out_kernel      (X, F, E)     [experts, expert_mlp, embed]
     shared          the block's MLP (model/layers.py) of the shared width, if any
-    router_bias     (X,)          a buffer (model/buffers.py), not a parameter
+    router_bias     (X,)          [expert_scores] a buffer (model/buffers.py), not a parameter
 
 The experts have no biases (Mixtral's, Qwen's and DeepSeek's have none).
 
@@ -69,7 +73,7 @@ from jax.ad_checkpoint import checkpoint_name
 from mtnlg_jax.config import moe_ffn_hidden, shared_ffn_hidden
 from mtnlg_jax.model import buffers, grouped_matmul
 from mtnlg_jax.model.layers import mlp, out_std, param, use
-from mtnlg_jax.parallel.rules import constrain, shards
+from mtnlg_jax.parallel.rules import EXPERT_AXIS, constrain, shards
 from mtnlg_jax.parallel.stage_functions import SideValue
 
 AUX_LOSS, Z_LOSS, LOADS, DROPPED = 'moe_aux_loss', 'moe_z_loss', 'moe_loads', 'moe_dropped'
@@ -129,7 +133,8 @@ class MoE(nnx.Module):
         moe = cfg.moe
         experts, hidden, width = moe.experts, cfg.hidden, moe_ffn_hidden(cfg)
         inward = ('experts', 'embed', 'expert_mlp')
-        self.router_kernel = param(rngs, (hidden, experts), ('embed', 'experts'), cfg.init_std)
+        scores = ('embed', 'expert_scores')  # every rank routes to every expert
+        self.router_kernel = param(rngs, (hidden, experts), scores, cfg.init_std)
         self.swiglu = cfg.get('mlp', 'gelu') == 'swiglu'
         self.gate_kernel = (
             param(rngs, (experts, hidden, width), inward, cfg.init_std) if self.swiglu else None
@@ -141,7 +146,9 @@ class MoE(nnx.Module):
         shared = shared_ffn_hidden(cfg)
         self.shared = mlp(cfg, rngs, shared) if shared else None
         rule = bias_rule(moe.bias_update_rate)
-        self.router_bias = buffers.buffer(jnp.zeros((experts,), jnp.float32), ('experts',), rule)
+        self.router_bias = buffers.buffer(
+            jnp.zeros((experts,), jnp.float32), ('expert_scores',), rule
+        )
         self.experts, self.top_k, self.num_layers = experts, moe.top_k, cfg.num_layers
         self.router, self.norm_top_k = moe.router, moe.norm_top_k
         self.capacity_factor = moe.capacity_factor
@@ -155,7 +162,9 @@ class MoE(nnx.Module):
         and the side values."""
         logits, scores, chosen, weights = self.route(x)
         keep = self.kept(chosen)
-        out = self.dispatch(x, chosen, jnp.where(keep, weights, 0.0), keep)
+        over_experts = EXPERT_AXIS in jax.sharding.get_abstract_mesh().manual_axes
+        dispatch = self.exchange if over_experts and shards('experts') > 1 else self.dispatch
+        out = dispatch(x, chosen, jnp.where(keep, weights, 0.0), keep)
         out = constrain(out, ('batch', 'residual_seq', 'embed'))
         if self.shared is not None:
             out = out + self.shared(x)
@@ -182,7 +191,7 @@ class MoE(nnx.Module):
         if not self.capacity_factor:
             return jnp.ones(chosen.shape, bool)
         b, s, k = chosen.shape
-        capacity = math.ceil(self.capacity_factor * s * k / self.experts)
+        capacity = self.slots(s)
         queue = jax.nn.one_hot(chosen.transpose(0, 2, 1).reshape(b, k * s), self.experts)
         queue = queue.astype(jnp.int32)
         place = ((jnp.cumsum(queue, axis=1) - 1) * queue).sum(-1)  # within its expert's queue
@@ -201,6 +210,46 @@ class MoE(nnx.Module):
         back = jnp.zeros_like(order).at[order].set(jnp.arange(order.size))  # order's inverse
         out = out[back].reshape(b, s, k, embed)
         return jnp.einsum('bske,bsk->bse', out, weights.astype(out.dtype))
+
+    def exchange(self, x, chosen, weights, keep):
+        """dispatch's output under expert parallelism, inside a region manual over 'expert'
+        (the train step's, over the replica axes): x holds this rank's rows, the expert
+        weights its own experts (experts / ranks of them). Each kept (token, choice) takes a
+        slot of its expert's buffer of C rows, C the most one expert can receive from these
+        rows (capacity: rows x its per-sequence slots; dropless: every row, as a token
+        chooses an expert once); one all-to-all over 'expert' sends each rank the buffers of
+        its experts from every rank, each expert multiplies its (ranks x C) rows as one
+        batched matmul, and a second all-to-all brings the rows back to their tokens."""
+        b, s, embed = x.shape
+        k, experts, ranks = self.top_k, self.experts, shards('experts')
+        capacity = b * (self.slots(s) if self.capacity_factor else s)
+        ids = jnp.where(keep, chosen, experts).reshape(-1)
+        order = checkpoint_name(jnp.argsort(ids, stable=True), 'moe_route')
+        sizes = jnp.bincount(ids, length=experts + 1)
+        starts = jnp.cumsum(sizes) - sizes
+        sorted_ids = ids[order]
+        place = jnp.arange(ids.size) - starts[sorted_ids]  # within its expert's slots
+        slot = jnp.where(sorted_ids < experts, sorted_ids * capacity + place, experts * capacity)
+        rows = x.reshape(b * s, embed)[order // k]
+        buffer = jnp.zeros((experts * capacity, embed), x.dtype).at[slot].set(rows, mode='drop')
+        local = experts // ranks
+        buffer = buffer.reshape(ranks, local * capacity, embed)
+        received = jax.lax.all_to_all(buffer, EXPERT_AXIS, 0, 0)  # (source rank, ...)
+        received = received.reshape(ranks, local, capacity, embed).transpose(1, 0, 2, 3)
+        out = self.expert_mlp(
+            received.reshape(local, ranks * capacity, embed),
+            lambda a, w: jnp.einsum('xne,xef->xnf', a, w),
+        )
+        out = out.reshape(local, ranks, capacity, embed).transpose(1, 0, 2, 3)
+        out = jax.lax.all_to_all(out.reshape(ranks, local * capacity, embed), EXPERT_AXIS, 0, 0)
+        out = out.reshape(experts * capacity, embed).at[slot].get(mode='fill', fill_value=0)
+        back = jnp.zeros_like(order).at[order].set(jnp.arange(order.size))  # order's inverse
+        out = out[back].reshape(b, s, k, embed)
+        return jnp.einsum('bske,bsk->bse', out, weights.astype(out.dtype))
+
+    def slots(self, seq):
+        """Each expert's slots in a sequence of `seq` tokens under capacity_factor."""
+        return math.ceil(self.capacity_factor * seq * self.top_k / self.experts)
 
     def grouped_mlp(self, rows, group_sizes):
         """The experts' MLP on rows (n, embed) sorted by expert, group g of group_sizes[g]

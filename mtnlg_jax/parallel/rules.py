@@ -5,7 +5,7 @@ order (config/keys.py, which the command line reads before JAX is imported), lai
 devices by parallel/mesh.py:
 
     MESH_AXES     data   stage   expert   context   tensor
-    REPLICA_AXES  data                                        the batch, ZeRO-1, the train
+    REPLICA_AXES  data           expert                       the batch, ZeRO-1, the train
                                                               step's per-replica region
 
 The model names every parameter dimension and every large activation dimension logically
@@ -26,24 +26,27 @@ tensor-parallel rows are Megatron's:
                                                                       tied output layer and the
                                                                       cross-entropy stay on the
                                                                       vocabulary shards
-    activations    (batch, ...)                    batch  -> REPLICA_AXES (data)
+    expert weights (layers, experts, ...)          experts -> expert  each expert rank holds
+                                                                      its own experts (below)
+    activations    (batch, ...)                    batch  -> REPLICA_AXES (data, expert)
 
 The replica axes are those the batch's rows and ZeRO-1's shards split over: the train step's
 region is manual over them (train/step.py), and the loss and token psum and the gradient
-reduce-scatter run over them (parallel/zero.py). Two axes have no rule yet:
-  expert   for every parameter but an MoE layer's experts, expert ranks are data-parallel
-           replicas, so the MoE issue adds 'expert' to REPLICA_AXES (after 'data', the
-           mesh's order). At size 1 that compiles to the same train and eval steps
-           (bench/hlo_diff.py), but it spells every replica split ('data', 'expert'), so
-           these come with it: the specs the tests hold (('tensor', 'data') and the like),
-           plan/arithmetic.py's and zero.py's reading of them, the expert parameters' own
-           rules (their experts' dimension over 'expert', ZeRO-1 over 'data' alone), and the
-           replica count as data x expert wherever mesh.data is read as it (config/checks.py,
-           data/loader.py, train/, launch/plan.py, plan/comm.py and predict.py).
-  context  splits the sequence, not the batch: never a replica axis. Context parallelism
-           maps `seq` (and the residual stream's `residual_seq`) to 'context' here, and
-           all-gathers keys and values over it in attention.
-Until then config/resolve.py holds both at 1.
+reduce-scatter run over them (parallel/zero.py).
+
+Expert parallelism (`mesh.expert`, MoE models only): an MoE layer's stacked expert weights
+split over 'expert' by expert; for every other parameter expert ranks are data-parallel
+replicas, so the batch splits over data x expert. Within the train step's region (manual over
+both) each rank routes its own tokens and an all-to-all over 'expert' carries them to the
+ranks of their experts and back (model/moe.py). A leaf's own replica axes (`replica_axes`)
+are those that do not split it: the experts' gradients are summed and ZeRO-sharded over
+'data' alone, everything else's over ('data', 'expert'). At mesh.expert 1 'expert' is left
+out of every ZeRO spec and collective, so the compiled steps are those of a mesh without it
+(bench/hlo_diff.py).
+
+`context` splits the sequence, not the batch: never a replica axis. Context parallelism will
+map `seq` (and the residual stream's `residual_seq`) to 'context' here, and all-gather keys
+and values over it in attention; until then config/resolve.py holds it at 1.
 
 Sequence parallelism (Korthikanti et al. 2022; `model.sequence_parallel`): the residual
 stream, where layer norms, dropout and residual adds run, names its sequence dimension
@@ -71,16 +74,17 @@ from jax.sharding import NamedSharding, PartitionSpec
 from mtnlg_jax.config import keys
 
 MESH_AXES = keys.MESH_AXES
-REPLICA_AXES = ('data',)
+REPLICA_AXES = ('data', 'expert')
 STAGE_AXIS = 'stage'
+EXPERT_AXIS = 'expert'
 
 
-def _entry(names):
+def entry(names):
     """One PartitionSpec entry of a tuple of mesh axes: a single axis by its name."""
     return names[0] if len(names) == 1 else tuple(names)
 
 
-REPLICAS = _entry(REPLICA_AXES)  # the entry of a dimension split over the replicas
+REPLICAS = entry(REPLICA_AXES)  # the entry of a dimension split over the replicas
 
 LOGICAL_RULES = (
     ('batch', REPLICAS),
@@ -88,11 +92,12 @@ LOGICAL_RULES = (
     ('heads', 'tensor'),
     ('kv_heads', 'tensor'),  # grouped-query attention: mesh.tensor divides model.kv_heads
     ('mlp', 'tensor'),
-    # A mixture of experts' stacked expert weights (model/moe.py): whole on every rank until
-    # expert parallelism maps `experts` to 'expert'; each expert's own MLP width splits over
-    # tensor as `mlp` does (column parallel in, row parallel out).
-    ('experts', None),
+    # A mixture of experts' stacked expert weights (model/moe.py): each expert rank holds its
+    # own experts; each expert's own MLP width splits over tensor as `mlp` does (column
+    # parallel in, row parallel out). The router's scores over the experts are whole.
+    ('experts', EXPERT_AXIS),
     ('expert_mlp', 'tensor'),
+    ('expert_scores', None),
     ('embed', None),
     ('head_dim', None),
     ('q_per_kv', None),  # the query heads of one key/value head
@@ -107,8 +112,6 @@ LOGICAL_RULES = (
     ('handoff_seq', 'tensor'),  # activations between pipeline stages, split as Megatron's
 )
 SEQUENCE_PARALLEL_RULES = (('residual_seq', 'tensor'),)
-DATA_AXIS = ZERO_AXIS = REPLICAS  # ZeRO-1 splits the optimizer state over the replicas
-STAGE_ZERO_AXES = (STAGE_AXIS, *REPLICA_AXES)  # ZeRO-1 of what every stage holds (state_spec)
 
 _RULES = dict(LOGICAL_RULES)
 _ACTIVE_RULES = contextvars.ContextVar('mtnlg_jax_logical_rules', default=_RULES)
@@ -201,6 +204,13 @@ def constrain_tree(tree, logical_tree):
     return jax.tree.map(lambda axes, x: constrain(x, axes), logical_tree, tree, is_leaf=is_axes)
 
 
+def only(spec, kept):
+    """`spec` with each entry cut to the mesh axes in `kept` (a region's manual axes: what
+    its in_specs and out_specs may name)."""
+    dropped = set(MESH_AXES) - set(kept)
+    return PartitionSpec(*(_without(axes, dropped) for axes in spec))
+
+
 def _without(axes, dropped):
     """One PartitionSpec entry without the mesh axes in `dropped`."""
     if axes is None or axes is PartitionSpec.UNCONSTRAINED:
@@ -215,11 +225,41 @@ def replicas(mesh_shape):
     return math.prod(mesh_shape.get(a, 1) for a in REPLICA_AXES)
 
 
-def zero_spec(spec, shape, mesh_shape, axis_name=ZERO_AXIS, whole_only=False):
-    """`spec` with the replica axes (or `axis_name`, one mesh axis or a tuple of them) added
-    for ZeRO-1: on the first whole dimension that its size divides, else (unless whole_only)
-    on the first split dimension that still divides evenly (e.g. an MLP bias split over
-    tensor becomes split over (tensor, data)); else left as it is."""
+def replica_axes(spec, mesh_shape):
+    """The replica axes a leaf of `spec` is summed and ZeRO-split over: 'data' always (it marks
+    the ZeRO split, parallel/zero.py), the others where above 1 and not splitting the leaf
+    already (an expert's weights, split over 'expert': 'data' alone)."""
+    taken = {a for axes in spec for a in _names(axes)}
+    return tuple(
+        a
+        for a in REPLICA_AXES
+        if a == REPLICA_AXES[0] or (a not in taken and mesh_shape.get(a, 1) > 1)
+    )
+
+
+def stage_zero_axes(spec, mesh_shape):
+    """ZeRO-1's axes of what every pipeline stage holds (state_spec): 'stage', then the
+    leaf's replica axes."""
+    return (STAGE_AXIS, *replica_axes(spec, mesh_shape))
+
+
+def is_stage_zero(axes):
+    """Whether a PartitionSpec entry is a split over 'stage' and the replicas together."""
+    names = _names(axes)
+    return len(names) > 1 and names[0] == STAGE_AXIS and names[1] == REPLICA_AXES[0]
+
+
+def zero_spec(spec, shape, mesh_shape, axis_name=None, whole_only=False):
+    """`spec` with the leaf's replica axes (or `axis_name`, one mesh axis or a tuple of them)
+    added for ZeRO-1: on the first whole dimension that its size divides, else (unless
+    whole_only) on the first split dimension that still divides evenly (e.g. an MLP bias split
+    over tensor becomes split over (tensor, data)); else left as it is. At mesh.expert 1 the
+    experts' dimension counts as whole, so the state is split as on a mesh without 'expert'
+    (the same compiled step: bench/hlo_diff.py)."""
+    if mesh_shape.get(EXPERT_AXIS, 1) == 1:  # the experts' dimension whole: split as before
+        spec = PartitionSpec(*(_without(axes, {EXPERT_AXIS}) for axes in spec))
+    if axis_name is None:
+        axis_name = entry(replica_axes(spec, mesh_shape))
     names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
     data_size = math.prod(mesh_shape[a] for a in names)
     if data_size == 1:
@@ -242,16 +282,17 @@ def zero_spec(spec, shape, mesh_shape, axis_name=ZERO_AXIS, whole_only=False):
 def state_spec(spec, shape, mesh_shape):
     """The spec of a parameter's fp32 state (master copy and moments): the rule table's plus
     ZeRO-1's split. A parameter every pipeline stage holds (embeddings, head, final norm: no
-    'stage' in its spec) is split over ('stage', *REPLICA_AXES) together where a whole
+    'stage' in its spec) is split over ('stage', *replica_axes) together where a whole
     dimension allows: each stage sums only its own share of its gradients, and one
     reduce-scatter over both axes lands them (parallel/zero.py), instead of an all-reduce over
     'stage' first."""
     if (
         mesh_shape.get(STAGE_AXIS, 1) > 1
-        and replicas(mesh_shape) > 1
+        and math.prod(mesh_shape[a] for a in replica_axes(spec, mesh_shape)) > 1
         and not any(STAGE_AXIS in _names(axes) for axes in spec)
     ):
-        joint = zero_spec(spec, shape, mesh_shape, STAGE_ZERO_AXES, whole_only=True)
+        joint = stage_zero_axes(spec, mesh_shape)
+        joint = zero_spec(spec, shape, mesh_shape, joint, whole_only=True)
         if joint != spec:
             return joint
     return zero_spec(spec, shape, mesh_shape)

@@ -163,10 +163,14 @@ class SideValue:
         return a + b if self.reduce == 'sum' else jnp.maximum(a, b)
 
     def over(self, value, axis):
-        """Combined over a mesh axis inside a region manual over it (XLA rejects a
-        cross-device op over an axis of size 1: then value itself)."""
-        if jax.lax.axis_size(axis) == 1:
+        """Combined over a mesh axis (or a tuple of them) inside a region manual over it (XLA
+        rejects a cross-device op over an axis of size 1: those are left out)."""
+        axes = tuple(
+            a for a in ((axis,) if isinstance(axis, str) else axis) if jax.lax.axis_size(a) > 1
+        )
+        if not axes:
             return value
+        axis = axes[0] if len(axes) == 1 else axes
         return jax.lax.psum(value, axis) if self.reduce == 'sum' else jax.lax.pmax(value, axis)
 
 

@@ -23,9 +23,14 @@ What every pipeline stage holds (embeddings, head, final norm) is split over ('s
 together (rules.state_spec): its gradients arrive as each stage's own partial sums, stacked
 over 'stage', and one reduce-scatter over both axes sums and shards them; the all-gather of
 its compute copy runs over both axes too.
+
+'data' stands for a leaf's own replica axes (rules.replica_axes): ('data', 'expert') under
+expert parallelism, but 'data' alone for an MoE layer's experts, which 'expert' splits by
+expert: their gradients arrive stacked over 'data' only, each expert rank's its own experts'.
 """
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -34,24 +39,31 @@ from jax.sharding import PartitionSpec
 from mtnlg_jax.parallel.rules import (
     REPLICA_AXES,
     STAGE_AXIS,
-    STAGE_ZERO_AXES,
-    ZERO_AXIS,
     constrain_spec,
-    replicas,
+    entry,
+    is_stage_zero,
+    replica_axes,
 )
 
 
 @dataclasses.dataclass(frozen=True)
 class ShardLayout:
     """One leaf's ZeRO spec and where its 'data' split is: dimension `dim` (None: none),
-    viewed as (groups, data, rest) with `before` the mesh axes that split `groups`."""
+    viewed as (groups, data, rest) with `before` the mesh axes that split `groups`; `axes`
+    the leaf's replica axes (rules.replica_axes: its gradients are summed over them), which
+    its ZeRO split is over, with 'stage' first for what every stage holds."""
 
     spec: tuple
     dim: int | None
     before: tuple = ()
     groups: int = 1
     data: int = 1
-    axes: tuple = REPLICA_AXES  # the mesh axes of the split: ('stage', 'data') together too
+    axes: tuple = REPLICA_AXES[:1]
+
+    @property
+    def stacked(self):
+        """The mesh axes the train step stacks this leaf's per-replica gradients over."""
+        return self.axes[1:] if is_stage_zero(self.axes) else self.axes
 
     def view(self, x, offset=0):
         """x (with `offset` leading axes before the leaf's own) with dimension `dim` reshaped
@@ -85,25 +97,25 @@ def layouts(zero_shardings):
         spec = tuple(sharding.spec)
         for dim, axes in enumerate(spec):
             axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-            if axes == STAGE_ZERO_AXES:
-                data = sizes[STAGE_AXIS] * replicas(sizes)
-                return ShardLayout(spec, dim, data=data, axes=STAGE_ZERO_AXES)
+            if is_stage_zero(axes):
+                return ShardLayout(spec, dim, data=math.prod(sizes[a] for a in axes), axes=axes)
             if REPLICA_AXES[0] in axes:  # the replica axes follow those that split `groups`
-                before = axes[: axes.index(REPLICA_AXES[0])]
-                groups = 1
-                for axis in before:
-                    groups *= sizes[axis]
-                return ShardLayout(spec, dim, before, groups, replicas(sizes))
-        return ShardLayout(spec, None)
+                first = axes.index(REPLICA_AXES[0])
+                before, zero = axes[:first], axes[first:]
+                groups = math.prod(sizes[axis] for axis in before)
+                data = math.prod(sizes[axis] for axis in zero)
+                return ShardLayout(spec, dim, before, groups, data, zero)
+        return ShardLayout(spec, None, axes=replica_axes(spec, sizes))
 
     return jax.tree.map(layout, zero_shardings)
 
 
-def psum(x):
-    """Inside a region manual over the replica axes: the sum over replicas (XLA rejects a
-    cross-device sum over mesh axes of size 1, so that case returns x)."""
-    sizes = {axis: jax.lax.axis_size(axis) for axis in REPLICA_AXES}
-    return x if replicas(sizes) == 1 else jax.lax.psum(x, ZERO_AXIS)
+def psum(x, axes=None):
+    """Inside a region manual over the replica axes: the sum over replicas, or over `axes` of
+    them (XLA rejects a cross-device sum over mesh axes of size 1: those are left out)."""
+    axes = REPLICA_AXES if axes is None else axes
+    axes = tuple(a for a in axes if jax.lax.axis_size(a) > 1)
+    return jax.lax.psum(x, entry(axes)) if axes else x
 
 
 def _specs(layout_tree, **kwargs):
@@ -140,14 +152,14 @@ def reduce_scatter(per_replica, layout_tree, by_stage=None):
 
     def scatter(x, lay, stacked):
         x = x[0][0] if stacked else x[0]  # this replica's (and stage's) own sums
-        if lay.axes == STAGE_ZERO_AXES:
+        if is_stage_zero(lay.axes):
             if not stacked:  # whole on every stage: one stage's copy enters the sum
                 x = jnp.where(jax.lax.axis_index(STAGE_AXIS) == 0, x, jnp.zeros_like(x))
             return jax.lax.psum_scatter(x, lay.axes, scatter_dimension=lay.dim + 1, tiled=True)
         if lay.dim is None:
-            x = psum(x)
+            x = psum(x, lay.axes)
         elif lay.data > 1:
-            x = jax.lax.psum_scatter(x, ZERO_AXIS, scatter_dimension=lay.dim + 1, tiled=True)
+            x = jax.lax.psum_scatter(x, entry(lay.axes), scatter_dimension=lay.dim + 1, tiled=True)
         # the stages' shares summed on the ZeRO shard: 1 / d of the bytes of a sum before it
         return jax.lax.psum(x, STAGE_AXIS) if stacked else x
 
@@ -155,7 +167,8 @@ def reduce_scatter(per_replica, layout_tree, by_stage=None):
         return lay.view(x, offset=2 if stacked else 1)
 
     def in_spec(lay, stacked):
-        leading = (ZERO_AXIS, STAGE_AXIS) if stacked else (ZERO_AXIS,)
+        leading = entry(lay.stacked)
+        leading = (leading, STAGE_AXIS) if stacked else (leading,)
         return PartitionSpec(*leading, *lay.view_spec(with_data=False))
 
     views = jax.tree.map(view, per_replica, layout_tree, by_stage)

@@ -98,7 +98,7 @@ def local_shared_params(config, joint=None):
             continue
         spec = rules.logical_to_spec(names)
         split = rules.state_spec(spec, leaf.shape, sizes)
-        if joint is None or joint == (rules.STAGE_ZERO_AXES in tuple(split)):
+        if joint is None or joint == any(rules.is_stage_zero(a) for a in split):
             total += _local_numel(leaf.shape, spec, sizes)
     return total
 

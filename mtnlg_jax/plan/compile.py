@@ -105,9 +105,11 @@ def compile_eval_step(config, micro_steps=None, devices=None):
     """The eval step (launch/train.py's validation), compiled as compile_train_step does."""
     mesh, setup = layout(config, devices)
     micro_steps = micro_steps or config.train.micro_steps
-    params = abstract_state(setup)['params']
+    state = abstract_state(setup)
     tokens, _ = loader_lib.abstract_train_batch(config, mesh, micro_steps)
-    compiled, lowered, times = _compile(make_eval_step(config, setup), (params, tokens), mesh)
+    buffers = (state['buffers'],) if 'buffers' in state else ()  # an MoE's router bias
+    args = (state['params'], tokens, *buffers)
+    compiled, lowered, times = _compile(make_eval_step(config, setup), args, mesh)
     return compiled, lowered, dict(mesh=mesh, setup=setup, micro_steps=micro_steps, **times)
 
 

@@ -7,6 +7,7 @@ from mtnlg_jax.model import counts
 from mtnlg_jax.xla import devices
 from mtnlg_jax.parallel import footprint
 from mtnlg_jax.parallel import engine as engine_lib
+from mtnlg_jax import config as config_lib
 from mtnlg_jax.config import rampup
 
 
@@ -35,7 +36,8 @@ def lines(config, setup, compile_seconds, train_data):
         f'vocab {config.model.vocab_size} (padded {config.model.padded_vocab}), '
         f'{config.model.compute_dtype} compute, remat {config.model.remat}',
         f'mesh         data {mesh.data} x stage {mesh.stage} x tensor {mesh.tensor} '
-        f'on {jax.device_count()} x {device.device_kind} ({jax.process_count()} process(es))',
+        + (f'x expert {mesh.expert} ' if mesh.expert > 1 else '')
+        + f'on {jax.device_count()} x {device.device_kind} ({jax.process_count()} process(es))',
         f'batch        global {config.train.global_batch} = micro_batch {config.train.micro_batch} '
         f'x data {mesh.data} x {config.train.micro_steps} micro-steps; '
         f'{tokens_per_step} tokens per step',
@@ -60,7 +62,8 @@ def rampup_lines(config):
     train_cfg = config.train
     if not rampup.enabled(train_cfg):
         return []
-    ramp, replica_batch = train_cfg.rampup, train_cfg.micro_batch * config.mesh.data
+    ramp = train_cfg.rampup
+    replica_batch = train_cfg.micro_batch * config_lib.replicas(config.mesh)
     stages = rampup.stages(train_cfg)
     return [
         f'ramp-up      global batch {ramp.start} -> {train_cfg.global_batch} by {ramp.increment} '

@@ -33,6 +33,7 @@ from mtnlg_jax.model import counts
 from mtnlg_jax.xla import devices
 from mtnlg_jax.data import loader as loader_lib
 from mtnlg_jax.data import packing
+from mtnlg_jax import config as config_lib
 from mtnlg_jax.config import rampup
 from mtnlg_jax.parallel.mesh import mesh_from_config
 from mtnlg_jax.run import storage
@@ -94,7 +95,7 @@ class CompiledSteps:
         first_batch = rampup.global_batch_at(
             train_cfg, self.config.model.seq_len, position.counters['samples_consumed']
         )
-        self(first_batch // (train_cfg.micro_batch * self.config.mesh.data))
+        self(first_batch // (train_cfg.micro_batch * config_lib.replicas(self.config.mesh)))
         then(time.perf_counter() - start)
 
     def evaluation(self, params, *buffers):

@@ -25,10 +25,13 @@
     master -= lr(tokens_seen) * update
     (kept as it was if the loss or the gradient norm is not finite)
 
-'data' above stands for the replica axes (rules.REPLICA_AXES). Gradients are summed in fp32
-across micro-steps, pipeline iterations and replicas. The global batch arrives as
-(micro_steps, global_batch / micro_steps, seq + 1) with the second axis split over 'data':
-each replica sees micro_batch sequences per micro-step.
+'data' above stands for the replica axes (rules.REPLICA_AXES: data and expert). Under expert
+parallelism the region holds each rank's own experts (their weights split over 'expert'),
+the MoE layers exchange tokens by all-to-all over 'expert' inside it (model/moe.py), and the
+experts' gradients leave it per expert rank, summed over 'data' alone (parallel/zero.py).
+Gradients are summed in fp32 across micro-steps, pipeline iterations and replicas. The
+global batch arrives as (micro_steps, global_batch / micro_steps, seq + 1) with the second
+axis split over 'data': each replica sees micro_batch sequences per micro-step.
 """
 
 import jax
@@ -112,11 +115,12 @@ def gradients_and_values(config, setup, params, tokens, row_ids, step, buffers=N
         (
             PartitionSpec(),
             {name: PartitionSpec() for name in declared},
-            PartitionSpec(rules.REPLICAS),
+            jax.tree.map(_stacked_spec, layouts, by_stage, setup.logical_axes),
         ),
         (compute_params, buffers),
         tokens,
         row_ids,
+        model_specs=_replica_specs((setup.logical_axes, setup.buffer_axes if buffers else {})),
     )
     loss_sum, token_count = totals[0], totals[1]
     grads = jax.tree.map(
@@ -146,16 +150,35 @@ def _stage_shares(config, params):
     }
 
 
-def _over_replicas(per_replica, out_specs, model_state, tokens, *per_row):
+def _replica_specs(logical_tree):
+    """Each leaf's split over the replica axes by the rule table: whole but for an MoE
+    layer's experts, which split over 'expert' (each expert rank its own)."""
+    return jax.tree.map(
+        lambda axes: rules.only(rules.logical_to_spec(axes), rules.REPLICA_AXES),
+        logical_tree,
+        is_leaf=rules.is_axes,
+    )
+
+
+def _stacked_spec(layout, stacked, logical_axes):
+    """The out_spec of one leaf's per-replica gradient sums: stacked over its replica axes
+    (zero.ShardLayout.stacked), and as its own replica split after (an expert's weights)."""
+    own = () if stacked else rules.only(rules.logical_to_spec(logical_axes), rules.REPLICA_AXES)
+    return PartitionSpec(rules.entry(layout.stacked), *own)
+
+
+def _over_replicas(per_replica, out_specs, model_state, tokens, *per_row, model_specs=None):
     """per_replica(model_state, tokens, *per_row) in a region manual over the replica axes
     (rules.REPLICA_AXES; a context axis would stay automatic: it splits the sequence): each
     replica its own rows of tokens (micro_steps, rows, seq + 1) and of per_row (micro_steps,
-    rows), the whole of model_state (the compute copy and the buffers)."""
+    rows), model_state (the compute copy and the buffers) as `model_specs` splits it (None:
+    whole)."""
     batch_spec = rules.logical_to_spec(BATCH_AXES)
     row_spec = PartitionSpec(*batch_spec[:2])
+    model_specs = PartitionSpec() if model_specs is None else model_specs
     return jax.shard_map(
         per_replica,
-        in_specs=(PartitionSpec(), batch_spec) + (row_spec,) * len(per_row),
+        in_specs=(model_specs, batch_spec) + (row_spec,) * len(per_row),
         out_specs=out_specs,
         axis_names=set(rules.REPLICA_AXES),
         check_vma=False,  # gradients stay per replica: no implicit psum in the transpose
@@ -250,17 +273,21 @@ def make_eval_step(config, setup):
         tokens = rules.constrain(tokens, BATCH_AXES)
         model_state = (compute_copy(config, setup, params), buffers)
         engine = engine_lib.engine(config)
-        if engine.pipelined:
-            totals = _over_replicas(_pipelined_sums, PartitionSpec(), model_state, tokens)
+        if engine.pipelined or config.mesh.expert > 1:  # expert parallelism: per replica
+            specs = _replica_specs((setup.logical_axes, setup.buffer_axes if buffers else {}))
+            totals = _over_replicas(
+                _pipelined_sums, PartitionSpec(), model_state, tokens, model_specs=specs
+            )
             return totals[0], totals[1]
         return _loss_sum(model_state, _micro_batches(config, tokens))
 
     def _pipelined_sums(model_state, tokens):
-        """One replica's (loss sum, token count), summed over 'data'. Per replica, as in the
-        train step: at top level the partitioner moves the embedding's tokens between 'data'
-        and 'tensor' (sequence parallel) with a collective-permute whose pairs span every
-        stage, inside the first chunk's conditional, which only the first stage takes: XLA:CPU
-        waits for the other stages' devices forever."""
+        """One replica's (loss sum, token count), summed over the replicas. Per replica, as
+        in the train step: expert parallelism's all-to-all runs only in a region manual over
+        'expert'; and at top level the partitioner moves the embedding's tokens between
+        'data' and 'tensor' (sequence parallel) with a collective-permute whose pairs span
+        every stage, inside the first chunk's conditional, which only the first stage takes:
+        XLA:CPU waits for the other stages' devices forever."""
         loss, count = _loss_sum(model_state, _micro_batches(config, tokens))
         return zero.psum(jnp.stack([loss, count]))
 

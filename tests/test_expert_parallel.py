@@ -1,0 +1,169 @@
+"""Expert parallelism (mesh.expert; parallel/rules.py, model/moe.py's exchange): an MoE block
+under data x expert x tensor, expert x tensor with sequence parallelism, stage x expert x
+tensor interleaved and expert 8 alone computes one device's loss, every gradient leaf and
+side value (dropless, and with capacity 1.0 the same tokens dropped), GPT's and Llama's
+blocks; the router bias moves alike; the eval step scores alike; a checkpoint restores
+under another expert layout; the compiled step carries the tokens by all-to-all over
+'expert'; the experts' state is split over 'expert' and ZeRO-1 over 'data' alone; bad input
+is one line."""
+
+import jax
+import numpy as np
+import pytest
+
+import support
+import test_checkpoint
+import test_moe
+from mtnlg_jax.checkpoint import store as checkpoint_lib
+from mtnlg_jax import config as config_lib
+from mtnlg_jax.model import moe as moe_lib
+from mtnlg_jax.plan import compile as compile_lib
+from mtnlg_jax.plan import hlo, hlo_module
+from mtnlg_jax.data import batch as batch_lib
+from mtnlg_jax.train import resume
+from mtnlg_jax.train import state as state_lib
+from mtnlg_jax.train import step as step_lib
+
+RELATIVE = 1e-5  # of each gradient leaf's and value's largest entry (fp32)
+# A shared expert beside the routed ones, the aux loss and the router bias update on.
+MOE = {**test_moe.MOE, 'shared_experts': 1, 'aux_loss_coeff': 0.01, 'bias_update_rate': 1e-3}
+CAPACITY = {**MOE, 'capacity_factor': 1.0, 'router': 'sigmoid'}
+LLAMA = dict(**support.LLAMA_BLOCK, qk_norm=True)
+
+# (model keys, layout keys): each layout with a dropless and a capacity-1.0 MoE, GPT and Llama
+CASES = {
+    'gpt-dropless-d2e2t2': (dict(moe=MOE), dict(data=2, expert=2, tensor=2)),
+    'llama-capacity-d2e2t2': (dict(**LLAMA, moe=CAPACITY), dict(data=2, expert=2, tensor=2)),
+    'llama-dropless-e2t2-sp': (
+        dict(**LLAMA, moe=MOE),
+        dict(expert=2, tensor=2, sequence_parallel=True),
+    ),
+    'gpt-capacity-e4t2-sp': (
+        dict(moe=CAPACITY),
+        dict(expert=4, tensor=2, sequence_parallel=True),
+    ),
+    'gpt-capacity-s2e2t2v2': (
+        dict(num_layers=4, moe=CAPACITY),
+        dict(stage=2, expert=2, tensor=2, micro_steps=4, repeats=2, schedule='interleaved'),
+    ),
+    'gpt-dropless-e8': (dict(moe=MOE), dict(expert=8)),
+    'llama-capacity-e8': (dict(**LLAMA, moe=CAPACITY), dict(expert=8)),
+}
+
+
+@pytest.mark.parametrize('case', CASES)
+def test_loss_gradients_and_values_under_expert_parallelism_equal_one_devices(case):
+    """Loss, every gradient leaf (relative to its scale) and the side values (aux loss, the
+    per-layer loads, the dropped count: the same tokens dropped) equal one device's."""
+    model, layout = CASES[case]
+    batch = support.random_batches(1)[0]
+    one = support.gradients_and_values(support.small_config(**model), batch, step=5)
+    many = support.gradients_and_values(support.small_config(**layout, **model), batch, step=5)
+    np.testing.assert_allclose(many[1], one[1], rtol=1e-6)
+    support.assert_gradients_close(many[2], one[2], relative=RELATIVE)
+    support.assert_within_leaf_scale(many[3], one[3], RELATIVE)
+    dropped = float(one[3][moe_lib.DROPPED])
+    assert (dropped > 0) == bool(model['moe'].get('capacity_factor')), dropped
+
+
+@pytest.mark.parametrize('layout', [dict(data=2, expert=2, tensor=2), dict(expert=8)])
+def test_the_router_bias_moves_alike_under_expert_parallelism(layout):
+    """Two train steps with the bias update on: the router bias after them (moved by the
+    loads of the whole batch, summed over every replica) and the losses are one device's."""
+    batches = support.random_batches(2)
+    one_losses, one = support.train_losses(support.small_config(moe=MOE), batches)
+    losses, many = support.train_losses(support.small_config(**layout, moe=MOE), batches)
+    np.testing.assert_allclose(losses, one_losses, rtol=1e-6)
+    bias = jax.device_get(one['buffers'])['blocks']['moe']['router_bias']
+    assert np.abs(bias).max() > 0
+    np.testing.assert_allclose(
+        jax.device_get(many['buffers'])['blocks']['moe']['router_bias'], bias, atol=1e-7
+    )
+
+
+def eval_loss(config, batch):
+    """The eval step's (loss sum, token count) of one global batch from the initial state."""
+    mesh, setup = support.layout(config)
+    with jax.set_mesh(mesh):
+        state = state_lib.init_state(config, setup)
+        tokens, _ = batch_lib.place_batch(
+            *batch_lib.to_micro_steps(batch.astype(np.int32), config.train.micro_steps), mesh
+        )
+        step = step_lib.make_eval_step(config, setup)
+        return jax.device_get(step(state['params'], tokens, state['buffers']))
+
+
+def test_the_eval_step_under_expert_parallelism_equals_one_devices():
+    """Validation without a pipeline runs in the replica region too, where the experts are
+    each rank's own: data 2 x expert 2 x tensor 2 scores one device's loss sum and count."""
+    batch = support.random_batches(1)[0]
+    one = eval_loss(support.small_config(moe=CAPACITY), batch)
+    many = eval_loss(support.small_config(data=2, expert=2, tensor=2, moe=CAPACITY), batch)
+    np.testing.assert_allclose(many, one, rtol=1e-6)
+
+
+def test_the_compiled_step_sends_tokens_to_their_experts_by_all_to_all():
+    """data 2 x expert 2 x tensor 2: the train step's HLO has all-to-alls among expert ranks
+    alone (in the scanned block: 2 forward, their 2 transposes backward); the expert weights'
+    fp32 state is split over 'expert' by expert and over 'data' alone by ZeRO-1, the rest over
+    ('data', 'expert'). On mesh.expert 1 there is no all-to-all."""
+    config = support.small_config(data=2, expert=2, tensor=2, moe=MOE, remat='none')
+    compiled, _, info = compile_lib.compile_train_step(config)
+    mesh = info['mesh']
+    computations, _ = hlo_module.parse_module(compiled.as_text())
+    exchanges = [
+        hlo.spanned_axes(
+            hlo.replica_groups(i, mesh.size), mesh.axis_names, tuple(mesh.shape.values())
+        )
+        for instructions in computations.values()
+        for i in instructions
+        if i.opcode in ('all-to-all', 'all-to-all-start')
+    ]
+    assert len(exchanges) >= 4 and set(exchanges) == {('expert',)}, exchanges
+    shardings = info['setup'].state_shardings['params']['blocks']
+    expert_spec = tuple(shardings['moe']['in_kernel'].spec)  # (layers, experts, embed, width)
+    assert expert_spec[1] == 'expert' and expert_spec[2] == 'data', expert_spec
+    assert ('data', 'expert') in tuple(shardings['ln_mlp']['scale'].spec)
+    single = support.small_config(data=4, tensor=2, moe=MOE, remat='none')
+    assert 'all-to-all' not in compile_lib.compile_train_step(single)[0].as_text()
+
+
+def test_a_checkpoint_restores_under_another_expert_layout(tmp_path):
+    """A state saved after a step under expert 4 (the experts split 4 ways, ZeRO over 4
+    replicas, the router bias moved) restores bit for bit under expert 2 x tensor 2 and on
+    one device."""
+    config = support.small_config(expert=4, moe=MOE)
+    _, state = support.train_losses(config, support.random_batches(1))
+    checkpoints = checkpoint_lib.Checkpoints(tmp_path)
+    checkpoints.save(1, state, resume.checkpoint_meta(config, resume.fresh_counters()))
+    checkpoints.wait()
+    checkpoints.close()
+    saved = jax.device_get(state)
+    assert np.abs(saved['buffers']['blocks']['moe']['router_bias']).max() > 0
+    for layout in (dict(expert=2, tensor=2), dict()):
+        restored, _, _ = test_checkpoint.restore_into(
+            tmp_path, support.small_config(**layout, moe=MOE)
+        )
+        support.assert_trees_close(restored, saved, atol=0)
+
+
+BAD = [
+    (dict(), dict(expert=2), 'mesh.expert: 2 expert ranks, but the model is dense'),
+    (dict(moe={**MOE, 'experts': 6}), dict(expert=4), 'not divisible by mesh.expert=4'),
+    (
+        dict(moe=MOE),
+        dict(expert=8, data=1),
+        'train.global_batch: 4 is not divisible by train.micro_batch x mesh.data x mesh.expert',
+    ),
+]
+
+
+@pytest.mark.parametrize('model, mesh, message', BAD)
+def test_bad_expert_layouts_are_one_line_naming_the_key(model, mesh, message):
+    config = config_lib.defaults()
+    config.model.update(model)
+    config.mesh.update(mesh)
+    config.train.update(dict(global_batch=4, micro_batch=1))
+    with pytest.raises(config_lib.ConfigError) as error:
+        config_lib.resolve(config, 8)
+    assert message in str(error.value) and '\n' not in str(error.value)
