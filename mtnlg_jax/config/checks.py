@@ -67,13 +67,16 @@ def check_model(config):
         'model.sequence_parallel',
         f'needs model.seq_len={model.seq_len} divisible by mesh.tensor={tensor}',
     )
-    shards = tensor if model.sequence_parallel else 1
+    _check_context(config)
+    context = config.mesh.context
+    shards = (tensor if model.sequence_parallel else 1) * context
+    over = [f'mesh.{k}={v}' for k, v in (('context', context), ('tensor', shards // context))]
     _require(
         model.seq_len % (shards * model.sequence_pieces) == 0,
         'model.sequence_pieces',
         f'{model.sequence_pieces} pieces do not divide the {model.seq_len // shards} tokens of '
         f'a sequence shard (model.seq_len={model.seq_len}'
-        + (f' over mesh.tensor={tensor})' if shards > 1 else ')'),
+        + (f' over {" x ".join(o for o in over if not o.endswith("=1"))})' if shards > 1 else ')'),
     )
     _require(
         model.loss_chunks == 0 or model.seq_len % model.loss_chunks == 0,
@@ -84,6 +87,30 @@ def check_model(config):
     if model.loss_chunks == 0:
         model.loss_chunks = next(n for n in (4, 3, 2, 1) if model.seq_len % n == 0)
     model.padded_vocab = padded_vocab_size(model.vocab_size, tensor)
+
+
+def _check_context(config):
+    """mesh.context > 1: the sequence cuts into 2 x context chunks (each split over tensor
+    under sequence parallelism), and attention runs the plain path (the fused kernels do not
+    take a query chunk's offset yet)."""
+    model, context = config.model, config.mesh.context
+    if context == 1:
+        return
+    tensor = config.mesh.tensor if model.sequence_parallel else 1
+    multiple = 2 * context * tensor
+    _require(
+        model.seq_len % multiple == 0,
+        'mesh.context',
+        f'model.seq_len={model.seq_len} does not cut into 2 x {context} chunks'
+        + (f' split over mesh.tensor={tensor} (sequence parallel)' if tensor > 1 else '')
+        + f': it must be a multiple of {multiple}',
+    )
+    _require(
+        model.attention in ('auto', 'plain'),
+        'model.attention',
+        f'{model.attention!r} cannot run with mesh.context={context}: the fused kernels do not '
+        f'take a query chunk\'s offset yet (auto or plain)',
+    )
 
 
 def check_moe(model, mesh):

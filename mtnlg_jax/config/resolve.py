@@ -79,12 +79,12 @@ def resolve_mesh(mesh, num_devices):
     return sizes
 
 
-UNUSED_MESH_AXES = ('expert', 'context')  # no rule of parallel/rules.py splits over them yet
+UNUSED_MESH_AXES = ('expert',)  # no rule of parallel/rules.py splits over them yet
 
 
 def check_mesh_in_use(mesh):
-    """ConfigError on a mesh axis that no layer splits over yet (mesh.context: the sequence;
-    mesh.expert: MoE experts) if it is above 1: its devices would repeat each other's work."""
+    """ConfigError on a mesh axis that no layer splits over yet (mesh.expert: MoE experts)
+    if it is above 1: its devices would repeat each other's work."""
     for axis in UNUSED_MESH_AXES:
         _require(
             mesh[axis] == 1,

@@ -29,7 +29,7 @@ from mtnlg_jax.model.layers import (
     use,
 )
 from mtnlg_jax.model.pieces import join, split
-from mtnlg_jax.parallel.rules import constrain, local_call
+from mtnlg_jax.parallel.rules import constrain, local_call, shards
 
 # Names of the values `model.remat = 'selective'` keeps: every matmul output. The attention
 # core (scores, softmax, dropout) is recomputed in the backward pass, as in Megatron's
@@ -55,6 +55,8 @@ KV_KERNEL_AXES = ('embed', 'qkv', 'kv_heads', 'head_dim')
 GROUPED_AXES = ('batch', 'seq', 'kv_heads', 'q_per_kv', 'head_dim')
 SEED_AXES = ('batch', 'heads')
 SEGMENT_AXES = ('batch', 'seq')
+KV_GATHERED_AXES = ('batch', 'kv_seq', 'kv_heads', 'head_dim')  # whole over 'context'
+KV_SEGMENT_AXES = ('batch', 'kv_seq')
 RESIDUAL = ('batch', 'residual_seq', 'embed')
 
 
@@ -325,10 +327,13 @@ class Attention(nnx.Module):
         q, k, v = self.project_qkv(x, positions)
         return self.project_out(self.context(q, k, v, row_keys, site_base, segment_ids))
 
-    def context(self, q, k, v, row_keys, site_base, segment_ids=None):
+    def context(self, q, k, v, row_keys, site_base, segment_ids=None, order=None):
         """Causal attention of rotated q, k, v (within segments, given segment_ids) by the
-        kernel chosen for this device: (batch, seq, heads, head_dim)."""
+        kernel chosen for this device: (batch, seq, heads, head_dim). order: (batch, seq)
+        the tokens' global positions under context parallelism (None: 0 .. seq - 1)."""
         site = site_base + _ATTN_PROBS
+        if shards('seq') > 1:  # context parallel: the plain path (config/checks.py)
+            return self.context_parallel(q, k, v, row_keys, site, segment_ids, order)
         if self.kernel != 'plain':
             return self.attend_fused(q, k, v, row_keys=row_keys, site=site, segment_ids=segment_ids)
         seq = q.shape[1]
@@ -336,6 +341,25 @@ class Attention(nnx.Module):
         if segment_ids is not None:  # fused by XLA into the select on the scores
             visible = visible & same_segment(segment_ids)
         return self.attend(q, k, v, visible, row_keys, site)
+
+    def context_parallel(self, q, k, v, row_keys, site, segment_ids, order):
+        """context() with the sequence split over 'context' (parallel/context.py): each rank's
+        queries (its two chunks) against every key and value, gathered over 'context' (an
+        all-gather; its transpose, a reduce-scatter of their gradients). A query sees a key
+        when the key's global position is not later and, with segment ids, in its segment:
+        the mask is made from the positions and ids that travel with the chunks."""
+        if order is None:
+            order = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), q.shape[:2])
+        k, v = (constrain(a, KV_GATHERED_AXES) for a in (k, v))
+        query_pos, key_pos = constrain(order, SEGMENT_AXES), constrain(order, KV_SEGMENT_AXES)
+        visible = key_pos[:, None, :] <= query_pos[:, :, None]
+        if segment_ids is not None:
+            ids, key_ids = (
+                constrain(segment_ids, SEGMENT_AXES),
+                constrain(segment_ids, KV_SEGMENT_AXES),
+            )
+            visible = visible & (key_ids[:, None, :] == ids[:, :, None])
+        return self.attend(q, k, v, visible[:, None], row_keys, site)
 
     def cached(self, x, cache, index):
         """Attention of new tokens x (batch, new, embed) at positions index, index + 1, ...
@@ -388,18 +412,19 @@ class Block(nnx.Module):
         self.hidden_dropout = cfg.hidden_dropout
         self.pieces = cfg.get('sequence_pieces', 1)
 
-    def __call__(self, x, row_keys, layer, positions=None, segment_ids=None):
+    def __call__(self, x, row_keys, layer, positions=None, segment_ids=None, order=None):
         """(x, side values) of x: (batch, seq, embed); layer: this block's global index, for
         distinct dropout masks (and an MoE's row of its loads); positions: the tokens'
         positions for rope, None for 0 .. seq - 1; segment_ids: (batch, seq) packed
-        documents' ids, or None. Side values: an MoE block's (model/moe.py), {} for a dense
-        one."""
+        documents' ids, or None; order: (batch, seq) the tokens' global positions under
+        context parallelism (parallel/context.py), or None. Side values: an MoE block's
+        (model/moe.py), {} for a dense one."""
         site = layer * SITES_PER_BLOCK
         attention, n = self.attention, self.pieces
         qkv = [attention.projections(gathered(self.ln_attn(p))) for p in split(x, n, RESIDUAL)]
         q, k, v = (join(parts, axes) for parts, axes in zip(zip(*qkv), (Q_AXES, KV_AXES, KV_AXES)))
         context = attention.context(
-            *attention.rotated(q, k, v, positions), row_keys, site, segment_ids
+            *attention.rotated(q, k, v, positions), row_keys, site, segment_ids, order
         )
         h = join([attention.project_out(c) for c in split(context, n, CONTEXT_AXES)], RESIDUAL)
         x = x + dropout(h, self.hidden_dropout, row_keys, site + _ATTN_RESIDUAL)

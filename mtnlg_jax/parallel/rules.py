@@ -30,7 +30,7 @@ tensor-parallel rows are Megatron's:
 
 The replica axes are those the batch's rows and ZeRO-1's shards split over: the train step's
 region is manual over them (train/step.py), and the loss and token psum and the gradient
-reduce-scatter run over them (parallel/zero.py). Two axes have no rule yet:
+reduce-scatter run over them (parallel/zero.py). The two other axes:
   expert   for every parameter but an MoE layer's experts, expert ranks are data-parallel
            replicas, so the MoE issue adds 'expert' to REPLICA_AXES (after 'data', the
            mesh's order). At size 1 that compiles to the same train and eval steps
@@ -40,10 +40,11 @@ reduce-scatter run over them (parallel/zero.py). Two axes have no rule yet:
            rules (their experts' dimension over 'expert', ZeRO-1 over 'data' alone), and the
            replica count as data x expert wherever mesh.data is read as it (config/checks.py,
            data/loader.py, train/, launch/plan.py, plan/comm.py and predict.py).
-  context  splits the sequence, not the batch: never a replica axis. Context parallelism
-           maps `seq` (and the residual stream's `residual_seq`) to 'context' here, and
-           all-gathers keys and values over it in attention.
-Until then config/resolve.py holds both at 1.
+  context  splits the sequence, not the batch: never a replica axis. `seq` and the residual
+           stream's `residual_seq` map to 'context' (parallel/context.py: each rank holds
+           chunks r and 2c - 1 - r); attention gathers keys and values over it (`kv_seq`).
+           The gradients of what is replicated over it are summed over it by XLA.
+Until expert parallelism lands config/resolve.py holds mesh.expert at 1.
 
 Sequence parallelism (Korthikanti et al. 2022; `model.sequence_parallel`): the residual
 stream, where layer norms, dropout and residual adds run, names its sequence dimension
@@ -97,16 +98,17 @@ LOGICAL_RULES = (
     ('head_dim', None),
     ('q_per_kv', None),  # the query heads of one key/value head
     ('qkv', None),
-    ('seq', None),
-    ('residual_seq', None),  # 'tensor' under sequence parallelism
-    ('kv_seq', None),
+    ('seq', 'context'),  # context parallelism: each rank its chunks (parallel/context.py)
+    ('residual_seq', 'context'),  # ('context', 'tensor') under sequence parallelism
+    ('kv_seq', None),  # keys and values gathered over 'context' for attention
+    ('window', None),  # a batch's token windows (seq + 1), split only once chunked
     ('position', None),
     ('layers', 'stage'),  # block parameters: each pipeline stage holds its own chunks
     ('micro_steps', None),
     ('stages', 'stage'),  # micro-batches outside the pipeline: embedding and head, 1/p each
-    ('handoff_seq', 'tensor'),  # activations between pipeline stages, split as Megatron's
+    ('handoff_seq', ('context', 'tensor')),  # activations between pipeline stages (Megatron's)
 )
-SEQUENCE_PARALLEL_RULES = (('residual_seq', 'tensor'),)
+SEQUENCE_PARALLEL_RULES = (('residual_seq', ('context', 'tensor')),)
 DATA_AXIS = ZERO_AXIS = REPLICAS  # ZeRO-1 splits the optimizer state over the replicas
 STAGE_ZERO_AXES = (STAGE_AXIS, *REPLICA_AXES)  # ZeRO-1 of what every stage holds (state_spec)
 
