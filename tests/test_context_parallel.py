@@ -41,10 +41,11 @@ def context_config(data=1, context=1, tensor=1, sequence_parallel=False, micro_s
     return config_lib.resolve(config, data * context * tensor)
 
 
-def packed_batch():
+def packed_batch(seq=support.SEQ_LEN):
     """A global batch of several documents a row (an EOD every 9 tokens: documents cross the
-    chunks' edges at every context size)."""
-    batch = support.random_batches(1)[0]
+    chunks' edges at every context size), rows of seq + 1 tokens."""
+    batch = np.concatenate([support.random_batches(1, seed=s)[0] for s in range(seq // 32)], 1)
+    batch = np.concatenate([batch, batch[:, :1]], axis=1)[:, : seq + 1]
     batch[:, 3::9] = EOD
     return batch
 
@@ -74,6 +75,20 @@ def test_a_packed_context_layout_equals_one_device(one_device, layout, block):
     config = context_config(data, context, tensor, sp, **BLOCKS[block])
     _, loss, grads = support.gradients(config, packed_batch())
     loss_one, grads_one = one_device[block]
+    np.testing.assert_allclose(loss, loss_one, rtol=1e-6)
+    support.assert_gradients_close(grads, grads_one)
+
+
+def test_the_flash_kernel_with_each_chunks_offset_equals_one_device():
+    """The Pallas flash kernel (interpreted) on context 2 x tensor 2 x data 2 with sequence
+    parallelism, Llama's block (grouped-query heads), seq 64 (chunks of 16, its smallest
+    tile), attention dropout on: one device's flash loss and gradients (the dropout bits
+    are drawn from global query and key positions, so they are one device's too)."""
+    model = dict(support.LLAMA_BLOCK, seq_len=64, attention='flash', attention_dropout=0.1)
+    batch = packed_batch(64)
+    _, loss_one, grads_one = support.gradients(context_config(micro_steps=1, **model), batch)
+    config = context_config(2, 2, 2, True, **model)
+    _, loss, grads = support.gradients(config, batch)
     np.testing.assert_allclose(loss, loss_one, rtol=1e-6)
     support.assert_gradients_close(grads, grads_one)
 
@@ -142,7 +157,8 @@ def test_the_compiled_step_gathers_keys_and_values_over_context():
     [
         (dict(context=4, seq_len=36), 'model.seq_len=36 does not cut into 2 x 4 chunks'),
         (dict(context=2, tensor=4, sp=True, seq_len=24), 'split over mesh.tensor=4'),
-        (dict(context=2, attention='flash'), "'flash' cannot run with mesh.context=2"),
+        (dict(context=2, attention='fused'), "'fused' cannot run with mesh.context=2"),
+        (dict(context=2, attention='flash'), 'a multiple of 16 tokens (got 8)'),
         (dict(context=8, sequence_pieces=8), 'the 4 tokens of a sequence shard'),
     ],
 )

@@ -12,6 +12,7 @@ from mtnlg_jax.config import rampup, stage_layers
 from mtnlg_jax.config.keys import BY_NAME, ConfigError, check_values
 
 VOCAB_PAD_MULTIPLE = 128
+FLASH_MIN_BLOCK = 16  # the Pallas flash kernel's smallest tile (model/flash_attention.py)
 
 
 def parse_split(split):
@@ -91,8 +92,8 @@ def check_model(config):
 
 def _check_context(config):
     """mesh.context > 1: the sequence cuts into 2 x context chunks (each split over tensor
-    under sequence parallelism), and attention runs the plain path (the fused kernels do not
-    take a query chunk's offset yet)."""
+    under sequence parallelism); attention runs the Pallas flash kernel (a chunk a multiple
+    of its smallest tile) or the plain path, not cuDNN's (no query offset)."""
     model, context = config.model, config.mesh.context
     if context == 1:
         return
@@ -106,10 +107,17 @@ def _check_context(config):
         + f': it must be a multiple of {multiple}',
     )
     _require(
-        model.attention in ('auto', 'plain'),
+        model.attention != 'fused',
         'model.attention',
-        f'{model.attention!r} cannot run with mesh.context={context}: the fused kernels do not '
-        f'take a query chunk\'s offset yet (auto or plain)',
+        f"'fused' cannot run with mesh.context={context}: cuDNN's kernel does not take a query "
+        f"chunk's offset (flash, auto or plain)",
+    )
+    chunk = model.seq_len // (2 * context)
+    _require(
+        model.attention != 'flash' or chunk % FLASH_MIN_BLOCK == 0,
+        'mesh.context',
+        f'the Pallas flash kernel needs each of the 2 x {context} chunks of model.seq_len='
+        f'{model.seq_len} a multiple of {FLASH_MIN_BLOCK} tokens (got {chunk})',
     )
 
 

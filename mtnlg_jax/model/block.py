@@ -12,6 +12,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -29,7 +30,8 @@ from mtnlg_jax.model.layers import (
     use,
 )
 from mtnlg_jax.model.pieces import join, split
-from mtnlg_jax.parallel.rules import constrain, local_call, shards
+from mtnlg_jax.parallel import context as context_lib
+from mtnlg_jax.parallel.rules import constrain, gather_context, local_call, shards
 
 # Names of the values `model.remat = 'selective'` keeps: every matmul output. The attention
 # core (scores, softmax, dropout) is recomputed in the backward pass, as in Megatron's
@@ -332,6 +334,8 @@ class Attention(nnx.Module):
         kernel chosen for this device: (batch, seq, heads, head_dim). order: (batch, seq)
         the tokens' global positions under context parallelism (None: 0 .. seq - 1)."""
         site = site_base + _ATTN_PROBS
+        if shards('seq') > 1 and self.kernel.startswith('flash') and order is not None:
+            return self.context_flash(q, k, v, row_keys, site, segment_ids)
         if shards('seq') > 1:  # context parallel: the plain path (config/checks.py)
             return self.context_parallel(q, k, v, row_keys, site, segment_ids, order)
         if self.kernel != 'plain':
@@ -360,6 +364,53 @@ class Attention(nnx.Module):
             )
             visible = visible & (key_ids[:, None, :] == ids[:, :, None])
         return self.attend(q, k, v, visible[:, None], row_keys, site)
+
+    def context_flash(self, q, k, v, row_keys, site, segment_ids):
+        """context_parallel() by the Pallas flash kernel, the tokens in the chunk order
+        (parallel/context.py): on each device its keys, values and segment ids gathered over
+        'context' and put back in sequence order, then the kernel once per query chunk with
+        that chunk's offset among the keys (it walks only the key blocks up to its diagonal);
+        no (seq x seq) mask is made."""
+        q = constrain(q, CONTEXT_AXES)
+        k, v = (constrain(a.astype(q.dtype), KV_AXES) for a in (k, v))
+        rate = self.dropout_rate if row_keys is not None else 0.0
+        if rate:
+            seeds = flash_attention.head_seeds(row_keys.reshape(-1), site, q.shape[2])
+        else:
+            seeds = jnp.zeros(q.shape[0:1] + q.shape[2:3], jnp.uint32)
+        chunks = 2 * shards('seq')
+        in_sequence = np.argsort(context_lib.chunk_order(chunks, chunks // 2))  # chunk ids
+
+        def natural(x):  # gathered (batch, seq, ...) in the chunk order -> in sequence order
+            x, rank = gather_context(x, 1)
+            pieces = x.reshape(x.shape[0], chunks, -1, *x.shape[2:])[:, in_sequence]
+            return pieces.reshape(x.shape), rank
+
+        def flash(q, k, v, seeds, *segments):
+            (k, rank), (v, _) = natural(k), natural(v)
+            ids = natural(segments[0])[0] if segments else None
+            size = q.shape[1] // 2
+            out = [
+                flash_attention.flash_attention(
+                    q[:, i * size : (i + 1) * size],
+                    k,
+                    v,
+                    seeds,
+                    rate,
+                    segment_ids=ids,
+                    q_offset=chunk * size,
+                    interpret=self.kernel == 'flash_interpreted',
+                    generation=self.gpu_generation,
+                )  # fmt: skip
+                for i, chunk in enumerate((rank, chunks - 1 - rank))
+            ]
+            return jnp.concatenate(out, axis=1)
+
+        args = (q, k, v, constrain(seeds, SEED_AXES))
+        axes = (CONTEXT_AXES, KV_AXES, KV_AXES, SEED_AXES)
+        if segment_ids is not None:
+            args, axes = args + (segment_ids,), axes + (SEGMENT_AXES,)
+        return constrain(local_call(flash, args, CONTEXT_AXES, args_axes=axes), CONTEXT_AXES)
 
     def cached(self, x, cache, index):
         """Attention of new tokens x (batch, new, embed) at positions index, index + 1, ...

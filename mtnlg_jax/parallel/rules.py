@@ -74,6 +74,7 @@ from mtnlg_jax.config import keys
 MESH_AXES = keys.MESH_AXES
 REPLICA_AXES = ('data',)
 STAGE_AXIS = 'stage'
+CONTEXT_AXIS = 'context'  # what `seq` splits over (parallel/context.py)
 
 
 def _entry(names):
@@ -195,6 +196,14 @@ def local_call(fn, args, logical_axes, replicated=(), args_axes=None):
         axis_names=names,
         check_vma=False,
     )(*args, *replicated)
+
+
+def gather_context(x, axis):
+    """Inside a region manual over 'context' (local_call): x whole along `axis` (its
+    context ranks' shards in rank order, an all-gather; its transpose reduce-scatters), and
+    this device's context rank."""
+    gathered = jax.lax.all_gather(x, CONTEXT_AXIS, axis=axis, tiled=True)
+    return gathered, jax.lax.axis_index(CONTEXT_AXIS)
 
 
 def constrain_tree(tree, logical_tree):
