@@ -18,7 +18,7 @@ from mtnlg_jax.parallel import context as context_lib
 from mtnlg_jax.parallel.mesh import make_mesh
 from mtnlg_jax.parallel.rules import constrain
 from mtnlg_jax.plan import compile as compile_lib
-from mtnlg_jax.plan import hlo
+from mtnlg_jax.plan import comm, hlo
 
 EOD = 7
 PACKING = dict(reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
@@ -30,15 +30,18 @@ LAYOUTS = {  # (data, context, tensor, sequence_parallel)
 BLOCKS = {'gpt': {}, 'llama': support.LLAMA_BLOCK}
 
 
-def context_config(data=1, context=1, tensor=1, sequence_parallel=False, micro_steps=2, **model):
-    """small_config on data x context x tensor with packed documents (the three keys on)."""
+def context_config(
+    data=1, context=1, tensor=1, sequence_parallel=False, micro_steps=2, stage=1, **more
+):
+    """small_config on data x stage x context x tensor with packed documents (the three keys
+    on); more: small_config's keys (repeats, schedule) and model keys."""
     config = config_lib.inputs_of(
-        support.small_config(data=data, tensor=tensor, micro_steps=micro_steps, **model)
+        support.small_config(data, stage, tensor, micro_steps=micro_steps, **more)
     )
     config.mesh.context = context
     config.model.sequence_parallel = sequence_parallel
     config.data.update(PACKING, eod_id=EOD)
-    return config_lib.resolve(config, data * context * tensor)
+    return config_lib.resolve(config, data * stage * context * tensor)
 
 
 def packed_batch(seq=support.SEQ_LEN):
@@ -75,6 +78,21 @@ def test_a_packed_context_layout_equals_one_device(one_device, layout, block):
     config = context_config(data, context, tensor, sp, **BLOCKS[block])
     _, loss, grads = support.gradients(config, packed_batch())
     loss_one, grads_one = one_device[block]
+    np.testing.assert_allclose(loss, loss_one, rtol=1e-6)
+    support.assert_gradients_close(grads, grads_one)
+
+
+@pytest.mark.parametrize('block', list(BLOCKS))
+def test_a_pipelined_context_layout_equals_one_device(block):
+    """Stage 2 x context 2 x tensor 2, interleaved 1F1B (2 chunks a stage, 4 micro-batches, 4
+    layers): every chunk gets its micro-batch's global positions with its tokens."""
+    model = dict(BLOCKS[block], num_layers=4)
+    batch = packed_batch()
+    _, loss_one, grads_one = support.gradients(context_config(micro_steps=1, **model), batch)
+    config = context_config(
+        1, 2, 2, micro_steps=4, stage=2, repeats=2, schedule='interleaved', **model
+    )
+    _, loss, grads = support.gradients(config, batch)
     np.testing.assert_allclose(loss, loss_one, rtol=1e-6)
     support.assert_gradients_close(grads, grads_one)
 
@@ -135,13 +153,20 @@ def test_no_attention_leaks_across_a_document_that_ends_in_its_chunks_mirror():
     assert np.abs(leaked[:, ~inside] - clean[:, ~inside]).max() > 1.0
 
 
-def test_the_compiled_step_gathers_keys_and_values_over_context():
-    """In the compiled train step, all-gathers over 'context' alone run inside the layer loop
-    (keys and values, forward and the recomputed backward), and sum their gradients back
-    over 'context' (a reduce-scatter, or XLA:CPU's all-reduce)."""
-    config = context_config(1, 4, 2, micro_steps=1)
+@pytest.fixture(scope='module')
+def compiled_c4t2():
+    """(config, collective inventory) of the compiled train step on context 4 x tensor 2,
+    2 micro-steps, full recompute."""
+    config = context_config(1, 4, 2, micro_steps=2, remat='full')
     compiled, _, info = compile_lib.compile_train_step(config)
-    inventory = hlo.collective_inventory(compiled.as_text(), info['mesh'])
+    return config, hlo.collective_inventory(compiled.as_text(), info['mesh'])
+
+
+def test_the_compiled_step_gathers_keys_and_values_over_context(compiled_c4t2):
+    """In the compiled train step, all-gathers over 'context' alone run in the layer loop
+    (keys and values, forward and the recomputed forward), and their gradients are summed
+    back over 'context' (a reduce-scatter, or XLA:CPU's all-reduce)."""
+    config, inventory = compiled_c4t2
     over_context = [e for e in inventory if e['axes'] == ('context',)]
     layers = config.model.num_layers * config.train.micro_steps
     gathers = [e for e in over_context if e['kind'] == 'all-gather' and e['count'] >= layers]
@@ -150,6 +175,19 @@ def test_the_compiled_step_gathers_keys_and_values_over_context():
     kv = config.train.micro_batch * config.model.seq_len * heads * 8 * 4
     assert gathers and all(e['bytes'] in (kv, 2 * kv) for e in gathers), over_context
     assert [e for e in over_context if e['kind'] in ('reduce-scatter', 'all-reduce')]
+
+
+def test_the_plan_counts_the_key_value_gathers_of_the_compiled_step(compiled_c4t2):
+    """plan/comm.py's all-gather bytes over 'context' a step (keys and values per layer and
+    micro-step, forward and recompute) are the compiled step's, ring-counted."""
+    config, inventory = compiled_c4t2
+    layers = config.model.num_layers * config.train.micro_steps
+    compiled = sum(
+        e['wire_bytes'] * e['count']
+        for e in inventory
+        if e['axes'] == ('context',) and e['kind'] == 'all-gather' and e['count'] >= layers
+    )
+    assert comm.comm_bytes_per_device(config)['all-gather']['context'] == compiled
 
 
 @pytest.mark.parametrize(

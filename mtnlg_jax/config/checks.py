@@ -79,14 +79,16 @@ def check_model(config):
         f'a sequence shard (model.seq_len={model.seq_len}'
         + (f' over {" x ".join(o for o in over if not o.endswith("=1"))})' if shards > 1 else ')'),
     )
+    shard = model.seq_len // context  # the loss cuts each context rank's shard in pieces
     _require(
-        model.loss_chunks == 0 or model.seq_len % model.loss_chunks == 0,
+        model.loss_chunks == 0 or shard % model.loss_chunks == 0,
         'model.loss_chunks',
-        f'must be 0 (up to 4 pieces) or divide model.seq_len={model.seq_len}, '
-        f'got {model.loss_chunks!r}',
+        f'must be 0 (up to 4 pieces) or divide model.seq_len={model.seq_len}'
+        + (f' / mesh.context={context}' if context > 1 else '')
+        + f', got {model.loss_chunks!r}',
     )
     if model.loss_chunks == 0:
-        model.loss_chunks = next(n for n in (4, 3, 2, 1) if model.seq_len % n == 0)
+        model.loss_chunks = next(n for n in (4, 3, 2, 1) if shard % n == 0)
     model.padded_vocab = padded_vocab_size(model.vocab_size, tensor)
 
 
