@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 import support
+import test_pipeline  # its eval step
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.model.block import Attention
 from mtnlg_jax.parallel import context as context_lib
@@ -95,6 +96,15 @@ def test_a_pipelined_context_layout_equals_one_device(block):
     _, loss, grads = support.gradients(config, batch)
     np.testing.assert_allclose(loss, loss_one, rtol=1e-6)
     support.assert_gradients_close(grads, grads_one)
+
+
+def test_the_eval_step_on_context_parallel_layouts_counts_one_devices_loss(one_device):
+    """The eval step (no gradients) on context 2 x tensor 2 x data 2 with sequence
+    parallelism: one device's loss, summed over the tokens the loss mask keeps."""
+    batch = packed_batch()
+    loss_sum, count = test_pipeline.eval_sums(context_config(2, 2, 2, True), batch)
+    assert count == batch[:, :-1].size - (batch[:, :-1] == EOD).sum()
+    np.testing.assert_allclose(loss_sum / count, one_device['gpt'][0], rtol=1e-6)
 
 
 def test_the_flash_kernel_with_each_chunks_offset_equals_one_device():
