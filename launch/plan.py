@@ -161,7 +161,8 @@ def main(argv):
 
         print(
             f'compiling the train step on {compiled_config.mesh.data} x '
-            f'{compiled_config.mesh.stage} x {compiled_config.mesh.tensor} CPU devices '
+            f'{compiled_config.mesh.stage} x {compiled_config.mesh.context} x '
+            f'{compiled_config.mesh.tensor} CPU devices (data x stage x context x tensor) '
             f'(minutes for the largest configs) ...',
             file=sys.stderr,
             flush=True,

@@ -114,13 +114,17 @@ def test_fused_attention_where_no_kernel_can_is_refused():
         block.attention_kernel(_model_cfg('flash', seq_len=40), CPU)
 
 
-def _flash_against_reference(shape, kv_heads, dtype, relative, rate=0.0, segments=False):
+def _flash_against_reference(
+    shape, kv_heads, dtype, relative, rate=0.0, segments=False, q_offset=None, queries=None
+):
     """The Pallas kernels (interpreted) against materialised scores with repeated key/value
     heads, the same dropout bits and the same segment mask: the output and the gradient of
-    every input, per leaf relative to its scale."""
+    every input, per leaf relative to its scale. q_offset: `queries` queries at that offset
+    among the seq keys (a context-parallel chunk)."""
     batch, seq, heads, head_dim = shape
     keys = jax.random.split(jax.random.key(0), 6)
-    q, weight = (jax.random.normal(key, shape).astype(dtype) for key in keys[:2])
+    q_shape = shape if q_offset is None else (batch, queries, heads, head_dim)
+    q, weight = (jax.random.normal(key, q_shape).astype(dtype) for key in keys[:2])
     k, v = (
         jax.random.normal(key, (batch, seq, kv_heads, head_dim)).astype(dtype) for key in keys[2:4]
     )
@@ -131,11 +135,11 @@ def _flash_against_reference(shape, kv_heads, dtype, relative, rate=0.0, segment
 
     def flash(q, k, v):
         return flash_attention.flash_attention(
-            q, k, v, seeds, rate, segment_ids=segment_ids, interpret=True
+            q, k, v, seeds, rate, segment_ids=segment_ids, q_offset=q_offset, interpret=True
         )
 
     def reference(q, k, v):
-        return flash_attention.reference(q, k, v, seeds, rate, segment_ids)
+        return flash_attention.reference(q, k, v, seeds, rate, segment_ids, q_offset or 0)
 
     def loss(attend):
         return lambda q, k, v: (attend(q, k, v).astype(jnp.float32) * weight).sum()
@@ -163,6 +167,16 @@ def test_flash_kernel_with_packed_documents_gives_its_reference():
     """Segment ids (documents that do not see each other) in bf16, multi-query attention (one
     key/value head), head dim 20 (one 32-lane piece, 12 lanes masked)."""
     _flash_against_reference((1, 128, 2, 20), 1, jnp.bfloat16, 2e-2, segments=True)
+
+
+@pytest.mark.parametrize('q_offset', [0, 32, 96])
+def test_flash_kernel_with_a_query_chunks_offset_gives_its_reference(q_offset):
+    """Context parallelism's call: 32 queries at an offset among 128 keys (the first chunk,
+    one inside, the last), packed documents, two query heads per key/value head, dropout:
+    only the key blocks up to the chunk's diagonal are walked, the diagonal one masked."""
+    _flash_against_reference(
+        (1, 128, 4, 32), 2, jnp.float32, 1e-5, 0.1, True, q_offset=q_offset, queries=32
+    )
 
 
 def test_flash_kernel_packed_document_equals_the_document_alone():

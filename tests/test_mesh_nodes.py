@@ -109,7 +109,6 @@ def test_minus_one_fills_any_mesh_axis(axis):
         (dict(data=-1, expert=3), 'mesh.data', '-1 cannot fill 8 devices'),
         (dict(data=2, context=3), 'mesh', 'data x context = 2 x 3 = 6, but there are 8'),
         (dict(data=4, expert=2), 'mesh.expert', 'but the model is dense'),
-        (dict(data=2, context=-1), 'mesh.context', 'must be 1 (got 4): no layer splits over'),
     ],
 )
 def test_bad_mesh_sizes_are_one_line_config_errors_naming_the_key(sizes, key, message):

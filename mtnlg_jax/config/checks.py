@@ -12,6 +12,7 @@ from mtnlg_jax.config import rampup, stage_layers
 from mtnlg_jax.config.keys import BY_NAME, ConfigError, check_values
 
 VOCAB_PAD_MULTIPLE = 128
+FLASH_MIN_BLOCK = 16  # the Pallas flash kernel's smallest tile (model/flash_attention.py)
 
 
 def parse_split(split):
@@ -67,23 +68,59 @@ def check_model(config):
         'model.sequence_parallel',
         f'needs model.seq_len={model.seq_len} divisible by mesh.tensor={tensor}',
     )
-    shards = tensor if model.sequence_parallel else 1
+    _check_context(config)
+    context = config.mesh.context
+    shards = (tensor if model.sequence_parallel else 1) * context
+    over = [f'mesh.{k}={v}' for k, v in (('context', context), ('tensor', shards // context))]
     _require(
         model.seq_len % (shards * model.sequence_pieces) == 0,
         'model.sequence_pieces',
         f'{model.sequence_pieces} pieces do not divide the {model.seq_len // shards} tokens of '
         f'a sequence shard (model.seq_len={model.seq_len}'
-        + (f' over mesh.tensor={tensor})' if shards > 1 else ')'),
+        + (f' over {" x ".join(o for o in over if not o.endswith("=1"))})' if shards > 1 else ')'),
     )
+    shard = model.seq_len // context  # the loss cuts each context rank's shard in pieces
     _require(
-        model.loss_chunks == 0 or model.seq_len % model.loss_chunks == 0,
+        model.loss_chunks == 0 or shard % model.loss_chunks == 0,
         'model.loss_chunks',
-        f'must be 0 (up to 4 pieces) or divide model.seq_len={model.seq_len}, '
-        f'got {model.loss_chunks!r}',
+        f'must be 0 (up to 4 pieces) or divide model.seq_len={model.seq_len}'
+        + (f' / mesh.context={context}' if context > 1 else '')
+        + f', got {model.loss_chunks!r}',
     )
     if model.loss_chunks == 0:
-        model.loss_chunks = next(n for n in (4, 3, 2, 1) if model.seq_len % n == 0)
+        model.loss_chunks = next(n for n in (4, 3, 2, 1) if shard % n == 0)
     model.padded_vocab = padded_vocab_size(model.vocab_size, tensor)
+
+
+def _check_context(config):
+    """mesh.context > 1: the sequence cuts into 2 x context chunks (each split over tensor
+    under sequence parallelism); attention runs the Pallas flash kernel (a chunk a multiple
+    of its smallest tile) or the plain path, not cuDNN's (no query offset)."""
+    model, context = config.model, config.mesh.context
+    if context == 1:
+        return
+    tensor = config.mesh.tensor if model.sequence_parallel else 1
+    multiple = 2 * context * tensor
+    _require(
+        model.seq_len % multiple == 0,
+        'mesh.context',
+        f'model.seq_len={model.seq_len} does not cut into 2 x {context} chunks'
+        + (f' split over mesh.tensor={tensor} (sequence parallel)' if tensor > 1 else '')
+        + f': it must be a multiple of {multiple}',
+    )
+    _require(
+        model.attention != 'fused',
+        'model.attention',
+        f"'fused' cannot run with mesh.context={context}: cuDNN's kernel does not take a query "
+        f"chunk's offset (flash, auto or plain)",
+    )
+    chunk = model.seq_len // (2 * context)
+    _require(
+        model.attention != 'flash' or chunk % FLASH_MIN_BLOCK == 0,
+        'mesh.context',
+        f'the Pallas flash kernel needs each of the 2 x {context} chunks of model.seq_len='
+        f'{model.seq_len} a multiple of {FLASH_MIN_BLOCK} tokens (got {chunk})',
+    )
 
 
 def check_moe(model, mesh):

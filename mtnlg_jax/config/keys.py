@@ -63,8 +63,8 @@ KEYS = (
         'mesh.context',
         1,
         'any',
-        'context-parallel ranks (sequence chunks; no layer splits the sequence over it yet, so '
-        'only 1); -1 as mesh.data',
+        'context-parallel ranks: each sequence in 2 x context chunks, rank r holding chunks r '
+        'and 2 x context - 1 - r, keys and values gathered over them; -1 as mesh.data',
     ),
     Key('mesh.tensor', 1, 'any', 'tensor-parallel ranks; -1 as mesh.data'),
     Key('pipeline.repeats', 1, 'int>0', 'chunks per stage (v; > 1: interleaved)'),

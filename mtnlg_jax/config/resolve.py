@@ -79,11 +79,11 @@ def resolve_mesh(mesh, num_devices):
     return sizes
 
 
-UNUSED_MESH_AXES = ('context',)  # no rule of parallel/rules.py splits over them yet
+UNUSED_MESH_AXES = ()  # axes no rule of parallel/rules.py splits over yet (none today)
 
 
 def check_mesh_in_use(mesh):
-    """ConfigError on a mesh axis that no layer splits over yet (mesh.context: the sequence)
+    """ConfigError on a mesh axis that no layer splits over yet (UNUSED_MESH_AXES)
     if it is above 1: its devices would repeat each other's work."""
     for axis in UNUSED_MESH_AXES:
         _require(

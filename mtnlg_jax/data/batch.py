@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 
 from mtnlg_jax.parallel import rules
 
-BATCH_AXES = ('micro_steps', 'batch', 'seq')
+BATCH_AXES = ('micro_steps', 'batch', 'window')
 
 
 def micro_step_row_ids(global_batch, micro_steps):

@@ -12,6 +12,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -29,7 +30,8 @@ from mtnlg_jax.model.layers import (
     use,
 )
 from mtnlg_jax.model.pieces import join, split
-from mtnlg_jax.parallel.rules import constrain, local_call
+from mtnlg_jax.parallel import context as context_lib
+from mtnlg_jax.parallel.rules import constrain, gather_context, local_call, shards
 
 # Names of the values `model.remat = 'selective'` keeps: every matmul output. The attention
 # core (scores, softmax, dropout) is recomputed in the backward pass, as in Megatron's
@@ -55,6 +57,8 @@ KV_KERNEL_AXES = ('embed', 'qkv', 'kv_heads', 'head_dim')
 GROUPED_AXES = ('batch', 'seq', 'kv_heads', 'q_per_kv', 'head_dim')
 SEED_AXES = ('batch', 'heads')
 SEGMENT_AXES = ('batch', 'seq')
+KV_GATHERED_AXES = ('batch', 'kv_seq', 'kv_heads', 'head_dim')  # whole over 'context'
+KV_SEGMENT_AXES = ('batch', 'kv_seq')
 RESIDUAL = ('batch', 'residual_seq', 'embed')
 
 
@@ -325,10 +329,15 @@ class Attention(nnx.Module):
         q, k, v = self.project_qkv(x, positions)
         return self.project_out(self.context(q, k, v, row_keys, site_base, segment_ids))
 
-    def context(self, q, k, v, row_keys, site_base, segment_ids=None):
+    def context(self, q, k, v, row_keys, site_base, segment_ids=None, order=None):
         """Causal attention of rotated q, k, v (within segments, given segment_ids) by the
-        kernel chosen for this device: (batch, seq, heads, head_dim)."""
+        kernel chosen for this device: (batch, seq, heads, head_dim). order: (batch, seq)
+        the tokens' global positions under context parallelism (None: 0 .. seq - 1)."""
         site = site_base + _ATTN_PROBS
+        if shards('seq') > 1 and self.kernel.startswith('flash') and order is not None:
+            return self.context_flash(q, k, v, row_keys, site, segment_ids)
+        if shards('seq') > 1:  # context parallel: the plain path (config/checks.py)
+            return self.context_parallel(q, k, v, row_keys, site, segment_ids, order)
         if self.kernel != 'plain':
             return self.attend_fused(q, k, v, row_keys=row_keys, site=site, segment_ids=segment_ids)
         seq = q.shape[1]
@@ -336,6 +345,72 @@ class Attention(nnx.Module):
         if segment_ids is not None:  # fused by XLA into the select on the scores
             visible = visible & same_segment(segment_ids)
         return self.attend(q, k, v, visible, row_keys, site)
+
+    def context_parallel(self, q, k, v, row_keys, site, segment_ids, order):
+        """context() with the sequence split over 'context' (parallel/context.py): each rank's
+        queries (its two chunks) against every key and value, gathered over 'context' (an
+        all-gather; its transpose, a reduce-scatter of their gradients). A query sees a key
+        when the key's global position is not later and, with segment ids, in its segment:
+        the mask is made from the positions and ids that travel with the chunks."""
+        if order is None:
+            order = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), q.shape[:2])
+        k, v = (constrain(a, KV_GATHERED_AXES) for a in (k, v))
+        query_pos, key_pos = constrain(order, SEGMENT_AXES), constrain(order, KV_SEGMENT_AXES)
+        visible = key_pos[:, None, :] <= query_pos[:, :, None]
+        if segment_ids is not None:
+            ids, key_ids = (
+                constrain(segment_ids, SEGMENT_AXES),
+                constrain(segment_ids, KV_SEGMENT_AXES),
+            )
+            visible = visible & (key_ids[:, None, :] == ids[:, :, None])
+        return self.attend(q, k, v, visible[:, None], row_keys, site)
+
+    def context_flash(self, q, k, v, row_keys, site, segment_ids):
+        """context_parallel() by the Pallas flash kernel, the tokens in the chunk order
+        (parallel/context.py): on each device its keys, values and segment ids gathered over
+        'context' and put back in sequence order, then the kernel once per query chunk with
+        that chunk's offset among the keys (it walks only the key blocks up to its diagonal);
+        no (seq x seq) mask is made."""
+        q = constrain(q, CONTEXT_AXES)
+        k, v = (constrain(a.astype(q.dtype), KV_AXES) for a in (k, v))
+        rate = self.dropout_rate if row_keys is not None else 0.0
+        if rate:
+            seeds = flash_attention.head_seeds(row_keys.reshape(-1), site, q.shape[2])
+        else:
+            seeds = jnp.zeros(q.shape[0:1] + q.shape[2:3], jnp.uint32)
+        chunks = 2 * shards('seq')
+        in_sequence = np.argsort(context_lib.chunk_order(chunks, chunks // 2))  # chunk ids
+
+        def natural(x):  # gathered (batch, seq, ...) in the chunk order -> in sequence order
+            x, rank = gather_context(x, 1)
+            pieces = x.reshape(x.shape[0], chunks, -1, *x.shape[2:])[:, in_sequence]
+            return pieces.reshape(x.shape), rank
+
+        def flash(q, k, v, seeds, *segments):
+            (k, rank), (v, _) = natural(k), natural(v)
+            ids = natural(segments[0])[0] if segments else None
+            size = q.shape[1] // 2
+            out = [
+                flash_attention.flash_attention(
+                    q[:, i * size : (i + 1) * size],
+                    k,
+                    v,
+                    seeds,
+                    rate,
+                    segment_ids=ids,
+                    q_offset=chunk * size,
+                    interpret=self.kernel == 'flash_interpreted',
+                    generation=self.gpu_generation,
+                )  # fmt: skip
+                for i, chunk in enumerate((rank, chunks - 1 - rank))
+            ]
+            return jnp.concatenate(out, axis=1)
+
+        args = (q, k, v, constrain(seeds, SEED_AXES))
+        axes = (CONTEXT_AXES, KV_AXES, KV_AXES, SEED_AXES)
+        if segment_ids is not None:
+            args, axes = args + (segment_ids,), axes + (SEGMENT_AXES,)
+        return constrain(local_call(flash, args, CONTEXT_AXES, args_axes=axes), CONTEXT_AXES)
 
     def cached(self, x, cache, index):
         """Attention of new tokens x (batch, new, embed) at positions index, index + 1, ...
@@ -388,18 +463,19 @@ class Block(nnx.Module):
         self.hidden_dropout = cfg.hidden_dropout
         self.pieces = cfg.get('sequence_pieces', 1)
 
-    def __call__(self, x, row_keys, layer, positions=None, segment_ids=None):
+    def __call__(self, x, row_keys, layer, positions=None, segment_ids=None, order=None):
         """(x, side values) of x: (batch, seq, embed); layer: this block's global index, for
         distinct dropout masks (and an MoE's row of its loads); positions: the tokens'
         positions for rope, None for 0 .. seq - 1; segment_ids: (batch, seq) packed
-        documents' ids, or None. Side values: an MoE block's (model/moe.py), {} for a dense
-        one."""
+        documents' ids, or None; order: (batch, seq) the tokens' global positions under
+        context parallelism (parallel/context.py), or None. Side values: an MoE block's
+        (model/moe.py), {} for a dense one."""
         site = layer * SITES_PER_BLOCK
         attention, n = self.attention, self.pieces
         qkv = [attention.projections(gathered(self.ln_attn(p))) for p in split(x, n, RESIDUAL)]
         q, k, v = (join(parts, axes) for parts, axes in zip(zip(*qkv), (Q_AXES, KV_AXES, KV_AXES)))
         context = attention.context(
-            *attention.rotated(q, k, v, positions), row_keys, site, segment_ids
+            *attention.rotated(q, k, v, positions), row_keys, site, segment_ids, order
         )
         h = join([attention.project_out(c) for c in split(context, n, CONTEXT_AXES)], RESIDUAL)
         x = x + dropout(h, self.hidden_dropout, row_keys, site + _ATTN_RESIDUAL)

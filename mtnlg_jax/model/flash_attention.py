@@ -1,8 +1,8 @@
 """Causal flash attention with attention dropout, grouped-query heads and packed documents, in
 Pallas (Triton on NVIDIA GPUs).
 
-    flash_attention(q, k, v, seeds=None, rate=0.0, *, segment_ids=None, interpret=False,
-                    generation=None, tiles=None) -> context
+    flash_attention(q, k, v, seeds=None, rate=0.0, *, segment_ids=None, q_offset=None,
+                    interpret=False, generation=None, tiles=None) -> context
 
     q            (batch, seq, heads, head_dim)       bf16 / fp16 on a GPU; any float interpreted
     k, v         (batch, seq, kv_heads, head_dim)    kv_heads divides heads: query head h reads
@@ -12,6 +12,10 @@ Pallas (Triton on NVIDIA GPUs).
     segment_ids  (batch, seq) int32 or None: a query sees the keys at or before it with its
                  own segment id (packed documents that do not see each other); no
                  (seq x seq) mask is ever made
+    q_offset     None, or (context parallelism) an int32 scalar, traced or not: q is a chunk
+                 of queries at q_offset, q_offset + 1, ... among k's keys (its length a
+                 multiple of q's, q_offset of it), segment_ids then the keys'; the kernels
+                 walk only the key blocks up to the chunk's diagonal
     generation   the GPU's compute capability major (8: A100, 9: H100) for the block sizes,
                  None: the A100's (they fit every GPU since)
     tiles        a Blocks to use instead (bench/gpu_check.py's sweep)
@@ -155,32 +159,44 @@ class _Static(NamedTuple):
     generation: int | None
     segments: bool
     tiles: Blocks | None = None
+    offset: bool = False  # queries at a traced offset among the keys (context parallelism)
 
 
 def _common(q, static):
     batch, seq, heads, head_dim = q.shape
     chosen = static.tiles or blocks(seq, head_dim, static.generation)
-    return dict(
-        head_dim=head_dim,
-        pieces=lane_pieces(head_dim),
-        rate=static.rate,
-        segments=static.segments,
-    ), chosen
+    common = dict(
+        head_dim=head_dim, pieces=lane_pieces(head_dim), rate=static.rate, segments=static.segments
+    )
+    if static.offset:
+        common['offset'] = True
+    return common, chosen
 
 
-def _forward(q, k, v, seeds, segment_ids, static):
+def _offset_specs(static, q_offset):
+    """The query offset's block spec and arg (a (1,) int32), where the kernel takes one."""
+    if not static.offset:
+        return [], []
+    spec = pl.BlockSpec((1,), lambda *_: (0,))
+    return [spec], [jnp.reshape(q_offset, (1,)).astype(jnp.int32)]
+
+
+def _forward(q, k, v, seeds, segment_ids, q_offset, static):
     batch, seq, heads, head_dim = q.shape
+    keys = k.shape[1]
     group = heads // k.shape[2]
     width = lane_width(head_dim)
     common, chosen = _common(q, static)
     block_q = chosen.forward_q
     rows = pl.BlockSpec((None, block_q, None, width), lambda i, b, h: (b, i, h, 0))
-    whole = pl.BlockSpec((None, seq, None, width), lambda i, b, h: (b, 0, h // group, 0))
+    whole = pl.BlockSpec((None, keys, None, width), lambda i, b, h: (b, 0, h // group, 0))
     specs = [rows, whole, whole, pl.BlockSpec((None, None, 1), lambda i, b, h: (b, h, 0))]
     args = [q, k, v, seeds[..., None]]
     if static.segments:
-        specs.append(pl.BlockSpec((None, seq), lambda i, b, h: (b, 0)))
+        specs.append(pl.BlockSpec((None, keys), lambda i, b, h: (b, 0)))
         args.append(segment_ids)
+    offset_spec, offset_arg = _offset_specs(static, q_offset)
+    specs, args = specs + offset_spec, args + offset_arg
     return pl.pallas_call(
         functools.partial(flash_kernels.forward_kernel, block_k=chosen.forward_k, **common),
         grid=(seq // block_q, batch, heads),
@@ -195,8 +211,9 @@ def _forward(q, k, v, seeds, segment_ids, static):
     )(*args)
 
 
-def _backward(q, k, v, seeds, segment_ids, out, lse, d_out, static):
+def _backward(q, k, v, seeds, segment_ids, q_offset, out, lse, d_out, static):
     batch, seq, heads, head_dim = q.shape
+    keys = k.shape[1]
     kv_heads = k.shape[2]
     group = heads // kv_heads
     width = lane_width(head_dim)
@@ -206,7 +223,9 @@ def _backward(q, k, v, seeds, segment_ids, out, lse, d_out, static):
     delta = jnp.einsum('bqhd,bqhd->bhq', d_out.astype(jnp.float32), out.astype(jnp.float32))
     params = plgpu.CompilerParams(num_warps=chosen.backward_warps, num_stages=chosen.stages)
     segments = [segment_ids] if static.segments else []
-    segment_spec = [pl.BlockSpec((None, seq), lambda b, h, i: (b, 0))] if static.segments else []
+    segment_spec = [pl.BlockSpec((None, keys), lambda b, h, i: (b, 0))] if static.segments else []
+    offset_spec, offset_arg = _offset_specs(static, q_offset)
+    segment_spec, segments = segment_spec + offset_spec, segments + offset_arg
 
     # dK, dV: one program per (batch, kv head, key block), over the group's query heads.
     grouped = pl.BlockSpec((None, seq, group, width), lambda b, h, i: (b, 0, h, 0))
@@ -214,7 +233,7 @@ def _backward(q, k, v, seeds, segment_ids, out, lse, d_out, static):
     per_group = pl.BlockSpec((None, group, seq), lambda b, h, i: (b, h, 0))
     dk, dv = pl.pallas_call(
         functools.partial(flash_kernels.key_value_kernel, block=block, **common),
-        grid=(batch, kv_heads, seq // block),
+        grid=(batch, kv_heads, keys // block),
         in_specs=[
             grouped,
             key_rows,
@@ -234,7 +253,7 @@ def _backward(q, k, v, seeds, segment_ids, out, lse, d_out, static):
 
     # dQ: one program per (batch, query head, query block).
     query_rows = pl.BlockSpec((None, block, None, width), lambda b, h, i: (b, i, h, 0))
-    whole_kv = pl.BlockSpec((None, seq, None, width), lambda b, h, i: (b, 0, h // group, 0))
+    whole_kv = pl.BlockSpec((None, keys, None, width), lambda b, h, i: (b, 0, h // group, 0))
     per_query = pl.BlockSpec((None, None, block), lambda b, h, i: (b, h, i))
     dq = pl.pallas_call(
         functools.partial(flash_kernels.query_kernel, block=block, **common),
@@ -258,59 +277,68 @@ def _backward(q, k, v, seeds, segment_ids, out, lse, d_out, static):
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attention(q, k, v, seeds, segment_ids, static):
-    return _forward(q, k, v, seeds, segment_ids, static)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention(q, k, v, seeds, segment_ids, q_offset, static):
+    return _forward(q, k, v, seeds, segment_ids, q_offset, static)[0]
 
 
-def _attention_forward(q, k, v, seeds, segment_ids, static):
-    out, lse = _forward(q, k, v, seeds, segment_ids, static)
+def _attention_forward(q, k, v, seeds, segment_ids, q_offset, static):
+    out, lse = _forward(q, k, v, seeds, segment_ids, q_offset, static)
     out, lse = checkpoint_name(out, SAVED_NAMES[0]), checkpoint_name(lse, SAVED_NAMES[1])
-    return out, (q, k, v, seeds, segment_ids, out, lse)
+    return out, (q, k, v, seeds, segment_ids, q_offset, out, lse)
 
 
 def _attention_backward(static, saved, d_out):
-    q, k, v, seeds, segment_ids, out, lse = saved
-    dq, dk, dv = _backward(q, k, v, seeds, segment_ids, out, lse, d_out, static)
-    return dq, dk, dv, None, None
+    q, k, v, seeds, segment_ids, q_offset, out, lse = saved
+    dq, dk, dv = _backward(q, k, v, seeds, segment_ids, q_offset, out, lse, d_out, static)
+    return dq, dk, dv, None, None, None
 
 
 _attention.defvjp(_attention_forward, _attention_backward)
 
 
 def flash_attention(
-    q, k, v, seeds=None, rate=0.0, *, segment_ids=None, interpret=False, generation=None,
-    tiles=None,
+    q, k, v, seeds=None, rate=0.0, *, segment_ids=None, q_offset=None, interpret=False,
+    generation=None, tiles=None,
 ):  # fmt: skip
-    """Causal attention context of q over k, v; see the module docstring for the shapes."""
+    """Causal attention context of q over k, v; see the module docstring for the shapes.
+    q_offset (an int32 scalar, may be traced): the queries are at q_offset, q_offset + 1, ...
+    among the keys (a context-parallel chunk: q_offset a multiple of q's length, which
+    divides the keys'), segment_ids then the keys'; None: q and k of one length."""
     batch, seq, heads, head_dim = q.shape
-    if k.shape != v.shape or k.shape[:2] != (batch, seq) or heads % k.shape[2]:
+    keys = seq if q_offset is None else k.shape[1]
+    if k.shape != v.shape or k.shape[:2] != (batch, keys) or heads % k.shape[2] or keys % seq:
         raise ValueError(f'flash_attention: q {q.shape} against k {k.shape}, v {v.shape}')
     if refusal(seq, head_dim, generation):
         raise ValueError(f'flash_attention cannot take {refusal(seq, head_dim, generation)}')
     if seeds is None or not rate:
         seeds = jnp.zeros((batch, heads), jnp.uint32)
-    static = _Static(float(rate), bool(interpret), generation, segment_ids is not None, tiles)
+    segments, offset = segment_ids is not None, q_offset is not None
+    static = _Static(float(rate), bool(interpret), generation, segments, tiles, offset)
     if segment_ids is not None:
         segment_ids = segment_ids.astype(jnp.int32)
-    return _attention(q, k, v, seeds.astype(jnp.uint32), segment_ids, static)
+    if offset:
+        q_offset = jnp.asarray(q_offset, jnp.int32)
+    return _attention(q, k, v, seeds.astype(jnp.uint32), segment_ids, q_offset, static)
 
 
-def reference(q, k, v, seeds=None, rate=0.0, segment_ids=None):
+def reference(q, k, v, seeds=None, rate=0.0, segment_ids=None, q_offset=0):
     """What flash_attention computes, with materialised scores, repeated key/value heads and
     the same dropout bits: the tests' yardstick."""
     batch, seq, heads, head_dim = q.shape
+    keys = k.shape[1]
     group = heads // k.shape[2]
     k, v = (jnp.repeat(a, group, axis=2) for a in (k, v))
     s = jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32)
     s = s / jnp.sqrt(jnp.float32(head_dim))
-    pos = jnp.arange(seq)
-    visible = (pos[:, None] >= pos[None, :])[None, None]
+    pos, key_pos = q_offset + jnp.arange(seq), jnp.arange(keys)
+    visible = (pos[:, None] >= key_pos[None, :])[None, None]
     if segment_ids is not None:
-        visible = visible & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+        query_ids = segment_ids[:, pos]
+        visible = visible & (query_ids[:, None, :, None] == segment_ids[:, None, None, :])
     s = jnp.where(visible, s, MASKED)
     p = jax.nn.softmax(s, axis=-1)
     if rate:
-        keep = jax.vmap(jax.vmap(lambda seed: keep_mask(seed, pos, 0, seq, rate)))(seeds)
+        keep = jax.vmap(jax.vmap(lambda seed: keep_mask(seed, pos, 0, keys, rate)))(seeds)
         p = jnp.where(keep, p * keep_scale(rate), 0.0)
     return jnp.einsum('bhqk,bkhd->bqhd', p.astype(q.dtype), v).astype(q.dtype)

@@ -134,25 +134,30 @@ def two_part_loop(unmasked, end, body, carry):
     return jax.lax.fori_loop(unmasked, end, lambda j, c: body(j, c, True), carry)
 
 
-def _split_refs(refs, segments, inputs):
-    """(inputs..., segment ref or None, outputs...) of a kernel's refs."""
+def _split_refs(refs, segments, inputs, offset=False):
+    """(inputs..., segment ref or None, query offset or 0, outputs...) of a kernel's refs."""
     head, rest = refs[:inputs], refs[inputs:]
+    segment_ref = query_offset = None
     if segments:
-        return head, rest[0], rest[1:]
-    return head, None, rest
+        segment_ref, rest = rest[0], rest[1:]
+    if offset:
+        query_offset, rest = rest[0][0], rest[1:]
+    return head, segment_ref, 0 if query_offset is None else query_offset, rest
 
 
 def _zeros(rows, pieces):
     return [jnp.zeros((rows, width), jnp.float32) for _, width in pieces]
 
 
-def forward_kernel(*refs, rate, block_k, head_dim, pieces, segments):
+def forward_kernel(*refs, rate, block_k, head_dim, pieces, segments, offset=False):
     """Grid (query block, batch, head): the block against the keys it sees, online softmax;
-    refs q, k, v, seed, [segment ids], out, lse (base 2)."""
-    (q_ref, k_ref, v_ref, seed_ref), segment_ref, (o_ref, lse_ref) = _split_refs(refs, segments, 4)
+    refs q, k, v, seed, [segment ids], [query offset], out, lse (base 2). With an offset the
+    queries are at offset, offset + 1, ... among the keys (a context-parallel chunk)."""
+    inputs, segment_ref, query_offset, (o_ref, lse_ref) = _split_refs(refs, segments, 4, offset)
+    q_ref, k_ref, v_ref, seed_ref = inputs
     tile = Tile(head_dim, pieces, rate, seed_ref[0] if rate else None, segment_ref)
     block_q = q_ref.shape[0]
-    start_q = pl.program_id(0) * block_q
+    start_q = query_offset + pl.program_id(0) * block_q
     q = tile.load(q_ref, slice(None))
 
     def over_keys(index, carry, causal):
@@ -186,12 +191,12 @@ def forward_kernel(*refs, rate, block_k, head_dim, pieces, segments):
     tile.store(o_ref, [op / row_sum[:, None] for op in o], o_ref.dtype)
 
 
-def key_value_kernel(*refs, rate, block, head_dim, pieces, segments):
+def key_value_kernel(*refs, rate, block, head_dim, pieces, segments, offset=False):
     """Grid (batch, key/value head, key block): dK, dV of the block over every query head of
     its group and the query blocks that see it (from the diagonal on). refs q (seq, group,
-    lanes), k, v (block, lanes), seeds (group, 1), [segment ids], dO (seq, group, lanes), lse,
-    delta (group, seq), then dK, dV."""
-    inputs, segment_ref, (dk_ref, dv_ref) = _split_refs(refs, segments, 7)
+    lanes), k, v (block, lanes), seeds (group, 1), [segment ids], [query offset], dO (seq,
+    group, lanes), lse, delta (group, seq), then dK, dV."""
+    inputs, segment_ref, query_offset, (dk_ref, dv_ref) = _split_refs(refs, segments, 7, offset)
     q_ref, k_ref, v_ref, seed_ref, do_ref, lse_ref, delta_ref = inputs
     seq, group = q_ref.shape[0], q_ref.shape[1]
     index = pl.program_id(2)
@@ -204,8 +209,8 @@ def key_value_kernel(*refs, rate, block, head_dim, pieces, segments):
 
         def over_queries(query_block, carry, causal):
             dk, dv = carry
-            start_q = query_block * block
-            rows = pl.ds(start_q, block)
+            rows = pl.ds(query_block * block, block)
+            start_q = query_offset + query_block * block
             q, do = tile.load(q_ref, rows, head), tile.load(do_ref, rows, head)
             lse, delta = lse_ref[head, rows], delta_ref[head, rows]
             ds, p_kept = tile.gradient_of_scores(q, k, v, do, lse, delta, start_q, start_k, causal)
@@ -213,6 +218,14 @@ def key_value_kernel(*refs, rate, block, head_dim, pieces, segments):
             dk = [dkp + plgpu.dot(ds.astype(qp.dtype).T, qp) for dkp, qp in zip(dk, q)]
             return dk, dv
 
+        if offset:  # the diagonal block, where the chunk has it, then the blocks after it
+            diagonal = jax.lax.div(start_k - query_offset, block)
+            first = jnp.clip(diagonal, 0, seq // block)
+            after = jnp.clip(diagonal + 1, 0, seq // block)
+            carry = jax.lax.fori_loop(first, after, lambda j, c: over_queries(j, c, True), carry)
+            return jax.lax.fori_loop(
+                after, seq // block, lambda j, c: over_queries(j, c, False), carry
+            )
         # the diagonal block is the only one the causal mask cuts
         carry = over_queries(index, carry, True)
         return jax.lax.fori_loop(
@@ -224,13 +237,13 @@ def key_value_kernel(*refs, rate, block, head_dim, pieces, segments):
     lanes.store(dv_ref, dv, dv_ref.dtype)
 
 
-def query_kernel(*refs, rate, block, head_dim, pieces, segments):
+def query_kernel(*refs, rate, block, head_dim, pieces, segments, offset=False):
     """Grid (batch, head, query block): dQ of the block over the key blocks it sees. refs q,
-    k, v (seq, lanes), seed, [segment ids], dO, lse, delta, then dQ."""
-    inputs, segment_ref, (dq_ref,) = _split_refs(refs, segments, 7)
+    k, v (seq, lanes), seed, [segment ids], [query offset], dO, lse, delta, then dQ."""
+    inputs, segment_ref, query_offset, (dq_ref,) = _split_refs(refs, segments, 7, offset)
     q_ref, k_ref, v_ref, seed_ref, do_ref, lse_ref, delta_ref = inputs
     tile = Tile(head_dim, pieces, rate, seed_ref[0] if rate else None, segment_ref)
-    start_q = pl.program_id(2) * block
+    start_q = query_offset + pl.program_id(2) * block
     q, do = tile.load(q_ref, slice(None)), tile.load(do_ref, slice(None))
     lse, delta = lse_ref[...], delta_ref[...]
 
@@ -241,5 +254,6 @@ def query_kernel(*refs, rate, block, head_dim, pieces, segments):
         ds, _ = tile.gradient_of_scores(q, k, v, do, lse, delta, start_q, start_k, causal)
         return [dqp + plgpu.dot(ds.astype(kp.dtype), kp) for dqp, kp in zip(dq, k)]
 
-    dq = two_part_loop(pl.program_id(2), pl.program_id(2) + 1, over_keys, _zeros(block, pieces))
+    diagonal = jax.lax.div(start_q, block) if offset else pl.program_id(2)
+    dq = two_part_loop(diagonal, diagonal + 1, over_keys, _zeros(block, pieces))
     tile.store(dq_ref, dq, dq_ref.dtype)

@@ -176,6 +176,7 @@ def apply_block_stack(
     segment_ids=None,
     used=None,
     declared=None,
+    order=None,
 ):
     """(x, side values): blocks whose parameters are stacked on a leading axis run over x
     with lax.scan, the values each emits combined over the blocks (declared: {name:
@@ -184,7 +185,8 @@ def apply_block_stack(
     positions: the tokens' positions for rope (None: 0 .. seq - 1); segment_ids: (batch,
     seq) packed documents' ids, or None; used: how many of the stacked blocks are layers (a
     traced int; the rest are a short pipeline stage's padding slots, parallel/stage_order.py),
-    or None for all.
+    or None for all; order: (batch, seq) the tokens' global positions under context
+    parallelism (parallel/context.py), None: 0 .. seq - 1.
 
     A padding slot runs its block (zero parameters) and drops the result: x passes through
     and the slot's parameters get zero gradients. Skipping it (lax.cond) would save no time,
@@ -198,7 +200,8 @@ def apply_block_stack(
         x, values = carry
         slot, layer, params = slot_layer_and_params
         ran = None if used is None else slot < used
-        out, emitted = nnx.merge(graphdef, params)(x, row_keys, layer, positions, segment_ids)
+        block = nnx.merge(graphdef, params)
+        out, emitted = block(x, row_keys, layer, positions, segment_ids, order)
         if ran is not None:
             out, emitted = jnp.where(ran, out, x), side.where_ran(declared, ran, emitted)
         return (out, side.combine(declared, values, emitted)), None
@@ -294,6 +297,7 @@ def stage_functions(graphdef, param_axes=None):
             segment_ids,
             used=used,
             declared=declared,
+            order=batch.order,
         )
 
     def head_loss_sum(shared, hidden, batch):

@@ -28,20 +28,32 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from mtnlg_jax.parallel.rules import constrain
+from mtnlg_jax.parallel.rules import constrain, shards
 
 
 def _pieces(x, chunks):
-    """(batch, seq, ...) -> (chunks, batch, seq / chunks, ...): the pieces a scan walks."""
+    """(batch, seq, ...) -> (chunks, batch, seq / chunks, ...): the pieces a scan walks.
+    Under context parallelism (the sequence split over c ranks) piece i is the i-th of each
+    rank's shard, so a piece is split over the ranks as the sequence is and nothing moves
+    (the loss is a sum: the order of its tokens does not matter)."""
     batch, seq = x.shape[:2]
-    x = x.reshape(batch, chunks, seq // chunks, *x.shape[2:])
-    return jnp.moveaxis(x, 1, 0)
+    context = shards('seq')
+    if context == 1:
+        x = x.reshape(batch, chunks, seq // chunks, *x.shape[2:])
+        return jnp.moveaxis(x, 1, 0)
+    x = x.reshape(batch, context, chunks, seq // (context * chunks), *x.shape[2:])
+    return jnp.moveaxis(x, 2, 0).reshape(chunks, batch, seq // chunks, *x.shape[4:])
 
 
 def _whole(x):
     """The inverse of _pieces."""
-    x = jnp.moveaxis(x, 0, 1)
-    return x.reshape(x.shape[0], -1, *x.shape[3:])
+    context = shards('seq')
+    if context == 1:
+        x = jnp.moveaxis(x, 0, 1)
+        return x.reshape(x.shape[0], -1, *x.shape[3:])
+    chunks, batch, piece = x.shape[:3]
+    x = x.reshape(chunks, batch, context, piece // context, *x.shape[3:])
+    return jnp.moveaxis(x, 0, 2).reshape(batch, chunks * piece, *x.shape[4:])
 
 
 def logits(hidden, embed, vocab_size):

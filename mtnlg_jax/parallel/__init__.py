@@ -2,6 +2,7 @@
 
 mesh.py              the mesh (data x stage x tensor), made in one place
 rules.py             logical axis names -> mesh axes; ZeRO-1 specs
+context.py           context parallelism's chunk layout (rank r: chunks r and 2c - 1 - r)
 footprint.py         bytes per device of a sharded state
 zero.py              the reduce-scatter / all-gather of ZeRO-1
 engine.py            engine(config): the sequential, 1F1B / interleaved or GPipe engine

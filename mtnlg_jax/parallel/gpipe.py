@@ -33,7 +33,7 @@ from mtnlg_jax.parallel import stage_functions as side
 from mtnlg_jax.parallel.rules import STAGE_AXIS, constrain
 from mtnlg_jax.parallel.stage_functions import Inputs, shared_params
 
-_STAGED = ('positions', 'segment_ids', 'loss_mask', 'row_keys')  # split as the windows
+_STAGED = ('positions', 'segment_ids', 'loss_mask', 'row_keys', 'order')  # as the windows
 
 
 def num_iterations(stages, repeats, micro_batches):
@@ -143,6 +143,7 @@ def run_pipeline(stage_fns, stacked, x, batch, *, stages, repeats, bubble_fill=0
                 positions=picked.positions,
                 segment_ids=picked.segment_ids,
                 row_keys=picked.row_keys,
+                order=picked.order,
             )
             first_layer = (repeat * stages + stage) * per_chunk
             y, values = apply_chunk(chunk, h, inputs, first_layer)
@@ -184,7 +185,7 @@ def pipelined_loss_sum(stage_fns, params, batch, *, stages, repeats):
     def by_stage(a):  # (m, ...) -> (m / split, split, ...), the split axis over 'stage'
         return a.reshape(micro_batches // split, split, *a.shape[1:])
 
-    windows = constrain(by_stage(batch.windows), stage_axes + ('batch', 'seq'))
+    windows = constrain(by_stage(batch.windows), stage_axes + ('batch', 'window'))
     fields = {k: by_stage(getattr(batch, k)) for k in _STAGED if getattr(batch, k) is not None}
     staged = dataclasses.replace(batch, windows=windows, **fields)
     shared = shared_params(params)

@@ -44,9 +44,10 @@ are those that do not split it: the experts' gradients are summed and ZeRO-shard
 out of every ZeRO spec and collective, so the compiled steps are those of a mesh without it
 (bench/hlo_diff.py).
 
-`context` splits the sequence, not the batch: never a replica axis. Context parallelism will
-map `seq` (and the residual stream's `residual_seq`) to 'context' here, and all-gather keys
-and values over it in attention; until then config/resolve.py holds it at 1.
+`context` splits the sequence, not the batch: never a replica axis. `seq` and the residual
+stream's `residual_seq` map to 'context' (parallel/context.py: each rank holds chunks r and
+2c - 1 - r); attention gathers keys and values over it (`kv_seq`). The gradients of what is
+replicated over it are summed over it by XLA.
 
 Sequence parallelism (Korthikanti et al. 2022; `model.sequence_parallel`): the residual
 stream, where layer norms, dropout and residual adds run, names its sequence dimension
@@ -77,6 +78,7 @@ MESH_AXES = keys.MESH_AXES
 REPLICA_AXES = ('data', 'expert')
 STAGE_AXIS = 'stage'
 EXPERT_AXIS = 'expert'
+CONTEXT_AXIS = 'context'  # what `seq` splits over (parallel/context.py)
 
 
 def entry(names):
@@ -102,16 +104,17 @@ LOGICAL_RULES = (
     ('head_dim', None),
     ('q_per_kv', None),  # the query heads of one key/value head
     ('qkv', None),
-    ('seq', None),
-    ('residual_seq', None),  # 'tensor' under sequence parallelism
-    ('kv_seq', None),
+    ('seq', 'context'),  # context parallelism: each rank its chunks (parallel/context.py)
+    ('residual_seq', 'context'),  # ('context', 'tensor') under sequence parallelism
+    ('kv_seq', None),  # keys and values gathered over 'context' for attention
+    ('window', None),  # a batch's token windows (seq + 1), split only once chunked
     ('position', None),
     ('layers', 'stage'),  # block parameters: each pipeline stage holds its own chunks
     ('micro_steps', None),
     ('stages', 'stage'),  # micro-batches outside the pipeline: embedding and head, 1/p each
-    ('handoff_seq', 'tensor'),  # activations between pipeline stages, split as Megatron's
+    ('handoff_seq', ('context', 'tensor')),  # activations between pipeline stages (Megatron's)
 )
-SEQUENCE_PARALLEL_RULES = (('residual_seq', 'tensor'),)
+SEQUENCE_PARALLEL_RULES = (('residual_seq', ('context', 'tensor')),)
 
 _RULES = dict(LOGICAL_RULES)
 _ACTIVE_RULES = contextvars.ContextVar('mtnlg_jax_logical_rules', default=_RULES)
@@ -196,6 +199,14 @@ def local_call(fn, args, logical_axes, replicated=(), args_axes=None):
         axis_names=names,
         check_vma=False,
     )(*args, *replicated)
+
+
+def gather_context(x, axis):
+    """Inside a region manual over 'context' (local_call): x whole along `axis` (its
+    context ranks' shards in rank order, an all-gather; its transpose reduce-scatters), and
+    this device's context rank."""
+    gathered = jax.lax.all_gather(x, CONTEXT_AXIS, axis=axis, tiled=True)
+    return gathered, jax.lax.axis_index(CONTEXT_AXIS)
 
 
 def constrain_tree(tree, logical_tree):

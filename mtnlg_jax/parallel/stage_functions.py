@@ -48,6 +48,11 @@ they take their default, so a model that has no use for one never sees it:
     segment_ids  (rows, seq) int32     None: one document a row (packed documents: which)
     loss_mask    (rows, seq) float32   None: every label counts
     row_keys     (rows,) PRNG keys     None: no dropout (one key per sequence)
+    order        (rows, seq) int32     None: the natural order; under context parallelism
+                                       the global position of each place (parallel/
+                                       context.py): tokens and labels are read in this
+                                       order, the other fields are given in it, and
+                                       attention's causal mask compares these positions
 """
 
 import dataclasses
@@ -69,14 +74,15 @@ class MicroBatch:
     segment_ids: Any = None
     loss_mask: Any = None
     row_keys: Any = None
+    order: Any = None
 
     @property
     def tokens(self):
-        return self.windows[..., :-1]
+        return in_order(self.windows[..., :-1], self.order)
 
     @property
     def labels(self):
-        return self.windows[..., 1:]
+        return in_order(self.windows[..., 1:], self.order)
 
     def at(self, micro):
         """Micro-batch `micro` (an index into the leading axis): a view that indexes each
@@ -115,13 +121,13 @@ class Picked:
 
     @property
     def tokens(self):
-        return self._batch.windows[self._micro, :, :-1]
+        return in_order(self._batch.windows[self._micro, :, :-1], self.order)
 
     @property
     def labels(self):
-        return self._batch.windows[self._micro, :, 1:]
+        return in_order(self._batch.windows[self._micro, :, 1:], self.order)
 
-    def __getattr__(self, name):  # positions, segment_ids, loss_mask, row_keys
+    def __getattr__(self, name):  # positions, segment_ids, loss_mask, row_keys, order
         value = getattr(self._batch, name)
         return None if value is None else value[self._micro]
 
@@ -138,6 +144,12 @@ class Inputs:
     segment_ids: Any = None
     loss_mask: Any = None
     row_keys: Any = None
+    order: Any = None
+
+
+def in_order(x, order):
+    """x (..., seq) with its places taken in `order` (..., seq) (None: x as it is)."""
+    return x if order is None else jnp.take_along_axis(x, order, axis=-1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -139,10 +139,13 @@ def engine_table(config, micro_steps=None):
     return engine_lib.engine(config).table(micro_steps or config.train.micro_steps)
 
 
-def layer_activation_bytes(model_cfg, rows, tensor, remat, fused_attention=False):
+def layer_activation_bytes(model_cfg, rows, tensor, remat, fused_attention=False, context=1):
     """Bytes one layer keeps for its backward pass, per micro-batch of `rows` sequences.
     fused_attention: a fused kernel (cuDNN, the flash kernel) keeps its fp32 log-sum-exp
-    where the plain path keeps the (seq x seq) scores and probabilities.
+    where the plain path keeps the (seq x seq) scores and probabilities. context: ranks of
+    context parallelism, each holding s / c of every sequence: its scores are (s / c) x s,
+    and a layer kept whole also keeps the keys and values gathered over 'context' (s, b,
+    2 kv_heads d / t).
 
     remat none: s b h (6 e + 12 e / t) + a s^2 b (4 + e) / t: the block's inputs, layer-norm
         outputs, residual branch outputs (6 x (s, b, h), replicated over tensor), QKV, context
@@ -159,7 +162,8 @@ def layer_activation_bytes(model_cfg, rows, tensor, remat, fused_attention=False
         count, which this engine never kept, was 1.6 to 2.3 x it.
     full: the layer input only, s b h e.
     Sequence parallelism splits the replicated (s, b, h) ones over t."""
-    s, h, a = model_cfg.seq_len, model_cfg.hidden, model_cfg.heads
+    whole, h, a = model_cfg.seq_len, model_cfg.hidden, model_cfg.heads
+    s = whole // context
     e = itemsize(model_cfg.compute_dtype)
     heads, kv_heads, head_dim = attention_dims(model_cfg)
     swiglu = model_cfg.get('mlp', 'gelu') == 'swiglu'
@@ -172,7 +176,9 @@ def layer_activation_bytes(model_cfg, rows, tensor, remat, fused_attention=False
         return s * rows * (2 * h * e / residual + (split + saved_mlp) * e / tensor)
     f = model_cfg.ffn_hidden * (3 if swiglu else 2)
     kept = s * rows * (6 * h * e / residual + (split + f) * e / tensor)
-    core = a * s * rows * 4 if fused_attention else a * s * s * rows * (4 + e)
+    core = a * s * rows * 4 if fused_attention else a * s * whole * rows * (4 + e)
+    if context > 1:
+        core += 2 * kv_heads * head_dim * whole * rows * e
     return kept + core / tensor
 
 
@@ -183,12 +189,12 @@ def boundary_activation_bytes(model_cfg, sequences):
     return sequences * model_cfg.num_layers * model_cfg.seq_len * model_cfg.hidden * e
 
 
-def loss_bytes(model, rows, tensor):
+def loss_bytes(model, rows, tensor, context=1):
     """Bytes per device of the output layer and loss (model/loss.py): one piece of the
     sequence's fp32 logits and their gradient in the compute dtype, and the fp32 sum of the
-    embedding's gradient (vocab split over tensor)."""
+    embedding's gradient (vocab split over tensor; the sequence over context)."""
     vocab = model.padded_vocab // tensor
-    piece = rows * (model.seq_len // model.loss_chunks) * vocab
+    piece = rows * (model.seq_len // context // model.loss_chunks) * vocab
     return piece * (4 + itemsize(model.compute_dtype)) + vocab * model.hidden * 4
 
 
@@ -217,20 +223,25 @@ def activation_bytes(config, fused_attention=False):
         differentiates GPT.logits and cross_entropy, not the fused loss)."""
     model, train = config.model, config.train
     stages, tensor = config.mesh.stage, config.mesh.tensor
+    context = config.mesh.get('context', 1)  # every sequence-long value is 1 / c of it
     rows, micro = train.micro_batch, train.micro_steps
     e = itemsize(model.compute_dtype)
-    boundary = model.seq_len * rows * model.hidden * e
-    logits = loss_bytes(model, rows, tensor)
-    full_layer = layer_activation_bytes(model, rows, tensor, 'none', fused_attention)
+    boundary = model.seq_len // context * rows * model.hidden * e
+    logits = loss_bytes(model, rows, tensor, context)
+    full_layer = layer_activation_bytes(model, rows, tensor, 'none', fused_attention, context)
+
+    def layers(count):
+        return count * layer_activation_bytes(model, rows, tensor, model.remat, context=context)
+
     if not engine_lib.engine(config).pipelined:
-        kept = model.num_layers * layer_activation_bytes(model, rows, tensor, model.remat)
+        kept = layers(model.num_layers)
         recomputed = full_layer if model.remat != 'none' else 0
         return dict(layers=kept, recomputed=recomputed, pipeline_buffers=0, logits=logits)
     chunk_layers = chunk_slots(config)
     table = engine_table(config)
     if table is not None:
         handoff = boundary // tensor if model.seq_len % tensor == 0 else boundary
-        chunk = chunk_layers * layer_activation_bytes(model, rows, tensor, model.remat)
+        chunk = layers(chunk_layers)
         return dict(
             layers=table.resid_slots * chunk,
             recomputed=full_layer if model.remat != 'none' else 0,
@@ -249,7 +260,7 @@ def activation_bytes(config, fused_attention=False):
         layers=iterations * per_iteration,
         recomputed=recomputed,
         pipeline_buffers=3 * micro * boundary,
-        logits=split * 2 * 4 * rows * model.seq_len * model.padded_vocab // tensor,
+        logits=split * 2 * 4 * rows * model.seq_len // context * model.padded_vocab // tensor,
     )
 
 

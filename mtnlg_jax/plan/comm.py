@@ -22,6 +22,13 @@ formulas of the literature (ring algorithms: an all-reduce of S bytes over n dev
                  gradient) and of the last (its input: its forward runs in that tick);
                  each stage sums its own share of the gradients of the parameters outside the
                  block stack (which every stage holds)
+    context (c)  context parallelism (parallel/context.py): per layer and micro-batch pass,
+                 one all-gather of the layer's keys and values ((b, s, 2 kv_heads / t, d),
+                 gathered whole) forward, again where the backward recomputes the layer, and
+                 one reduce-scatter of their gradients backward; the activations the other
+                 axes move are 1 / c of a sequence. The gradients of what is replicated over
+                 'context' are summed over it by XLA (compute dtype, an all-reduce a
+                 micro-step) before ZeRO-1's reduce-scatter over 'data'
     data    (d)  ZeRO-1 / distributed optimizer: one reduce-scatter of the fp32 gradients onto
                  the ZeRO shards and one all-gather of the compute-dtype parameters per step,
                  independent of the micro-batch count; over 'data' and 'stage' together (d p
@@ -32,6 +39,7 @@ Scalars (loss, gradient norm, the cross-entropy's (b, s) reductions over the voc
 left out: kilobytes against gigabytes.
 """
 
+from mtnlg_jax.model.layers import attention_dims
 from mtnlg_jax.parallel import engine as engine_lib
 from mtnlg_jax.plan.arithmetic import (
     chunk_slots,
@@ -109,7 +117,8 @@ def comm_bytes_per_device(config):
     """{kind: {axis: bytes one device sends per step}} (kinds and axes with traffic only)."""
     model, mesh = config.model, config.mesh
     e = itemsize(model.compute_dtype)
-    activation = config.train.micro_batch * model.seq_len * model.hidden * e
+    context = mesh.get('context', 1)
+    activation = config.train.micro_batch * model.seq_len // context * model.hidden * e
     table = engine_table(config)
     handoff = activation
     if table is not None and model.seq_len % mesh.tensor == 0:
@@ -141,6 +150,8 @@ def comm_bytes_per_device(config):
             size = 4 * rest / mesh.data  # fp32, on its ZeRO shard
             add('all-reduce', 'stage', _ring('all-reduce', size, mesh.stage))
         add('collective-permute', 'stage', 2 * iterations * handoff)
+    if context > 1:
+        _add_context(add, config, compute, e)
     if mesh.data > 1:
         add('reduce-scatter', 'data', _ring('reduce-scatter', 4 * (compute - shared), mesh.data))
         add('all-gather', 'data', _ring('all-gather', e * (compute - shared), mesh.data))
@@ -149,6 +160,20 @@ def comm_bytes_per_device(config):
         add('reduce-scatter', 'data+stage', _ring('reduce-scatter', 4 * shared, both))
         add('all-gather', 'data+stage', _ring('all-gather', e * shared, both))
     return out
+
+
+def _add_context(add, config, compute, e):
+    """comm_bytes_per_device's 'context' traffic (the module docstring)."""
+    model, context = config.model, config.mesh.context
+    heads, kv_heads, head_dim = attention_dims(model)
+    rows = config.train.micro_batch
+    kv = rows * model.seq_len * 2 * kv_heads // config.mesh.tensor * head_dim * e
+    passes = layer_passes(config)[0] * chunk_slots(config) * config.pipeline.repeats
+    gathers = passes * (2 if model.remat != 'none' else 1)
+    add('all-gather', 'context', gathers * _ring('all-gather', kv, context))
+    add('reduce-scatter', 'context', passes * _ring('reduce-scatter', kv, context))
+    micro = config.train.micro_steps
+    add('all-reduce', 'context', micro * _ring('all-reduce', e * compute, context))
 
 
 def by_axis(comm):

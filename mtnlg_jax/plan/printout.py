@@ -34,7 +34,9 @@ def lines(plan):
     out = [
         f'model        {plan["params"] / 1e9:.3f} B parameters, {c["compute_dtype"]} compute, '
         f'remat {c["remat"]}',
-        f'mesh         data {mesh["data"]} x stage {mesh["stage"]} x tensor {mesh["tensor"]}, '
+        f'mesh         data {mesh["data"]} x stage {mesh["stage"]} x '
+        + (f'context {mesh["context"]} x ' if 'context' in mesh else '')
+        + f'tensor {mesh["tensor"]}, '
         f'pipeline repeats {c["repeats"]}; global batch {c["global_batch"]} = micro_batch '
         f'{c["micro_batch"]} x data {mesh["data"]} x {c["micro_steps"]} micro-steps',
         'per device   ' + ', '.join(f'{k} {_gib(per_device[k])}' for k in PER_DEVICE_KEYS),

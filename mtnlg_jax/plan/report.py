@@ -71,7 +71,8 @@ def config_summary(config):
     """The parts of a resolved config that the figures depend on."""
     mesh = config.mesh
     return dict(
-        mesh=dict(data=mesh.data, stage=mesh.stage, tensor=mesh.tensor),
+        mesh=dict(data=mesh.data, stage=mesh.stage, tensor=mesh.tensor)
+        | ({'context': mesh.context} if mesh.get('context', 1) > 1 else {}),
         repeats=config.pipeline.repeats,
         global_batch=config.train.global_batch,
         micro_batch=config.train.micro_batch,

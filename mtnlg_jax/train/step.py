@@ -44,7 +44,7 @@ from mtnlg_jax.data import packing
 from mtnlg_jax.model import buffers as buffers_lib
 from mtnlg_jax.model import gpt
 from mtnlg_jax.parallel import engine as engine_lib
-from mtnlg_jax.parallel import rules, stage_order, zero
+from mtnlg_jax.parallel import context, rules, stage_order, zero
 from mtnlg_jax.parallel import stage_functions as side
 from mtnlg_jax.parallel.stage_functions import MicroBatch
 from mtnlg_jax.train.optimizer import learning_rate_schedule
@@ -196,10 +196,20 @@ def _replica_sums(config, stage_fns, compute_params, tokens, row_ids, step):
 def _micro_batches(config, tokens, row_keys=None):
     """The engine's MicroBatch of token windows (micro_steps, rows, seq + 1): packed
     documents' positions, segment ids and loss mask where data.* asks for them
-    (data/packing.py, None otherwise), one dropout key per row or None."""
+    (data/packing.py, None otherwise), one dropout key per row or None. Under context
+    parallelism (mesh.context > 1) every field is in the chunk order (parallel/context.py),
+    and the positions are the global ones where packing does not reset them."""
     pack = packing.of_config(config)
     packed = packing.UNPACKED if pack is None else pack(tokens[..., :-1])
-    return MicroBatch(tokens, *packed, row_keys=row_keys)
+    if config.mesh.context == 1:
+        return MicroBatch(tokens, *packed, row_keys=row_keys)
+    seq = tokens.shape[-1] - 1
+    order = jnp.asarray(context.chunk_order(seq, config.mesh.context))
+    order = jnp.broadcast_to(order, tokens.shape[:-1] + (seq,))
+    packed = packing.Packed(*(None if a is None else side.in_order(a, order) for a in packed))
+    if packed.positions is None:
+        packed = packed._replace(positions=order)
+    return MicroBatch(tokens, *packed, row_keys=row_keys, order=order)
 
 
 def make_train_step(config, setup, inject=None):
