@@ -71,8 +71,8 @@ def test_rank_r_holds_chunk_r_and_its_mirror():
     assert sorted(context_lib.chunk_order(32, 8)) == list(range(32))
 
 
-@pytest.mark.parametrize('block', list(BLOCKS))
-@pytest.mark.parametrize('layout', list(LAYOUTS))
+# every layout once, both blocks between them (a covering set: each case compiles a step)
+@pytest.mark.parametrize('layout, block', [('d2c2t2sp', 'llama'), ('c4t2', 'gpt'), ('c8', 'llama')])
 def test_a_packed_context_layout_equals_one_device(one_device, layout, block):
     """Loss and every gradient (per leaf, within 1e-5 of its largest) of one device, fp32."""
     data, context, tensor, sp = LAYOUTS[layout]
@@ -83,7 +83,7 @@ def test_a_packed_context_layout_equals_one_device(one_device, layout, block):
     support.assert_gradients_close(grads, grads_one)
 
 
-@pytest.mark.parametrize('block', list(BLOCKS))
+@pytest.mark.parametrize('block', ['gpt'])
 def test_a_pipelined_context_layout_equals_one_device(block):
     """Stage 2 x context 2 x tensor 2, interleaved 1F1B (2 chunks a stage, 4 micro-batches, 4
     layers): every chunk gets its micro-batch's global positions with its tokens."""

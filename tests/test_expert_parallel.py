@@ -30,23 +30,18 @@ MOE = {**test_moe.MOE, 'shared_experts': 1, 'aux_loss_coeff': 0.01, 'bias_update
 CAPACITY = {**MOE, 'capacity_factor': 1.0, 'router': 'sigmoid'}
 LLAMA = dict(**support.LLAMA_BLOCK, qk_norm=True)
 
-# (model keys, layout keys): each layout with a dropless and a capacity-1.0 MoE, GPT and Llama
+# (model keys, layout keys): every layout, GPT and Llama, dropless and capacity 1.0 each
+# appear (a covering set, not the product: each case compiles two steps)
 CASES = {
     'gpt-dropless-d2e2t2': (dict(moe=MOE), dict(data=2, expert=2, tensor=2)),
-    'llama-capacity-d2e2t2': (dict(**LLAMA, moe=CAPACITY), dict(data=2, expert=2, tensor=2)),
     'llama-dropless-e2t2-sp': (
         dict(**LLAMA, moe=MOE),
         dict(expert=2, tensor=2, sequence_parallel=True),
-    ),
-    'gpt-capacity-e4t2-sp': (
-        dict(moe=CAPACITY),
-        dict(expert=4, tensor=2, sequence_parallel=True),
     ),
     'gpt-capacity-s2e2t2v2': (
         dict(num_layers=4, moe=CAPACITY),
         dict(stage=2, expert=2, tensor=2, micro_steps=4, repeats=2, schedule='interleaved'),
     ),
-    'gpt-dropless-e8': (dict(moe=MOE), dict(expert=8)),
     'llama-capacity-e8': (dict(**LLAMA, moe=CAPACITY), dict(expert=8)),
 }
 
@@ -66,7 +61,7 @@ def test_loss_gradients_and_values_under_expert_parallelism_equal_one_devices(ca
     assert (dropped > 0) == bool(model['moe'].get('capacity_factor')), dropped
 
 
-@pytest.mark.parametrize('layout', [dict(data=2, expert=2, tensor=2), dict(expert=8)])
+@pytest.mark.parametrize('layout', [dict(data=2, expert=2, tensor=2)])
 def test_the_router_bias_moves_alike_under_expert_parallelism(layout):
     """Two train steps with the bias update on: the router bias after them (moved by the
     loads of the whole batch, summed over every replica) and the losses are one device's."""
