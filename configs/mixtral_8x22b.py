@@ -7,8 +7,8 @@ is 32768): 140.62 B parameters, 39.15 B active a token (Mistral's 141 B / 39 B).
 
 What differs from Mistral's run is what differs for the 8x7B (no published recipe, data or
 layout: Llama 2's recipe, sequence 8192 where the published context is 65536). Layout:
-tensor 8 x pipeline 8 (7 layers a stage) x data -1; issue 46 asks for it on 256 H100s with
-expert parallelism, which mesh.expert (1 until built) does not give yet.
+tensor 8 x pipeline 8 (7 layers a stage) x data -1; mesh.expert stays 1 here until the
+planner counts MoE layouts (the target: 256 H100s with expert parallelism).
 
     python launch/plan.py --config configs/mixtral_8x22b.py --devices 256 --target h100-80gb
 """

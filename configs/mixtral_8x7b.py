@@ -13,7 +13,7 @@ cosine to 10 %, Llama 3's 15 T tokens), at Llama 3 8B's peak LR 3e-4; sequence 8
 published context is 32768); Switch's load-balancing loss at 0.02 (Hugging Face's
 router_aux_loss_coef for Mixtral), dropless. Layout: tensor 8 x pipeline 4 (8 layers a
 stage) x data -1, the experts whole on each tensor group and split over tensor by their
-width (mesh.expert stays 1 until expert parallelism is built).
+width (mesh.expert stays 1 here until the planner counts MoE layouts).
 
     python launch/plan.py --config configs/mixtral_8x7b.py --devices 256 --target h100-80gb
 """

@@ -10,8 +10,8 @@ What differs from Qwen's run is what differs for the 30B-A3B (the report's shape
 count, Llama 2's recipe, per-sequence balancing loss, sequence 4096 throughout). Layout:
 tensor 4 x pipeline 16 x data -1, the 94 layers as 5 on the first and last stages and 6 on
 each of the 14 between (pipeline.first_stage_layers / last_stage_layers: the first also
-holds the embedding, the last the 151936-row head); mesh.expert stays 1 until expert
-parallelism is built, which a model of this size needs to fit.
+holds the embedding, the last the 151936-row head); mesh.expert stays 1 here until the
+planner counts MoE layouts (expert parallelism runs; a model of this size needs it to fit).
 
     python launch/plan.py --config configs/qwen3_235b_a22b.py --devices 512 --target h100-80gb
 """
