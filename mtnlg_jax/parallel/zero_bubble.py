@@ -14,13 +14,23 @@ the loss, so the last stage's B costs 2). Built greedily, tick by tick, one stag
 
 Memory: a micro-batch stays on a stage from its forward to its W (its residuals and its
 output's gradient wait for W), at most 1F1B's peak (its table's busiest stage) or
-`max_in_flight`. p = 4, m = 8 (F3 = forward of micro-batch 3; a tick holds F, B, W):
+`max_in_flight`. p = 3, m = 4 (F3 = forward of micro-batch 3; a tick runs F, then B, then W):
 
-    tick      0    1    2    3     4     5     6       7       8      9 ...
-    stage 0   F0   F1   F2   F3    F4    F5    F6 B0   B1 W0   F7 B2  B3 W1  B4  B5 ...
-    stage 3                  F0B0  F1B1  F2B2  F3B3  F4B4    F5B5   F6B6   W0  W1 ...
+    tick     0    1    2    3    4    5    6    7    8    9
+    stage 0  F0   F1   F2   F3   B0W0 B1W1 B2   B3   W2   W3
+    stage 1       F0   F1   F2B0 F3B1 B2W0 B3   W1   W2   W3
+    stage 2            F0B0 F1B1 F2B2 F3B3 W0   W1   W2   W3
 
-(`python -m mtnlg_jax.parallel.zero_bubble 4 8` prints the whole table.)
+Ticks 6 and 7 cost one unit, not 1F1B's two: B's alone run back to stage 0, W's after.
+At p = 4 the stages wait p units a step (ZB-H1: p - 1; 1F1B's table: 7), so the bubble is
+p / (3 m + p), about (p - 1) / (3 m) (`python -m mtnlg_jax.parallel.zero_bubble 4 8` prints a
+table and its bubble; tests/test_zero_bubble.py).
+
+The engine (stage.py) runs B as the chunk's VJP with only the input's gradient kept, W as
+the same VJP with only the weights' (XLA drops what each leaves unused): W applies the
+residuals its forward kept to the output's gradient B read, so it runs the input-gradient
+chain of the chunk's layers again (the weights' gradients need each layer's output
+gradient); the last chunk's W runs its forward and head again from its stashed input.
 """
 
 import collections
