@@ -2,6 +2,7 @@
 
     python bench/pipeline.py [--config configs/tiny.py] [--steps 3] [--tables time,bubble,memory]
                              [--schedules 1f1b,zbh1]   (default: all of SCHEDULES)
+                             [--stages 4]              (memory: default p = 2 and 4)
 
 Three tables (and a fourth on request), all from one run on the same 8 devices, for each
 `pipeline.schedule`:
@@ -138,10 +139,10 @@ def bubble_table(path, steps):
     print_table('Bubble fraction, 1 sequence per micro-batch, stage only', header, rows)
 
 
-def memory_table(path):
+def memory_table(path, stage_counts=(2, 4)):
     rows = []
     for schedule, repeats in SCHEDULES:
-        for stages in (2, 4):
+        for stages in stage_counts:
             cells = []
             for m in (4, 8, 16, 32):
                 if schedule == 'gpipe' and repeats > 1 and m < stages:
@@ -250,6 +251,7 @@ def main():
     parser.add_argument('--scale', action='store_true')
     parser.add_argument('--micro_batches', type=int, default=240)
     parser.add_argument('--schedules', default='', help='comma-separated: only these')
+    parser.add_argument('--stages', default='2,4', help='memory table: these p')
     args = parser.parse_args()
     if args.schedules:
         SCHEDULES[:] = [s for s in SCHEDULES if s[0] in args.schedules.split(',')]
@@ -262,7 +264,7 @@ def main():
     if 'bubble' in tables:
         bubble_table(args.config, args.steps)
     if 'memory' in tables:
-        memory_table(args.config)
+        memory_table(args.config, tuple(int(p) for p in args.stages.split(',')))
     if 'inflight' in tables:
         in_flight_table()
     if 'schedule' in tables:

@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 import support
+from mtnlg_jax import config as config_lib
 from mtnlg_jax.data import batch as batch_lib
 from mtnlg_jax.model import gpt
 from mtnlg_jax.parallel import pipeline, stage_order
@@ -260,3 +261,17 @@ def test_what_every_stage_holds_is_summed_over_stage_and_data_in_either_zero_spl
     _, expected_loss, expected = support.gradients(support.small_config(**model), batch, step=5)
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-6)
     support.assert_gradients_close(grads, expected)
+
+
+@pytest.mark.parametrize(
+    'overrides, key',
+    [
+        (dict(repeats=2), 'pipeline.repeats'),
+        (dict(sequence_parallel=True), 'model.sequence_parallel'),
+    ],
+)
+def test_zbh1_refuses_what_it_does_not_run_naming_the_key(overrides, key):
+    """One chunk a stage; sequence parallelism not yet (the config check, before a compile)."""
+    with pytest.raises(config_lib.ConfigError, match='zbh1') as error:
+        support.small_config(stage=2, micro_steps=4, schedule='zbh1', num_layers=4, **overrides)
+    assert error.value.key == key
