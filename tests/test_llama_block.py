@@ -254,7 +254,7 @@ PIPELINED = [
         1, 2, 2, 4, 2, 'interleaved',
         dict(sequence_parallel=True, remat='selective', sequence_pieces=2),
     ),
-    (1, 4, 2, 8, 1, 'zbh1', dict(remat='full', sequence_pieces=2)),
+    (1, 4, 2, 8, 1, 'zbh1', dict(sequence_parallel=True, remat='full', sequence_pieces=2)),
 ]  # fmt: skip
 
 

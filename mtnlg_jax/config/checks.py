@@ -288,12 +288,6 @@ def _check_pipeline(config, replica_batch):
         f'zbh1 runs one chunk a stage (pipeline.repeats = 1), got {repeats}',
     )
     _require(
-        schedule != 'zbh1' or not config.model.sequence_parallel,
-        'model.sequence_parallel',
-        'zbh1 does not run sequence parallel yet (XLA refuses the split backward: a '
-        'conditional whose branches shard the input gradient differently); use 1f1b',
-    )
-    _require(
         schedule != 'interleaved' or repeats > 1,
         'pipeline.schedule',
         'interleaved needs pipeline.repeats > 1 (chunks per stage); with 1 use 1f1b',

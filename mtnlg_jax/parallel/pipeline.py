@@ -195,6 +195,7 @@ def run_table(stage_fns, params, batch, table, with_grads, bubble_fill=0.0, stag
             layout=None,
             handoff_axes=handoff_axes,
             stage_layers=stage_layers,
+            split=table.split,
         )
         kept_shapes = []
         if with_grads:  # the layout of a forward's residuals: every forward has the same

@@ -79,6 +79,7 @@ class Stage:
     layout: Any
     handoff_axes: tuple
     stage_layers: Any = None  # stage_order.StageLayers of unequal stages (None: equal)
+    split: bool = False  # the table splits the backward into B and W (zero_bubble.py)
 
     @property
     def with_grads(self):
@@ -116,11 +117,17 @@ class Stage:
     def input(self, kind, shared, h, micro):
         """Chunk 0's input is the embedding (recomputed, never stashed), others' the stashed
         hand-off, gathered over 'tensor'."""
+
+        def first():
+            x = constrain(self.fns.embed(shared, self.batch.at(micro)), ACTIVATION_AXES)
+            if self.split:  # h's gradient, zero here, laid out as the other branch's: B's
+                # VJP keeps only that gradient, and XLA insists on one layout (sequence parallel)
+                x = jnp.where(kind == SLOT_FIRST, x, constrain(h, ACTIVATION_AXES))
+            return x
+
         with jax.named_scope(FIRST):
             return jax.lax.cond(  # both branches laid out alike: XLA insists
-                kind == SLOT_FIRST,
-                lambda: constrain(self.fns.embed(shared, self.batch.at(micro)), ACTIVATION_AXES),
-                lambda: constrain(h, ACTIVATION_AXES),
+                kind == SLOT_FIRST, first, lambda: constrain(h, ACTIVATION_AXES)
             )
 
     def chunk_fn(self, kind, micro, repeat):
