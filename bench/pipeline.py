@@ -1,6 +1,8 @@
 """The pipeline schedules: step time against the other layouts, bubble, memory.
 
     python bench/pipeline.py [--config configs/tiny.py] [--steps 3] [--tables time,bubble,memory]
+                             [--schedules 1f1b,zbh1]   (default: all of SCHEDULES)
+                             [--stages 4]              (memory: default p = 2 and 4)
 
 Three tables (and a fourth on request), all from one run on the same 8 devices, for each
 `pipeline.schedule`:
@@ -19,6 +21,12 @@ Three tables (and a fourth on request), all from one run on the same 8 devices, 
 3. Peak temporary memory per device (XLA's memory analysis of the compiled train step) as m
    grows, at fixed micro-batch size: GPipe order keeps every micro-batch's stage inputs
    (v m + p - 1), 1F1B-family schedules at most the table's in-flight count, whatever m.
+
+    python bench/pipeline.py --tables schedule
+
+   (arithmetic only) the tables' bubble against m at p = 4 and 16, each schedule beside its
+   formula: 1F1B's (p - 1) / (v m + p - 1), ZB-H1's (p - 1) / (3 m), and the most micro-batches
+   a stage holds (its memory in chunk residuals).
 
     python bench/pipeline.py --tables inflight
 
@@ -55,7 +63,7 @@ from mtnlg_jax.parallel import pipeline  # noqa: E402
 LAYERS = 8  # divisible by p x v = 8
 
 
-SCHEDULES = [('gpipe', 1), ('gpipe', 2), ('1f1b', 1), ('interleaved', 2)]
+SCHEDULES = [('gpipe', 1), ('gpipe', 2), ('1f1b', 1), ('interleaved', 2), ('zbh1', 1)]
 
 
 def step_time_table(path, steps):
@@ -131,10 +139,10 @@ def bubble_table(path, steps):
     print_table('Bubble fraction, 1 sequence per micro-batch, stage only', header, rows)
 
 
-def memory_table(path):
+def memory_table(path, stage_counts=(2, 4)):
     rows = []
     for schedule, repeats in SCHEDULES:
-        for stages in (2, 4):
+        for stages in stage_counts:
             cells = []
             for m in (4, 8, 16, 32):
                 if schedule == 'gpipe' and repeats > 1 and m < stages:
@@ -149,6 +157,23 @@ def memory_table(path):
         header,
         rows,
     )
+
+
+def schedule_table():
+    """The tables' bubble (F = 1, B + W = 2) and stage inputs held against m, p = 4 and 16."""
+    rows = []
+    for stages in (4, 16):
+        for schedule, repeats in [s for s in SCHEDULES if s[0] != 'gpipe']:
+            for micro in (4, 8, 16, 32, 64):
+                table = pipeline.build_table(stages, repeats, micro, schedule=schedule)
+                formula = (stages - 1) / (repeats * micro + stages - 1)
+                if schedule == 'zbh1':
+                    formula = (stages - 1) / (3 * micro)
+                bubble = table.bubble_fraction()
+                cells = (f'{bubble:.3f}', f'{formula:.3f}', table.in_flight().max(), table.ticks)
+                rows.append((schedule, stages, repeats, micro, *cells))
+    header = ('schedule', 'p', 'v', 'm', 'table bubble', 'formula', 'held (max)', 'ticks')
+    print_table('Bubble counted from each table, against its formula', header, rows)
 
 
 def in_flight_table():
@@ -225,7 +250,11 @@ def main():
     parser.add_argument('--tables', default='time,bubble,memory')
     parser.add_argument('--scale', action='store_true')
     parser.add_argument('--micro_batches', type=int, default=240)
+    parser.add_argument('--schedules', default='', help='comma-separated: only these')
+    parser.add_argument('--stages', default='2,4', help='memory table: these p')
     args = parser.parse_args()
+    if args.schedules:
+        SCHEDULES[:] = [s for s in SCHEDULES if s[0] in args.schedules.split(',')]
     if args.scale:
         scale_table(args.micro_batches)
         return
@@ -235,9 +264,11 @@ def main():
     if 'bubble' in tables:
         bubble_table(args.config, args.steps)
     if 'memory' in tables:
-        memory_table(args.config)
+        memory_table(args.config, tuple(int(p) for p in args.stages.split(',')))
     if 'inflight' in tables:
         in_flight_table()
+    if 'schedule' in tables:
+        schedule_table()
 
 
 if __name__ == '__main__':

@@ -254,6 +254,7 @@ PIPELINED = [
         1, 2, 2, 4, 2, 'interleaved',
         dict(sequence_parallel=True, remat='selective', sequence_pieces=2),
     ),
+    (1, 4, 2, 8, 1, 'zbh1', dict(sequence_parallel=True, remat='full', sequence_pieces=2)),
 ]  # fmt: skip
 
 
@@ -266,8 +267,9 @@ def four_layers_one_device():
 
 @pytest.mark.parametrize('layout', PIPELINED, ids=lambda layout: layout[5])
 def test_a_pipelined_llama_with_recompute_equals_one_device(four_layers_one_device, layout):
-    """1F1B (full recompute) and interleaved 1F1B (sequence parallel, selective recompute):
-    the loss and per-leaf gradients of one device without recompute."""
+    """1F1B (full recompute), interleaved 1F1B (sequence parallel, selective recompute) and
+    ZB-H1 (B and W slots; sequence parallel, full recompute): the loss and per-leaf gradients
+    of one device without recompute."""
     *mesh, model = layout
     config = support.small_config(*mesh, num_layers=4, **support.LLAMA_BLOCK, **model)
     params, loss, grads = support.gradients(config, support.random_batches(1)[0], step=5)

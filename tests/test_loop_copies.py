@@ -63,6 +63,16 @@ def test_no_copy_inside_a_loop_of_a_llama_with_stages_of_unequal_depth():
     assert written <= {f'{config.model.padded_vocab},{config.model.hidden}'}, written
 
 
+def test_no_copy_over_a_mib_inside_the_loops_of_zbh1():
+    """ZB-H1's B and W slots (zero_bubble.py): W reads the residuals and gradient B read, in
+    later ticks, and adds to the accumulators; B touches no accumulator. Hidden 512, fp32."""
+    config = support.small_config(
+        stage=2, schedule='zbh1', micro_steps=4, num_layers=4, hidden=512,
+        compute_dtype='float32', remat='selective',
+    )  # fmt: skip
+    assert_no_copy_in_a_loop(config)
+
+
 def assert_no_copy_in_a_loop(config):
     """The step's HLO text, after checking it copies no buffer of 1 MiB or more in a loop (a
     zero fill copied from a broadcast is a write, not a copy: plan/loop_copies.py)."""

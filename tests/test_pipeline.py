@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 import support
+from mtnlg_jax import config as config_lib
 from mtnlg_jax.data import batch as batch_lib
 from mtnlg_jax.model import gpt
 from mtnlg_jax.parallel import pipeline, stage_order
@@ -27,6 +28,8 @@ LAYOUTS = [
     (1, 2, 4, 2, 2, 'interleaved', {}),  # m = p with v > 1; tensor 4 splits the hand-offs
     (2, 2, 2, 2, 4, 'gpipe', {}),
     (2, 2, 2, 2, 4, 'interleaved', dict(sequence_parallel=True)),
+    (1, 4, 2, 1, 8, 'zbh1', {}),  # B and W slots (zero_bubble.py)
+    (2, 2, 2, 1, 4, 'zbh1', DROPOUT),  # the last chunk's W runs its forward again: same masks
 ]
 TRAJECTORIES = [LAYOUTS[0], LAYOUTS[1]]
 
@@ -89,8 +92,12 @@ def test_ten_step_losses_match_one_device(one_device, layout):
 
 @pytest.mark.parametrize(
     'layout, bound',
-    [((1, 4, 2, 1, 8, '1f1b', {}), 4), ((1, 2, 2, 2, 8, 'interleaved', {}), 2)],
-    ids=['1f1b-p', 'interleaved-2'],
+    [
+        ((1, 4, 2, 1, 8, '1f1b', {}), 4),
+        ((1, 2, 2, 2, 8, 'interleaved', {}), 2),
+        ((1, 4, 2, 1, 8, 'zbh1', {}), 3),
+    ],
+    ids=['1f1b-p', 'interleaved-2', 'zbh1-3'],
 )
 def test_a_bounded_table_matches_one_device(one_device, layout, bound):
     """pipeline.max_in_flight: with one chunk a stage Megatron's bound of p stage inputs per
@@ -98,9 +105,9 @@ def test_a_bounded_table_matches_one_device(one_device, layout, bound):
     stage). Reached with idle ticks; the same loss and gradients."""
     config = _config(layout)
     config.pipeline.max_in_flight = bound
-    _, stages, _, repeats, micro = layout[:5]
-    bounded = pipeline.build_table(stages, repeats, micro, bound)
-    greedy = pipeline.build_table(stages, repeats, micro)
+    _, stages, _, repeats, micro, schedule = layout[:6]
+    bounded = pipeline.build_table(stages, repeats, micro, bound, schedule)
+    greedy = pipeline.build_table(stages, repeats, micro, 0, schedule)
     assert bounded.in_flight().max() <= bound * repeats < greedy.in_flight().max()
     assert bounded.resid_slots < greedy.resid_slots and bounded.ticks > greedy.ticks
     _, loss, grads = support.gradients(config, support.random_batches(1)[0], step=5)
@@ -122,11 +129,13 @@ def test_bf16_gradient_error_no_worse_than_unpipelined(one_device):
     assert relative_error(piped, one_device['grads']) <= 1.1 * plain_error
 
 
-def test_idle_slots_filled_with_nan_never_reach_loss_or_gradients():
-    config = support.small_config(stage=2, repeats=2, micro_steps=4, num_layers=LAYERS)
+@pytest.mark.parametrize('schedule', ['interleaved', 'zbh1'])
+def test_idle_slots_filled_with_nan_never_reach_loss_or_gradients(schedule):
+    repeats = 2 if schedule == 'interleaved' else 1
+    config = support.small_config(stage=2, repeats=repeats, micro_steps=4, num_layers=LAYERS)
     mesh, setup = support.layout(config)
     tokens = jnp.asarray(support.random_batches(1)[0].reshape(4, 4, -1), jnp.int32)
-    table = schedule_lib.build(2, 2, 4)
+    table = pipeline.build_table(2, repeats, 4, schedule=schedule)
     assert (table.fwd_micro == schedule_lib.IDLE).any()  # the table has idle slots
     stage_fns = gpt.stage_functions(setup.graphdef)
     run = jax.jit(
@@ -252,3 +261,10 @@ def test_what_every_stage_holds_is_summed_over_stage_and_data_in_either_zero_spl
     _, expected_loss, expected = support.gradients(support.small_config(**model), batch, step=5)
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-6)
     support.assert_gradients_close(grads, expected)
+
+
+def test_zbh1_refuses_more_than_one_chunk_a_stage_naming_the_key():
+    """The config check, before a compile."""
+    with pytest.raises(config_lib.ConfigError, match='zbh1') as error:
+        support.small_config(stage=2, repeats=2, micro_steps=4, schedule='zbh1', num_layers=4)
+    assert error.value.key == 'pipeline.repeats'

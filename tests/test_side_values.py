@@ -112,6 +112,7 @@ LAYOUTS = {
         1, 2, 2, 4, 2, 'interleaved', num_layers=LAYERS
     ),
     'gpipe-d2s2v2': lambda: support.small_config(2, 2, 1, 4, 2, 'gpipe', num_layers=LAYERS),
+    'zbh1-s4t2': lambda: support.small_config(1, 4, 2, 8, 1, 'zbh1', num_layers=LAYERS),
 }
 
 

@@ -78,8 +78,9 @@ def one_device():
         (4, 1, '1f1b', 1, 1, 'llama'),  # Llama 3 405B's shape in small
         (2, 2, 'interleaved', 2, 4, 'gpt'),
         (2, 2, 'interleaved', 3, 3, 'gpt'),
+        (4, 1, 'zbh1', 1, 1, 'llama'),
     ],
-    ids=['1f1b-1-2-2-1-llama', 'interleaved-2-4', 'interleaved-3-3-uneven-chunks'],
+    ids=['1f1b-1-2-2-1-llama', 'interleaved-2-4', 'interleaved-3-3-uneven-chunks', 'zbh1-llama'],
 )
 def test_an_unequal_layout_equals_one_device(
     one_device, stage, repeats, schedule, first, last, block

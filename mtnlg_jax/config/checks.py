@@ -257,7 +257,7 @@ def _check_stage_layers(config):
     _require(
         pipeline.schedule != 'gpipe',
         key,
-        'stages of unequal depth run on the 1f1b and interleaved schedules, not gpipe',
+        'stages of unequal depth run on the 1f1b, interleaved and zbh1 schedules, not gpipe',
     )
 
 
@@ -327,6 +327,11 @@ def _check_pipeline(config, replica_batch):
     stage, repeats, train = config.mesh.stage, config.pipeline.repeats, config.train
     schedule = config.pipeline.schedule
     _require(
+        schedule != 'zbh1' or repeats == 1,
+        'pipeline.repeats',
+        f'zbh1 runs one chunk a stage (pipeline.repeats = 1), got {repeats}',
+    )
+    _require(
         schedule != 'interleaved' or repeats > 1,
         'pipeline.schedule',
         'interleaved needs pipeline.repeats > 1 (chunks per stage); with 1 use 1f1b',
@@ -335,7 +340,7 @@ def _check_pipeline(config, replica_batch):
     _require(
         not in_flight or schedule != 'gpipe',
         'pipeline.max_in_flight',
-        'bounds the 1f1b and interleaved tables; gpipe holds every micro-batch by design',
+        'bounds the 1f1b, interleaved and zbh1 tables; gpipe holds every micro-batch by design',
     )
     if schedule != 'gpipe':
         return

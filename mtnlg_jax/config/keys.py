@@ -71,8 +71,10 @@ KEYS = (
     Key(
         'pipeline.schedule',
         '1f1b',
-        ('1f1b', 'interleaved', 'gpipe'),
-        '1f1b (interleaved 1F1B when repeats > 1), interleaved (insists on repeats > 1), gpipe',
+        ('1f1b', 'interleaved', 'gpipe', 'zbh1'),
+        '1f1b (interleaved 1F1B when repeats > 1), interleaved (insists on repeats > 1), gpipe, '
+        'zbh1 (ZB-H1: the backward split into input and weight gradients, the weights\' put off '
+        'into the bubble; repeats 1); checkpoints hold layer order, so a run resumes under any',
     ),
     Key(
         'pipeline.max_in_flight',

@@ -7,6 +7,7 @@ footprint.py         bytes per device of a sharded state
 zero.py              the reduce-scatter / all-gather of ZeRO-1
 engine.py            engine(config): the sequential, 1F1B / interleaved or GPipe engine
 schedule.py          the 1F1B / interleaved schedule as a table
+zero_bubble.py       the ZB-H1 table: each backward split into B and W slots
 pipeline.py          the 1F1B / interleaved engine in shard_map
 stage.py             one stage's work per tick of that engine
 gpipe.py             the GPipe engine (autodiff through the forwards)

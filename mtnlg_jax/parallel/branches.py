@@ -12,7 +12,9 @@ plan's HLO inventory (plan/hlo_module.py) weighs a branch by how often the table
 (`branch_fractions`) instead of counting every branch as taken.
 
 `columns(table)` groups the table's per-(tick, stage) arrays as the engine's tick reads them:
-Columns(forward: Forward, backward: Backward, arrivals: Arrivals).
+Columns(forward: Forward, backward: Backward, arrivals: Arrivals, weights: Backward of the W
+slot or None). Where the table splits the backward (zero_bubble.py), the backward slot is B,
+the input's gradient only (scope BACKWARD_INPUT), and the W slot the weights' (scope WEIGHTS).
 """
 
 import dataclasses
@@ -29,13 +31,15 @@ FORWARD, BACKWARD, EVAL, FIRST, LAST = (
 )  # fmt: skip
 # lax.switch over a stage's chunks (interleaved), and cond(skip, pass through, add) of the
 # fp32 accumulators of the chunks and of the shared parameters
+BACKWARD_INPUT, WEIGHTS = 'pipeline_backward_input', 'pipeline_weights'
 CHUNK, ACCUMULATE, ACCUMULATE_SHARED = (
     'pipeline_chunk', 'pipeline_accumulate', 'pipeline_accumulate_shared'
 )  # fmt: skip
 
 
 def slot_kinds(table):
-    """(fwd kinds, bwd kinds), each (ticks, stages) of SLOT_IDLE, _FIRST, _MIDDLE, _LAST."""
+    """(fwd kinds, bwd kinds), each (ticks, stages) of SLOT_IDLE, _FIRST, _MIDDLE, _LAST; a
+    table that splits the backward adds its W slots' kinds."""
     stage = np.arange(table.stages)[None, :]
 
     def kinds(micro, repeat):
@@ -45,7 +49,8 @@ def slot_kinds(table):
         return np.where(micro == IDLE, SLOT_IDLE, kind).astype(np.int32)
 
     fwd = kinds(table.fwd_micro, table.fwd_repeat)
-    return np.where(fwd == SLOT_LAST, SLOT_IDLE, fwd), kinds(table.bwd_micro, table.bwd_repeat)
+    both = np.where(fwd == SLOT_LAST, SLOT_IDLE, fwd), kinds(table.bwd_micro, table.bwd_repeat)
+    return (*both, kinds(table.w_micro, table.w_repeat)) if table.split else both
 
 
 def branch_fractions(table):
@@ -53,7 +58,7 @@ def branch_fractions(table):
     mean over stages, for the HLO inventory (plan/hlo.py). `lax.cond(pred, a, b)` lowers to
     branches [b, a]: branch 1 is the predicate's. Paths are the scopes enclosing a
     conditional, outermost first; a branch's fraction is of the runs of its enclosing code."""
-    fwd, bwd = slot_kinds(table)
+    fwd, bwd, *w = slot_kinds(table)
     slots = fwd.size
 
     def share(kinds, kind, of=None):
@@ -85,6 +90,21 @@ def branch_fractions(table):
         (ACCUMULATE,): [add, 1.0 - add],  # cond(skip, pass through, add): [add, skip]
         (ACCUMULATE_SHARED,): [touched, 1.0 - touched],
     }
+    if w:  # B, W: the W slot runs what the whole backward ran, B its input's gradient
+        w_idle, last_w = share(w[0], SLOT_IDLE, slots), share(w[0], SLOT_LAST)
+        add, first_w = (1.0 - w_idle) / v, share(w[0], SLOT_FIRST)
+        touched = share(w[0], SLOT_FIRST, slots) + share(w[0], SLOT_LAST, slots)
+        for path in [p for p in weights if p[0] == BACKWARD]:
+            weights[(WEIGHTS, *path[1:])] = weights.pop(path)
+        weights[(WEIGHTS,)] = [1.0 - w_idle, w_idle]
+        weights[(WEIGHTS, FIRST)] = weights[(WEIGHTS, LAST, FIRST)] = [1.0 - first_w, first_w]
+        weights[(WEIGHTS, LAST)] = [1.0 - last_w, last_w]
+        weights[(ACCUMULATE,)] = [add, 1.0 - add]
+        weights[(ACCUMULATE_SHARED,)] = [touched, 1.0 - touched]
+        weights[(BACKWARD_INPUT,)] = [1.0 - bwd_idle, bwd_idle]
+        weights[(BACKWARD_INPUT, FIRST)] = [1.0 - first_b, first_b]
+        weights[(BACKWARD_INPUT, LAST, FIRST)] = [1.0 - first_b, first_b]
+        weights[(BACKWARD_INPUT, LAST)] = [1.0 - last_b, last_b]
     # the conditionals inside a chunk's switch (interleaved): the same shares
     inner = [p for p in weights if p[0] in (FORWARD, BACKWARD) and len(p) > 1 and CHUNK not in p]
     for path in inner:
@@ -153,24 +173,31 @@ class Columns:
     forward: Forward
     backward: Backward
     arrivals: Arrivals
+    weights: Backward = None  # the W slot of a split backward (B in `backward`), or None
 
     def tree_flatten(self):
-        return [getattr(getattr(self, group), name) for group, name in _FLAT.values()], None
+        leaves = [getattr(getattr(self, group), name) for group, name in _FLAT.values()]
+        return leaves + list(self.weights or ()), self.weights is not None
 
     @classmethod
-    def tree_unflatten(cls, _, leaves):
+    def tree_unflatten(cls, split, leaves):
         fields = {'forward': {}, 'backward': {}, 'arrivals': {}}
         for (group, name), leaf in zip(_FLAT.values(), leaves):
             fields[group][name] = leaf
+        w = Backward(*leaves[len(_FLAT) :]) if split else None
         return cls(Forward(**fields['forward']), Backward(**fields['backward']),
-                   Arrivals(**fields['arrivals']))  # fmt: skip
+                   Arrivals(**fields['arrivals']), w)  # fmt: skip
 
 
 def columns(table):
     """The Columns of a Schedule: kinds from slot_kinds, IDLE slots indexing 0 (unused)."""
-    fwd_kind, bwd_kind = slot_kinds(table)
+    fwd_kind, bwd_kind, *w_kind = slot_kinds(table)
     used = lambda a: np.maximum(a, 0)  # noqa: E731
     t = table
+    weights = None
+    if t.split:
+        w_columns = (t.w_micro, t.w_repeat, t.w_slot, t.w_resid_slot, t.w_grad_slot)
+        weights = Backward(w_kind[0], *map(used, w_columns))
     return Columns(
         Forward(fwd_kind, *map(used, (t.fwd_micro, t.fwd_repeat, t.fwd_slot, t.fwd_resid_slot))),
         Backward(
@@ -183,4 +210,5 @@ def columns(table):
             used(t.recv_grad_slot),
             t.recv_grad_slot >= 0,
         ),  # fmt: skip
+        weights,
     )

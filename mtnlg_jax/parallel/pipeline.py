@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from mtnlg_jax.parallel import gpipe
+from mtnlg_jax.parallel import gpipe, zero_bubble
 from mtnlg_jax.parallel import stage_functions as side
 from mtnlg_jax.parallel import schedule as schedule_lib
 from mtnlg_jax.parallel.branches import columns as table_columns
@@ -43,7 +43,7 @@ from mtnlg_jax.parallel.rules import constrain
 from mtnlg_jax.parallel.stage import ACTIVATION_AXES, STAGE_AXIS, Stage
 from mtnlg_jax.parallel.stage_functions import MicroBatch, shared_params
 
-SCHEDULES = ('gpipe', '1f1b', 'interleaved')
+SCHEDULES = ('gpipe', '1f1b', 'interleaved', 'zbh1')
 HANDOFF_AXES = ('batch', 'handoff_seq', 'embed')  # split over 'tensor' along the sequence
 
 
@@ -58,19 +58,24 @@ def options(config):
     )
 
 
-def build_table(stages, repeats, micro_batches, max_in_flight=0):
-    """The 1f1b / interleaved table (schedule.build; max_in_flight 0: no bound)."""
+def build_table(stages, repeats, micro_batches, max_in_flight=0, schedule='1f1b'):
+    """The 1f1b / interleaved table (schedule.build), or zbh1's (zero_bubble.build: one chunk
+    a stage); max_in_flight 0: no bound."""
+    if schedule == 'zbh1':
+        return zero_bubble.build(stages, micro_batches, max_in_flight or None)
     return schedule_lib.build(stages, repeats, micro_batches, max_in_flight or None)
 
 
 @dataclasses.dataclass(frozen=True)
 class TableEngine:
-    """1F1B (repeats 1) or interleaved 1F1B (repeats > 1) over p > 1 stages."""
+    """1F1B (repeats 1) or interleaved 1F1B (repeats > 1) over p > 1 stages; schedule 'zbh1':
+    ZB-H1, the backward split into B and W slots (zero_bubble.py)."""
 
     stages: int
     repeats: int
     max_in_flight: int = 0
     stage_layers: Any = None  # stage_order.StageLayers of unequal stages (None: equal)
+    schedule: str = '1f1b'  # or 'interleaved' (the same), 'zbh1
     pipelined = True
     shared_grads_by_stage = True  # each stage's own share, stacked (scan_ticks)
 
@@ -81,13 +86,16 @@ class TableEngine:
     @property
     def name(self):
         name = 'interleaved 1F1B' if self.repeats > 1 else '1f1b'
+        name = 'zbh1 (ZB-H1: B and W slots)' if self.schedule == 'zbh1' else name
         if self.max_in_flight:
             held = 'micro-batches' if self.repeats > 1 else 'stage inputs'
             name += f' (at most {self.max_in_flight} {held} in flight)'
         return name
 
     def table(self, micro_batches):
-        return build_table(self.stages, self.repeats, micro_batches, self.max_in_flight)
+        return build_table(
+            self.stages, self.repeats, micro_batches, self.max_in_flight, self.schedule
+        )
 
     def ticks(self, micro_batches):
         return self.table(micro_batches).ticks
@@ -119,11 +127,11 @@ def engine_for(stages, repeats, schedule='1f1b', max_in_flight=0, stage_layers=N
     """The engine of a pipelined layout (stages > 1): GPipe's or the table's."""
     if schedule == 'gpipe':
         return gpipe.GPipeEngine(stages, repeats)
-    return TableEngine(stages, repeats, max_in_flight, stage_layers)
+    return TableEngine(stages, repeats, max_in_flight, stage_layers, schedule)
 
 
 def num_ticks(stages, repeats, micro_batches, schedule='1f1b', max_in_flight=0):
-    """Scan length: table ticks (1f1b / interleaved), iterations v m + p - 1 (gpipe)."""
+    """Scan length: table ticks (1f1b / interleaved / zbh1), iterations v m + p - 1 (gpipe)."""
     return engine_for(stages, repeats, schedule, max_in_flight).ticks(micro_batches)
 
 
@@ -187,6 +195,7 @@ def run_table(stage_fns, params, batch, table, with_grads, bubble_fill=0.0, stag
             layout=None,
             handoff_axes=handoff_axes,
             stage_layers=stage_layers,
+            split=table.split,
         )
         kept_shapes = []
         if with_grads:  # the layout of a forward's residuals: every forward has the same

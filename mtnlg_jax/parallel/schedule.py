@@ -60,6 +60,8 @@ COLUMNS = (
     'recv_act_slot',
     'recv_grad_slot',
 )
+# ... and those of a split backward's W slot (Schedule.split)
+W_COLUMNS = ('w_micro', 'w_repeat', 'w_slot', 'w_resid_slot', 'w_grad_slot')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,29 +102,54 @@ class Schedule:
     stash_slots: int
     resid_slots: int
     grad_slots: int
+    # A split backward (zero_bubble.py): B above computes the input's gradient only, W the
+    # weights' in a slot of its own, these columns (None where the backward is whole):
+    # w_micro, w_repeat as for B; w_slot: the stash slot of the last chunk's input (its W
+    # runs its forward again); w_resid_slot, w_grad_slot: what B read, held until W.
+    w_micro: np.ndarray = None
+    w_repeat: np.ndarray = None
+    w_slot: np.ndarray = None
+    w_resid_slot: np.ndarray = None
+    w_grad_slot: np.ndarray = None
 
     @property
     def ticks(self):
         return self.fwd_micro.shape[0]
 
+    @property
+    def split(self):
+        """Whether the backward is split into B (input gradient) and W (weight gradients)."""
+        return self.w_micro is not None
+
     def in_flight(self):
         """(ticks, stages): micro-batches forwarded through the stage and not yet
         back-propagated, counted between the tick's forward and its backward (its peak)."""
         held = np.zeros((self.ticks, self.stages), np.int64)
+        released = self.released()
         for s in range(self.stages):
             count = 0
             for t in range(self.ticks):
                 count += int(self.fwd_micro[t, s] != IDLE)
                 held[t, s] = count
-                count -= int(self.bwd_micro[t, s] != IDLE)
+                count -= int(released[t, s] != IDLE)
         return held
 
+    def released(self):
+        """The micro column of the slot that ends a micro-batch's stay: W where split, else B."""
+        return self.w_micro if self.split else self.bwd_micro
+
     def tick_costs(self, forward=1.0, backward=2.0):
-        """Each tick's cost, its slowest stage's work (a backward about 2 forwards, 3 with full
-        recompute), the last chunk's forward being empty (its backward's tick runs it)."""
+        """(each tick's cost, its slowest stage's work; each stage's work): a backward about 2
+        forwards (3 with full recompute), half of it B and half W where split, the last
+        chunk's forward empty (its backward's tick runs it)."""
         last = self.fwd_repeat == self.repeats - 1
         last &= np.arange(self.stages)[None, :] == self.stages - 1
-        work = forward * ((self.fwd_micro != IDLE) & ~last) + backward * (self.bwd_micro != IDLE)
+        work = forward * ((self.fwd_micro != IDLE) & ~last)
+        if self.split:
+            halves = (self.bwd_micro != IDLE).astype(float) + (self.w_micro != IDLE)
+            work = work + backward / 2 * halves
+        else:
+            work = work + backward * (self.bwd_micro != IDLE)
         return work.max(axis=1), work.sum(axis=0)
 
     def bubble_fraction(self, forward=1.0, backward=2.0):
@@ -221,12 +248,16 @@ def _pop_first(heap, allowed):
 
 def _with_slots(p, v, m, rows, act_ready, grad_ready):
     """Fill the table's arrays and give every stashed input and pending gradient a slot: the
-    lowest one free from its arrival to its backward."""
+    lowest one free from its arrival to the backward that last reads it (W where a row holds
+    (forward, B, W) per stage: zero_bubble.py's split tables)."""
     ticks = len(rows)
     shape = (ticks, p)
-    arrays = {name: np.full(shape, IDLE, np.int32) for name in COLUMNS}
-    bwd_at = {bwd: t for t, row in enumerate(rows) for _, bwd in row if bwd is not None}
-    fwd_at = {fwd: t for t, row in enumerate(rows) for fwd, _ in row if fwd is not None}
+    split = len(rows[0][0]) == 3
+    names = COLUMNS + (W_COLUMNS if split else ())
+    arrays = {name: np.full(shape, IDLE, np.int32) for name in names}
+    at = [{op[k]: t for t, row in enumerate(rows) for op in row if op[k] is not None}
+          for k in range(len(rows[0][0]))]  # fmt: skip
+    fwd_at, end_at = at[0], at[-1]
     last = p * v - 1
 
     def assign(start, end, skip, recv=None):
@@ -248,21 +279,25 @@ def _with_slots(p, v, m, rows, act_ready, grad_ready):
         return slot_of, max((len(f) for f in free_at), default=0)
 
     # a stage input is read by its forward (the last chunk's by its backward, which runs it)
-    read_at = {key: (bwd_at if key[1] == last else fwd_at)[key] for key in act_ready}
+    read_at = {key: (end_at if key[1] == last else fwd_at)[key] for key in act_ready}
     stash, stash_slots = assign(act_ready, read_at, lambda k: k[1] == 0, 'recv_act_slot')
-    resid, resid_slots = assign(fwd_at, bwd_at, lambda k: k[1] == last)
-    grads, grad_slots = assign(grad_ready, bwd_at, lambda k: k[1] == last, 'recv_grad_slot')
+    resid, resid_slots = assign(fwd_at, end_at, lambda k: k[1] == last)
+    grads, grad_slots = assign(grad_ready, end_at, lambda k: k[1] == last, 'recv_grad_slot')
     for t, row in enumerate(rows):
-        for s, (fwd, bwd) in enumerate(row):
+        for s, (fwd, bwd, *w) in enumerate(row):
             if fwd is not None:
                 arrays['fwd_micro'][t, s], arrays['fwd_repeat'][t, s] = fwd[0], fwd[1] // p
                 arrays['fwd_slot'][t, s] = stash.get(fwd, IDLE) if fwd[1] != last else IDLE
                 arrays['fwd_resid_slot'][t, s] = resid.get(fwd, IDLE)
-            if bwd is not None:
-                arrays['bwd_micro'][t, s], arrays['bwd_repeat'][t, s] = bwd[0], bwd[1] // p
-                arrays['bwd_slot'][t, s] = stash.get(bwd, IDLE) if bwd[1] == last else IDLE
-                arrays['bwd_resid_slot'][t, s] = resid.get(bwd, IDLE)
-                arrays['bwd_grad_slot'][t, s] = grads.get(bwd, IDLE)
+            for prefix, key in (('bwd', bwd), ('w', w[0] if w else None)):
+                if key is not None:
+                    arrays[f'{prefix}_micro'][t, s] = key[0]
+                    arrays[f'{prefix}_repeat'][t, s] = key[1] // p
+                    arrays[f'{prefix}_slot'][t, s] = (
+                        stash.get(key, IDLE) if key[1] == last else IDLE
+                    )
+                    arrays[f'{prefix}_resid_slot'][t, s] = resid.get(key, IDLE)
+                    arrays[f'{prefix}_grad_slot'][t, s] = grads.get(key, IDLE)
     return Schedule(
         stages=p,
         repeats=v,

@@ -41,6 +41,7 @@ from mtnlg_jax.parallel.branches import (
     ACCUMULATE,
     ACCUMULATE_SHARED,
     BACKWARD,
+    BACKWARD_INPUT,
     CHUNK,
     EVAL,
     FIRST,
@@ -49,6 +50,7 @@ from mtnlg_jax.parallel.branches import (
     SLOT_FIRST,
     SLOT_IDLE,
     SLOT_LAST,
+    WEIGHTS,
 )
 from mtnlg_jax.parallel import stage_functions as side
 from mtnlg_jax.parallel.residuals import join_vjp, split_vjp
@@ -77,6 +79,7 @@ class Stage:
     layout: Any
     handoff_axes: tuple
     stage_layers: Any = None  # stage_order.StageLayers of unequal stages (None: equal)
+    split: bool = False  # the table splits the backward into B and W (zero_bubble.py)
 
     @property
     def with_grads(self):
@@ -114,11 +117,17 @@ class Stage:
     def input(self, kind, shared, h, micro):
         """Chunk 0's input is the embedding (recomputed, never stashed), others' the stashed
         hand-off, gathered over 'tensor'."""
+
+        def first():
+            x = constrain(self.fns.embed(shared, self.batch.at(micro)), ACTIVATION_AXES)
+            if self.split:  # h's gradient, zero here, laid out as the other branch's: B's
+                # VJP keeps only that gradient, and XLA insists on one layout (sequence parallel)
+                x = jnp.where(kind == SLOT_FIRST, x, constrain(h, ACTIVATION_AXES))
+            return x
+
         with jax.named_scope(FIRST):
             return jax.lax.cond(  # both branches laid out alike: XLA insists
-                kind == SLOT_FIRST,
-                lambda: constrain(self.fns.embed(shared, self.batch.at(micro)), ACTIVATION_AXES),
-                lambda: constrain(h, ACTIVATION_AXES),
+                kind == SLOT_FIRST, first, lambda: constrain(h, ACTIVATION_AXES)
             )
 
     def chunk_fn(self, kind, micro, repeat):
@@ -165,14 +174,12 @@ class Stage:
         ran = (fwd.kind != SLOT_IDLE) & (fwd.kind != SLOT_LAST)
         return y, [write(b, fwd.resid_slot, ran, r) for b, r in zip(resids, kept)], values
 
-    def backward(self, bwd, sums, stash, resids, grad_buf):
+    def backward(self, bwd, sums, stash, resids, grad_buf, part='both'):
         """One chunk's backward (branches.Backward) through the VJP its forward kept; the last
         chunk runs its forward here, then final norm, head and loss, whose gradient starts the
-        VJP. Without gradients: the last chunk's loss only."""
-        h, g = stash[bwd.slot], grad_buf[bwd.grad_slot]
-        # the slot's residuals, read here: a conditional handed the whole buffers would copy
-        # them (XLA:CPU does), a slice is what the branch needs
-        kept = [jax.lax.dynamic_index_in_dim(b, bwd.resid_slot, 0, False) for b in resids]
+        VJP. Without gradients: the last chunk's loss only. part 'weights': a split backward's
+        W, the parameters' gradients only (no loss, no side values, the fill as dx)."""
+        h, g, kept = self.slot_inputs(bwd, stash, resids, grad_buf)
         if not self.with_grads:
             with jax.named_scope(EVAL), jax.named_scope(LAST):
                 return jax.lax.cond(
@@ -181,14 +188,14 @@ class Stage:
                     lambda: (sums, self.fill),
                 )
         if len(self.chunks) == 1:
-            return self.backward_one_chunk(bwd, sums, h, g, kept)
+            return self.backward_one_chunk(bwd, sums, h, g, kept, part)
         # The conditional returns this tick's gradients, never the accumulators: handed
         # through one, XLA:GPU copies every fp32 accumulator in both branches, every tick.
         acc_blocks, acc_shared, loss, acc_values = sums
         idle = bwd.kind == SLOT_IDLE
-        with jax.named_scope(BACKWARD):
+        with jax.named_scope(BACKWARD if part == 'both' else WEIGHTS):
             d_chunk, d_shared, value, values, dx = jax.lax.cond(
-                idle, self.no_gradients, lambda: self.pull_back(bwd, h, g, kept)
+                idle, self.no_gradients, lambda: self.pull_back(bwd, h, g, kept, part)
             )
         with jax.named_scope(ACCUMULATE):
             acc_blocks = tuple(
@@ -198,7 +205,32 @@ class Stage:
         acc_shared = self.add_shared(bwd, acc_shared, d_shared)
         return (acc_blocks, acc_shared, loss + value, self.combine(acc_values, values)), dx
 
-    def backward_one_chunk(self, bwd, sums, h, g, kept):
+    def slot_inputs(self, bwd, stash, resids, grad_buf):
+        """(the last chunk's stashed input, the output's gradient, the residuals) a backward
+        slot reads: the slot's residuals read here, since a conditional handed the whole
+        buffers would copy them (XLA:CPU does); a slice is what the branch needs."""
+        kept = [jax.lax.dynamic_index_in_dim(b, bwd.resid_slot, 0, False) for b in resids]
+        return stash[bwd.slot], grad_buf[bwd.grad_slot], kept
+
+    def backward_input(self, bwd, sums, stash, resids, grad_buf):
+        """A split backward's B: the stage input's gradient only, through the VJP its forward
+        kept (the last chunk: its forward, head and loss first, whose loss and side values
+        are added to sums); the weights' gradients wait for W (backward, part 'weights')."""
+        h, g, kept = self.slot_inputs(bwd, stash, resids, grad_buf)
+        acc_blocks, acc_shared, loss, acc_values = sums
+
+        def run():
+            return self.pull_back(bwd, h, g, kept, 'input')[2:]
+
+        def idle():
+            return self.no_gradients()[2:]
+
+        nothing = (bwd.kind == SLOT_IDLE) | (bwd.kind == SLOT_FIRST)  # chunk 0's: no one's input
+        with jax.named_scope(BACKWARD_INPUT):
+            value, values, dx = jax.lax.cond(nothing, idle, run)
+        return (acc_blocks, acc_shared, loss + value, self.combine(acc_values, values)), dx
+
+    def backward_one_chunk(self, bwd, sums, h, g, kept, part='both'):
         """One chunk a stage: its accumulators are added to inside the backward's conditional,
         whose idle (true) branch hands them through, so an idle tick writes no zero gradient
         of the chunk's size. The shared accumulators stay outside it: added to in a nested
@@ -209,10 +241,10 @@ class Stage:
             return acc, *self.no_gradients()[1:]
 
         def run(acc):
-            d_chunk, *rest = self.pull_back(bwd, h, g, kept)
+            d_chunk, *rest = self.pull_back(bwd, h, g, kept, part)
             return add(acc, d_chunk), *rest
 
-        with jax.named_scope(BACKWARD):
+        with jax.named_scope(BACKWARD if part == 'both' else WEIGHTS):
             acc, d_shared, value, values, dx = jax.lax.cond(
                 bwd.kind == SLOT_IDLE, idle, run, acc_blocks[0]
             )
@@ -249,14 +281,16 @@ class Stage:
         value, values = self.on_chunk(bwd.repeat, last_chunk)
         return (acc_blocks, acc_shared, loss + value, self.combine(acc_values, values)), self.fill
 
-    def pull_back(self, bwd, h, g, kept_earlier):
+    def pull_back(self, bwd, h, g, kept_earlier, part='both'):
         """(the chunk's gradients, the shared parameters', the loss (0 but for the last
         chunk), the last chunk's side values (the identities but for it: a forward slot
         accumulated the others'), the stage input's gradient), gradients in the compute dtype
         (the accumulators take them in fp32). The VJP's cotangent of the side values is 1 for
         a differentiable one, 0 for the others (stage_functions.objective). Each branch
         applies its own VJP: a branch that handed the stashed residuals through would have
-        XLA copy them in both."""
+        XLA copy them in both. part 'input' (B) or 'weights' (W) of a split backward: what
+        the other part alone needs is left out (zeros, no loss, the fill), so XLA drops the
+        work of it."""
         d_values = side.cotangents(self.fns.values)
 
         def on(chunk, repeat):
@@ -286,7 +320,19 @@ class Stage:
                 return d_chunk, d_shared, jnp.zeros((), jnp.float32), no_values, d_h
 
             with jax.named_scope(LAST):
-                return jax.lax.cond(bwd.kind == SLOT_LAST, head, stashed)
+                return jax.lax.cond(bwd.kind == SLOT_LAST, only(head), only(stashed))
+
+        def only(branch):
+            if part == 'both':
+                return branch
+
+            def run():
+                d_chunk, d_shared, value, values, dx = branch()
+                if part == 'input':
+                    return zeros(self.chunks[0]), zeros(self.shared), value, values, dx
+                return d_chunk, d_shared, *self.no_gradients()[2:]
+
+            return run
 
         return self.on_chunk(bwd.repeat, on)
 
@@ -302,7 +348,11 @@ class Stage:
         grad_buf = write(grad_buf, arrivals.grad_slot, arrivals.grad, grad_in)
         y, resids, values = self.forward(row.forward, stash, resids)
         sums = (*sums[:3], self.combine(sums[3], values))  # the forward's side values
-        sums, dx = self.backward(row.backward, sums, stash, resids, grad_buf)
+        if row.weights is None:
+            sums, dx = self.backward(row.backward, sums, stash, resids, grad_buf)
+        else:  # a split backward: B, then W (which may be another micro-batch's)
+            sums, dx = self.backward_input(row.backward, sums, stash, resids, grad_buf)
+            sums, _ = self.backward(row.weights, sums, stash, resids, grad_buf, 'weights')
         p = self.stages
         act_in = self.handoff(y, [(i, (i + 1) % p) for i in range(p)])
         grad_in = self.handoff(dx, [(i, (i - 1) % p) for i in range(p)])

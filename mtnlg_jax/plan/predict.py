@@ -234,10 +234,15 @@ def _timeline(config, forward, backward, handoff):
     fwd_last = (table.fwd_repeat == table.repeats - 1) & last
     bwd_last = (table.bwd_repeat == table.repeats - 1) & last
     fwd_busy, bwd_busy = table.fwd_micro != IDLE, table.bwd_micro != IDLE
+    if table.split:  # B and W slots (zero_bubble.py): half the backward each, as the table
+        w_last = (table.w_repeat == table.repeats - 1) & last
+        bwd_busy = np.stack([bwd_busy, table.w_micro != IDLE]) / 2
+        bwd_last = np.stack([bwd_last, w_last])
     per_stage, tick = {}, 0.0
     for k in COMPONENTS:
         cost = np.where(fwd_last, forward[k][1], forward[k][0]) * fwd_busy
-        cost = cost + np.where(bwd_last, backward[k][1], backward[k][0]) * bwd_busy
+        backward_cost = np.where(bwd_last, backward[k][1], backward[k][0]) * bwd_busy
+        cost = cost + (backward_cost.sum(axis=0) if table.split else backward_cost)
         per_stage[k] = cost.sum(axis=0)
         if k != 'flops':
             tick = tick + cost
