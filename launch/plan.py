@@ -119,8 +119,6 @@ def main(argv):
         fail(f'--cluster {args.cluster!r} is not one of {", ".join(CLUSTERS)}')
     if args.json is not None:
         cli.check_output(args.json, '--json', make=True)
-    if args.config.model.get('moe', {}).get('experts', 0):
-        fail('config key model.moe.experts: the planner does not count a mixture of experts yet')
     if args.search:
         from mtnlg_jax.plan import search  # noqa: PLC0415
 

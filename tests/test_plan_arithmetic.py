@@ -7,7 +7,7 @@ import pytest
 
 import support
 from mtnlg_jax import config as config_lib
-from mtnlg_jax.plan import arithmetic, clusters, comm, report
+from mtnlg_jax.plan import arithmetic, clusters, comm, predict, report
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -148,3 +148,67 @@ def test_every_cluster_has_the_figures_the_estimate_needs():
     for cluster in clusters.CLUSTERS.values():
         assert cluster.peak_tflops['bfloat16'] > 0 and cluster.hbm_bytes in (80e9, 141e9)
         assert cluster.nvlink_bandwidth > cluster.internode_bandwidth > 0
+
+
+def tiny_moe(**mesh):
+    """configs/tiny_moe.py resolved on its own layout; `mesh` then set on the resolved config
+    (mesh.expert > 1 is refused by resolve until expert parallelism: the planner's
+    arithmetic reads the axis already)."""
+    config = config_lib.resolve(config_lib.load(str(ROOT / 'configs/tiny_moe.py')), 8)
+    config.mesh.update(mesh)
+    return config
+
+
+def test_moe_model_flops_count_the_active_parameters_by_hand():
+    """tiny_moe: 4 layers, hidden 256, 8 query heads over 2 key/value heads of 32, 8 SwiGLU
+    experts 352 wide, top 2, untied vocabulary 8192, RMSNorm, no biases."""
+    config = tiny_moe()
+    h, layers, vocab, seq = 256, 4, 8192, 128
+    attention = 2 * h * 8 * 32 + 2 * h * 2 * 32
+    expert = 3 * h * 352
+    outside = 2 * vocab * h + h  # embedding, output layer, final norm
+    per_layer = attention + h * 8 + 2 * h  # + router + 2 norms
+    total = outside + layers * (per_layer + 8 * expert)
+    active = outside + layers * (per_layer + 2 * expert)
+    plan = report.make_plan(config)
+    assert plan['params'] == total == 13_510_912
+    assert plan['moe']['active_params'] == active == 7_022_848
+    assert plan['moe']['routed_expert_params'] == layers * 8 * expert
+    tokens = config.train.global_batch * seq
+    assert plan['model_flops_per_step'] == (6 * active + 12 * layers * h * seq) * tokens
+    # Megatron's hardware count: the active matmul weights, recompute included (remat full)
+    matmuls = layers * (attention + h * 8 + 2 * expert)
+    hardware = 96 * tokens * (matmuls / 12 + layers * seq * h / 6 + h * vocab / 16)
+    assert plan['hardware_flops_per_step'] == pytest.approx(hardware)
+
+
+def test_expert_ranks_divide_the_expert_weights_and_nothing_else():
+    one, two = tiny_moe(), tiny_moe(expert=2)
+    experts_one, experts_two = arithmetic.expert_bytes(one), arithmetic.expert_bytes(two)
+    # split over stage 2 and tensor 2 already, over expert 2 too: halved
+    assert experts_two['params'] * 2 == experts_one['params'] > 0
+    assert experts_one['params'] == 4 * 8 * 3 * 256 * 352 * 4 / 4  # fp32, / (stage x tensor)
+    rest = [arithmetic.local_param_counts(c, routed_experts=False) for c in (one, two)]
+    assert rest[0] == rest[1]
+    assert arithmetic.local_param_counts(two)[0] == rest[1][0] + experts_two['params'] / 4
+
+
+def test_all_to_all_over_expert_is_twice_a_layer_forward_and_twice_backward():
+    """No pipeline, no recompute: m micro-batches x L layers x 4 all-to-alls of the b s k
+    rows of hidden h, (x - 1) / x of them leaving the device."""
+    config = tiny_moe(expert=4, stage=1)
+    config.model.remat = 'none'
+    config.pipeline.repeats = 1
+    b, s, k, h, m = config.train.micro_batch, 128, 2, 256, config.train.micro_steps
+    want = m * 4 * 4 * b * s * k * h * 4 * 3 / 4
+    assert comm.comm_bytes_per_device(config)['all-to-all'] == {'expert': want}
+    assert 'all-to-all' not in comm.comm_bytes_per_device(tiny_moe())  # one expert rank
+
+
+def test_the_prediction_charges_the_all_to_all_and_the_load_imbalance():
+    cluster = clusters.CLUSTERS['h100-80gb']
+    one = predict.step_time(tiny_moe(), cluster)
+    two = predict.step_time(tiny_moe(expert=2), cluster)
+    assert one['expert_comm_s'] == 0.0 and two['expert_comm_s'] > 0.0
+    assert two['load_imbalance'] == predict.LOAD_IMBALANCE > 1
+    assert two['compute_s'] > one['compute_s']  # the most loaded rank's matmuls waited for

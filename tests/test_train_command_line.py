@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from support import ROOT, SMALL_MODEL, launch_in_process, run_train
+from support import ROOT, SMALL_MODEL, TRAIN_ENV, launch_in_process, run_train, train_args
 
 
 def untouched(workdir):
@@ -176,3 +176,67 @@ def test_a_short_run_writes_metrics_events_and_a_loss_curve(tmp_path, token_data
 
     assert (workdir / 'loss.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
     assert list((workdir / 'tensorboard').glob('events.out.tfevents.*'))
+
+
+def tensorboard_tags(folder):
+    """{tag: [(step, value)]} of the scalar events tensorboardX wrote under `folder` (TFRecord
+    framing: length, its CRC, the Event, its CRC)."""
+    from tensorboardX.proto import event_pb2  # noqa: PLC0415
+
+    tags = {}
+    for path in folder.glob('events.out.tfevents.*'):
+        data = path.read_bytes()
+        at = 0
+        while at < len(data):
+            length = int.from_bytes(data[at : at + 8], 'little')
+            event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
+            at += 12 + length + 4
+            for value in event.summary.value:
+                tags.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return tags
+
+
+def test_a_mixture_of_experts_run_logs_each_layers_expert_load(tmp_path, token_data):
+    """The reporter's MoE figures: every layer's largest expert load over the mean and the
+    dropped share in metrics.jsonl, tensorboard (one tag a layer) and the run's own output
+    (the progress bar's load and drop, a line by layer beside the validation loss); the
+    banner names the experts and the active parameters."""
+    workdir = tmp_path / 'run'
+    args = train_args(
+        workdir,
+        *SMALL_MODEL,
+        '--config.model.num_layers=2',
+        '--config.model.moe.experts=4',
+        '--config.model.moe.top_k=2',
+        '--config.model.moe.ffn_hidden=32',
+        '--config.model.moe.capacity_factor=1.0',
+        '--config.train.steps=4',
+        '--config.train.log_every=2',
+        '--config.train.eval_every=4',
+        '--config.train.eval_batches=1',
+        data=token_data,
+    )
+    # two compiles (train, eval) of a mixture of experts: minutes on a loaded CI machine
+    result = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=TRAIN_ENV,
+                            timeout=900)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert 'experts      4 routed, top 2 (softmax router, capacity 1)' in result.stdout
+    layer_line = [line for line in result.stdout.splitlines() if 'expert load max / mean' in line]
+    assert len(layer_line) == 1 and layer_line[0].startswith('step 4: expert load'), layer_line
+    assert len(layer_line[0].split('by layer ')[1].split(';')[0].split()) == 2  # 2 layers
+    assert 'load=' in result.stderr and 'drop=' in result.stderr  # tqdm's bar
+
+    records = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+    train = [r for r in records if not r.get('eval')]
+    for record in train:
+        loads = record['moe_layer_load_max_over_mean']
+        assert len(loads) == 2 and all(1.0 <= x <= 4.0 for x in loads)
+        assert record['moe_load_max_over_mean'] == pytest.approx(max(loads), abs=1e-4)
+        assert 0.0 <= record['moe_dropped_fraction'] < 1.0
+
+    tags = tensorboard_tags(workdir / 'tensorboard')
+    for tag in ('train/moe_load_max_over_mean', 'train/moe_dropped_fraction',
+                *(f'train/moe_layer_load_max_over_mean/layer_{i}' for i in range(2))):  # fmt: skip
+        assert [step for step, _ in tags[tag]] == [2, 4], tag
+    last = [tags[f'train/moe_layer_load_max_over_mean/layer_{i}'][-1][1] for i in range(2)]
+    assert last == pytest.approx(train[-1]['moe_layer_load_max_over_mean'], abs=1e-4)

@@ -1,13 +1,14 @@
 """What the model computes: its parameter count and its model FLOPs per token (for MFU), from
 a model config's shapes alone (GPT-3's block and Llama's: GQA, SwiGLU, untied, no biases).
-A mixture of experts' model FLOPs count the active parameters (`active_params`); the
-shape-only counts (param_count, layer_matmul_params: the planner's) refuse it for now."""
+A mixture of experts' model FLOPs count the active parameters (`active_params`): the
+router, the shared experts and top_k of the routed experts a layer; param_count counts every
+expert, layer_matmul_params (what a token's forward multiplies) the active ones."""
 
 import math
 
 import jax
 
-from mtnlg_jax.config import ConfigError, moe_ffn_hidden
+from mtnlg_jax.config import moe_ffn_hidden, shared_ffn_hidden
 from mtnlg_jax.model.layers import attention_dims
 from mtnlg_jax.model.moe import experts_of
 
@@ -21,21 +22,13 @@ def mlp_matrices(model_cfg):
     return 3 if model_cfg.get('mlp', 'gelu') == 'swiglu' else 2
 
 
-def _dense_only(model_cfg):
-    if experts_of(model_cfg):
-        raise ConfigError(
-            'model.moe.experts', 'the planner does not count a mixture of experts yet'
-        )
-
-
 def inactive_params(model_cfg):
     """The routed experts' parameters a token does not use: (experts - top_k) experts' MLP
     matrices a layer (0 for a dense model)."""
     experts = experts_of(model_cfg)
     if not experts:
         return 0
-    expert = mlp_matrices(model_cfg) * model_cfg.hidden * moe_ffn_hidden(model_cfg)
-    return model_cfg.num_layers * (experts - model_cfg.moe.top_k) * expert
+    return model_cfg.num_layers * (experts - model_cfg.moe.top_k) * expert_params(model_cfg)
 
 
 def active_params(model_cfg, num_params):
@@ -43,29 +36,55 @@ def active_params(model_cfg, num_params):
     return num_params - inactive_params(model_cfg)
 
 
-def layer_matmul_params(model_cfg):
+def expert_params(model_cfg):
+    """One routed expert's weights: the block's MLP matrices at model.moe.ffn_hidden (no
+    biases: model/moe.py)."""
+    return mlp_matrices(model_cfg) * model_cfg.hidden * moe_ffn_hidden(model_cfg)
+
+
+def mlp_matmul_params(model_cfg, active=True):
+    """One block's MLP matmul weights: the dense MLP's (h x f each); a mixture of experts'
+    router (h x X), shared experts' MLP and routed experts, top_k of them (active) or all."""
+    h = model_cfg.hidden
+    experts = experts_of(model_cfg)
+    if not experts:
+        return mlp_matrices(model_cfg) * h * model_cfg.ffn_hidden
+    routed = model_cfg.moe.top_k if active else experts
+    shared = mlp_matrices(model_cfg) * h * shared_ffn_hidden(model_cfg)
+    return h * experts + shared + routed * expert_params(model_cfg)
+
+
+def layer_matmul_params(model_cfg, active=True):
     """One block's matmul weights: Q and out (h x H D each), K and V (h x K D each), the MLP's
-    matrices (h x f each). GPT-3 with f = 4 h: 12 h^2."""
-    _dense_only(model_cfg)
+    (mlp_matmul_params: a mixture of experts' active ones unless active=False). GPT-3 with
+    f = 4 h: 12 h^2."""
     heads, kv_heads, head_dim = attention_dims(model_cfg)
     h = model_cfg.hidden
     attention = 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim
-    return attention + mlp_matrices(model_cfg) * h * model_cfg.ffn_hidden
+    return attention + mlp_matmul_params(model_cfg, active)
+
+
+def mlp_biases(model_cfg, width):
+    """The biases of a dense MLP of `width` (model.bias): its inner ones and the output's."""
+    return (mlp_matrices(model_cfg) - 1) * width + model_cfg.hidden
 
 
 def param_count(model_cfg):
     """Parameters of the model (padded vocabulary included), from its shapes. GPT-3's block:
     V h + s h + 2 h + L (4 h^2 + 2 h f + 9 h + f); in general the matmul weights, the biases
     (model.bias), the norms' scales (and LayerNorm's biases), the token embedding, the output
-    layer when untied and the position table when learned."""
-    _dense_only(model_cfg)
+    layer when untied and the position table when learned. A mixture of experts: every
+    routed expert, the router and the shared experts' MLP (its biases with model.bias) in the
+    dense MLP's place."""
     heads, kv_heads, head_dim = attention_dims(model_cfg)
-    h, f, vocab = model_cfg.hidden, model_cfg.ffn_hidden, model_cfg.padded_vocab
+    h, vocab = model_cfg.hidden, model_cfg.padded_vocab
     norm = 2 * h if model_cfg.get('norm', 'layernorm') == 'layernorm' else h
     biases = 0
     if model_cfg.get('bias', True):
-        biases = (heads + 2 * kv_heads) * head_dim + h + (mlp_matrices(model_cfg) - 1) * f + h
-    per_layer = layer_matmul_params(model_cfg) + biases + 2 * norm
+        mlp_width = shared_ffn_hidden(model_cfg) if experts_of(model_cfg) else model_cfg.ffn_hidden
+        biases = (heads + 2 * kv_heads) * head_dim + h
+        biases += mlp_biases(model_cfg, mlp_width) if mlp_width else 0
+    per_layer = layer_matmul_params(model_cfg, active=False) + biases + 2 * norm
     outside = vocab * h + norm
     if not model_cfg.get('tie_embeddings', True):
         outside += vocab * h

@@ -4,6 +4,8 @@
 FLOPs:
   model FLOPs per token (PaLM, arXiv 2204.02311, for MFU; recompute not counted):
       6 N + 12 L H Q T
+  (a mixture of experts: N the active parameters, the router, shared experts and top_k of
+  the routed experts a layer: model/counts.py)
   Megatron's hardware FLOPs per step (arXiv 2104.04473) with full recompute:
       96 B s l h^2 (1 + s / (6 h) + V / (16 l h))      (72 instead of 96 without recompute)
 """
@@ -14,6 +16,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from mtnlg_jax import config as config_lib
 from mtnlg_jax.model import counts, gpt
 from mtnlg_jax.model.counts import model_flops_per_token
 from mtnlg_jax.model.layers import attention_dims
@@ -71,17 +74,53 @@ def _local_numel(shape, spec, sizes):
     return total
 
 
-def local_param_counts(config):
+EXPERT_AXIS = 'expert'
+
+
+def is_routed_expert(names):
+    """Whether a parameter of these logical axes is a routed expert's weights (model/moe.py:
+    gate, in and out kernels; the router's kernel is not)."""
+    return 'experts' in names and 'expert_mlp' in names
+
+
+def planned_spec(names):
+    """The rule table's PartitionSpec of a parameter, its routed experts split over 'expert'
+    by expert (parallel/rules.py maps `experts` to nothing until expert parallelism does; the
+    planner splits them already, so a config's mesh.expert divides the expert weights)."""
+    spec = list(rules.logical_to_spec(names)) + [None] * len(names)
+    spec = spec[: len(names)]
+    taken = {a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())}
+    if is_routed_expert(names) and EXPERT_AXIS not in taken:
+        spec[names.index('experts')] = EXPERT_AXIS
+    return jax.sharding.PartitionSpec(*spec)
+
+
+def local_param_counts(config, routed_experts=None):
     """(compute-copy elements per device, ZeRO-shard elements per device): the rule table's
-    split (tensor, stage) and, for the fp32 state, ZeRO-1's over data (parallel/rules.py)."""
+    split (tensor, stage; routed experts over expert: planned_spec) and, for the fp32 state,
+    ZeRO-1's over data (parallel/rules.py). routed_experts True / False: a mixture of
+    experts' routed expert weights only / everything else; None: all."""
     params, axes = abstract_params(config.model)
     sizes = mesh_sizes(config)
     compute = zero = 0
     for leaf, names in zip(jax.tree.leaves(params), jax.tree.leaves(axes, is_leaf=_is_axes)):
-        spec = rules.logical_to_spec(names)
+        if routed_experts is not None and routed_experts != is_routed_expert(names):
+            continue
+        spec = planned_spec(names)
         compute += _local_numel(leaf.shape, spec, sizes)
         zero += _local_numel(leaf.shape, rules.state_spec(spec, leaf.shape, sizes), sizes)
     return compute, zero
+
+
+def expert_bytes(config):
+    """Bytes per device of a mixture of experts' routed expert weights, split over tensor
+    (each expert's width), stage (its layers) and expert (the experts): the compute copy,
+    its step's gradients and the fp32 state (state_bytes' parts, experts only; zeros for a
+    dense model)."""
+    compute, zero = local_param_counts(config, routed_experts=True)
+    e = itemsize(config.model.compute_dtype)
+    share = engine_lib.engine(config).block_grads_share
+    return dict(params=compute * e, grads=compute * (share * e + 4), optimizer=zero * 12)
 
 
 def local_shared_params(config, joint=None):
@@ -96,7 +135,7 @@ def local_shared_params(config, joint=None):
     for (path, leaf), names in zip(leaves, jax.tree.leaves(axes, is_leaf=_is_axes)):
         if getattr(path[0], 'key', None) == 'blocks':
             continue
-        spec = rules.logical_to_spec(names)
+        spec = planned_spec(names)
         split = rules.state_spec(spec, leaf.shape, sizes)
         if joint is None or joint == any(rules.is_stage_zero(a) for a in split):
             total += _local_numel(leaf.shape, spec, sizes)
@@ -139,6 +178,18 @@ def engine_table(config, micro_steps=None):
     return engine_lib.engine(config).table(micro_steps or config.train.micro_steps)
 
 
+def mlp_width(model_cfg):
+    """The MLP width one token's activations have: model.ffn_hidden; a mixture of experts'
+    top_k routed experts' and the shared experts' (the grouped matmuls' rows are the
+    token's k choices; the router's logits and the dispatch's index arrays are not counted)."""
+    if not counts.experts_of(model_cfg):
+        return model_cfg.ffn_hidden
+    moe = model_cfg.moe
+    return moe.top_k * config_lib.moe_ffn_hidden(model_cfg) + config_lib.shared_ffn_hidden(
+        model_cfg
+    )
+
+
 def layer_activation_bytes(model_cfg, rows, tensor, remat, fused_attention=False, context=1):
     """Bytes one layer keeps for its backward pass, per micro-batch of `rows` sequences.
     fused_attention: a fused kernel (cuDNN, the flash kernel) keeps its fp32 log-sum-exp
@@ -172,9 +223,9 @@ def layer_activation_bytes(model_cfg, rows, tensor, remat, fused_attention=False
     if remat == 'full':
         return s * rows * h * e / residual
     if remat == 'selective':
-        saved_mlp = model_cfg.ffn_hidden * (2 if swiglu else 1)
+        saved_mlp = mlp_width(model_cfg) * (2 if swiglu else 1)
         return s * rows * (2 * h * e / residual + (split + saved_mlp) * e / tensor)
-    f = model_cfg.ffn_hidden * (3 if swiglu else 2)
+    f = mlp_width(model_cfg) * (3 if swiglu else 2)
     kept = s * rows * (6 * h * e / residual + (split + f) * e / tensor)
     core = a * s * rows * 4 if fused_attention else a * s * whole * rows * (4 + e)
     if context > 1:

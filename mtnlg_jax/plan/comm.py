@@ -35,11 +35,18 @@ formulas of the literature (ring algorithms: an all-reduce of S bytes over n dev
                  devices) for the parameters every stage holds, which sums the stages' shares
                  too (without data parallelism: one all-reduce over stage of them, in fp32)
 
+    expert  (x)  a mixture of experts' dispatch and combine: per MoE layer and micro-batch, an
+                 all-to-all of the micro-batch's tokens' k choices, (b s k, h) rows, to their
+                 experts' ranks and one back, forward, and two backward (their gradients),
+                 run as often as the tensor all-reduces of a layer (recompute included): each
+                 device sends (x-1)/x of the rows, a tensor rank its own copy
+
 Scalars (loss, gradient norm, the cross-entropy's (b, s) reductions over the vocabulary) are
 left out: kilobytes against gigabytes.
 """
 
 from mtnlg_jax.model.layers import attention_dims
+from mtnlg_jax.model.moe import experts_of
 from mtnlg_jax.parallel import engine as engine_lib
 from mtnlg_jax.plan.arithmetic import (
     chunk_slots,
@@ -113,6 +120,18 @@ def layer_passes(config):
     return iterations / repeats, micro // stages if micro % stages == 0 else micro
 
 
+def all_to_all_bytes(config, table=None):
+    """Bytes one device sends per step by the all-to-alls over 'expert' of a mixture of
+    experts (the module docstring; 0 for a dense model or at mesh.expert 1)."""
+    model, x = config.model, config.mesh.expert
+    if not experts_of(model) or x <= 1:
+        return 0.0
+    rows = config.train.micro_batch * model.seq_len * model.moe.top_k
+    payload = rows * model.hidden * itemsize(model.compute_dtype)
+    runs, _, _ = _tensor_runs(config, engine_table(config) if table is None else table)
+    return runs * (x - 1) / x * payload
+
+
 def comm_bytes_per_device(config):
     """{kind: {axis: bytes one device sends per step}} (kinds and axes with traffic only)."""
     model, mesh = config.model, config.mesh
@@ -138,6 +157,8 @@ def comm_bytes_per_device(config):
             add('all-gather', 'tensor', gathers * _ring('all-gather', activation, mesh.tensor))
         runs = edge_runs + (0 if sequence_parallel else layer_runs)
         add('all-reduce', 'tensor', runs * _ring('all-reduce', activation, mesh.tensor))
+    if all_to_all_bytes(config, table):
+        add('all-to-all', 'expert', all_to_all_bytes(config, table))
     engine = engine_lib.engine(config)
     compute, _ = local_param_counts(config)
     # what every stage holds: ZeRO-1 over ('stage', 'data') together where it splits so

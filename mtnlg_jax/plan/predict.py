@@ -16,6 +16,15 @@ tensor t, compute dtype of e bytes):
                 (inside a node) or the network, waited for (the documented exposure rule:
                 each layer needs its own sum; a GPU compile's overlap table may say otherwise)
 
+    experts    a mixture of experts (model/moe.py): the matmuls above count the active weights
+                (the router, the shared experts, top_k routed experts: model/counts.py); over
+                mesh.expert x > 1 the routed experts' matmuls wait for the most loaded rank,
+                charged as LOAD_IMBALANCE x their balanced time, and 2 all-to-alls of the
+                tokens' k choices, (b s k, h) rows of which (x - 1) / x leave the device,
+                are waited for as the tensor collectives are (plan/comm.py); at x = 1 every
+                expert runs on every device one after another and the spread of the load
+                costs nothing
+
     matmul(w) = matmul_efficiency x w / (w + matmul_knee): wide matmuls reach a fixed
                 fraction of peak, narrow ones (a small width per device after the tensor
                 split, a small head dimension) less; elementwise work moves bytes at
@@ -51,12 +60,18 @@ import numpy as np
 
 from mtnlg_jax.model import block, counts
 from mtnlg_jax.model.layers import attention_dims
+from mtnlg_jax.model.moe import experts_of
 from mtnlg_jax.parallel import engine as engine_lib
 from mtnlg_jax.plan import arithmetic, comm
 from mtnlg_jax.plan.arithmetic import itemsize
 from mtnlg_jax.parallel.schedule import IDLE
 
 ADAM_BYTES_PER_PARAM = 30  # read fp32 master, m, v, gradient; write master, m, v; write e copy
+# The largest expert's load over the mean that a mixture of experts' prediction charges
+# (a stated figure, printed with the plan): configs/tiny_moe.py's make train measured 1.35 to
+# 1.86 per layer at steps 90 to 100 (3.9 at step 10), Switch's loss at 0.01, 8 experts
+# (docs/benchmarks.md, "The tiny MoE: planned, compiled, trained"); a longer run's would replace it.
+LOAD_IMBALANCE = 1.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,25 +147,34 @@ class _Rates:
         return size / (bandwidth * self.figures.link_efficiency)
 
 
-def layer_forward(config, rates, exposed, fused_attention=False):
+def layer_forward(config, rates, exposed, fused_attention=False, exposed_experts=1.0):
     """One layer's forward on one device (module docstring): seconds of its computation, of
-    its attention core alone, of the tensor collectives waited for (`exposed` of them), and
-    the FLOPs of all of it and of the attention core."""
+    its attention core alone, of the tensor collectives waited for (`exposed` of them), of a
+    mixture of experts' all-to-alls waited for (`exposed_experts` of them), and the FLOPs of
+    all of it and of the attention core."""
     model, t = config.model, config.mesh.tensor
-    b, s, h, f = config.train.micro_batch, model.seq_len, model.hidden, model.ffn_hidden
+    b, s, h, f = config.train.micro_batch, model.seq_len, model.hidden, arithmetic.mlp_width(model)
     a, e = model.heads, itemsize(model.compute_dtype)
     _, _, head_dim = attention_dims(model)
     split = t if model.sequence_parallel else 1
     matmul_flops = 2 * b * s * counts.layer_matmul_params(model) / t
+    waits, experts = 0.0, 0.0
+    if experts_of(model) and config.mesh.expert > 1:
+        routed = 2 * b * s * model.moe.top_k * counts.expert_params(model) / t
+        waits = rates.matmul(routed, min(b * s, h / t)) * (LOAD_IMBALANCE - 1)
+        group = config.mesh.expert
+        sent = b * s * model.moe.top_k * h * e * (group - 1) / group
+        experts = 2 * rates.link(sent, group) * exposed_experts
     attention_flops = 4 * b * s * s * a * head_dim / t
     scores_bytes = 0.0 if fused_attention else (6 * e + 1) * a * b * s * s / t
     attention = rates.matmul(attention_flops, head_dim) + rates.bytes(scores_bytes)
     mlp_tensors = counts.mlp_matrices(model)  # (s, b, f) tensors read and written: 2 or 3
     elementwise = rates.bytes((10 * e + 2) * b * s * h / split + mlp_tensors * e * b * s * f / t)
     return dict(
-        compute=rates.matmul(matmul_flops, min(b * s, h / t)) + attention + elementwise,
+        compute=rates.matmul(matmul_flops, min(b * s, h / t)) + waits + attention + elementwise,
         attention=attention,
         tensor=2 * rates.link(_ring('all-reduce', b * s * h * e, t), t) * exposed,
+        expert=experts,
         flops=matmul_flops + attention_flops,
         attention_flops=attention_flops,
     )
@@ -169,27 +193,29 @@ def head_forward(config, rates):
     return seconds, flops
 
 
-COMPONENTS = ('compute', 'recompute', 'tensor', 'accumulate', 'flops')
+COMPONENTS = ('compute', 'recompute', 'tensor', 'expert', 'accumulate', 'flops')
 
 
-def slot_costs(config, rates, semantics, exposed, accumulate):
+def slot_costs(config, rates, semantics, exposed, accumulate, exposed_experts=1.0):
     """(forward, backward): {component: [middle chunk, last chunk]} of one slot, seconds (and
-    FLOPs). Components: compute, recompute, tensor (collectives waited for), accumulate (the
-    backward's gradients added to the fp32 accumulators: `accumulate` seconds), flops."""
+    FLOPs). Components: compute, recompute, tensor (collectives waited for), expert (a
+    mixture of experts' all-to-alls waited for), accumulate (the backward's gradients added
+    to the fp32 accumulators: `accumulate` seconds), flops."""
     fused = semantics == 'ours' and fused_attention(config.model, rates.cluster)
-    layer = layer_forward(config, rates, exposed, fused)
+    layer = layer_forward(config, rates, exposed, fused, exposed_experts)
     n = arithmetic.chunk_slots(config)
     again, again_flops = {
-        'full': (layer['compute'] + layer['tensor'], layer['flops']),
+        'full': (layer['compute'] + layer['tensor'] + layer['expert'], layer['flops']),
         'selective': (layer['attention'], layer['attention_flops']),
         'none': (0.0, 0.0),
     }[config.model.remat]
     head, head_flops = head_forward(config, rates)
-    run = dict(compute=n * layer['compute'], tensor=n * layer['tensor'], flops=n * layer['flops'])
+    run = {k: n * layer[k] for k in ('compute', 'tensor', 'expert', 'flops')}
     forward = dict(run, recompute=0.0, accumulate=0.0)
     backward = dict(
         compute=2 * run['compute'],
         tensor=run['tensor'],
+        expert=run['expert'],
         recompute=n * again,
         accumulate=accumulate,
         flops=2 * run['flops'] + n * again_flops,
@@ -283,7 +309,12 @@ def step_time(config, cluster, figures=None, semantics='ours', overlap=None, cou
     if semantics == 'ours':  # bf16 gradients read, fp32 accumulators read and written
         accumulate = rates.bytes((e + 8) * counts['compute'] / config.pipeline.repeats)
     forward, backward = slot_costs(
-        config, rates, semantics, exposed(tensor_kind, 'tensor'), accumulate
+        config,
+        rates,
+        semantics,
+        exposed(tensor_kind, 'tensor'),
+        accumulate,
+        exposed('all-to-all', 'expert'),
     )
     handoff = 0.0
     replica = mesh.stage * mesh.tensor
@@ -296,7 +327,7 @@ def step_time(config, cluster, figures=None, semantics='ours', overlap=None, cou
         )
         handoff *= exposed('collective-permute', 'stage')
     work, pipeline_s, flops = _timeline(config, forward, backward, handoff)
-    devices = mesh.data * replica
+    devices = mesh.data * mesh.expert * replica  # expert ranks replicate all but the experts
 
     def per_step(axis, kinds, group):
         return sum(
@@ -319,6 +350,8 @@ def step_time(config, cluster, figures=None, semantics='ours', overlap=None, cou
         compute_s=work['compute'],
         recompute_s=work['recompute'],
         tensor_comm_s=work['tensor'],
+        expert_comm_s=work['expert'],
+        load_imbalance=LOAD_IMBALANCE if experts_of(model) else None,
         accumulate_s=work['accumulate'],
         pipeline_comm_s=pipeline_comm_s,
         bubble_s=max(handoffs - pipeline_comm_s, 0.0),

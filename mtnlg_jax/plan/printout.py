@@ -18,12 +18,42 @@ def predicted_line(step):
     return (
         f'  predicted  {step["predicted_step_s"]:.3f} s per step = compute '
         f'{step["compute_s"]:.3f} + recompute {step["recompute_s"]:.3f} + tensor '
-        f'{step["tensor_comm_s"]:.3f} + accumulate {step["accumulate_s"]:.3f} + pipeline '
+        f'{step["tensor_comm_s"]:.3f} + {moe_part(step)}accumulate {step["accumulate_s"]:.3f} '
+        f'+ pipeline '
         f'{step["pipeline_comm_s"]:.3f} + bubble {step["bubble_s"]:.3f} + data '
         f'{step["data_comm_s"] + step["stage_comm_s"]:.3f} + optimizer '
         f'{step["optimizer_s"]:.3f}; {step["tflops_per_gpu"]:.1f} TFLOP/s per GPU, MFU '
         f'{100 * step["mfu"]:.1f} % ({step["efficiency"]["source"]}; docs/planner.md)'
     )
+
+
+def moe_part(step):
+    """A mixture of experts' term of the predicted line: the all-to-all waited for, and the
+    load imbalance charged ('' for a dense model)."""
+    if step.get('load_imbalance') is None:
+        return ''
+    return (
+        f'all-to-all {step["expert_comm_s"]:.3f} (load imbalance {step["load_imbalance"]:g} '
+        f'charged over expert ranks) + '
+    )
+
+
+def moe_lines(plan):
+    """The plan's mixture-of-experts lines ([] for a dense model)."""
+    moe = plan.get('moe')
+    if moe is None:
+        return []
+    held = moe['expert_bytes_per_device']
+    sent = ', '.join(f'{axis} {_gib(n)}' for axis, n in moe['all_to_all_bytes_per_device'].items())
+    return [
+        f'experts      {moe["experts"]} routed, top {moe["top_k"]}, over {moe["expert_ranks"]} '
+        f'expert rank(s): {moe["active_params"] / 1e9:.4f} B active of {moe["params"] / 1e9:.4f} '
+        f'B parameters ({moe["routed_expert_params"] / 1e9:.4f} B in routed experts)',
+        f'  per device routed experts: params {_gib(held["params"])}, grads '
+        f'{_gib(held["grads"])}, optimizer {_gib(held["optimizer"])}; all-to-all per step: '
+        f'{sent or "none (one expert rank)"}; load imbalance {moe["load_imbalance"]:g} '
+        f'({moe["load_imbalance_source"]})',
+    ]
 
 
 def lines(plan):
@@ -36,13 +66,16 @@ def lines(plan):
         f'remat {c["remat"]}',
         f'mesh         data {mesh["data"]} x stage {mesh["stage"]} x '
         + (f'context {mesh["context"]} x ' if 'context' in mesh else '')
-        + f'tensor {mesh["tensor"]}, '
+        + f'tensor {mesh["tensor"]}'
+        + (f' x expert {mesh["expert"]}' if mesh.get('expert', 1) > 1 else '')
+        + ', '
         f'pipeline repeats {c["repeats"]}; global batch {c["global_batch"]} = micro_batch '
         f'{c["micro_batch"]} x data {mesh["data"]} x {c["micro_steps"]} micro-steps',
         'per device   ' + ', '.join(f'{k} {_gib(per_device[k])}' for k in PER_DEVICE_KEYS),
         '  activations ' + ', '.join(f'{k} {_gib(v)}' for k, v in plan['activation_bytes'].items()),
         f'FLOPs        model {plan["model_flops_per_step"]:.4g} per step (6N + 12LHQT per '
         f'token); Megatron hardware {plan["hardware_flops_per_step"]:.4g}',
+        *moe_lines(plan),
     ]
     compiled = plan.get('compiled')
     reference = (compiled or {}).get('planned_as_compiled') or plan
@@ -125,7 +158,8 @@ def lines(plan):
         raw = compiled['cost_analysis_flops']
         out.append(
             f'  FLOPs      {compiled["flops"]:.4g} per device per step in matmuls (loops x trip '
-            f'counts): {compiled["flops_vs_model"]:.2f} x model FLOPs / devices '
+            f'counts): {compiled["flops_vs_model"]:.2f} x model FLOPs / devices, '
+            f'{compiled["flops_vs_hardware"]:.2f} x Megatron\'s hardware FLOPs / devices '
             f'(cost_analysis: {"n/a" if raw is None else format(raw, ".4g")}, loop bodies once)'
         )
         out += gpu_lines(compiled)

@@ -5,6 +5,7 @@
     add_compiled(plan, compiled, info)                 + memory_analysis, collectives, FLOPs
 """
 
+from mtnlg_jax.model import counts
 from mtnlg_jax.parallel import branches
 from mtnlg_jax.plan import (
     arithmetic,
@@ -49,11 +50,35 @@ def make_plan(config, cluster=None):
         hardware_flops_per_step=hardware,
         comm_bytes_per_device=communication,
     )
+    if counts.experts_of(config.model):
+        plan['moe'] = moe_figures(config, plan['params'])
     if cluster is not None:
         plan['cluster'] = clusters.estimate(
             clusters.CLUSTERS[cluster], config, per_device['total'], hardware, communication
         )
     return plan
+
+
+def moe_figures(config, params):
+    """A mixture of experts' part of the plan: its routing, total and active parameters, the
+    routed experts' bytes per device (split over expert, tensor and stage) and the
+    all-to-all bytes one device sends per step by axis, and the load imbalance the
+    prediction charges (predict.LOAD_IMBALANCE, a stated figure)."""
+    model = config.model
+    all_to_all = comm.all_to_all_bytes(config)
+    return dict(
+        experts=model.moe.experts,
+        top_k=model.moe.top_k,
+        expert_ranks=config.mesh.expert,
+        params=params,
+        active_params=counts.active_params(model, params),
+        routed_expert_params=model.num_layers * model.moe.experts * counts.expert_params(model),
+        expert_bytes_per_device=arithmetic.expert_bytes(config),
+        all_to_all_bytes_per_device={'expert': all_to_all} if all_to_all else {},
+        load_imbalance=predict.LOAD_IMBALANCE,
+        load_imbalance_source='a stated figure (plan/predict.py LOAD_IMBALANCE), charged at '
+        'mesh.expert > 1',
+    )
 
 
 def cpu_equivalent(config):
@@ -71,7 +96,7 @@ def config_summary(config):
     """The parts of a resolved config that the figures depend on."""
     mesh = config.mesh
     return dict(
-        mesh=dict(data=mesh.data, stage=mesh.stage, tensor=mesh.tensor)
+        mesh=dict(data=mesh.data, stage=mesh.stage, tensor=mesh.tensor, expert=mesh.expert)
         | ({'context': mesh.context} if mesh.get('context', 1) > 1 else {}),
         repeats=config.pipeline.repeats,
         global_batch=config.train.global_batch,
@@ -99,6 +124,7 @@ def add_compiled(plan, config, compiled, info, notes=(), target=None):
         memory,
         flops=flops,
         flops_vs_model=flops * devices / arithmetic.model_flops_per_step(config),
+        flops_vs_hardware=flops * devices / arithmetic.hardware_flops_per_step(config),
         cost_analysis_flops=compile_lib.flops(compiled),
         compile_s=info['compile_s'],
         devices=int(devices),

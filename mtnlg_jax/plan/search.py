@@ -224,7 +224,13 @@ def _gib(n):
 
 def _row(rank, entry):
     s = entry['step']
-    comm = s['tensor_comm_s'] + s['pipeline_comm_s'] + s['data_comm_s'] + s['stage_comm_s']
+    comm = (
+        s['tensor_comm_s']
+        + s.get('expert_comm_s', 0.0)
+        + s['pipeline_comm_s']
+        + s['data_comm_s']
+        + s['stage_comm_s']
+    )
     return (
         f'{rank:>4}  {entry["layout"]:<40} {_gib(entry["per_device_bytes"]["total"]):>9} '
         f'{s["predicted_step_s"]:>8.2f} {s["tflops_per_gpu"]:>6.1f} {100 * s["mfu"]:>5.1f} '

@@ -4,6 +4,7 @@ import jax
 
 from mtnlg_jax.xla import flags as xla_flags
 from mtnlg_jax.model import counts
+from mtnlg_jax.model.moe import experts_of
 from mtnlg_jax.xla import devices
 from mtnlg_jax.parallel import footprint
 from mtnlg_jax.parallel import engine as engine_lib
@@ -41,12 +42,13 @@ def lines(config, setup, compile_seconds, train_data):
         f'batch        global {config.train.global_batch} = micro_batch {config.train.micro_batch} '
         f'x data {mesh.data} x {config.train.micro_steps} micro-steps; '
         f'{tokens_per_step} tokens per step',
+        *experts_lines(config.model, num_params),
         *rampup_lines(config),
         f'per device   parameters {footprint.format_bytes(held["parameters"])}, '
         f'gradients {footprint.format_bytes(held["gradients"])}, '
         f'optimizer {footprint.format_bytes(held["optimizer"])} (ZeRO-1 over data {mesh.data})',
         f'FLOPs        {flops_per_step / 1e12:.3f} TFLOP model FLOPs per step '
-        f'(6N + 12LHQT per token); peak '
+        f'(6N + 12LHQT per token{", N active" if experts_of(config.model) else ""}); peak '
         f'{devices.device_peak_tflops(device, config.model.compute_dtype) or "unknown"} TFLOP/s '
         f'per device',
         f'pipeline     {pipeline_line(config)}',
@@ -54,6 +56,21 @@ def lines(config, setup, compile_seconds, train_data):
         f'XLA:GPU      {xla_flags.describe()}'
         + (' (no effect on this CPU)' if device.platform == 'cpu' else ''),
         *data_lines(config, train_data),
+    ]
+
+
+def experts_lines(model_cfg, num_params):
+    """The banner's mixture-of-experts line: the routing, and the active parameters (what the
+    model FLOPs count) of the total ([] for a dense model)."""
+    if not experts_of(model_cfg):
+        return []
+    moe = model_cfg.moe
+    capacity = f'capacity {moe.capacity_factor:g}' if moe.capacity_factor else 'dropless'
+    active = counts.active_params(model_cfg, num_params)
+    return [
+        f'experts      {moe.experts} routed, top {moe.top_k} ({moe.router} router, {capacity}'
+        f'{f", {moe.shared_experts} shared" if moe.shared_experts else ""}): '
+        f'{active / 1e6:.2f} M active of {num_params / 1e6:.2f} M parameters'
     ]
 
 

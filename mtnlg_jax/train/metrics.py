@@ -5,7 +5,7 @@ since the last record, as Megatron logs it), `lr`, `grad_norm`,
 `global_batch`, `tokens_seen`, `step_time_s`, `tokens_per_s`, `tflops_per_device`, `mfu`,
 `skipped_steps`, `pipeline_bubble_fraction`; a mixture of experts adds `moe_aux_loss`,
 `moe_z_loss`, `moe_load_max_over_mean` (the largest over layers), the per-layer
-`moe_layer_load_max_over_mean` (metrics.jsonl only) and `moe_dropped_fraction`; runs of
+`moe_layer_load_max_over_mean` (tensorboard: .../layer_N) and `moe_dropped_fraction`; runs of
 several processes add `relative_speed`, one number per process, and `straggler_check_s`, what
 the last comparison cost (stragglers.py); train/loop.py's step_record builds it) and one per
 evaluation (`"eval": true`, `step`, `loss`, `perplexity`).
@@ -68,11 +68,11 @@ class MetricsWriter:
                 ):
                     self._check_tensorboard()
                     self._tensorboard.add_scalar(f'{prefix}/{key}', value, record['step'])
-                elif isinstance(value, list):  # one number per process: relative_speed
+                elif isinstance(value, list):  # one number per process or per layer
                     for index, number in enumerate(value):
                         self._check_tensorboard()
-                        self._tensorboard.add_scalar(f'{prefix}/{key}/process_{index}', number,
-                                                     record['step'])  # fmt: skip
+                        self._tensorboard.add_scalar(f'{prefix}/{key}/{list_item(key)}_{index}',
+                                                     number, record['step'])  # fmt: skip
 
     def close(self):
         if not self.enabled:
@@ -117,6 +117,12 @@ class MetricsWriter:
                     f'{refused}; {storage.free_space(self.path)}'
                 )
                 tqdm.write(f'warning: {self.failed}', sys.stderr)
+
+
+def list_item(key):
+    """What each number of a record's list is (tensorboard's tag): a layer's (the MoE's
+    per-layer loads) or a process's (relative_speed)."""
+    return 'layer' if key.startswith('moe_layer_') else 'process'
 
 
 def read_metrics(path):

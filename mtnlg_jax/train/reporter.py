@@ -75,6 +75,28 @@ def moe_record(step_metrics):
     )
 
 
+def moe_postfix(record):
+    """The progress bar's MoE fields of a record: the largest layer's expert load over the
+    mean and the dropped share ({} for a dense model)."""
+    if 'moe_load_max_over_mean' not in record:
+        return {}
+    return dict(
+        load=f'{record["moe_load_max_over_mean"]:.2f}', drop=f'{record["moe_dropped_fraction"]:.1%}'
+    )
+
+
+def moe_line(record):
+    """A logged step's MoE line: every layer's largest expert load over the mean, the aux loss
+    and the dropped share (None for a dense model)."""
+    if 'moe_layer_load_max_over_mean' not in record:
+        return None
+    loads = ' '.join(f'{x:.2f}' for x in record['moe_layer_load_max_over_mean'])
+    return (
+        f'step {record["step"]}: expert load max / mean by layer {loads}; aux loss '
+        f'{record["moe_aux_loss"]:.4f}, dropped {record["moe_dropped_fraction"]:.2%}'
+    )
+
+
 class Reporter:
     """What a run shows and writes as it goes: the progress bar and messages, metrics.jsonl
     and tensorboard (process 0 only), and the throughput of each logged interval."""
@@ -130,7 +152,12 @@ class Reporter:
             loss=f'{record["loss"]:.3f}',
             tok_s=f'{record["tokens_per_s"]:,.0f}',
             mfu='n/a' if self.peak is None else f'{record["mfu"]:.1%}',
+            **moe_postfix(record),
         )
+        line = moe_line(record)
+        every = self.config.train.eval_every or self.config.train.steps
+        if line and position.step % every == 0:  # beside the validation loss's line
+            self.say(line)
 
     def evaluated(self, position, loss, seconds):
         perplexity = metrics_lib.perplexity(loss)
