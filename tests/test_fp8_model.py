@@ -20,6 +20,7 @@ from support import (
     LLAMA_BLOCK,
     TRAIN_ENV,
     assert_trees_close,
+    gradients_and_values,
     layout,
     random_batches,
     run_launch,
@@ -96,6 +97,22 @@ def test_a_weights_scale_is_its_whole_tensors_under_tensor_parallelism():
 
 
 # --- delayed ----------------------------------------------------------------------------------
+
+
+PIPELINED = dict(data=2, stage=2, tensor=2, repeats=2, num_layers=4, micro_steps=4)
+
+
+def test_delayed_amax_values_combine_by_max_over_micro_steps_stages_and_replicas():
+    """A step's fp8_amax is the largest |x| and |w| each site saw over the whole batch: the
+    same on one device in one micro-step as over 2 replicas x 4 micro-steps x 2 stages (a sum
+    would multiply them)."""
+    batch = random_batches(1)[0]
+    one = gradients_and_values(_config('delayed', num_layers=4, micro_steps=1), batch)[3]
+    split = gradients_and_values(_config('delayed', sequence_parallel=True, **PIPELINED), batch)
+    split = split[3]
+    want = one[fp8_sites.AMAX]
+    assert want.shape == (4, len(fp8_sites.SITES), 2) and (want[:, :, 1] > 0).all()
+    np.testing.assert_allclose(split[fp8_sites.AMAX], want, rtol=5e-2)  # bf16: a few % apart
 
 
 def test_delayed_history_pushes_each_steps_amax_and_resumes_exactly(tmp_path):
