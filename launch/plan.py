@@ -200,6 +200,12 @@ def plan_for_gpu(args, config):
     from mtnlg_jax.plan.clusters import CLUSTERS  # noqa: PLC0415
 
     per_node = CLUSTERS[args.target].gpus_per_node
+    fp8, capability = config.model.fp8, CLUSTERS[args.target].compute_capability
+    if fp8 != 'none' and int(capability.split('.')[0]) < 9:
+        fail(
+            f'config key model.fp8: {fp8} FP8 needs FP8 tensor cores (Hopper, compute capability '
+            f'9.0 and later); {args.target} is {capability}'
+        )
     mesh = config.mesh
     total = keys.mesh_devices(mesh)
     if per_node % mesh.tensor or (total > per_node and total % per_node):

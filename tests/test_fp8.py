@@ -91,3 +91,43 @@ def test_compiled_for_an_h100_the_forward_and_both_gradients_are_fp8_gemms(recip
         'f8e5m2 x f8e4m3fn': each,  # the input's gradient
         'f8e4m3fn x f8e5m2': each,  # the weights' gradient
     }
+
+
+# The three ways a compiled FP8 product can appear (hand-written after XLA:GPU's forms): a
+# cuBLASLt FP8 GEMM call (jax 0.11.2 on an H200: its result f32 or bf16, its operands FP8), a
+# GEMM fusion whose dot reads its FP8 parameters through a transpose and a bitcast (jax
+# 0.10.2's Triton fusions), and a dot of FP8 values converted to bf16 (a bf16 product).
+FP8_HLO = """HloModule fp8_products
+
+%gemm_fusion (p0: f8e4m3fn[64,128], p1: f8e4m3fn[128,32]) -> f32[64,32] {
+  %p0 = f8e4m3fn[64,128]{1,0} parameter(0)
+  %p1 = f8e4m3fn[128,32]{1,0} parameter(1)
+  %t = f8e4m3fn[32,128]{1,0} transpose(%p1), dimensions={1,0}
+  %b = f8e4m3fn[128,32]{0,1} bitcast(%t)
+  ROOT %d = f32[64,32]{1,0} dot(%p0, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: f8e4m3fn[64,128], w: f8e4m3fn[128,32], g: f8e5m2[64,32]) -> f32[64,32] {
+  %x = f8e4m3fn[64,128]{1,0} parameter(0)
+  %w = f8e4m3fn[128,32]{1,0} parameter(1)
+  %g = f8e5m2[64,32]{1,0} parameter(2)
+  %s = f32[] constant(1)
+  %gemm = (bf16[64,128]{1,0}, s8[1024]{0}) custom-call(%g, %w, %s, %s), custom_call_target="__cublas$lt$matmul$f8", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["1"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  %f = f32[64,32]{1,0} fusion(%x, %w), kind=kCustom, calls=%gemm_fusion
+  %cx = bf16[64,128]{1,0} convert(%x)
+  %cw = bf16[128,32]{1,0} convert(%w)
+  %plain = f32[64,32]{1,0} dot(%cx, %cw), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %sum = f32[64,32]{1,0} add(%f, %plain)
+}
+"""
+
+
+def test_matmul_flops_by_dtype_reads_the_operands_of_fp8_gemm_calls_and_fusions():
+    from mtnlg_jax.plan import hlo_module
+
+    each = 2 * 64 * 128 * 32
+    assert hlo_module.matmul_flops_by_dtype(FP8_HLO) == {
+        'f8e5m2 x f8e4m3fn': each,  # the cuBLASLt call: its operands, not its bf16 result
+        'f8e4m3fn': each,  # the fusion's dot: its parameters' callers, through the layout ops
+        'bf16': each,  # converted before the dot: a bf16 product
+    }

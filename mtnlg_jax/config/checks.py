@@ -62,6 +62,7 @@ def check_model(config):
         f'{model.ffn_hidden} is not divisible by mesh.tensor={tensor}',
     )
     check_moe(model, config.mesh)
+    _check_fp8(model, tensor)
     _check_stage_layers(config)
     _require(
         not model.sequence_parallel or model.seq_len % tensor == 0,
@@ -121,6 +122,34 @@ def _check_context(config):
         f'the Pallas flash kernel needs each of the 2 x {context} chunks of model.seq_len='
         f'{model.seq_len} a multiple of {FLASH_MIN_BLOCK} tokens (got {chunk})',
     )
+
+
+def _check_fp8(model, tensor):
+    """model.fp8: half-precision compute; blockwise: every contracted and weight dimension
+    (a tensor shard's) whole 128-wide blocks, or one block narrower than 128."""
+    fp8 = model.get('fp8', 'none')
+    _require(
+        fp8 == 'none' or model.compute_dtype != 'float32',
+        'model.fp8',
+        f'{fp8} FP8 needs bfloat16 or float16 compute, not model.compute_dtype=float32',
+    )
+    if fp8 != 'blockwise':
+        return
+    heads, kv_heads = model.heads, model.kv_heads or model.heads
+    head_dim = model.head_dim or model.hidden // model.heads
+    widths = {
+        'model.hidden': model.hidden,
+        'model.ffn_hidden': model.ffn_hidden // tensor,
+        'the query heads x head_dim': heads * head_dim // tensor,
+        'the key/value heads x head_dim': kv_heads * head_dim // tensor,
+    }
+    for name, width in widths.items():
+        _require(
+            width <= 128 or width % 128 == 0,
+            'model.fp8',
+            f'blockwise FP8 takes blocks of 128: {name} ({width} a tensor rank) is neither a '
+            f'multiple of 128 nor at most 128',
+        )
 
 
 def check_moe(model, mesh):

@@ -231,6 +231,29 @@ KEYS = (
         ('float32', 'bfloat16', 'float16'),
         'dtype of the forward and backward (parameters and optimizer state stay fp32)',
     ),
+    Key(
+        'model.fp8',
+        'none',
+        ('none', 'tensorwise', 'delayed', 'blockwise'),
+        "the block's matmuls in FP8 (needs bf16 or fp16 compute): tensorwise (each tensor's "
+        "amax this step), delayed (an amax history, a buffer), blockwise (DeepSeek-V3's 1 x 128 "
+        "tiles, 128 x 128 weight blocks); [models.md](models.md#fp8)",
+        'never',
+    ),
+    Key(
+        'model.fp8_amax_history',
+        16,
+        'int>0',
+        "the delayed FP8 recipe's amax history: the steps whose largest amax scales a matmul "
+        'operand (the buffer\'s length)',
+        'never',
+    ),
+    Key(
+        'model.fp8_margin',
+        0,
+        'int>=0',
+        "FP8 scales map an operand's amax to the format's largest value / 2^margin",
+    ),
     Key('model.remat', 'none', ('none', 'full', 'selective'), 'activation recompute'),
     Key('model.attention', 'auto', ('auto', 'fused', 'flash', 'plain'), ATTENTION_DOC),
     Key(

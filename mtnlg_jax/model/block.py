@@ -17,7 +17,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from mtnlg_jax.config import ConfigError
-from mtnlg_jax.model import flash_attention, moe, rope
+from mtnlg_jax.model import flash_attention, fp8_sites, moe, rope
 from mtnlg_jax.model.layers import (
     add_bias,
     attention_dims,
@@ -27,6 +27,7 @@ from mtnlg_jax.model.layers import (
     norm,
     out_std,
     param,
+    project,
     use,
 )
 from mtnlg_jax.model.pieces import join, split
@@ -179,6 +180,7 @@ class Attention(nnx.Module):
             self.inv_freq = tuple(float(f) for f in freqs)
         self.dropout_rate = cfg.attention_dropout
         self.dtype = cfg.compute_dtype
+        self.fp8 = fp8_sites.settings(cfg)
         self.kernel = kernel  # attention_kernel()'s choice
         self.gpu_generation = gpu_generation  # the flash kernel's blocks are chosen for it
 
@@ -191,7 +193,9 @@ class Attention(nnx.Module):
 
     def projections(self, x):
         """q, k, v of x before rope: project_qkv's matmuls alone."""
-        if not self.grouped:
+        if self.fp8 is not None:
+            q, k, v = self.projections_fp8(x)
+        elif not self.grouped:
             qkv = jnp.einsum('bse,ethd->bsthd', x, use(self.qkv_kernel, self.dtype))
             qkv = add_bias(qkv, self.qkv_bias, self.dtype)
             qkv = constrain(qkv, ('batch', 'seq', 'qkv', 'heads', 'head_dim'))
@@ -207,6 +211,25 @@ class Attention(nnx.Module):
         if self.qk_norm is not None:
             q, k = (self.head_norm(a, i) for i, a in enumerate((q, k)))
         return q, k, v
+
+    def projections_fp8(self, x):
+        """q, k, v of x under model.fp8, one FP8 matmul each (model/fp8_sites.py): a fused
+        kernel's slots one by one, each (embed, heads x head_dim)."""
+        if not self.grouped:
+            slots = [(self.qkv_kernel, self.qkv_bias, i) for i in range(3)]
+        else:
+            slots = [(self.q_kernel, self.q_bias, None)]
+            slots += [(self.kv_kernel, self.kv_bias, i) for i in range(2)]
+        out = []
+        axes_of = (Q_AXES, KV_AXES, KV_AXES)
+        for site, (kernel, bias, slot), axes in zip(('q', 'k', 'v'), slots, axes_of):
+            w = use(kernel, self.dtype)
+            a = fp8_sites.project(self.fp8, site, x, w if slot is None else w[:, slot])
+            if bias is not None:
+                b = use(bias, self.dtype)
+                a = a + (b if slot is None else b[slot])
+            out.append(checkpoint_name(constrain(a, axes), 'qkv'))
+        return tuple(out)
 
     def head_norm(self, a, i):
         """model.qk_norm: RMSNorm of each head of a (..., head_dim), fp32 inside, with the
@@ -317,7 +340,7 @@ class Attention(nnx.Module):
     def project_out(self, context):
         """(batch, seq, heads, head_dim) -> (batch, seq, embed): row parallel, one all-reduce
         (sequence parallel: a reduce-scatter onto the residual stream's sequence shards)."""
-        out = jnp.einsum('bqhd,hde->bqe', context, use(self.out_kernel, self.dtype))
+        out = project(self, 'attn_out', 'bqhd,hde->bqe', context, self.out_kernel, contract=2)
         out = add_bias(out, self.out_bias, self.dtype)
         return checkpoint_name(constrain(out, ('batch', 'residual_seq', 'embed')), 'attn_out')
 
@@ -462,6 +485,12 @@ class Block(nnx.Module):
             self.mlp = mlp(cfg, rngs)
         self.hidden_dropout = cfg.hidden_dropout
         self.pieces = cfg.get('sequence_pieces', 1)
+        self.fp8_history = fp8_sites.history_buffer(cfg)  # delayed FP8 only, else None
+        self.num_layers = cfg.num_layers
+
+    def history(self):
+        """The delayed FP8 recipe's amax history (sites, 2, length), or None."""
+        return None if self.fp8_history is None else self.fp8_history[...]
 
     def __call__(self, x, row_keys, layer, positions=None, segment_ids=None, order=None):
         """(x, side values) of x: (batch, seq, embed); layer: this block's global index, for
@@ -469,7 +498,16 @@ class Block(nnx.Module):
         positions for rope, None for 0 .. seq - 1; segment_ids: (batch, seq) packed
         documents' ids, or None; order: (batch, seq) the tokens' global positions under
         context parallelism (parallel/context.py), or None. Side values: an MoE block's
-        (model/moe.py), {} for a dense one."""
+        (model/moe.py) and the delayed FP8 recipe's amax values (model/fp8_sites.py), {} for
+        a dense block."""
+        with fp8_sites.recording(self.history()) as amax:
+            x, values = self.layers(x, row_keys, layer, positions, segment_ids, order)
+        if amax is not None:
+            values = {**values, **amax.values(layer, self.num_layers)}
+        return x, values
+
+    def layers(self, x, row_keys, layer, positions=None, segment_ids=None, order=None):
+        """__call__'s attention and MLP halves, its side values but FP8's."""
         site = layer * SITES_PER_BLOCK
         attention, n = self.attention, self.pieces
         qkv = [attention.projections(gathered(self.ln_attn(p))) for p in split(x, n, RESIDUAL)]
@@ -490,6 +528,10 @@ class Block(nnx.Module):
     def cached(self, x, cache, index):
         """The block on new tokens at positions index, ... with a KV cache (no dropout: for
         inference); returns (x, updated cache). See Attention.cached."""
+        with fp8_sites.recording(self.history()):
+            return self.cached_layers(x, cache, index)
+
+    def cached_layers(self, x, cache, index):
         h, cache = self.attention.cached(self.ln_attn(x), cache, index)
         x = x + h
         if hasattr(self, 'moe'):

@@ -58,7 +58,7 @@ from mtnlg_jax.model.block import (
     attention_kernel,
     gpu_generation,
 )
-from mtnlg_jax.model import moe
+from mtnlg_jax.model import fp8_sites, moe
 from mtnlg_jax.model.buffers import Buffer
 from mtnlg_jax.model.layers import dropout, norm, param, use
 from mtnlg_jax.model import loss
@@ -108,6 +108,7 @@ class GPT(nnx.Module):
         self.remat = cfg.remat
         self.loss_chunks = cfg.loss_chunks
         self.dtype = cfg.compute_dtype
+        self.fp8 = cfg.get('fp8', 'none')
 
     def __call__(self, tokens, row_keys=None, positions=None, segment_ids=None):
         """Final hidden states (batch, seq, embed). row_keys: one PRNG key per sequence, or
@@ -128,8 +129,10 @@ class GPT(nnx.Module):
         return self.final_norm(x)
 
     def side_values(self):
-        """{name: SideValue} the block stack emits (parallel/stage_functions.py): an MoE's."""
-        return moe.side_values(self.num_layers, self.experts)
+        """{name: SideValue} the block stack emits (parallel/stage_functions.py): an MoE's,
+        the delayed FP8 recipe's (model/fp8_sites.py)."""
+        fp8 = fp8_sites.side_values(self.fp8, self.num_layers)
+        return {**moe.side_values(self.num_layers, self.experts), **fp8}
 
     def embed(self, tokens, row_keys=None, positions=None):
         """Token (+ learned position) embeddings (..., seq, embed) of tokens (..., seq), with

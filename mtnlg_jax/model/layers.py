@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from mtnlg_jax.model import fp8_sites
 from mtnlg_jax.parallel.rules import constrain
 
 
@@ -74,6 +75,16 @@ def out_std(cfg):
     return cfg.init_std / math.sqrt(2 * cfg.num_layers)
 
 
+def project(module, site, spec, x, kernel, contract=1):
+    """x times a kernel parameter: the einsum `spec` in module.dtype, or under model.fp8
+    (module.fp8: fp8_sites.settings) the FP8 matmul of the block's `site` (model/fp8_sites.py)
+    contracting x's last `contract` dimensions with the kernel's first."""
+    w = use(kernel, module.dtype)
+    if module.fp8 is None:
+        return jnp.einsum(spec, x, w)
+    return fp8_sites.project(module.fp8, site, x, w, contract)
+
+
 def maybe_bias(cfg, shape, logical_axes):
     """A zero bias parameter, or None under `model.bias = False`."""
     return param(None, shape, logical_axes) if cfg.get('bias', True) else None
@@ -94,9 +105,10 @@ class MLP(nnx.Module):
         self.out_kernel = param(rngs, (f, cfg.hidden), ('mlp', 'embed'), out_std(cfg))
         self.out_bias = maybe_bias(cfg, (cfg.hidden,), ('embed',))
         self.dtype = cfg.compute_dtype
+        self.fp8 = fp8_sites.settings(cfg)
 
     def __call__(self, x):
-        h = jnp.einsum('bse,ef->bsf', x, use(self.in_kernel, self.dtype))
+        h = project(self, 'mlp_in', 'bse,ef->bsf', x, self.in_kernel)
         h = add_bias(h, self.in_bias, self.dtype)
         h = checkpoint_name(constrain(h, ('batch', 'seq', 'mlp')), 'mlp_in')
         h = jax.nn.gelu(h, approximate=True)
@@ -105,7 +117,7 @@ class MLP(nnx.Module):
 
 def project_down(mlp, h):
     """MLP-out: (batch, seq, mlp) -> (batch, residual_seq, embed), row parallel."""
-    out = jnp.einsum('bsf,fe->bse', h, use(mlp.out_kernel, mlp.dtype))
+    out = project(mlp, 'mlp_out', 'bsf,fe->bse', h, mlp.out_kernel)
     out = add_bias(out, mlp.out_bias, mlp.dtype)
     return checkpoint_name(constrain(out, ('batch', 'residual_seq', 'embed')), 'mlp_out')
 
@@ -125,13 +137,15 @@ class SwiGLU(nnx.Module):
         self.out_kernel = param(rngs, (f, cfg.hidden), ('mlp', 'embed'), out_std(cfg))
         self.out_bias = maybe_bias(cfg, (cfg.hidden,), ('embed',))
         self.dtype = cfg.compute_dtype
+        self.fp8 = fp8_sites.settings(cfg)
 
     def __call__(self, x):
-        def up(kernel, bias):
-            h = add_bias(jnp.einsum('bse,ef->bsf', x, use(kernel, self.dtype)), bias, self.dtype)
+        def up(site, kernel, bias):
+            h = add_bias(project(self, site, 'bse,ef->bsf', x, kernel), bias, self.dtype)
             return checkpoint_name(constrain(h, ('batch', 'seq', 'mlp')), 'mlp_in')
 
-        gate, h = up(self.gate_kernel, self.gate_bias), up(self.in_kernel, self.in_bias)
+        gate = up('mlp_gate', self.gate_kernel, self.gate_bias)
+        h = up('mlp_in', self.in_kernel, self.in_bias)
         return project_down(self, jax.nn.silu(gate) * h)
 
 

@@ -390,10 +390,17 @@ def dot_flops(hlo_text, branch_weights=None):
 
 def matmul_flops_by_dtype(hlo_text, branch_weights=None):
     """dot_flops split by what the matmuls multiply: {'bf16': ..., 'f8e4m3fn': ...,
-    'f8e5m2 x f8e4m3fn': ...}, a dot keyed by its operands' element types (one name when
-    they agree), a kernel call by its result's."""
+    'f8e5m2 x f8e4m3fn': ...}, keyed by the element types of the two operands (one name when
+    they agree): a dot's, a cuBLAS GEMM call's (`__cublas$lt$matmul$f8` multiplies FP8
+    operands into an f32 or bf16 result: its result's type would read it as f32), each
+    operand followed back through layout-only instructions (bitcast, copy, transpose,
+    reshape) and a fusion's parameters to the value it multiplies; a convert is not followed:
+    a dot of converted FP8 values multiplies the wider type. Any other kernel call (fused
+    attention, the grouped matmul) by its result's type."""
     computations, entry = parse_module(hlo_text)
     counts, _ = execution_counts(computations, entry, branch_weights)
+    callers = _fusion_operands(computations)
+    named = {name: {i.name: i for i in body} for name, body in computations.items()}
     by_dtype = collections.Counter()
     for name, instructions in computations.items():
         runs = counts[name][0]
@@ -403,14 +410,62 @@ def matmul_flops_by_dtype(hlo_text, branch_weights=None):
         for instruction in instructions:
             flops = instruction_flops(instruction, types)
             if flops:
-                by_dtype[_operand_dtypes(instruction, types)] += flops * runs
+                dtypes = _operand_dtypes(instruction, name, named, callers)
+                by_dtype[dtypes] += flops * runs
     return dict(by_dtype)
 
 
-def _operand_dtypes(instruction, types):
-    """'a' or 'a x b': the element types a dot multiplies (a call: its result's)."""
-    if instruction.opcode != 'dot':
+_LAYOUT_ONLY = ('bitcast', 'copy', 'transpose', 'reshape')
+_PARAMETER = re.compile(r'^\s*\(?\s*(\d+)\s*\)')
+
+
+def _operand_names(instruction):
+    """The names of an instruction's operands, in order."""
+    end = matching_bracket(instruction.rest, instruction.rest.index('('))
+    return re.findall(r'%([\w.\-]+)', instruction.rest[:end])
+
+
+def _fusion_operands(computations):
+    """{fused computation: the operand names of the one fusion that calls it, and the
+    computation holding that fusion}: how a fusion's parameter is followed to its caller."""
+    callers = {}
+    for name, instructions in computations.items():
+        for instruction in instructions:
+            if instruction.opcode != 'fusion':
+                continue
+            for attr, callee in instruction.callees():
+                if attr == 'calls':
+                    callers[callee] = (name, _operand_names(instruction))
+    return callers
+
+
+def _operand_dtypes(instruction, computation, named, callers):
+    """'a' or 'a x b': the element types a dot or a cuBLAS GEMM multiplies (any other call:
+    its result's)."""
+    gemm = (custom_call_target(instruction) or '').startswith('__cublas$')
+    if instruction.opcode != 'dot' and not gemm:
         return ARRAY.search(instruction.type_text).group(1)
-    names = re.findall(r'%([\w.\-]+)', instruction.rest.split(')')[0])[:2]
-    dtypes = [ARRAY.search(types[n]).group(1) for n in names]
+    dtypes = [
+        _source_dtype(operand, computation, named, callers)
+        for operand in _operand_names(instruction)[:2]
+    ]
     return dtypes[0] if dtypes[0] == dtypes[-1] else ' x '.join(dtypes)
+
+
+def _source_dtype(name, computation, named, callers, depth=0):
+    """The element type of the value `name` (in `computation`) holds before layout-only
+    instructions and fusion parameters: what a matmul reading it multiplies; named:
+    {computation: {instruction name: Instruction}}."""
+    instruction = named[computation][name]
+    dtype = ARRAY.search(instruction.type_text).group(1)
+    if depth > 64:
+        return dtype
+    if instruction.opcode in _LAYOUT_ONLY:
+        source = _operand_names(instruction)[0]
+        return _source_dtype(source, computation, named, callers, depth + 1)
+    if instruction.opcode == 'parameter' and computation in callers:
+        caller, operands = callers[computation]
+        index = int(_PARAMETER.match(instruction.rest).group(1))
+        if index < len(operands):
+            return _source_dtype(operands[index], caller, named, callers, depth + 1)
+    return dtype

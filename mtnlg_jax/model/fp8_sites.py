@@ -1,0 +1,132 @@
+"""The block's matmuls in FP8 (model.fp8): which they are, how each reaches model/fp8.py, and
+the delayed recipe's amax history.
+
+    sites of a block (SITES), each multiplying an activation x by a weight w:
+        q, k, v            the query, key and value projections; a fused QKV (or KV) kernel
+                           is multiplied slot by slot: its slot axis sits outside the heads
+                           that tensor parallelism splits, so it cannot fold into one matrix
+        attn_out           attention's output projection (heads x head_dim contracted)
+        mlp_in, mlp_gate,  the MLP's (GeLU has no gate); an MoE block's shared experts use
+        mlp_out            them, its routed experts' grouped matmul stays in the compute dtype
+    in the compute dtype as ever: the embeddings, the output layer, norms, attention's scores,
+    softmax and context, the router, the routed experts
+
+Each site is x (..., K) @ w (K, N) through fp8.matmul with model.fp8's recipe and
+model.fp8_margin. Which tokens share a scale: tensorwise and delayed take x's amax over the
+tensor the matmul sees, a micro-batch's rows (one sequence piece of them under
+model.sequence_pieces); w's over the whole weight, whatever its layout: under SPMD jnp.max of
+a weight split over `tensor` is the global max (tests/test_fp8_model.py). Blockwise scales
+are local to a 1 x 128 tile (128 x 128 for weights), so no layout changes them.
+
+delayed: every block holds a buffer (model/buffers.py), `fp8_history` (sites, 2 [x, w],
+model.fp8_amax_history), the amax values of earlier steps. A site's scale is
+scale_of(the largest amax in its history); while the history is all zeros (the first step)
+the current amax scales it, as tensorwise. Each step the block emits its sites' current amax
+values as the side value `fp8_amax` (layers, sites, 2), combined by max over micro-steps,
+pipeline chunks, stages and replicas (parallel/stage_functions.py); after the step the rule
+`fp8_amax_history` pushes them in front of the history, dropping its oldest.
+"""
+
+import contextlib
+import contextvars
+import math
+
+import jax
+import jax.numpy as jnp
+
+from mtnlg_jax.model import buffers, fp8
+from mtnlg_jax.parallel.stage_functions import SideValue
+
+SITES = ('q', 'k', 'v', 'attn_out', 'mlp_in', 'mlp_gate', 'mlp_out')
+AMAX = 'fp8_amax'  # the side value: (layers, sites, 2) this step's amax of x and of w
+RULE = 'fp8_amax_history'
+_RECORDING = contextvars.ContextVar('mtnlg_jax_fp8_recording', default=None)
+
+
+def settings(cfg):
+    """(recipe, margin) of a model config, or None under model.fp8 = none."""
+    recipe = cfg.get('fp8', 'none')
+    return None if recipe == 'none' else (recipe, cfg.get('fp8_margin', 0))
+
+
+def history_buffer(cfg):
+    """The delayed recipe's buffer of one block (the module docstring), or None."""
+    if cfg.get('fp8', 'none') != 'delayed':
+        return None
+    zeros = jnp.zeros((len(SITES), 2, cfg.fp8_amax_history), jnp.float32)
+    return buffers.buffer(zeros, (None, None, None), rule=RULE)
+
+
+def side_values(recipe, num_layers):
+    """{AMAX: SideValue} under the delayed recipe (model.fp8), else {}."""
+    if recipe != 'delayed':
+        return {}
+    return {AMAX: SideValue('max', shape=(num_layers, len(SITES), 2))}
+
+
+@buffers.update_rule(RULE)
+def _push(value, values, step):
+    """value (layers, sites, 2, history) in layer order: the step's amax values in front."""
+    newest = jnp.maximum(values[AMAX], 0.0)  # a site no block ran: -inf -> 0, an empty slot
+    return jnp.concatenate([newest[..., None], value[..., :-1]], axis=-1)
+
+
+def project(setting, site, x, w, contract=1):
+    """x (..., *K) @ w (*K, *N) in FP8, K the last `contract` dimensions of x and the first of
+    w (folded into one, as N is: each fold keeps a split dimension outermost)."""
+    recipe, margin = setting
+    lead, k_shape, n_shape = x.shape[: x.ndim - contract], w.shape[:contract], w.shape[contract:]
+    x2 = x.reshape(*lead, math.prod(k_shape))
+    w2 = w.reshape(math.prod(k_shape), math.prod(n_shape))
+    scales = None
+    if recipe == 'delayed':
+        now = tuple(jax.lax.stop_gradient(fp8.amax(a)) for a in (x2, w2))
+        recording = _RECORDING.get()
+        if recording is None:  # outside a block's recording: current scaling
+            scales = tuple(fp8.scale_of(a, fp8.E4M3, margin) for a in now)
+        else:
+            scales = recording.scales(site, now, margin)
+            recording.record(site, now)
+    out = fp8.matmul(x2, w2, recipe, scales, margin)
+    return out.reshape(*lead, *n_shape)
+
+
+class Recording:
+    """One block's delayed-recipe bookkeeping while it runs: the scales its history gives, the
+    amax values its sites see (max over the calls of a site: sequence pieces)."""
+
+    def __init__(self, history):
+        self.history = jax.lax.stop_gradient(history)  # (sites, 2, length)
+        self.amax = {}
+
+    def scales(self, site, now, margin):
+        past = jnp.max(self.history[SITES.index(site)], axis=-1)  # (2,): x's, w's
+        return tuple(
+            fp8.scale_of(jnp.where(past[i] > 0, past[i], now[i]), fp8.E4M3, margin)
+            for i in range(2)
+        )
+
+    def record(self, site, now):
+        now = jnp.stack(now)
+        self.amax[site] = now if site not in self.amax else jnp.maximum(self.amax[site], now)
+
+    def values(self, layer, num_layers):
+        """{AMAX: (num_layers, sites, 2)}: this block's row its amax values (0 for a site it
+        has not), the other rows -inf (max's identity)."""
+        table = jnp.stack([self.amax.get(site, jnp.zeros((2,), jnp.float32)) for site in SITES])
+        row = jnp.arange(num_layers) == layer
+        return {AMAX: jnp.where(row[:, None, None], table[None], -jnp.inf)}
+
+
+@contextlib.contextmanager
+def recording(history):
+    """While a block runs: its sites' scales from `history` (the block's fp8_history), their
+    amax values kept (Recording); yields None when history is None (no delayed recipe)."""
+    if history is None:
+        yield None
+        return
+    token = _RECORDING.set(Recording(history))
+    try:
+        yield _RECORDING.get()
+    finally:
+        _RECORDING.reset(token)

@@ -1,0 +1,222 @@
+"""FP8 in the model (model.fp8, model/fp8_sites.py): the keys refuse what cannot work; every
+block matmul and nothing else is an FP8 product; a weight's scale is its whole tensor's under
+tensor parallelism; delayed's scales come from its history, and the history resumes exactly
+through a checkpoint. The quantised values and scales of each recipe against NumPy."""
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from mtnlg_jax import config as config_lib
+from mtnlg_jax.checkpoint import store as checkpoint_lib
+from mtnlg_jax.model import fp8, fp8_sites, gpt
+from mtnlg_jax.train import resume
+from support import (
+    LLAMA_BLOCK,
+    TRAIN_ENV,
+    assert_trees_close,
+    gradients_and_values,
+    layout,
+    random_batches,
+    run_launch,
+    small_config,
+)
+from test_buffers import _run
+
+
+def _config(fp8_recipe='tensorwise', **layout_and_model):
+    model = {**LLAMA_BLOCK, 'compute_dtype': 'bfloat16', 'fp8': fp8_recipe}
+    return small_config(**{**model, **layout_and_model})
+
+
+# --- the keys -------------------------------------------------------------------------------
+
+
+def test_fp8_with_fp32_compute_and_blockwise_off_its_blocks_are_refused():
+    with pytest.raises(config_lib.ConfigError, match='model.fp8.*float32'):
+        small_config(fp8='tensorwise')  # small_config computes in fp32
+    with pytest.raises(config_lib.ConfigError, match='model.fp8.*model.ffn_hidden'):
+        _config('blockwise', hidden=256, ffn_hidden=704)
+
+
+# --- which matmuls ----------------------------------------------------------------------------
+
+
+def _dots(jaxpr):
+    """Every dot_general of a jaxpr, nested ones (the block scan's body) included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == 'dot_general':
+            found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _dots(sub)
+    return found
+
+
+@pytest.mark.parametrize('block', ['gpt', 'llama'])
+def test_every_block_matmul_is_fp8_and_nothing_else(block):
+    """The forward: q, k, v, attention-out and the MLP's two (GeLU) or three (SwiGLU) matmuls
+    multiply e4m3 by e4m3; attention's scores and context stay bf16, and the output layer is
+    the fused loss's (not in this forward)."""
+    extra = LLAMA_BLOCK if block == 'llama' else {}
+    config = small_config(**{**extra, 'compute_dtype': 'bfloat16', 'fp8': 'tensorwise'})
+    model = gpt.create(config.model, 0)
+    tokens = jnp.zeros((2, config.model.seq_len), jnp.int32)
+    dots = _dots(jax.make_jaxpr(lambda t: model(t))(tokens).jaxpr)
+    fp8_dots = [d for d in dots if d == ('float8_e4m3fn',) * 2]
+    assert len(fp8_dots) == (7 if block == 'llama' else 6)  # the scan body: one block
+    assert sorted(set(dots) - {('float8_e4m3fn',) * 2}) == [('bfloat16', 'bfloat16')]
+    assert len(dots) - len(fp8_dots) == 2  # scores and context
+
+
+# --- layouts ----------------------------------------------------------------------------------
+
+
+def test_a_weights_scale_is_its_whole_tensors_under_tensor_parallelism():
+    """Split over 8 devices by columns (a column-parallel weight), the amax is the global max
+    and the FP8 product the one-device product: a scale taken per shard would quantize each
+    shard differently."""
+    w = jax.random.normal(jax.random.key(1), (64, 256)) * jnp.linspace(0.1, 4.0, 256)
+    x = jax.random.normal(jax.random.key(0), (32, 64))
+    mesh = jax.make_mesh((8,), ('tensor',))
+    split = jax.device_put(w, NamedSharding(mesh, PartitionSpec(None, 'tensor')))
+    with jax.set_mesh(mesh):
+        amax = jax.jit(fp8.amax)(split)
+        product = jax.jit(lambda a, b: fp8.matmul(a, b))(x, split)
+    assert float(amax) == float(np.abs(np.asarray(w)).max())
+    np.testing.assert_allclose(product, fp8.matmul(x, w), rtol=1e-6, atol=1e-6)
+    local = np.concatenate(
+        [fp8.matmul(x, w[:, i * 32 : (i + 1) * 32]) for i in range(8)], axis=1
+    )  # fmt: skip  (per-shard scales, what must not happen)
+    assert not np.allclose(local, product, rtol=1e-6, atol=1e-6)
+
+
+# --- delayed ----------------------------------------------------------------------------------
+
+
+PIPELINED = dict(data=2, stage=2, tensor=2, repeats=2, num_layers=4, micro_steps=4)
+
+
+def test_delayed_amax_values_combine_by_max_over_micro_steps_stages_and_replicas():
+    """A step's fp8_amax is the largest |x| and |w| each site saw over the whole batch: the
+    same on one device in one micro-step as over 2 replicas x 4 micro-steps x 2 stages (a sum
+    would multiply them)."""
+    batch = random_batches(1)[0]
+    one = gradients_and_values(_config('delayed', num_layers=4, micro_steps=1), batch)[3]
+    split = gradients_and_values(_config('delayed', sequence_parallel=True, **PIPELINED), batch)
+    split = split[3]
+    want = one[fp8_sites.AMAX]
+    assert want.shape == (4, len(fp8_sites.SITES), 2) and (want[:, :, 1] > 0).all()
+    np.testing.assert_allclose(split[fp8_sites.AMAX], want, rtol=5e-2)  # bf16: a few % apart
+
+
+def test_delayed_history_pushes_each_steps_amax_and_resumes_exactly(tmp_path):
+    """4 steps uninterrupted; 2 steps, a checkpoint, a restore, 2 more: the same losses, the
+    same history, bit for bit. The history holds each step's amax, newest first."""
+    batches = random_batches(4)
+    config = _config('delayed', num_layers=4, fp8_amax_history=3)
+    config.train.steps = 4
+    losses, state = _run(config, batches)
+    uninterrupted = jax.device_get(state)
+    history = uninterrupted['buffers']['blocks']['fp8_history']
+    assert history.shape == (4, len(fp8_sites.SITES), 2, 3)
+    assert (history > 0).all()  # x's and w's amax of the last three steps, every site
+    assert not np.array_equal(history[..., 0], history[..., 1])  # each step its own
+
+    half, state = _run(config, batches[:2])
+    mesh, setup = layout(config)
+    checkpoints = checkpoint_lib.Checkpoints(tmp_path)
+    with jax.set_mesh(mesh):
+        checkpoints.save(2, state, resume.checkpoint_meta(config, resume.fresh_counters()))
+    checkpoints.wait()
+    checkpoints.close()
+    with jax.set_mesh(mesh):
+        checkpoints = checkpoint_lib.Checkpoints(tmp_path)
+        position = resume.restore_or_init(config, setup, checkpoints, log=lambda _: None)
+        checkpoints.close()
+    more, state = _run(config, batches[2:], position.state, first=2)
+    np.testing.assert_array_equal(np.concatenate([half, more]), losses)
+    assert_trees_close(jax.device_get(state['buffers']), uninterrupted['buffers'], atol=0)
+    assert_trees_close(jax.device_get(state['params']), uninterrupted['params'], atol=0)
+
+
+def test_a100_with_fp8_is_refused_in_one_line():
+    result = run_launch(
+        'plan.py', '--config', 'configs/tiny_llama.py', '--target', 'a100-80gb',
+        '--config.model.compute_dtype=bfloat16', '--config.model.fp8=tensorwise',
+        env=TRAIN_ENV,
+    )  # fmt: skip
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith('error: config key model.fp8: tensorwise FP8 needs FP8 tensor')
+
+
+def test_delayed_scales_come_from_the_history_and_the_first_step_from_this_steps_amax():
+    x = jax.random.normal(jax.random.key(0), (4, 64)) * 3.0
+    w = jax.random.normal(jax.random.key(1), (64, 32)) * 0.05
+    empty = jnp.zeros((len(fp8_sites.SITES), 2, 4))
+    with fp8_sites.recording(empty) as first:
+        out = fp8_sites.project(('delayed', 0), 'mlp_in', x, w)
+    np.testing.assert_array_equal(out, fp8.matmul(x, w, 'tensorwise'))  # no history yet
+    recorded = first.values(layer=1, num_layers=2)[fp8_sites.AMAX]
+    site = fp8_sites.SITES.index('mlp_in')
+    np.testing.assert_allclose(recorded[1, site], [fp8.amax(x), fp8.amax(w)])
+    assert (recorded[0] == -np.inf).all() and (recorded[1, :site] == 0).all()
+    past = empty.at[site, 0, 2].set(100.0).at[site, 1, 0].set(1.0)  # larger than now: smaller
+    with fp8_sites.recording(past):
+        out = fp8_sites.project(('delayed', 0), 'mlp_in', x, w)
+    scales = (fp8.scale_of(100.0, fp8.E4M3), fp8.scale_of(1.0, fp8.E4M3))
+    np.testing.assert_array_equal(out, fp8.matmul(x, w, 'delayed', scales))
+
+
+# --- the quantised values against NumPy --------------------------------------------------------
+
+E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
+
+
+def _numpy_quantize(v, dtype, amax, margin=0):
+    top = float(ml_dtypes.finfo(dtype).max)
+    scale = np.where(amax > 0, top / (amax * 2.0**margin), 1.0).astype(np.float32)
+    return np.clip(v * scale, -top, top).astype(dtype), scale
+
+
+@pytest.mark.parametrize('margin', [0, 2])
+def test_tensorwise_and_delayed_quantize_as_numpy(margin):
+    v = np.asarray(jax.random.normal(jax.random.key(3), (16, 256)), np.float32) * 7.0
+    for dtype, ours in ((E4M3, fp8.E4M3), (E5M2, fp8.E5M2)):
+        want_q, want_scale = _numpy_quantize(v, dtype, np.abs(v).max(), margin)
+        scale = fp8.scale_of(fp8.amax(v), ours, margin)
+        np.testing.assert_allclose(scale, want_scale, rtol=1e-7)
+        got = np.asarray(fp8.quantize(v, ours, scale))
+        np.testing.assert_array_equal(got.view(np.uint8), want_q.view(np.uint8))
+
+
+def test_blockwise_tiles_and_blocks_quantize_as_numpy():
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((8, 384)) * rng.uniform(0.01, 100, (8, 1))).astype(np.float32)
+    w = (rng.standard_normal((256, 384)) * 0.05).astype(np.float32)
+    w[:128, 128:256] *= 1000.0  # one block much larger: its scale alone moves
+    q, scale = fp8._tiles(jnp.asarray(x), fp8.E4M3, 0)
+    tiles = x.reshape(8, 3, 128)
+    want_q, want_scale = _numpy_quantize(tiles, E4M3, np.abs(tiles).max(-1, keepdims=True))
+    np.testing.assert_allclose(scale, want_scale, rtol=1e-7)
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), want_q.view(np.uint8))
+    q, scale = fp8._blocks(jnp.asarray(w), 0)
+    blocks = w.reshape(2, 128, 3, 128)
+    amax = np.abs(blocks).max(axis=(1, 3), keepdims=True)
+    want_q, want_scale = _numpy_quantize(blocks, E4M3, amax)
+    np.testing.assert_allclose(scale, want_scale, rtol=1e-7)
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), want_q.view(np.uint8))
+    assert want_scale[0, 0, 1, 0] < want_scale[0, 0, 0, 0] / 100
+
+
+def test_model_state_holds_the_history_only_under_delayed():
+    for recipe, has in (('tensorwise', False), ('delayed', True)):
+        model = gpt.create(_config(recipe).model, 0)
+        buffers = nnx.to_pure_dict(nnx.state(model, gpt.Buffer))
+        assert ('fp8_history' in buffers.get('blocks', {})) == has
