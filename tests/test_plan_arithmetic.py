@@ -152,8 +152,7 @@ def test_every_cluster_has_the_figures_the_estimate_needs():
 
 def tiny_moe(**mesh):
     """configs/tiny_moe.py resolved on its own layout; `mesh` then set on the resolved config
-    (mesh.expert > 1 is refused by resolve until expert parallelism: the planner's
-    arithmetic reads the axis already)."""
+    (the planner's arithmetic reads the axes; no devices are made)."""
     config = config_lib.resolve(config_lib.load(str(ROOT / 'configs/tiny_moe.py')), 8)
     config.mesh.update(mesh)
     return config
@@ -189,7 +188,8 @@ def test_expert_ranks_divide_the_expert_weights_and_nothing_else():
     assert experts_two['params'] * 2 == experts_one['params'] > 0
     assert experts_one['params'] == 4 * 8 * 3 * 256 * 352 * 4 / 4  # fp32, / (stage x tensor)
     rest = [arithmetic.local_param_counts(c, routed_experts=False) for c in (one, two)]
-    assert rest[0] == rest[1]
+    assert rest[0][0] == rest[1][0]  # the compute copy: whole on every expert rank
+    assert rest[0][1] == 2 * rest[1][1]  # ZeRO-1's shard: over data x expert, the replicas
     assert arithmetic.local_param_counts(two)[0] == rest[1][0] + experts_two['params'] / 4
 
 
