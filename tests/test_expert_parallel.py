@@ -16,7 +16,6 @@ import test_checkpoint
 import test_moe
 from mtnlg_jax.checkpoint import store as checkpoint_lib
 from mtnlg_jax import config as config_lib
-from mtnlg_jax.model import moe as moe_lib
 from mtnlg_jax.plan import compile as compile_lib
 from mtnlg_jax.plan import hlo, hlo_module
 from mtnlg_jax.data import batch as batch_lib
@@ -51,14 +50,7 @@ def test_loss_gradients_and_values_under_expert_parallelism_equal_one_devices(ca
     """Loss, every gradient leaf (relative to its scale) and the side values (aux loss, the
     per-layer loads, the dropped count: the same tokens dropped) equal one device's."""
     model, layout = CASES[case]
-    batch = support.random_batches(1)[0]
-    one = support.gradients_and_values(support.small_config(**model), batch, step=5)
-    many = support.gradients_and_values(support.small_config(**layout, **model), batch, step=5)
-    np.testing.assert_allclose(many[1], one[1], rtol=1e-6)
-    support.assert_gradients_close(many[2], one[2], relative=RELATIVE)
-    support.assert_within_leaf_scale(many[3], one[3], RELATIVE)
-    dropped = float(one[3][moe_lib.DROPPED])
-    assert (dropped > 0) == bool(model['moe'].get('capacity_factor')), dropped
+    test_moe.assert_layout_equals_one_device(model, layout, RELATIVE)
 
 
 @pytest.mark.parametrize('layout', [dict(data=2, expert=2, tensor=2)])

@@ -134,19 +134,26 @@ def test_loss_gradients_and_values_under_a_layout_equal_one_devices(case):
     """Loss, every gradient leaf (relative to its scale) and the side values (the aux loss,
     the per-layer loads, the dropped count: the same tokens dropped) equal one device's."""
     model, layout = CASES[case]
-    batch = support.random_batches(1)[0]
-    one = support.gradients_and_values(support.small_config(**model), batch, step=5)
-    many = support.gradients_and_values(support.small_config(**layout, **model), batch, step=5)
-    np.testing.assert_allclose(many[1], one[1], rtol=1e-6)
-    support.assert_gradients_close(many[2], one[2], relative=RELATIVE)
-    support.assert_within_leaf_scale(many[3], one[3], RELATIVE)
-    values = one[3]
+    values = assert_layout_equals_one_device(model, layout)
     assert (
         values[moe_lib.LOADS].sum()
         == 2 * support.GLOBAL_BATCH * support.SEQ_LEN * model['num_layers']
     )
-    dropped = float(values[moe_lib.DROPPED])
+
+
+def assert_layout_equals_one_device(model, layout, relative=RELATIVE):
+    """One step's loss, every gradient leaf and side value under `layout` against one
+    device's (each within `relative` of its leaf's largest entry); capacity drops tokens
+    exactly when the model has a capacity factor. Returns one device's side values."""
+    batch = support.random_batches(1)[0]
+    one = support.gradients_and_values(support.small_config(**model), batch, step=5)
+    many = support.gradients_and_values(support.small_config(**layout, **model), batch, step=5)
+    np.testing.assert_allclose(many[1], one[1], rtol=1e-6)
+    support.assert_gradients_close(many[2], one[2], relative=relative)
+    support.assert_within_leaf_scale(many[3], one[3], relative)
+    dropped = float(one[3][moe_lib.DROPPED])
     assert (dropped > 0) == bool(model['moe'].get('capacity_factor')), dropped
+    return one[3]
 
 
 def test_the_router_bias_moves_by_the_loads_alike_on_one_device_and_over_data_x_tensor():
