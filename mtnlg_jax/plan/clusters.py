@@ -60,18 +60,15 @@ CLUSTERS = {
         gpus_per_node=8,
         compute_capability='9.0',
     ),
-    'h200-141gb': Cluster(
-        name='h200-141gb',
-        description='DGX H200: 8 x H200 SXM, NVLink 900 GB/s, 8 x 400 Gb/s NDR per node',
-        peak_tflops={'bfloat16': 989.0, 'float16': 989.0, 'float32': 67.0},
-        hbm_bytes=141 * GIGA,
-        hbm_bandwidth=4.8e12,
-        nvlink_bandwidth=450 * GIGA,
-        internode_bandwidth=50 * GIGA,
-        gpus_per_node=8,
-        compute_capability='9.0',
-    ),
 }
+# An H200 is an H100 with more and faster memory: the same peaks, NVLink and network.
+CLUSTERS['h200-141gb'] = dataclasses.replace(
+    CLUSTERS['h100-80gb'],
+    name='h200-141gb',
+    description='DGX H200: 8 x H200 SXM, NVLink 900 GB/s, 8 x 400 Gb/s NDR per node',
+    hbm_bytes=141 * GIGA,
+    hbm_bandwidth=4.8e12,
+)
 
 
 def _ideal_bubble(config):
