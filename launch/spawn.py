@@ -106,7 +106,9 @@ def process_env(index, processes, devices, port, base=os.environ):
 class QuietGloo:
     """Passes process 0's stderr on to this terminal without gloo's connection notices
     ('[Gloo] Rank 0 is connected to 1 peer ranks. ...', about 20 in a 2-process run), chunk by
-    chunk as it arrives, so a progress bar's carriage returns still draw in place."""
+    chunk as it arrives, so a progress bar's carriage returns still draw in place. An `error:`
+    line waits for what follows it: the run's error line stays the terminal's last, after any
+    warning spawn prints once every process has ended (`close`)."""
 
     NOTICE = re.compile(rb'\[Gloo\][^\n]*\n')
     PREFIX = b'[Gloo]'
@@ -121,6 +123,9 @@ class QuietGloo:
             ends = [n for n in range(1, len(self.PREFIX)) if text.endswith(self.PREFIX[:n])]
             cut = len(text) - max(ends) if ends else len(text)
         text, self.held = text[:cut], text[cut:]
+        last = text.rfind(b'\n', 0, len(text) - 1) + 1  # where the last whole line starts
+        if text.endswith(b'\n') and text[last:].startswith(b'error: '):
+            text, self.held = text[:last], text[last:] + self.held
         self.out.write(text)
         self.out.flush()
 
@@ -129,10 +134,9 @@ class QuietGloo:
         self.out.flush()
 
     def pump(self, stream):
-        """Copy `stream` (a binary pipe) through, until it ends."""
+        """Copy `stream` (a binary pipe) through, until it ends; `close` writes what is held."""
         for data in iter(lambda: os.read(stream.fileno(), 65536), b''):
             self.feed(data)
-        self.close()
 
 
 class Log:
@@ -200,9 +204,9 @@ def _die_with_parent():
 
 def start(args):
     """The P processes (each in its own session: Ctrl-C reaches spawn only, which passes it
-    on as SIGTERM) and the Log of each process but 0."""
+    on as SIGTERM), the Log of each process but 0, the readers, and process 0's QuietGloo."""
     port, workdir = free_port(), workdir_of(args.command)
-    processes, logs, readers = [], {}, []
+    processes, logs, readers, quiet = [], {}, [], None
     for index in range(args.processes):
         env = process_env(index, args.processes, args.devices_per_process, port)
         piped = dict(stderr=subprocess.PIPE)  # process 0: this terminal's, gloo's notices out
@@ -235,7 +239,7 @@ def start(args):
             )
             reader.start()
             readers.append(reader)
-    return processes, logs, readers
+    return processes, logs, readers, quiet
 
 
 def describe(status):
@@ -277,7 +281,7 @@ DUPLICATE_S = 1.0
 
 def main(argv):
     args = parse_args(argv)
-    processes, logs, readers = start(args)
+    processes, logs, readers, quiet = start(args)
     interrupts = []  # (signal, monotonic time)
 
     def on_interrupt(signum, frame):
@@ -309,6 +313,7 @@ def main(argv):
         reader.join()
     for log in logs.values():
         log.close()
+    quiet.close()  # process 0's last line, held until the logs' warnings are out
     statuses = [p.returncode for p in processes]
     if failed is None:
         return 0

@@ -109,22 +109,13 @@ def test_the_aux_and_z_losses_are_differentiable_in_the_router():
     ]
 
 
-# Two blocks, each through one device and one layout: GPT's with a shared expert, dropless,
-# z-loss on, over data 2 x tensor 2 with sequence parallelism; Llama's with the sigmoid router
-# and capacity 1.0 through the interleaved schedule on stage 2 x tensor 2.
+# GPT's block with a shared expert, dropless, z-loss on, over data 2 x tensor 2 with sequence
+# parallelism. The pipelined Llama block (qk norms, the sigmoid router, capacity 1.0, the
+# interleaved schedule) goes through stage x expert x tensor in test_expert_parallel.py.
 CASES = {
     'gpt-dropless-shared-d2t2-sp': (
         dict(num_layers=2, moe={**MOE, 'shared_experts': 1, 'z_loss_coeff': 1e-3}),
         dict(data=2, tensor=2, sequence_parallel=True),
-    ),
-    'llama-capacity-sigmoid-s2t2v2': (
-        dict(
-            num_layers=4,
-            **support.LLAMA_BLOCK,
-            qk_norm=True,
-            moe={**MOE, 'capacity_factor': 1.0, 'router': 'sigmoid'},
-        ),
-        dict(stage=2, tensor=2, micro_steps=4, repeats=2, schedule='interleaved'),
     ),
 }
 
@@ -156,15 +147,16 @@ def assert_layout_equals_one_device(model, layout, relative=RELATIVE):
     return one[3]
 
 
-def test_the_router_bias_moves_by_the_loads_alike_on_one_device_and_over_data_x_tensor():
-    """Two train steps with bias_update_rate 1e-3: the buffers after them are one device's,
-    and not their initial zeros (an underloaded expert's bias rose); the steps' metrics carry
-    the side values under their names, alike."""
+def test_the_router_bias_moves_by_the_loads_alike_on_one_device_and_over_data_expert_tensor():
+    """Two train steps with bias_update_rate 1e-3: the buffers after them (moved by the loads
+    of the whole batch, summed over every replica and expert rank) are one device's, and not
+    their initial zeros (an underloaded expert's bias rose); the steps' metrics carry the side
+    values under their names, alike."""
     model = dict(moe={**MOE, 'bias_update_rate': 1e-3})
     batches = support.random_batches(2)
     one_metrics, many_metrics = [], []
     _, one = support.train_losses(support.small_config(**model), batches, one_metrics)
-    config = support.small_config(data=2, tensor=2, **model)
+    config = support.small_config(data=2, expert=2, tensor=2, **model)
     _, many = support.train_losses(config, batches, many_metrics)
     for got, expected in zip(many_metrics, one_metrics):
         values = {name: got[name] for name in moe_lib.side_values(2, 8)}

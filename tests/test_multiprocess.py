@@ -371,3 +371,21 @@ def test_spawn_passes_process_zeros_output_on_without_gloos_notices():
     quiet.close()
     assert seen[3].endswith(b'\r 50%|#####')  # drawn in place at once
     assert out.getvalue() == b'config ok\n\r 50%|#####\r100%|##########|\ndone ['
+
+
+def test_process_zeros_error_line_stays_last_after_spawns_warnings():
+    """An `error:` line is held until more output or `close`: a warning spawn prints once the
+    processes have ended (a log the full disk refused) comes before it, not after."""
+    import io
+
+    out = io.BytesIO()
+    quiet = spawn_module().QuietGloo(out)
+    quiet.feed(b'step 4\nerror: not saved\n')
+    assert out.getvalue() == b'step 4\n'
+    out.write(b'warning: log not written in full\n')
+    quiet.close()
+    assert out.getvalue().splitlines()[-1] == b'error: not saved'
+    quiet = spawn_module().QuietGloo(out := io.BytesIO())
+    quiet.feed(b'error: retrying\n')
+    quiet.feed(b'step 5\n')  # not the last line: passed on with what follows it
+    assert out.getvalue() == b'error: retrying\nstep 5\n'

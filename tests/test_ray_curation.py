@@ -17,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -79,10 +80,20 @@ def embedded():
         yield ray
 
 
-def tool(name, *args, env=None):
+def tool(name, *args, env=None, beside=None):
+    """launch/NAME ARGS to its end; `beside(stopped)`, if given, runs in a thread meanwhile."""
     command = [sys.executable, str(ROOT / 'launch' / name), *map(str, args)]
     env = env or {**os.environ, 'PYTHONPATH': str(ROOT)}
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    stopped = threading.Event()
+    thread = threading.Thread(target=beside, args=(stopped,), daemon=True) if beside else None
+    if thread:
+        thread.start()
+    try:
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    finally:
+        stopped.set()
+        if thread:
+            thread.join()
 
 
 def concatenated(folder):
@@ -455,23 +466,31 @@ def test_sharded_partitioned_survivors_equal_the_one_process_rule(planted_pairs_
 
 
 def test_a_hung_worker_ends_the_run_with_one_line_and_keeps_the_work(cluster, tmp_path):
-    """--drill stall: piece 0's worker hangs in pass 1; with --stall_timeout_s 30 the run ends
+    """--drill stall: piece 0's worker hangs in pass 1; with --stall_timeout_s 10 the run ends
     with status 3 and one `error:` line naming the stage, no output placed, the work folder
-    (its scan and state) kept for a rerun. (At 5 s on a loaded machine the watch fires before
-    Ray's workers have started: the failure it is for, but not this drill's.) Last in the
-    module: the hung worker holds a CPU of the cluster until Ray ends the departed driver's
-    job."""
+    (its scan and state) kept for a rerun. Until the worker hangs the test touches the
+    heartbeat itself: on CI's loaded cores a Ray worker's start can take longer than any
+    bound a test can wait, and a watch that fires then (the failure it is also for) is not
+    this drill's. Last in the module: the hung worker holds a CPU of the cluster until Ray
+    ends the departed driver's job."""
     address, env = cluster
     out = tmp_path / 'curated.jsonl'
+    work = tmp_path / 'curated.jsonl.work'
+
+    def until_the_worker_hangs(stopped):
+        while not stopped.wait(1.0) and not (work / 'drill.stall').exists():
+            if work.is_dir():
+                (work / '.heartbeat').touch()
+
     started = time.monotonic()
     done = tool('curate.py', '--input', GOLDEN / 'planted.raw.jsonl', '--output', out,
                 '--workers', 2, '--ray_address', address, '--shard_mb', 1 / 64,
-                '--drill', 'stall', '--stall_timeout_s', 30, *PLANTED, env=env)  # fmt: skip
+                '--drill', 'stall', '--stall_timeout_s', 10, *PLANTED, env=env,
+                beside=until_the_worker_hangs)  # fmt: skip
     assert done.returncode == 3, done.stderr[-3000:]
     assert time.monotonic() - started < 300
     lines = done.stderr.strip().splitlines()
     assert lines[-1].startswith('error: curate: no progress for ') and 'signatures' in lines[-1]
     assert [line for line in lines if line.startswith('error:')] == lines[-1:]
-    work = tmp_path / 'curated.jsonl.work'
     assert (work / 'drill.stall').exists()  # piece 0's worker did hang (not fail otherwise)
     assert not out.exists() and (work / 'state.json').exists()
