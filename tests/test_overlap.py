@@ -157,3 +157,39 @@ def test_a_slot_added_to_in_place_costs_its_read_too():
     """acc[i] += update in one fusion: the slot read, the update read, the slot written."""
     result = overlap.collective_overlap(_slot_module(SLOT_READ_AND_WRITTEN), MESH, TARGET)
     assert result['step_s'] == pytest.approx(3 * 4000 / 1e9 + 4 / 1e9)
+
+
+FP8_GEMMS = """HloModule scheduled, is_scheduled=true, num_partitions=4
+
+%fused_f8 (a: f8e4m3fn[1000,1000], b: f8e4m3fn[1000,1000]) -> f32[1000,1000] {
+  %a = f8e4m3fn[1000,1000]{1,0} parameter(0)
+  %b = f8e4m3fn[1000,1000]{1,0} parameter(1)
+  ROOT %d = f32[1000,1000]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_widened (a: f8e4m3fn[1000,1000], b: f8e4m3fn[1000,1000]) -> f32[1000,1000] {
+  %a = f8e4m3fn[1000,1000]{1,0} parameter(0)
+  %b = f8e4m3fn[1000,1000]{1,0} parameter(1)
+  %wa = bf16[1000,1000]{1,0} convert(%a)
+  %wb = bf16[1000,1000]{1,0} convert(%b)
+  ROOT %d = f32[1000,1000]{1,0} dot(%wa, %wb), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: f8e4m3fn[1000,1000], w: f8e4m3fn[1000,1000]) -> (f32[1000,1000], f32[1000,1000]) {
+  %x = f8e4m3fn[1000,1000]{1,0} parameter(0)
+  %w = f8e4m3fn[1000,1000]{1,0} parameter(1)
+  %f8 = f32[1000,1000]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused_f8
+  %wide = f32[1000,1000]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused_widened
+  ROOT %out = (f32[1000,1000]{1,0}, f32[1000,1000]{1,0}) tuple(%f8, %wide)
+}
+"""
+
+
+def test_a_gemm_of_fp8_operands_runs_at_the_fp8_peak_and_a_widened_one_at_the_compute_dtypes():
+    """Two 2e9-FLOP GEMM fusions (HBM fast enough not to matter): the one multiplying FP8
+    operands takes 1 ms at an FP8 peak of 2e12, the one converting them to bf16 first 2 ms at
+    the compute dtype's 1e12; without FP8 tensor cores (an A100) both take 2 ms."""
+    fp8 = overlap.Target(1e12, 1e15, 1e6, 1e5, gpus_per_node=2, fp8_peak_flops=2e12)
+    assert overlap.collective_overlap(FP8_GEMMS, MESH, fp8)['step_s'] == pytest.approx(3e-3)
+    none = overlap.Target(1e12, 1e15, 1e6, 1e5, gpus_per_node=2)
+    assert overlap.collective_overlap(FP8_GEMMS, MESH, none)['step_s'] == pytest.approx(4e-3)

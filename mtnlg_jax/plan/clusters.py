@@ -52,7 +52,8 @@ CLUSTERS = {
     'h100-80gb': Cluster(
         name='h100-80gb',
         description='DGX H100: 8 x H100 SXM, NVLink 900 GB/s, 8 x 400 Gb/s NDR per node',
-        peak_tflops={'bfloat16': 989.0, 'float16': 989.0, 'float32': 67.0},
+        # dense: FP8 tensor cores (e4m3 / e5m2 operands) at twice bf16's
+        peak_tflops={'bfloat16': 989.0, 'float16': 989.0, 'float32': 67.0, 'float8': 1979.0},
         hbm_bytes=80 * GIGA,
         hbm_bandwidth=3.35e12,
         nvlink_bandwidth=450 * GIGA,

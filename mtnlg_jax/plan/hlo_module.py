@@ -399,8 +399,7 @@ def matmul_flops_by_dtype(hlo_text, branch_weights=None):
     attention, the grouped matmul) by its result's type."""
     computations, entry = parse_module(hlo_text)
     counts, _ = execution_counts(computations, entry, branch_weights)
-    callers = _fusion_operands(computations)
-    named = {name: {i.name: i for i in body} for name, body in computations.items()}
+    operand_types = OperandTypes(computations)
     by_dtype = collections.Counter()
     for name, instructions in computations.items():
         runs = counts[name][0]
@@ -410,9 +409,25 @@ def matmul_flops_by_dtype(hlo_text, branch_weights=None):
         for instruction in instructions:
             flops = instruction_flops(instruction, types)
             if flops:
-                dtypes = _operand_dtypes(instruction, name, named, callers)
-                by_dtype[dtypes] += flops * runs
+                by_dtype[operand_types(instruction, name)] += flops * runs
     return dict(by_dtype)
+
+
+class OperandTypes:
+    """operand_types(instruction, computation): what a matmul of the parsed module multiplies,
+    as `matmul_flops_by_dtype` keys it ('bf16', 'f8e5m2 x f8e4m3fn', ...)."""
+
+    def __init__(self, computations):
+        self.callers = _fusion_operands(computations)
+        self.named = {name: {i.name: i for i in body} for name, body in computations.items()}
+
+    def __call__(self, instruction, computation):
+        return _operand_dtypes(instruction, computation, self.named, self.callers)
+
+
+def is_fp8(dtypes):
+    """Whether a `matmul_flops_by_dtype` key multiplies FP8 by FP8 (an FP8 tensor-core GEMM)."""
+    return all(part.startswith('f8') for part in dtypes.split(' x '))
 
 
 _LAYOUT_ONLY = ('bitcast', 'copy', 'transpose', 'reshape')

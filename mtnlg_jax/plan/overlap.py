@@ -10,7 +10,8 @@ where the compute that needs them waits. The replay walks that order:
                          (all-gather over 'tensor': start s1 ... done d1)
 
 - every other instruction runs on one compute stream, one after another, at its roofline time
-  max(matmul FLOPs / peak, bytes read and written / HBM bandwidth): at peak, so that what the
+  max(matmul FLOPs / peak, bytes read and written / HBM bandwidth): at peak (FP8's for a
+  matmul of FP8 operands, hlo_module.matmul_flops_by_dtype's reading), so that what the
   replay calls exposed is a lower bound on what a real run waits;
 - a collective sends on its link's stream from its start, queued behind the earlier ones on
   that link: NVLink when every group stays inside a node, the network otherwise (the target's
@@ -52,23 +53,33 @@ _LAYOUT = frozenset(('parameter', 'bitcast', 'reshape', 'constant', 'tuple', 'ge
 
 
 class Target:
-    """The figures a replay needs (from a plan/clusters.Cluster and a compute dtype)."""
+    """The figures a replay needs (from a plan/clusters.Cluster and a compute dtype): a matmul
+    of FP8 by FP8 runs at `fp8_peak_flops` where the GPU has FP8 tensor cores, any other at
+    `peak_flops` (the compute dtype's)."""
 
     def __init__(self, peak_flops, hbm_bandwidth, nvlink_bandwidth, network_bandwidth,
-                 gpus_per_node):  # fmt: skip
+                 gpus_per_node, fp8_peak_flops=None):  # fmt: skip
         self.peak_flops, self.hbm_bandwidth = peak_flops, hbm_bandwidth
         self.nvlink_bandwidth, self.network_bandwidth = nvlink_bandwidth, network_bandwidth
-        self.gpus_per_node = gpus_per_node
+        self.gpus_per_node, self.fp8_peak_flops = gpus_per_node, fp8_peak_flops
 
     @classmethod
     def of_cluster(cls, cluster, compute_dtype):
+        fp8 = cluster.peak_tflops.get('float8')
         return cls(
             cluster.peak_tflops[compute_dtype] * 1e12,
             cluster.hbm_bandwidth,
             cluster.nvlink_bandwidth,
             cluster.internode_bandwidth,
             cluster.gpus_per_node,
+            fp8 and fp8 * 1e12,
         )
+
+    def peak_for(self, dtypes):
+        """FLOP/s of a matmul of `dtypes` (a hlo_module.matmul_flops_by_dtype key)."""
+        if self.fp8_peak_flops and hlo_module.is_fp8(dtypes):
+            return self.fp8_peak_flops
+        return self.peak_flops
 
 
 def _elements(type_text):
@@ -118,6 +129,7 @@ class _Replay:
     def __init__(self, computations, entry, inventory, target, branch_weights):
         self.computations, self.entry, self.target = computations, entry, target
         self.counts, _ = hlo_module.execution_counts(computations, entry, branch_weights)
+        self.operand_types = hlo_module.OperandTypes(computations)
         self.branch_weights = branch_weights
         self.scopes = {name for path in (branch_weights or {}) for name in path}
         self.collectives = {(op['computation'], op['name']): op for op in inventory}
@@ -140,19 +152,26 @@ class _Replay:
         )
         return op['wire_bytes'] / bandwidth
 
-    def instruction_seconds(self, instruction, types):
+    def instruction_seconds(self, instruction, types, computation):
         """Roofline time of one non-collective instruction, callees included."""
         if instruction.opcode in _FREE:
             return 0.0
         callees = instruction.callees()
         if instruction.opcode in _CALLS:
             return self.called_seconds(instruction, callees)
-        flops = hlo_module.instruction_flops(instruction, types)
+        matmul_s = self.matmul_seconds(instruction, types, computation)
         fused = [callee for attr, callee in callees if attr == 'calls']
         for callee in fused:  # a fusion's dots live in its fused computation
-            flops += self.fused_flops(callee)
+            matmul_s += self.fused_matmul_seconds(callee)
         moved = self.bytes_moved(instruction, types, fused[0] if fused else None)
-        return max(flops / self.target.peak_flops, moved / self.target.hbm_bandwidth)
+        return max(matmul_s, moved / self.target.hbm_bandwidth)
+
+    def matmul_seconds(self, instruction, types, computation):
+        """The instruction's own matmul FLOPs at the peak of what it multiplies."""
+        flops = hlo_module.instruction_flops(instruction, types)
+        if not flops:
+            return 0.0
+        return flops / self.target.peak_for(self.operand_types(instruction, computation))
 
     def bytes_moved(self, instruction, types, fused=None):
         """Bytes read and written: operands and result, except where a buffer is sliced or
@@ -205,11 +224,16 @@ class _Replay:
                     sizes[index] = min(sizes[index], elements * width) if width else sizes[index]
         return result + sum(sizes)
 
-    def fused_flops(self, name):
-        flops = hlo_module.computation_flops(self.computations.get(name, []))
-        for instruction in self.computations.get(name, []):
-            flops += sum(self.fused_flops(c) for a, c in instruction.callees() if a == 'calls')
-        return flops
+    def fused_matmul_seconds(self, name):
+        instructions = self.computations.get(name, [])
+        types = {instruction.name: instruction.type_text for instruction in instructions}
+        seconds = 0.0
+        for instruction in instructions:
+            seconds += self.matmul_seconds(instruction, types, name)
+            seconds += sum(
+                self.fused_matmul_seconds(c) for a, c in instruction.callees() if a == 'calls'
+            )
+        return seconds
 
     def called(self, instruction, callees):
         """[(runs per run of the instruction, computation)] of a while, conditional or call."""
@@ -280,7 +304,7 @@ class _Replay:
                         kinds['exposed communication'] += end - now
                         now = end
                 continue
-            seconds = self.instruction_seconds(instruction, types)
+            seconds = self.instruction_seconds(instruction, types, name)
             now += seconds
             if instruction.opcode in _CALLS:
                 for runs, callee in self.called(instruction, instruction.callees()):

@@ -193,6 +193,7 @@ def add_gpu_figures(compiled, config, text, mesh, target, weights):
             network_bytes_per_s=cluster.internode_bandwidth,
             gpus_per_node=cluster.gpus_per_node,
             peak_flops=cluster.peak_tflops[config.model.compute_dtype] * 1e12,
+            fp8_peak_flops=cluster.peak_tflops.get('float8', 0.0) * 1e12,
             hbm_bytes_per_s=cluster.hbm_bandwidth,
         ),
     )
