@@ -440,3 +440,43 @@ def test_compiled_moe_matmul_flops_match_the_active_count():
     routed = 3 * 256 * 128 * 2 * 2  # SwiGLU's 3 matrices, a token's 2 experts, 2 layers
     tokens = support.GLOBAL_BATCH * support.SEQ_LEN
     assert moe_flops - dense_flops < 6 * tokens * routed  # a dense lowering: 18 x tokens x routed
+
+
+FUSED_CONDITION = """HloModule fused_condition
+
+%fused_compare (p: s32[]) -> pred[] {
+  %p = s32[] parameter(0)
+  %bound = s32[] constant(127)
+  ROOT %lt = pred[] compare(%p, %bound), direction=LT
+}
+
+%cond (t: (s32[], f32[4,8])) -> pred[] {
+  %t = (s32[], f32[4,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  ROOT %go = pred[] fusion(%i), kind=kLoop, calls=%fused_compare
+}
+
+%body (t: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %t = (s32[], f32[4,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[4,8]{1,0} get-tuple-element(%t), index=1
+  %w = f32[8,8]{1,0} constant({...})
+  %y = f32[4,8]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %out = (s32[], f32[4,8]{1,0}) tuple(%i, %y)
+}
+
+ENTRY %main (p: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %p = (s32[], f32[4,8]{1,0}) parameter(0)
+  ROOT %loop = (s32[], f32[4,8]{1,0}) while(%p), condition=%cond, body=%body
+}
+"""
+
+
+def test_a_loops_bound_inside_a_fused_compare_is_its_trip_count():
+    """XLA:GPU fuses a rotated micro-step loop's `i < 127` into a fusion its condition calls,
+    with no known_trip_count (the Llama 3 8B step's 128 micro-steps): the bound is read from
+    the fusion, and the body's dot counted 127 times, not once."""
+    computations, entry = hlo_module.parse_module(FUSED_CONDITION)
+    (loop,) = [i for i in computations[entry] if i.opcode == 'while']
+    assert hlo_module.trip_count(loop, computations) == 127
+    assert hlo_module.dot_flops(FUSED_CONDITION) == 127 * 2 * 4 * 8 * 8

@@ -175,15 +175,18 @@ def parse_module(hlo_text):
 
 def trip_count(while_instruction, computations):
     """Iterations of a while loop: XLA's known_trip_count, else the constant its condition
-    compares with (a `lax.scan`'s `i < n`); None if neither is there."""
+    compares with (a `lax.scan`'s `i < n`; XLA:GPU may fuse the compare, the constant with it,
+    into a fusion the condition calls); None if neither is there."""
     known = _TRIP.search(while_instruction.rest)
     if known:
         return int(known.group(1))
-    condition = dict(while_instruction.callees()).get('condition')
-    constants = []
-    for instruction in computations.get(condition, []):
-        if instruction.opcode == 'constant' and re.match(r's(32|64)\[\]', instruction.type_text):
-            constants.append(int(re.match(r'\((-?\d+)\)', instruction.rest).group(1)))
+    constants, pending = [], [dict(while_instruction.callees()).get('condition')]
+    while pending:
+        for instruction in computations.get(pending.pop(), []):
+            pending += [callee for attr, callee in instruction.callees() if attr == 'calls']
+            scalar = re.match(r's(32|64)\[\]', instruction.type_text)
+            if instruction.opcode == 'constant' and scalar:
+                constants.append(int(re.match(r'\((-?\d+)\)', instruction.rest).group(1)))
     return max(constants) if constants else None
 
 

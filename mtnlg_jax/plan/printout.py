@@ -162,9 +162,17 @@ def lines(plan):
             f'{compiled["flops_vs_hardware"]:.2f} x Megatron\'s hardware FLOPs / devices '
             f'(cost_analysis: {"n/a" if raw is None else format(raw, ".4g")}, loop bodies once)'
         )
+        out.append(_by_dtype_line(compiled))
         out += gpu_lines(compiled)
         out += [f'  note       {note}' for note in compiled['notes']]
     return out
+
+
+def _by_dtype_line(compiled):
+    """The matmul FLOPs' shares by what they multiply, largest first ('f8e4m3fn 0.42, ...')."""
+    by_dtype, total = compiled['matmul_flops_by_dtype'], compiled['flops'] or 1
+    shares = sorted(by_dtype.items(), key=lambda item: -item[1])
+    return '  by dtype   ' + ', '.join(f'{dtypes} {flops / total:.2f}' for dtypes, flops in shares)
 
 
 def gpu_lines(compiled):

@@ -119,10 +119,12 @@ def add_compiled(plan, config, compiled, info, notes=(), target=None):
     weights = branch_weights(config)
     inventory = hlo.collective_inventory(text, info['mesh'], weights)
     devices = info['mesh'].devices.size
-    flops = hlo_module.dot_flops(text, weights)
+    by_dtype = hlo_module.matmul_flops_by_dtype(text, weights)
+    flops = sum(by_dtype.values())
     plan['compiled'] = dict(
         memory,
         flops=flops,
+        matmul_flops_by_dtype=by_dtype,
         flops_vs_model=flops * devices / arithmetic.model_flops_per_step(config),
         flops_vs_hardware=flops * devices / arithmetic.hardware_flops_per_step(config),
         cost_analysis_flops=compile_lib.flops(compiled),
