@@ -67,7 +67,8 @@ def experts_lines(model_cfg, num_params):
     moe = model_cfg.moe
     capacity = f'capacity {moe.capacity_factor:g}' if moe.capacity_factor else 'dropless'
     active = counts.active_params(model_cfg, num_params)
-    dense = f'; the first {moe.dense_layers} layers dense' if moe.dense_layers else ''
+    k = moe.dense_layers
+    dense = f'; {k} dense layer{"s" if k > 1 else ""} ahead of them' if k else ''
     return [
         f'experts      {moe.experts} routed, top {moe.top_k} ({moe.router} router, {capacity}'
         f'{f", {moe.shared_experts} shared" if moe.shared_experts else ""}){dense}: '
