@@ -2,10 +2,11 @@
 under data x expert x tensor, expert x tensor with sequence parallelism, stage x expert x
 tensor interleaved and expert 8 alone computes one device's loss, every gradient leaf and
 side value (dropless, and with capacity 1.0 the same tokens dropped), GPT's and Llama's
-blocks (the router bias moving alike: test_moe.py); the eval step scores alike; a checkpoint
-restores under another expert layout; the compiled step carries the tokens by all-to-all over
-'expert'; the experts' state is split over 'expert' and ZeRO-1 over 'data' alone; bad input
-is one line."""
+blocks (the router bias moving alike: test_moe.py), a dense layer ahead of the experts
+(model.moe.dense_layers) unpipelined and pipelined; the eval step scores alike; a checkpoint
+with a dense layer restores under another expert layout and a pipelined one; the compiled
+step carries the tokens by all-to-all over 'expert'; the experts' state is split over
+'expert' and ZeRO-1 over 'data' alone; bad input is one line."""
 
 import jax
 import numpy as np
@@ -29,16 +30,20 @@ MOE = {**test_moe.MOE, 'shared_experts': 1, 'aux_loss_coeff': 0.01, 'bias_update
 CAPACITY = {**MOE, 'capacity_factor': 1.0, 'router': 'sigmoid'}
 LLAMA = dict(**support.LLAMA_BLOCK, qk_norm=True)
 
-# (model keys, layout keys): every layout, GPT and Llama, dropless and capacity 1.0 each
-# appear (a covering set, not the product: each case compiles two steps)
+# A dense layer ahead of two MoE layers (its own stack, run with the embedding).
+DENSE_FIRST = dict(num_layers=3, moe={**MOE, 'dense_layers': 1})
+
+# (model keys, layout keys): every layout, GPT and Llama, dropless and capacity 1.0, a dense
+# layer ahead of the experts unpipelined and pipelined (the first stage runs it beside its
+# MoE layers) each appear (a covering set, not the product: each case compiles two steps)
 CASES = {
-    'gpt-dropless-d2e2t2': (dict(moe=MOE), dict(data=2, expert=2, tensor=2)),
+    'gpt-dropless-dense1-d2e2t2': (DENSE_FIRST, dict(data=2, expert=2, tensor=2)),
     'llama-dropless-e2t2-sp': (
         dict(**LLAMA, moe=MOE),
         dict(expert=2, tensor=2, sequence_parallel=True),
     ),
-    'llama-capacity-s2e2t2v2': (
-        dict(num_layers=4, **LLAMA, moe=CAPACITY),
+    'llama-capacity-dense1-s2e2t2v2': (
+        dict(num_layers=5, **LLAMA, moe={**CAPACITY, 'dense_layers': 1}),
         dict(stage=2, expert=2, tensor=2, micro_steps=4, repeats=2, schedule='interleaved'),
     ),
     'gpt-capacity-e8': (dict(moe=CAPACITY), dict(expert=8)),
@@ -102,9 +107,10 @@ def test_the_compiled_step_sends_tokens_to_their_experts_by_all_to_all():
 
 def test_a_checkpoint_restores_under_another_expert_layout(tmp_path):
     """A state saved after a step under expert 4 (the experts split 4 ways, ZeRO over 4
-    replicas, the router bias moved) restores bit for bit under expert 2 x tensor 2 and on
-    one device."""
-    config = support.small_config(expert=4, moe=MOE)
+    replicas, the router bias moved by the MoE layers' loads) restores bit for bit under
+    expert 2 x tensor 2, stage 2 x expert 2 x tensor 2 (the dense layer held by both stages)
+    and on one device."""
+    config = support.small_config(expert=4, **DENSE_FIRST)
     _, state = support.train_losses(config, support.random_batches(1))
     checkpoints = checkpoint_lib.Checkpoints(tmp_path)
     checkpoints.save(1, state, resume.checkpoint_meta(config, resume.fresh_counters()))
@@ -112,11 +118,10 @@ def test_a_checkpoint_restores_under_another_expert_layout(tmp_path):
     checkpoints.close()
     saved = jax.device_get(state)
     assert np.abs(saved['buffers']['blocks']['moe']['router_bias']).max() > 0
-    for layout in (dict(expert=2, tensor=2), dict()):
-        restored, _, _ = test_checkpoint.restore_into(
-            tmp_path, support.small_config(**layout, moe=MOE)
-        )
-        support.assert_trees_close(restored, saved, atol=0)
+    for layout in (dict(expert=2, tensor=2), dict(stage=2, expert=2, tensor=2), dict()):
+        other = support.small_config(**layout, **DENSE_FIRST)
+        restored, _, _ = test_checkpoint.restore_into(tmp_path, other)
+        support.assert_trees_close(support.in_layer_order(other, restored), saved, atol=0)
 
 
 BAD = [

@@ -146,16 +146,22 @@ def test_kv_cache_decoding_equals_full_recomputation_with_gqa_and_rope_scaling(a
     """A prompt, then one token at a time through the cache (kv_heads wide, keys rotated at
     their positions), against the whole sequence recomputed: the same logits at every step."""
     cfg = support.small_config(attention=attention, init_std=0.3, **support.LLAMA_BLOCK).model
+    assert_cached_decoding_equals_full(cfg)
+
+
+def assert_cached_decoding_equals_full(cfg, length=20):
+    """A prompt of 8 tokens, then single tokens up to `length` through the cache give the
+    logits of the whole sequence recomputed."""
     model = gpt.create(cfg, 0)
     cache = init_cache(cfg, 2, cfg.seq_len, jnp.float32)
-    assert cache[0].shape == (2, 2, cfg.seq_len, 4, 8)  # layers, batch, len, kv_heads, head_dim
-    tokens = jnp.asarray(support.random_batches(1)[0][:2, :20], jnp.int32)
+    assert cache[0].shape == (cfg.num_layers, 2, cfg.seq_len, 4, 8)  # batch, len, kv_heads, dim
+    tokens = jnp.asarray(support.random_batches(1)[0][:2, :length], jnp.int32)
     out, cache = forward_cached(model, tokens[:, :8], cache, 0)
     cached = [out]
-    for index in range(8, 20):
+    for index in range(8, length):
         out, cache = forward_cached(model, tokens[:, index : index + 1], cache, index)
         cached.append(out)
-    full = np.asarray(model.logits(model(tokens)))[:, 7:20]
+    full = np.asarray(model.logits(model(tokens)))[:, 7:length]
     np.testing.assert_allclose(
         np.stack(cached, 1)[..., : cfg.vocab_size], full[..., : cfg.vocab_size], atol=1e-4
     )

@@ -125,17 +125,15 @@ def test_loss_gradients_and_values_under_a_layout_equal_one_devices(case):
     """Loss, every gradient leaf (relative to its scale) and the side values (the aux loss,
     the per-layer loads, the dropped count: the same tokens dropped) equal one device's."""
     model, layout = CASES[case]
-    values = assert_layout_equals_one_device(model, layout)
-    assert (
-        values[moe_lib.LOADS].sum()
-        == 2 * support.GLOBAL_BATCH * support.SEQ_LEN * model['num_layers']
-    )
+    assert_layout_equals_one_device(model, layout)
 
 
 def assert_layout_equals_one_device(model, layout, relative=RELATIVE):
     """One step's loss, every gradient leaf and side value under `layout` against one
     device's (each within `relative` of its leaf's largest entry); capacity drops tokens
-    exactly when the model has a capacity factor. Returns one device's side values."""
+    exactly when the model has a capacity factor; every MoE layer's row of the loads counts
+    each token's top_k choices, the dense layers' ahead of the experts none. Returns one
+    device's side values."""
     batch = support.random_batches(1)[0]
     one = support.gradients_and_values(support.small_config(**model), batch, step=5)
     many = support.gradients_and_values(support.small_config(**layout, **model), batch, step=5)
@@ -144,6 +142,11 @@ def assert_layout_equals_one_device(model, layout, relative=RELATIVE):
     support.assert_within_leaf_scale(many[3], one[3], relative)
     dropped = float(one[3][moe_lib.DROPPED])
     assert (dropped > 0) == bool(model['moe'].get('capacity_factor')), dropped
+    loads, moe = one[3][moe_lib.LOADS], model['moe']
+    dense = moe.get('dense_layers', 0)
+    assert loads.shape[0] == model.get('num_layers', 2) and not loads[:dense].any()
+    choices = support.GLOBAL_BATCH * support.SEQ_LEN * moe.get('top_k', MOE['top_k'])
+    np.testing.assert_array_equal(loads[dense:].sum(-1), choices)
     return one[3]
 
 
@@ -175,7 +178,19 @@ BAD = [
     (dict(), dict(expert=2), 'mesh.expert: 2 expert ranks, but the model is dense'),
     (dict(moe={**MOE, 'capacity_factor': -1.0}), {}, 'model.moe.capacity_factor: must be >= 0'),
     (dict(moe={**MOE, 'router': 'relu'}), {}, "model.moe.router: 'relu' is not one of"),
-    (dict(moe={**MOE, 'dense_layers': 1}), {}, 'model.moe.dense_layers: 1: a dense stack'),
+    (dict(moe={**MOE, 'dense_layers': 12}), {}, 'model.moe.dense_layers: 12 dense layers leave'),
+    (dict(moe=dict(dense_layers=1)), {}, 'model.moe.dense_layers: 1 dense layers ahead of the'),
+    (
+        dict(moe={**MOE, 'dense_layers': 3}),
+        dict(stage=2),
+        'model.num_layers: 9 MoE layers (model.num_layers less model.moe.dense_layers) are not '
+        'divisible by mesh.stage',
+    ),
+    (
+        dict(moe={**MOE, 'dense_layers': 2}, fp8='delayed'),
+        {},
+        "model.moe.dense_layers: 2 dense layers under model.fp8 = 'delayed'",
+    ),
 ]
 
 

@@ -154,14 +154,16 @@ def _check_fp8(model, tensor):
 
 def check_moe(model, mesh):
     """model.moe.* against the block and the mesh: top_k within the experts, the experts over
-    mesh.expert, the experts' widths over mesh.tensor; a dense model refuses mesh.expert > 1
-    and any layer count for dense_layers (not built yet)."""
+    mesh.expert, the experts' widths over mesh.tensor, dense_layers below num_layers; a dense
+    model refuses mesh.expert > 1 and dense_layers > 0."""
     moe, tensor = model.moe, mesh.tensor
     if moe.experts == 0:
+        dense = 'but the model is dense (model.moe.experts is 0)'
+        _require(mesh.expert == 1, 'mesh.expert', f'{mesh.expert} expert ranks, {dense}')
         _require(
-            mesh.expert == 1,
-            'mesh.expert',
-            f'{mesh.expert} expert ranks, but the model is dense (model.moe.experts is 0)',
+            moe.dense_layers == 0,
+            'model.moe.dense_layers',
+            f'{moe.dense_layers} dense layers ahead of the experts, {dense}',
         )
         return
     _require(
@@ -185,9 +187,16 @@ def check_moe(model, mesh):
             f'{width} is not divisible by mesh.tensor={tensor}',
         )
     _require(
-        moe.dense_layers == 0,
+        moe.dense_layers < model.num_layers,
         'model.moe.dense_layers',
-        f'{moe.dense_layers}: a dense stack ahead of the MoE layers is not built yet (only 0)',
+        f'{moe.dense_layers} dense layers leave no MoE layer of model.num_layers='
+        f'{model.num_layers} (at most {model.num_layers - 1})',
+    )
+    _require(
+        not moe.dense_layers or model.get('fp8', 'none') != 'delayed',
+        'model.moe.dense_layers',
+        f"{moe.dense_layers} dense layers under model.fp8 = 'delayed': the dense stack keeps no "
+        f'FP8 amax history (tensorwise and blockwise run)',
     )
 
 
@@ -195,6 +204,12 @@ def replicas(mesh):
     """The batch's replicas: mesh.data x mesh.expert (expert ranks are data-parallel for every
     parameter but the experts)."""
     return mesh.data * mesh.expert
+
+
+def block_stack_layers(model):
+    """Layers in the scanned block stack `blocks`: model.num_layers less the dense layers
+    ahead of a mixture of experts (model.moe.dense_layers), which a stack of their own holds."""
+    return model.num_layers - (model.moe.dense_layers if 'moe' in model else 0)
 
 
 def moe_ffn_hidden(model):
@@ -266,23 +281,36 @@ def _check_rope(model):
 
 
 def _check_stage_layers(config):
-    """model.num_layers over the stages: evenly, or with first / last stages of their own."""
+    """The block stack (model.num_layers less the dense layers ahead of the experts, which
+    the first stage runs beside the embedding) over the stages: evenly, or with first / last
+    stages of their own."""
     model, pipeline, stages = config.model, config.pipeline, config.mesh.stage
     first, last = pipeline.first_stage_layers, pipeline.last_stage_layers
+    layers = block_stack_layers(model)
+    dense = layers != model.num_layers
+    what = f'{layers} MoE layers (model.num_layers less model.moe.dense_layers)' if dense else ''
+    _require(
+        not dense or stages == 1 or pipeline.schedule != 'gpipe',
+        'model.moe.dense_layers',
+        f'{model.num_layers - layers} dense layers run on the 1f1b, interleaved and zbh1 '
+        f'schedules, not gpipe (its embedding runs on every micro-batch at once)',
+    )
     if not (first or last) or stages == 1:
         _divisible(
             'model.num_layers',
-            f'{model.num_layers} layers',
-            model.num_layers,
+            what or f'{layers} layers',
+            layers,
             ('mesh.stage', stages),
             ('pipeline.repeats', pipeline.repeats),
         )
         return
     key = 'pipeline.first_stage_layers' if first else 'pipeline.last_stage_layers'
     try:
-        stage_layers.per_stage(model.num_layers, stages, pipeline.repeats, first, last)
+        stage_layers.per_stage(layers, stages, pipeline.repeats, first, last)
     except ValueError as e:
-        raise ConfigError(key, f'{e} (model.num_layers={model.num_layers})') from None
+        raise ConfigError(
+            key, f'{e} (model.num_layers={model.num_layers}{what and ": " + what})'
+        ) from None
     _require(
         pipeline.schedule != 'gpipe',
         key,

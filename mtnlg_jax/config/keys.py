@@ -190,7 +190,8 @@ KEYS = (
         'model.moe.dense_layers',
         0,
         'int>=0',
-        'the first layers keep the dense MLP (not yet: only 0)',
+        'the first layers keep the dense MLP of model.ffn_hidden (below num_layers; not with '
+        "a dense model, GPipe's order with stages or delayed FP8)",
         'never',
     ),
     Key(

@@ -471,15 +471,22 @@ class Block(nnx.Module):
     `model.mlp` (GeLU or SwiGLU) pick the pieces (model/layers.py). GPT-3's block is
     LayerNorm + GeLU with learned positions; Llama's RMSNorm + SwiGLU with rope and GQA.
     With model.moe.experts > 0 a mixture of experts of that MLP kind (model/moe.py, the
-    attribute `moe`) takes the MLP's place; grouped_matmul: moe.grouped_matmul_kind's."""
+    attribute `moe`) takes the MLP's place, but in a dense block (`dense`: the layers ahead of
+    the experts, model.moe.dense_layers); grouped_matmul: moe.grouped_matmul_kind's."""
 
     def __init__(
-        self, cfg, rngs, attention_kernel='plain', gpu_generation=None, grouped_matmul='blocks'
+        self,
+        cfg,
+        rngs,
+        attention_kernel='plain',
+        gpu_generation=None,
+        grouped_matmul='blocks',
+        dense=False,
     ):
         self.ln_attn = norm(cfg)
         self.attention = Attention(cfg, rngs, attention_kernel, gpu_generation)
         self.ln_mlp = norm(cfg)
-        if moe.experts_of(cfg):
+        if moe.experts_of(cfg) and not dense:
             self.moe = moe.MoE(cfg, rngs, grouped_matmul)
         else:
             self.mlp = mlp(cfg, rngs)

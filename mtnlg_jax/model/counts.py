@@ -2,13 +2,14 @@
 a model config's shapes alone (GPT-3's block and Llama's: GQA, SwiGLU, untied, no biases).
 A mixture of experts' model FLOPs count the active parameters (`active_params`): the
 router, the shared experts and top_k of the routed experts a layer; param_count counts every
-expert, layer_matmul_params (what a token's forward multiplies) the active ones."""
+expert, layer_matmul_params (what a token's forward multiplies) the active ones. The dense
+layers ahead of the experts (model.moe.dense_layers) count as a dense model's layers."""
 
 import math
 
 import jax
 
-from mtnlg_jax.config import moe_ffn_hidden, shared_ffn_hidden
+from mtnlg_jax.config import block_stack_layers, moe_ffn_hidden, shared_ffn_hidden
 from mtnlg_jax.model.layers import attention_dims
 from mtnlg_jax.model.moe import experts_of
 
@@ -24,11 +25,12 @@ def mlp_matrices(model_cfg):
 
 def inactive_params(model_cfg):
     """The routed experts' parameters a token does not use: (experts - top_k) experts' MLP
-    matrices a layer (0 for a dense model)."""
+    matrices an MoE layer (0 for a dense model)."""
     experts = experts_of(model_cfg)
     if not experts:
         return 0
-    return model_cfg.num_layers * (experts - model_cfg.moe.top_k) * expert_params(model_cfg)
+    moe_layers = block_stack_layers(model_cfg)
+    return moe_layers * (experts - model_cfg.moe.top_k) * expert_params(model_cfg)
 
 
 def active_params(model_cfg, num_params):
@@ -42,11 +44,12 @@ def expert_params(model_cfg):
     return mlp_matrices(model_cfg) * model_cfg.hidden * moe_ffn_hidden(model_cfg)
 
 
-def mlp_matmul_params(model_cfg, active=True):
-    """One block's MLP matmul weights: the dense MLP's (h x f each); a mixture of experts'
-    router (h x X), shared experts' MLP and routed experts, top_k of them (active) or all."""
+def mlp_matmul_params(model_cfg, active=True, dense=False):
+    """One block's MLP matmul weights: the dense MLP's (h x f each; dense: a dense layer
+    ahead of the experts); a mixture of experts' router (h x X), shared experts' MLP and
+    routed experts, top_k of them (active) or all."""
     h = model_cfg.hidden
-    experts = experts_of(model_cfg)
+    experts = 0 if dense else experts_of(model_cfg)
     if not experts:
         return mlp_matrices(model_cfg) * h * model_cfg.ffn_hidden
     routed = model_cfg.moe.top_k if active else experts
@@ -54,14 +57,14 @@ def mlp_matmul_params(model_cfg, active=True):
     return h * experts + shared + routed * expert_params(model_cfg)
 
 
-def layer_matmul_params(model_cfg, active=True):
+def layer_matmul_params(model_cfg, active=True, dense=False):
     """One block's matmul weights: Q and out (h x H D each), K and V (h x K D each), the MLP's
-    (mlp_matmul_params: a mixture of experts' active ones unless active=False). GPT-3 with
-    f = 4 h: 12 h^2."""
+    (mlp_matmul_params: a mixture of experts' active ones unless active=False; the dense MLP's
+    with dense). GPT-3 with f = 4 h: 12 h^2."""
     heads, kv_heads, head_dim = attention_dims(model_cfg)
     h = model_cfg.hidden
     attention = 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim
-    return attention + mlp_matmul_params(model_cfg, active)
+    return attention + mlp_matmul_params(model_cfg, active, dense)
 
 
 def mlp_biases(model_cfg, width):
@@ -75,22 +78,40 @@ def param_count(model_cfg):
     (model.bias), the norms' scales (and LayerNorm's biases), the token embedding, the output
     layer when untied and the position table when learned. A mixture of experts: every
     routed expert, the router and the shared experts' MLP (its biases with model.bias) in the
-    dense MLP's place."""
-    heads, kv_heads, head_dim = attention_dims(model_cfg)
+    dense MLP's place, but in the dense layers ahead of the experts."""
     h, vocab = model_cfg.hidden, model_cfg.padded_vocab
-    norm = 2 * h if model_cfg.get('norm', 'layernorm') == 'layernorm' else h
-    biases = 0
-    if model_cfg.get('bias', True):
-        mlp_width = shared_ffn_hidden(model_cfg) if experts_of(model_cfg) else model_cfg.ffn_hidden
-        biases = (heads + 2 * kv_heads) * head_dim + h
-        biases += mlp_biases(model_cfg, mlp_width) if mlp_width else 0
-    per_layer = layer_matmul_params(model_cfg, active=False) + biases + 2 * norm
-    outside = vocab * h + norm
+    moe_layers = block_stack_layers(model_cfg)
+    outside = vocab * h + norm_params(model_cfg)
     if not model_cfg.get('tie_embeddings', True):
         outside += vocab * h
     if model_cfg.get('position', 'learned') == 'learned':
         outside += model_cfg.seq_len * h
-    return outside + model_cfg.num_layers * per_layer
+    dense_layers = model_cfg.num_layers - moe_layers
+    return (
+        outside
+        + moe_layers * layer_params(model_cfg)
+        + dense_layers * layer_params(model_cfg, dense=True)
+    )
+
+
+def norm_params(model_cfg):
+    """One norm's: a scale (RMSNorm), and a bias (LayerNorm)."""
+    h = model_cfg.hidden
+    return 2 * h if model_cfg.get('norm', 'layernorm') == 'layernorm' else h
+
+
+def layer_params(model_cfg, dense=False):
+    """One block's parameters: its matmul weights (every expert's), biases and two norms;
+    dense: a dense layer ahead of the experts."""
+    heads, kv_heads, head_dim = attention_dims(model_cfg)
+    biases = 0
+    if model_cfg.get('bias', True):
+        moe = experts_of(model_cfg) and not dense
+        mlp_width = shared_ffn_hidden(model_cfg) if moe else model_cfg.ffn_hidden
+        biases = (heads + 2 * kv_heads) * head_dim + model_cfg.hidden
+        biases += mlp_biases(model_cfg, mlp_width) if mlp_width else 0
+    matmuls = layer_matmul_params(model_cfg, active=False, dense=dense)
+    return matmuls + biases + 2 * norm_params(model_cfg)
 
 
 def attention_flops_per_token(model_cfg):

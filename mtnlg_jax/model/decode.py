@@ -5,7 +5,9 @@ decoding needs each layer's keys and values of every earlier position, so it sca
 stacked block parameters with that layer's slice of the cache alongside:
 
     cache = (keys, values), each (layers, batch, max_len, kv_heads, head_dim), split over
-            kv_heads; under rope the keys are stored rotated by their positions
+            kv_heads; under rope the keys are stored rotated by their positions; a row for
+            every layer, the dense layers ahead of a mixture of experts (their own stack)
+            first
     forward_cached(model, tokens (batch, new), cache, index)
         -> logits of the last new position (batch, vocab), cache with positions
            index .. index + new - 1 filled
@@ -39,14 +41,25 @@ def forward_cached(model, tokens, cache, index):
         table = model.position_embed[...]
         x = x + jax.lax.dynamic_slice_in_dim(table, index, tokens.shape[1])
     x = constrain(x, ('batch', 'seq', 'embed'))
-    graphdef, stacked = nnx.split(model.blocks)
+    if model.dense_blocks is None:
+        x, cache = _cached_stack(model.blocks, x, cache, index)
+    else:  # the dense layers ahead of the experts hold the cache's first rows
+        k = model.dense_layers
+        x, dense = _cached_stack(model.dense_blocks, x, tuple(c[:k] for c in cache), index)
+        x, rest = _cached_stack(model.blocks, x, tuple(c[k:] for c in cache), index)
+        cache = tuple(jnp.concatenate(pair) for pair in zip(dense, rest))
+    cache = tuple(constrain(c, CACHE_AXES) for c in cache)
+    hidden = model.final_norm(x[:, -1:])
+    return model.logits(hidden)[:, 0], cache
+
+
+def _cached_stack(blocks, x, cache, index):
+    """(x, cache) after a stack of blocks scanned over x with their layers' cache rows."""
+    graphdef, stacked = nnx.split(blocks)
 
     def one_block(x, block_and_cache):
         params, keys, values = block_and_cache
         x, (keys, values) = nnx.merge(graphdef, params).cached(x, (keys, values), index)
         return x, (keys, values)
 
-    x, cache = jax.lax.scan(one_block, x, (stacked, *cache))
-    cache = tuple(constrain(c, CACHE_AXES) for c in cache)
-    hidden = model.final_norm(x[:, -1:])
-    return model.logits(hidden)[:, 0], cache
+    return jax.lax.scan(one_block, x, (stacked, *cache))

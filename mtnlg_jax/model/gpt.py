@@ -32,6 +32,9 @@ heads, K = kv_heads, D = head_dim, F = ffn_hidden; [..] only under the option na
     [blocks.attention.qk_norm]      (L, 2, D)            model.qk_norm (queries, keys)
     [blocks.moe.*]                  model/moe.py's       model.moe.experts > 0, in place
                                                          of blocks.mlp
+    [dense_blocks.*]                (k, ...) as blocks'  model.moe.dense_layers = k: layers
+                                    with the dense MLP   0 .. k - 1, ahead of the experts;
+                                                         blocks then holds L - k layers
 
 Biases of the projections exist only with model.bias (default True). Hugging Face Llama:
 embed_tokens = token_embed, lm_head = output_embed, q_proj = q_kernel (E, H, D) transposed,
@@ -51,6 +54,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mtnlg_jax.config import block_stack_layers
 from mtnlg_jax.model.block import (
     SELECTIVE_SAVED,
     SITES_PER_BLOCK,
@@ -95,14 +99,25 @@ class GPT(nnx.Module):
         )
         kernel = attention_kernel(cfg, device)
         grouped = moe.grouped_matmul_kind(device)
-        make_blocks = nnx.vmap(
-            lambda key: Block(cfg, nnx.Rngs(params=key), kernel, gpu_generation(device), grouped),
-            transform_metadata={nnx.PARTITION_NAME: 'layers', 'logical_axes': 'layers'},
-        )
-        self.blocks = make_blocks(layer_keys)
+
+        def stack(keys, axis, dense=False):
+            make = nnx.vmap(
+                lambda key: Block(
+                    cfg, nnx.Rngs(params=key), kernel, gpu_generation(device), grouped, dense
+                ),
+                transform_metadata={nnx.PARTITION_NAME: axis, 'logical_axes': axis},
+            )
+            return make(keys)
+
+        self.experts = moe.experts_of(cfg)  # 0: dense blocks
+        # The first dense_layers layers (ahead of a mixture of experts) are a stack of their
+        # own, run with the embedding; each layer keeps its key, so its index in the model.
+        self.dense_layers = cfg.num_layers - block_stack_layers(cfg)
+        k = self.dense_layers
+        self.dense_blocks = stack(layer_keys[:k], 'dense_layers', dense=True) if k else None
+        self.blocks = stack(layer_keys[k:] if k else layer_keys, 'layers')
         self.final_norm = norm(cfg)
         self.num_layers = cfg.num_layers
-        self.experts = moe.experts_of(cfg)  # 0: dense blocks
         self.vocab_size = cfg.vocab_size
         self.hidden_dropout = cfg.hidden_dropout
         self.remat = cfg.remat
@@ -115,18 +130,33 @@ class GPT(nnx.Module):
         None for no dropout; positions, segment_ids (batch, seq): packed documents'
         (data/packing.py), or None for 0 .. seq - 1 and one segment."""
         graphdef, stacked = nnx.split(self.blocks)
-        x = self.embed(tokens, row_keys, positions)
+        x = self.lead_in(tokens, row_keys, positions, segment_ids)
         x, _ = apply_block_stack(
             graphdef,
             stacked,
             x,
             row_keys,
             self.remat,
+            first_layer=self.dense_layers,
             positions=positions,
             segment_ids=segment_ids,
             declared=self.side_values(),
         )
         return self.final_norm(x)
+
+    def lead_in(self, tokens, row_keys=None, positions=None, segment_ids=None, order=None):
+        """What runs ahead of the block stack, where the embedding runs (a pipeline's first
+        stage, its first chunk): the embedding, then the dense layers ahead of a mixture of
+        experts, if any (layers 0 .. dense_layers - 1; a dense block emits no side value
+        but FP8's delayed amax, which config/checks.py refuses with them)."""
+        x = self.embed(tokens, row_keys, positions)
+        if self.dense_blocks is None:
+            return x
+        graphdef, stacked = nnx.split(self.dense_blocks)
+        x, _ = apply_block_stack(
+            graphdef, stacked, x, row_keys, self.remat, 0, positions, segment_ids, order=order
+        )
+        return x
 
     def side_values(self):
         """{name: SideValue} the block stack emits (parallel/stage_functions.py): an MoE's,
@@ -285,10 +315,16 @@ def stage_functions(graphdef, param_axes=None):
         return merge(graphdef, {**shared, 'blocks': placeholder_blocks})
 
     def embed(shared, batch):
-        return view(shared).embed(batch.tokens, batch.row_keys, batch.positions)
+        model = view(shared)
+        if model.dense_blocks is None:
+            return model.embed(batch.tokens, batch.row_keys, batch.positions)
+        fields = (batch.row_keys, batch.positions, batch.segment_ids, batch.order)
+        return model.lead_in(batch.tokens, *fields)
 
     def apply_blocks(chunk, hidden, batch, first_layer, remat, used=None):
         keys, positions, segment_ids = batch.row_keys, batch.positions, batch.segment_ids
+        if skeleton.dense_layers:  # the block stack's layers follow the dense ones
+            first_layer = first_layer + skeleton.dense_layers
         return apply_block_stack(
             block_graphdef,
             chunk,

@@ -118,8 +118,11 @@ def bias_rule(rate):
     if name not in buffers.RULES:
 
         def move(value, values, step):
-            """value (layers, experts) in layer order; loads the step's, over the batch."""
+            """value (MoE layers, experts) in layer order; loads the step's, over the batch,
+            a row for every layer (the dense layers ahead of the experts, if any, first)."""
             loads = values[LOADS]
+            if loads.shape[0] != value.shape[0]:
+                loads = loads[loads.shape[0] - value.shape[0] :]
             return value + rate * jnp.sign(loads.mean(-1, keepdims=True) - loads)
 
         buffers.update_rule(name)(move)

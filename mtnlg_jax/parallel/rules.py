@@ -110,6 +110,7 @@ LOGICAL_RULES = (
     ('window', None),  # a batch's token windows (seq + 1), split only once chunked
     ('position', None),
     ('layers', 'stage'),  # block parameters: each pipeline stage holds its own chunks
+    ('dense_layers', None),  # the dense layers ahead of the experts: every stage, as embeddings
     ('micro_steps', None),
     ('stages', 'stage'),  # micro-batches outside the pipeline: embedding and head, 1/p each
     ('handoff_seq', ('context', 'tensor')),  # activations between pipeline stages (Megatron's)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtnlg_jax.config import stage_layers
+from mtnlg_jax.config import block_stack_layers, stage_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,10 +100,11 @@ class StageLayers:
 
 
 def of_config(config):
-    """The StageLayers of a resolved config."""
+    """The StageLayers of a resolved config: of its block stack, the dense layers ahead of a
+    mixture of experts left out (the first stage runs them beside the embedding)."""
     pipeline = config.pipeline
     return StageLayers(
-        config.model.num_layers,
+        block_stack_layers(config.model),
         config.mesh.stage,
         pipeline.repeats,
         pipeline.get('first_stage_layers', 0),

@@ -28,15 +28,16 @@ def megatron_flops_per_step(model_cfg, global_batch, recompute=True):
     """Megatron-LM 2021's per-iteration FLOPs (eq. 3), with or without full recompute,
     96 B s l h^2 (1 + s / (6 h) + V / (16 l h)) for GPT-3's block (72 without recompute),
     where 12 h^2 is a layer's matmul weights and h the attention width: in general
-    96 B s (l W / 12 + l s H Q / 6 + h V / 16), W = layer_matmul_params (GQA, SwiGLU)."""
+    96 B s (l W / 12 + l s H Q / 6 + h V / 16), W = layer_matmul_params (GQA, SwiGLU; the
+    dense layers ahead of a mixture of experts with their own W)."""
     tokens = global_batch * model_cfg.seq_len
     layers, h, v = model_cfg.num_layers, model_cfg.hidden, model_cfg.padded_vocab
     width = counts.attention_flops_per_token(model_cfg) / (12 * layers * model_cfg.seq_len)
-    per_token = (
-        layers * counts.layer_matmul_params(model_cfg) / 12
-        + layers * model_cfg.seq_len * width / 6
-        + h * v / 16
-    )
+    moe_layers = config_lib.block_stack_layers(model_cfg)
+    weights = moe_layers * counts.layer_matmul_params(model_cfg) + (
+        layers - moe_layers
+    ) * counts.layer_matmul_params(model_cfg, dense=True)
+    per_token = weights / 12 + layers * model_cfg.seq_len * width / 6 + h * v / 16
     return (96 if recompute else 72) * tokens * per_token
 
 
@@ -178,11 +179,12 @@ def engine_table(config, micro_steps=None):
     return engine_lib.engine(config).table(micro_steps or config.train.micro_steps)
 
 
-def mlp_width(model_cfg):
-    """The MLP width one token's activations have: model.ffn_hidden; a mixture of experts'
-    top_k routed experts' and the shared experts' (the grouped matmuls' rows are the
-    token's k choices; the router's logits and the dispatch's index arrays are not counted)."""
-    if not counts.experts_of(model_cfg):
+def mlp_width(model_cfg, dense=False):
+    """The MLP width one token's activations have: model.ffn_hidden (a dense model's, or
+    dense: a dense layer's ahead of the experts); a mixture of experts' top_k routed experts'
+    and the shared experts' (the grouped matmuls' rows are the token's k choices; the
+    router's logits and the dispatch's index arrays are not counted)."""
+    if dense or not counts.experts_of(model_cfg):
         return model_cfg.ffn_hidden
     moe = model_cfg.moe
     return moe.top_k * config_lib.moe_ffn_hidden(model_cfg) + config_lib.shared_ffn_hidden(
@@ -190,13 +192,15 @@ def mlp_width(model_cfg):
     )
 
 
-def layer_activation_bytes(model_cfg, rows, tensor, remat, fused_attention=False, context=1):
+def layer_activation_bytes(
+    model_cfg, rows, tensor, remat, fused_attention=False, context=1, dense=False
+):
     """Bytes one layer keeps for its backward pass, per micro-batch of `rows` sequences.
     fused_attention: a fused kernel (cuDNN, the flash kernel) keeps its fp32 log-sum-exp
     where the plain path keeps the (seq x seq) scores and probabilities. context: ranks of
     context parallelism, each holding s / c of every sequence: its scores are (s / c) x s,
     and a layer kept whole also keeps the keys and values gathered over 'context' (s, b,
-    2 kv_heads d / t).
+    2 kv_heads d / t). dense: a dense layer ahead of a mixture of experts.
 
     remat none: s b h (6 e + 12 e / t) + a s^2 b (4 + e) / t: the block's inputs, layer-norm
         outputs, residual branch outputs (6 x (s, b, h), replicated over tensor), QKV, context
@@ -223,9 +227,9 @@ def layer_activation_bytes(model_cfg, rows, tensor, remat, fused_attention=False
     if remat == 'full':
         return s * rows * h * e / residual
     if remat == 'selective':
-        saved_mlp = mlp_width(model_cfg) * (2 if swiglu else 1)
+        saved_mlp = mlp_width(model_cfg, dense) * (2 if swiglu else 1)
         return s * rows * (2 * h * e / residual + (split + saved_mlp) * e / tensor)
-    f = mlp_width(model_cfg) * (3 if swiglu else 2)
+    f = mlp_width(model_cfg, dense) * (3 if swiglu else 2)
     kept = s * rows * (6 * h * e / residual + (split + f) * e / tensor)
     core = a * s * rows * 4 if fused_attention else a * s * whole * rows * (4 + e)
     if context > 1:
@@ -271,7 +275,10 @@ def activation_bytes(config, fused_attention=False):
         what every one of its v m + p - 1 iterations saved (the chunk input under full
         recompute), one chunk recomputed, the (m, b, s, h) embedded inputs, recirculating and
         output buffers, and `split` micro-batches of logits and their gradient (gpipe
-        differentiates GPT.logits and cross_entropy, not the fused loss)."""
+        differentiates GPT.logits and cross_entropy, not the fused loss).
+    The dense layers ahead of a mixture of experts (model.moe.dense_layers): kept once
+    unpipelined; pipelined, in every residual slot (expected, not measured: they run in the
+    first chunk's embedding branch, a conditional whose residuals are both branches')."""
     model, train = config.model, config.train
     stages, tensor = config.mesh.stage, config.mesh.tensor
     context = config.mesh.get('context', 1)  # every sequence-long value is 1 / c of it
@@ -281,18 +288,23 @@ def activation_bytes(config, fused_attention=False):
     logits = loss_bytes(model, rows, tensor, context)
     full_layer = layer_activation_bytes(model, rows, tensor, 'none', fused_attention, context)
 
-    def layers(count):
-        return count * layer_activation_bytes(model, rows, tensor, model.remat, context=context)
+    def layers(count, dense=False):
+        kept = layer_activation_bytes(
+            model, rows, tensor, model.remat, context=context, dense=dense
+        )
+        return count * kept
 
+    moe_layers = config_lib.block_stack_layers(model)
+    dense = layers(model.num_layers - moe_layers, dense=True)  # 0 but ahead of the experts
     if not engine_lib.engine(config).pipelined:
-        kept = layers(model.num_layers)
+        kept = layers(moe_layers) + dense
         recomputed = full_layer if model.remat != 'none' else 0
         return dict(layers=kept, recomputed=recomputed, pipeline_buffers=0, logits=logits)
     chunk_layers = chunk_slots(config)
     table = engine_table(config)
     if table is not None:
         handoff = boundary // tensor if model.seq_len % tensor == 0 else boundary
-        chunk = layers(chunk_layers)
+        chunk = layers(chunk_layers) + dense  # expected, not measured: see docs/models.md
         return dict(
             layers=table.resid_slots * chunk,
             recomputed=full_layer if model.remat != 'none' else 0,

@@ -5,6 +5,7 @@
     add_compiled(plan, compiled, info)                 + memory_analysis, collectives, FLOPs
 """
 
+from mtnlg_jax import config as config_lib
 from mtnlg_jax.model import counts
 from mtnlg_jax.parallel import branches
 from mtnlg_jax.plan import (
@@ -66,13 +67,14 @@ def moe_figures(config, params):
     prediction charges (predict.LOAD_IMBALANCE, a stated figure)."""
     model = config.model
     all_to_all = comm.all_to_all_bytes(config)
+    moe_layers = config_lib.block_stack_layers(model)  # but the dense layers ahead of them
     return dict(
         experts=model.moe.experts,
         top_k=model.moe.top_k,
         expert_ranks=config.mesh.expert,
         params=params,
         active_params=counts.active_params(model, params),
-        routed_expert_params=model.num_layers * model.moe.experts * counts.expert_params(model),
+        routed_expert_params=moe_layers * model.moe.experts * counts.expert_params(model),
         expert_bytes_per_device=arithmetic.expert_bytes(config),
         all_to_all_bytes_per_device={'expert': all_to_all} if all_to_all else {},
         load_imbalance=predict.LOAD_IMBALANCE,

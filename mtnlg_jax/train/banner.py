@@ -67,9 +67,11 @@ def experts_lines(model_cfg, num_params):
     moe = model_cfg.moe
     capacity = f'capacity {moe.capacity_factor:g}' if moe.capacity_factor else 'dropless'
     active = counts.active_params(model_cfg, num_params)
+    k = moe.dense_layers
+    dense = f'; {k} dense layer{"s" if k > 1 else ""} ahead of them' if k else ''
     return [
         f'experts      {moe.experts} routed, top {moe.top_k} ({moe.router} router, {capacity}'
-        f'{f", {moe.shared_experts} shared" if moe.shared_experts else ""}): '
+        f'{f", {moe.shared_experts} shared" if moe.shared_experts else ""}){dense}: '
         f'{active / 1e6:.2f} M active of {num_params / 1e6:.2f} M parameters'
     ]
 
