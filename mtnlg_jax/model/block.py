@@ -213,23 +213,27 @@ class Attention(nnx.Module):
         return q, k, v
 
     def projections_fp8(self, x):
-        """q, k, v of x under model.fp8, one FP8 matmul each (model/fp8_sites.py): a fused
-        kernel's slots one by one, each (embed, heads x head_dim)."""
+        """q, k, v of x under model.fp8 (model/fp8_sites.py): one FP8 product a kernel."""
         if not self.grouped:
-            slots = [(self.qkv_kernel, self.qkv_bias, i) for i in range(3)]
+            parts = self.fp8_slots('qkv', x, self.qkv_kernel, self.qkv_bias)
         else:
-            slots = [(self.q_kernel, self.q_bias, None)]
-            slots += [(self.kv_kernel, self.kv_bias, i) for i in range(2)]
-        out = []
+            q = fp8_sites.project(self.fp8, 'q', x, use(self.q_kernel, self.dtype))
+            parts = [add_bias(q, self.q_bias, self.dtype)]
+            parts += self.fp8_slots('kv', x, self.kv_kernel, self.kv_bias)
         axes_of = (Q_AXES, KV_AXES, KV_AXES)
-        for site, (kernel, bias, slot), axes in zip(('q', 'k', 'v'), slots, axes_of):
-            w = use(kernel, self.dtype)
-            a = fp8_sites.project(self.fp8, site, x, w if slot is None else w[:, slot])
-            if bias is not None:
-                b = use(bias, self.dtype)
-                a = a + (b if slot is None else b[slot])
-            out.append(checkpoint_name(constrain(a, axes), 'qkv'))
-        return tuple(out)
+        return tuple(checkpoint_name(constrain(a, ax), 'qkv') for a, ax in zip(parts, axes_of))
+
+    def fp8_slots(self, site, x, kernel, bias):
+        """The slots of a fused kernel (embed, slots, heads, head_dim) times x, bias added: one
+        FP8 product, its slot axis unfolded (blockwise: one product a slot)."""
+        w = use(kernel, self.dtype)
+        b = None if bias is None else use(bias, self.dtype)
+        if self.fp8[0] == 'blockwise':
+            slots = [fp8_sites.project(self.fp8, site, x, w[:, i]) for i in range(w.shape[1])]
+        else:
+            fused = fp8_sites.project(self.fp8, site, x, w)
+            slots = [fused[:, :, i] for i in range(w.shape[1])]
+        return [a if b is None else a + b[i] for i, a in enumerate(slots)]
 
     def head_norm(self, a, i):
         """model.qk_norm: RMSNorm of each head of a (..., head_dim), fp32 inside, with the

@@ -54,17 +54,21 @@ def amax(v):
 
 
 def matmul(x, w, recipe='tensorwise', scales=None, margin=0):
-    """x (..., K) @ w (K, N) in FP8 under `recipe` (RECIPES), in x's dtype. scales: delayed's
-    (x scale, w scale), from earlier steps' amax values (scale_of)."""
+    """x (..., K) @ w (K, *N) in FP8 under `recipe` (RECIPES), in x's dtype: (..., *N). scales:
+    delayed's (x scale, w scale), from earlier steps' amax values (scale_of). N may be several
+    dimensions (a fused kernel's slots, heads, head_dim), left unfolded: one product, one
+    input-gradient product; blockwise takes one N dimension (its 128 x 128 weight blocks)."""
     if recipe not in RECIPES:
         raise ValueError(f'FP8 recipe {recipe!r}: one of {RECIPES}')
     if recipe == 'delayed' and scales is None:
         raise ValueError('the delayed FP8 recipe needs the scales of x and w')
-    lead = x.shape[:-1]
-    flat = x.reshape(-1, x.shape[-1])
+    if recipe == 'blockwise' and w.ndim != 2:
+        raise ValueError(f'blockwise FP8 multiplies a (K, N) weight, got {w.shape}')
     scales = (jnp.float32(1.0), jnp.float32(1.0)) if scales is None else scales
-    out = _matmul(flat, w, scales, recipe, margin)
-    return out.reshape(*lead, w.shape[-1])
+    if recipe != 'blockwise':  # x's leading dimensions kept: their shardings reach the dots
+        return _matmul(x, w, scales, recipe, margin)
+    flat = x.reshape(-1, x.shape[-1])
+    return _matmul(flat, w, scales, recipe, margin).reshape(*x.shape[:-1], w.shape[-1])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -82,7 +86,7 @@ def _forward(x, w, scales, recipe, margin):
     else:
         sx, sw = scale_of(amax(x), E4M3, margin), scale_of(amax(w), E4M3, margin)
     qx, qw = quantize(x, E4M3, sx), quantize(w, E4M3, sw)
-    return _product(qx, sx, qw, sw, x.dtype), (qx, sx, qw, sw)
+    return _product(qx, sx, qw, sw, x.dtype, ((qx.ndim - 1,), (0,))), (qx, sx, qw, sw)
 
 
 def _matmul_fwd(x, w, scales, recipe, margin):
@@ -102,18 +106,21 @@ def _matmul_bwd(recipe, margin, residuals, dy):
         return dx, dw, zero_scales
     sdy = scale_of(amax(dy), E5M2, margin)
     qdy = quantize(dy, E5M2, sdy)
-    dx = _product(qdy, sdy, qw.T, sw, x_dtype)  # the input's gradient
-    dw = _product(qx.T, sx, qdy, sdy, w_dtype)  # the weights' gradient, apart
+    n, lead = qw.ndim - 1, tuple(range(qx.ndim - 1))
+    n_of_dy = tuple(range(qdy.ndim - n, qdy.ndim))
+    dx = _product(qdy, sdy, qw, sw, x_dtype, (n_of_dy, tuple(range(1, qw.ndim))))  # input's
+    dw = _product(qx, sx, qdy, sdy, w_dtype, (lead, lead))  # the weights' gradient, apart
     return dx, dw, zero_scales
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def _product(qa, sa, qb, sb, dtype):
-    """(qa @ qb) / (sa sb): the FP8 operands into one dot accumulating in fp32, the scales
-    applied to its result (XLA:GPU compiles it to one FP8 GEMM, the scales folded in)."""
-    out = jnp.dot(qa, qb, preferred_element_type=jnp.float32)
+def _product(qa, sa, qb, sb, dtype, contract):
+    """(qa . qb) / (sa sb), contracting the `contract` dimensions: the FP8 operands into one
+    dot accumulating in fp32, the scales applied to its result (XLA:GPU compiles it to one
+    FP8 GEMM, the scales folded in)."""
+    out = jax.lax.dot_general(qa, qb, (contract, ((), ())), preferred_element_type=jnp.float32)
     return (out / (sa * sb)).astype(dtype)
 
 

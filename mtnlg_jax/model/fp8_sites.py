@@ -1,13 +1,16 @@
 """The block's matmuls in FP8 (model.fp8): which they are, how each reaches model/fp8.py, and
 the delayed recipe's amax history.
 
-    sites of a block (SITES), each multiplying an activation x by a weight w:
-        q, k, v            the query, key and value projections; a fused QKV (or KV) kernel
-                           is multiplied slot by slot: its slot axis sits outside the heads
-                           that tensor parallelism splits, so it cannot fold into one matrix
+    sites of a block (SITES), each one product of an activation x by a weight w:
+        qkv                the fused QKV kernel (embed, 3, heads, head_dim), whole
+        q, kv              grouped-query attention's two kernels (the KV one fused)
         attn_out           attention's output projection (heads x head_dim contracted)
-        mlp_in, mlp_gate,  the MLP's (GeLU has no gate); an MoE block's shared experts use
-        mlp_out            them, its routed experts' grouped matmul stays in the compute dtype
+        mlp_up, mlp_out    the MLP's in kernel (SwiGLU's gate and in stacked as two slots),
+                           its out kernel; an MoE block's shared experts use them, its routed
+                           experts' grouped matmul stays in the compute dtype
+    One product a kernel, its slots unfolded: x's amax and quantization once, one input
+    gradient to reduce over `tensor` (the slots' gradients summed inside the contraction), as
+    the bf16 step's one einsum. Blockwise multiplies slot by slot (its blocks need one N).
     in the compute dtype as ever: the embeddings, the output layer, norms, attention's scores,
     softmax and context, the router, the routed experts
 
@@ -37,7 +40,7 @@ import jax.numpy as jnp
 from mtnlg_jax.model import buffers, fp8
 from mtnlg_jax.parallel.stage_functions import SideValue
 
-SITES = ('q', 'k', 'v', 'attn_out', 'mlp_in', 'mlp_gate', 'mlp_out')
+SITES = ('qkv', 'q', 'kv', 'attn_out', 'mlp_up', 'mlp_out')
 AMAX = 'fp8_amax'  # the side value: (layers, sites, 2) this step's amax of x and of w
 RULE = 'fp8_amax_history'
 _RECORDING = contextvars.ContextVar('mtnlg_jax_fp8_recording', default=None)
@@ -73,11 +76,15 @@ def _push(value, values, step):
 
 def project(setting, site, x, w, contract=1):
     """x (..., *K) @ w (*K, *N) in FP8, K the last `contract` dimensions of x and the first of
-    w (folded into one, as N is: each fold keeps a split dimension outermost)."""
+    w (folded into one: the fold keeps a split dimension outermost); N stays as it is (a fused
+    kernel's slot axis sits outside the heads tensor parallelism splits: folding it would move
+    data), but for blockwise, whose weight blocks need one N (the caller gives it one slot)."""
     recipe, margin = setting
     lead, k_shape, n_shape = x.shape[: x.ndim - contract], w.shape[:contract], w.shape[contract:]
     x2 = x.reshape(*lead, math.prod(k_shape))
-    w2 = w.reshape(math.prod(k_shape), math.prod(n_shape))
+    w2 = w.reshape(math.prod(k_shape), *n_shape)
+    if recipe == 'blockwise':
+        w2 = w2.reshape(w2.shape[0], math.prod(n_shape))
     scales = None
     if recipe == 'delayed':
         now = tuple(jax.lax.stop_gradient(fp8.amax(a)) for a in (x2, w2))
