@@ -29,7 +29,7 @@ LAYOUTS = [
     (2, 2, 2, 2, 4, 'gpipe', {}),
     (2, 2, 2, 2, 4, 'interleaved', dict(sequence_parallel=True)),
     (1, 4, 2, 1, 8, 'zbh1', {}),  # B and W slots (zero_bubble.py)
-    (2, 2, 2, 1, 4, 'zbh1', DROPOUT),  # the last chunk's W runs its forward again: same masks
+    (2, 2, 2, 1, 4, 'zbh1', DROPOUT),  # the last chunk's B runs its forward: same masks
 ]
 TRAJECTORIES = [LAYOUTS[0], LAYOUTS[1]]
 

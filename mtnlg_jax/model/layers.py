@@ -14,6 +14,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from mtnlg_jax.model import fp8_sites
+from mtnlg_jax.parallel import taps
 from mtnlg_jax.parallel.rules import constrain
 
 
@@ -76,12 +77,13 @@ def out_std(cfg):
 
 
 def project(module, site, spec, x, kernel, contract=1):
-    """x times a kernel parameter: the einsum `spec` in module.dtype, or under model.fp8
+    """x times a kernel parameter: the einsum `spec` in module.dtype (parallel/taps.py's, which
+    a zero-bubble backward taps), or under model.fp8
     (module.fp8: fp8_sites.settings) the FP8 matmul of the block's `site` (model/fp8_sites.py)
     contracting x's last `contract` dimensions with the kernel's first."""
     w = use(kernel, module.dtype)
     if module.fp8 is None:
-        return jnp.einsum(spec, x, w)
+        return taps.matmul(kernel, spec, x, w)
     return fp8_sites.project(module.fp8, site, x, w, contract)
 
 
