@@ -102,11 +102,11 @@ def test_bubble_at_p_4_is_zb_h1s(m):
 
 @pytest.mark.parametrize('p,m,bound', [(4, 8, 2), (4, 16, 4), (8, 32, 3), (3, 5, 1)])
 def test_max_in_flight_bounds_what_each_stage_holds(p, m, bound):
-    """pipeline.max_in_flight: at most `bound` micro-batches between forward and W a stage,
-    paid for with idle ticks; every operation still runs once."""
+    """pipeline.max_in_flight: at most `bound` micro-batches between forward and W a stage
+    (residual and tap slots), paid for with idle ticks; every operation still runs once."""
     capped, free = zero_bubble.build(p, m, bound), zero_bubble.build(p, m)
     assert capped.in_flight().max() <= bound < free.in_flight().max()
-    assert capped.resid_slots <= bound and capped.ticks > free.ticks
+    assert max(capped.resid_slots, capped.tap_slots) <= bound and capped.ticks > free.ticks
     assert (capped.w_micro != IDLE).sum() == p * m
 
 
