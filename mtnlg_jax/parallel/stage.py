@@ -238,7 +238,10 @@ class Stage:
         B stashed, dW = x^T dy per matmul (taps.add_weight_grads), added to the chunk's
         accumulators inside the conditional (its idle, true, branch hands them through)."""
         acc_blocks, *rest = sums
+        # behind a barrier: without it XLA:GPU gave two tap buffers the dW matmuls' operand
+        # layout and copied each every tick (tests/test_loop_copies.py)
         stashed = [read(b, w.tap_slot) for b in jax.tree.leaves(tap_bufs)]
+        stashed = jax.lax.optimization_barrier(stashed)
         stashed = list(zip(stashed[::2], stashed[1::2]))  # [(x, dy)] per site
 
         def run(acc):
