@@ -33,6 +33,13 @@ Three tables (and a fourth on request), all from one run on the same 8 devices, 
    (arithmetic only) 1f1b's table against the same bounded by pipeline.max_in_flight = p:
    stage inputs held, ticks and predicted bubble.
 
+    python bench/pipeline.py --tables flops [--schedules 1f1b,zbh1]
+
+   compiled matmul FLOPs over the model's (the plan's HLO inventory, each conditional's
+   branches weighted by the table) of data 2 x stage 2 x tensor 2 against stage 1, 4 layers,
+   hidden 128, m = 4, no recompute: a schedule that recomputes shows above stage 1's (ZB-H1's
+   W before it took its taps from B: 1.5 x).
+
     python bench/pipeline.py --scale [--micro_batches 240]
 
 4. (--scale, alone: 280 CPU devices) configs/mtnlg_530b.py's train step, one replica (tensor
@@ -204,6 +211,28 @@ def in_flight_table():
     )
 
 
+def flops_table(path):
+    """Compiled matmul FLOPs over the model's, stage 1 and each schedule (module docstring)."""
+    from mtnlg_jax.plan import compile as compile_lib
+    from mtnlg_jax.plan import report
+
+    layouts = [('stage 1 (data 2 x tensor 2)', 1, 1, '1f1b')]
+    layouts += [(f'{schedule}, v = {v}', 2, v, schedule) for schedule, v in SCHEDULES]
+    rows = []
+    for name, stages, repeats, schedule in layouts:
+        overrides = {'model.num_layers': 4, 'model.hidden': 128, 'model.remat': 'none'}
+        overrides['pipeline.schedule'] = schedule
+        config = layout_config(path, 2, stages, 2, 4, repeats, **overrides)
+        compiled, _, info = compile_lib.compile_train_step(config)
+        plan = report.add_compiled(report.make_plan(config), config, compiled, info)
+        rows.append((name, f'{plan["compiled"]["flops_vs_model"]:.4f}'))
+    print_table(
+        'Compiled matmul FLOPs / model FLOPs, data 2 x stage 2 x tensor 2, m = 4, no recompute',
+        ('layout', 'compiled / model'),
+        rows,
+    )
+
+
 def scale_table(micro_batches):
     from mtnlg_jax import config as config_lib
     from mtnlg_jax.parallel import footprint
@@ -269,6 +298,8 @@ def main():
         in_flight_table()
     if 'schedule' in tables:
         schedule_table()
+    if 'flops' in tables:
+        flops_table(args.config)
 
 
 if __name__ == '__main__':

@@ -54,20 +54,23 @@ def with_toy_values(stage_functions):
     def build(graphdef, param_axes=None):
         fns = stage_functions(graphdef, param_axes)
 
-        def apply_blocks(chunk, hidden, batch, first_layer, remat, used=None):
+        def apply_blocks(chunk, hidden, batch, first_layer, remat, used=None, taps=None):
             def one_layer(carry, slot_and_layer):
                 hidden, values = carry
-                i, layer = slot_and_layer
-                layer = jax.tree.map(lambda a: a[None], layer)
+                i, layer, *layer_taps = slot_and_layer  # taps: zbh1's (parallel/taps.py)
+                layer, *layer_taps = jax.tree.map(lambda a: a[None], [layer, *layer_taps])
                 left = None if used is None else used - i
-                hidden, _ = fns.apply_blocks(layer, hidden, batch, first_layer + i, remat, left)
+                hidden, _ = fns.apply_blocks(
+                    layer, hidden, batch, first_layer + i, remat, left, *layer_taps
+                )
                 ran = True if used is None else i < used
                 emitted = side.where_ran(DECLARED, ran, layer_values(hidden, first_layer + i))
                 return (hidden, side.combine(DECLARED, values, emitted)), None
 
             slots = jnp.arange(jax.tree.leaves(chunk)[0].shape[0])
             init = (hidden, side.identities(DECLARED))
-            return jax.lax.scan(one_layer, init, (slots, chunk))[0]
+            more = () if taps is None else (taps,)
+            return jax.lax.scan(one_layer, init, (slots, chunk, *more))[0]
 
         return dataclasses.replace(fns, apply_blocks=apply_blocks, values=DECLARED)
 

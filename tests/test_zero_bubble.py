@@ -35,13 +35,15 @@ def test_every_forward_b_and_w_once_in_dependency_order(p, m):
 
 
 @pytest.mark.parametrize('p,m', SHAPES)
-def test_slots_hold_what_b_and_w_read_until_w(p, m):
-    """Replay the table as the engine does (arrivals, forward, B, W): B and W must each find
-    their own micro-batch's residuals and output gradient (the last stage's W its input)."""
+def test_slots_hold_what_b_reads_until_b_and_its_taps_until_w(p, m):
+    """Replay the table as the engine does (arrivals, forward, B, W): B must find its own
+    micro-batch's residuals and output gradient (the last stage's B its input), W the taps
+    its B wrote (parallel/taps.py)."""
     table = zero_bubble.build(p, m)
     stash = np.full((p, table.stash_slots), None, object)
     resids = np.full((p, table.resid_slots), None, object)
     grads = np.full((p, table.grad_slots), None, object)
+    tapped = np.full((p, table.tap_slots), None, object)
     act_in, grad_in = [None] * p, [None] * p
     for t in range(table.ticks):
         sent_act, sent_grad = [None] * p, [None] * p
@@ -57,26 +59,27 @@ def test_slots_hold_what_b_and_w_read_until_w(p, m):
                 if s < p - 1:
                     resids[s, table.fwd_resid_slot[t, s]] = key
                     sent_act[s + 1] = (key[0], s + 1)
-            for prefix in ('bwd', 'w'):
-                micro = getattr(table, f'{prefix}_micro')[t, s]
-                if micro == IDLE:
-                    continue
-                key = (micro, s)
+            if table.bwd_micro[t, s] != IDLE:
+                key = (table.bwd_micro[t, s], s)
                 if s == p - 1 and s > 0:
-                    assert stash[s, getattr(table, f'{prefix}_slot')[t, s]] == key
+                    assert stash[s, table.bwd_slot[t, s]] == key
                 if s < p - 1:
-                    assert resids[s, getattr(table, f'{prefix}_resid_slot')[t, s]] == key
-                    assert grads[s, getattr(table, f'{prefix}_grad_slot')[t, s]] == key
-                if prefix == 'bwd' and s > 0:
+                    assert resids[s, table.bwd_resid_slot[t, s]] == key
+                    assert grads[s, table.bwd_grad_slot[t, s]] == key
+                tapped[s, table.bwd_tap_slot[t, s]] = key
+                if s > 0:
                     sent_grad[s - 1] = (key[0], s - 1)
+            if table.w_micro[t, s] != IDLE:
+                assert tapped[s, table.w_tap_slot[t, s]] == (table.w_micro[t, s], s)
         act_in, grad_in = sent_act, sent_grad
-    assert table.resid_slots == table.in_flight().max()
+    assert max(table.resid_slots, table.tap_slots) <= table.in_flight().max()
 
 
 @pytest.mark.parametrize('p,m', [(2, 4), (4, 4), (4, 8), (4, 32), (8, 16), (35, 240)])
 def test_memory_of_1f1b(p, m):
-    """W holds a micro-batch's residuals and output gradient past B, in 1F1B's memory: no
-    more residual slots than its table's, no more stage inputs held on any stage."""
+    """A micro-batch stays on a stage from its forward to its W (residuals to B, taps from B
+    to W), in 1F1B's memory: no more residual slots than its table's, no more micro-batches
+    held on any stage."""
     zb, one = zero_bubble.build(p, m), schedule.build(p, 1, m)
     assert zb.resid_slots <= one.resid_slots
     assert zb.in_flight().max() <= one.in_flight().max()
@@ -99,11 +102,11 @@ def test_bubble_at_p_4_is_zb_h1s(m):
 
 @pytest.mark.parametrize('p,m,bound', [(4, 8, 2), (4, 16, 4), (8, 32, 3), (3, 5, 1)])
 def test_max_in_flight_bounds_what_each_stage_holds(p, m, bound):
-    """pipeline.max_in_flight: at most `bound` micro-batches between forward and W a stage,
-    paid for with idle ticks; every operation still runs once."""
+    """pipeline.max_in_flight: at most `bound` micro-batches between forward and W a stage
+    (residual and tap slots), paid for with idle ticks; every operation still runs once."""
     capped, free = zero_bubble.build(p, m, bound), zero_bubble.build(p, m)
     assert capped.in_flight().max() <= bound < free.in_flight().max()
-    assert capped.resid_slots <= bound and capped.ticks > free.ticks
+    assert max(capped.resid_slots, capped.tap_slots) <= bound and capped.ticks > free.ticks
     assert (capped.w_micro != IDLE).sum() == p * m
 
 

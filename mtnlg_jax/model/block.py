@@ -32,6 +32,7 @@ from mtnlg_jax.model.layers import (
 )
 from mtnlg_jax.model.pieces import join, split
 from mtnlg_jax.parallel import context as context_lib
+from mtnlg_jax.parallel import taps
 from mtnlg_jax.parallel.rules import constrain, gather_context, local_call, shards
 
 # Names of the values `model.remat = 'selective'` keeps: every matmul output. The attention
@@ -196,21 +197,25 @@ class Attention(nnx.Module):
         if self.fp8 is not None:
             q, k, v = self.projections_fp8(x)
         elif not self.grouped:
-            qkv = jnp.einsum('bse,ethd->bsthd', x, use(self.qkv_kernel, self.dtype))
+            qkv = self.matmul(self.qkv_kernel, 'bse,ethd->bsthd', x)
             qkv = add_bias(qkv, self.qkv_bias, self.dtype)
             qkv = constrain(qkv, ('batch', 'seq', 'qkv', 'heads', 'head_dim'))
             qkv = checkpoint_name(qkv, 'qkv')
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         else:
-            q = jnp.einsum('bse,ehd->bshd', x, use(self.q_kernel, self.dtype))
+            q = self.matmul(self.q_kernel, 'bse,ehd->bshd', x)
             q = checkpoint_name(constrain(add_bias(q, self.q_bias, self.dtype), Q_AXES), 'qkv')
-            kv = jnp.einsum('bse,ethd->bsthd', x, use(self.kv_kernel, self.dtype))
+            kv = self.matmul(self.kv_kernel, 'bse,ethd->bsthd', x)
             kv = add_bias(kv, self.kv_bias, self.dtype)
             kv = checkpoint_name(constrain(kv, ('batch', 'seq') + KV_KERNEL_AXES[1:]), 'qkv')
             k, v = kv[:, :, 0], kv[:, :, 1]
         if self.qk_norm is not None:
             q, k = (self.head_norm(a, i) for i, a in enumerate((q, k)))
         return q, k, v
+
+    def matmul(self, kernel, spec, x):
+        """x times a projection kernel in the compute dtype (parallel/taps.py's einsum)."""
+        return taps.matmul(kernel, spec, x, use(kernel, self.dtype))
 
     def projections_fp8(self, x):
         """q, k, v of x under model.fp8 (model/fp8_sites.py): one FP8 product a kernel."""

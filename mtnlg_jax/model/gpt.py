@@ -69,6 +69,7 @@ from mtnlg_jax.model import loss
 from mtnlg_jax.model.loss import cross_entropy  # also the callers' name: gpt.cross_entropy
 from mtnlg_jax.parallel.rules import constrain
 from mtnlg_jax.parallel import stage_functions as side
+from mtnlg_jax.parallel import taps as taps_lib
 from mtnlg_jax.parallel.stage_functions import StageFunctions
 
 REMAT_POLICIES = {
@@ -210,11 +211,13 @@ def apply_block_stack(
     used=None,
     declared=None,
     order=None,
+    taps=None,
 ):
     """(x, side values): blocks whose parameters are stacked on a leading axis run over x
     with lax.scan, the values each emits combined over the blocks (declared: {name:
     SideValue}, None: none). graphdef: one Block's graph; first_layer: the global index of
-    the first (for dropout);
+    the first (for dropout); taps: None, or the zero taps of the blocks' kernel matmuls
+    (parallel/taps.py: [(x, y)] stacked over the blocks; [] while probing them);
     positions: the tokens' positions for rope (None: 0 .. seq - 1); segment_ids: (batch,
     seq) packed documents' ids, or None; used: how many of the stacked blocks are layers (a
     traced int; the rest are a short pipeline stage's padding slots, parallel/stage_order.py),
@@ -231,10 +234,14 @@ def apply_block_stack(
 
     def one_block(carry, slot_layer_and_params):
         x, values = carry
-        slot, layer, params = slot_layer_and_params
+        slot, layer, params, *layer_taps = slot_layer_and_params
         ran = None if used is None else slot < used
         block = nnx.merge(graphdef, params)
-        out, emitted = block(x, row_keys, layer, positions, segment_ids, order)
+        if layer_taps:
+            with taps_lib.tapping(_kernels(block), layer_taps[0]):
+                out, emitted = block(x, row_keys, layer, positions, segment_ids, order)
+        else:
+            out, emitted = block(x, row_keys, layer, positions, segment_ids, order)
         if ran is not None:
             out, emitted = jnp.where(ran, out, x), side.where_ran(declared, ran, emitted)
         return (out, side.combine(declared, values, emitted)), None
@@ -243,8 +250,14 @@ def apply_block_stack(
         one_block = jax.checkpoint(one_block, policy=REMAT_POLICIES[remat], prevent_cse=False)
     slots = jnp.arange(num_layers)
     init = (x, side.identities(declared))
-    (x, values), _ = jax.lax.scan(one_block, init, (slots, first_layer + slots, stacked))
+    xs = (slots, first_layer + slots, stacked) + (() if taps is None else (taps,))
+    (x, values), _ = jax.lax.scan(one_block, init, xs)
     return x, values
+
+
+def _kernels(block):
+    """{id(parameter variable): its path} of a block's parameters (the taps' kernels)."""
+    return {id(v): path for path, v in nnx.iter_graph(block) if isinstance(v, nnx.Param)}
 
 
 def cast_params(params, dtype):
@@ -321,7 +334,7 @@ def stage_functions(graphdef, param_axes=None):
         fields = (batch.row_keys, batch.positions, batch.segment_ids, batch.order)
         return model.lead_in(batch.tokens, *fields)
 
-    def apply_blocks(chunk, hidden, batch, first_layer, remat, used=None):
+    def apply_blocks(chunk, hidden, batch, first_layer, remat, used=None, taps=None):
         keys, positions, segment_ids = batch.row_keys, batch.positions, batch.segment_ids
         if skeleton.dense_layers:  # the block stack's layers follow the dense ones
             first_layer = first_layer + skeleton.dense_layers
@@ -337,6 +350,7 @@ def stage_functions(graphdef, param_axes=None):
             used=used,
             declared=declared,
             order=batch.order,
+            taps=taps,
         )
 
     def head_loss_sum(shared, hidden, batch):

@@ -14,6 +14,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from mtnlg_jax.model import fp8_sites
+from mtnlg_jax.parallel import taps
 from mtnlg_jax.parallel.rules import constrain
 
 
@@ -76,12 +77,13 @@ def out_std(cfg):
 
 
 def project(module, site, spec, x, kernel, contract=1):
-    """x times a kernel parameter: the einsum `spec` in module.dtype, or under model.fp8
+    """x times a kernel parameter: the einsum `spec` in module.dtype (parallel/taps.py's, which
+    a zero-bubble backward taps), or under model.fp8
     (module.fp8: fp8_sites.settings) the FP8 matmul of the block's `site` (model/fp8_sites.py)
     contracting x's last `contract` dimensions with the kernel's first."""
     w = use(kernel, module.dtype)
     if module.fp8 is None:
-        return jnp.einsum(spec, x, w)
+        return taps.matmul(kernel, spec, x, w)
     return fp8_sites.project(module.fp8, site, x, w, contract)
 
 
@@ -145,12 +147,12 @@ class SwiGLU(nnx.Module):
             return checkpoint_name(constrain(h, ('batch', 'seq', 'mlp')), 'mlp_in')
 
         if self.fp8 is None or self.fp8[0] == 'blockwise':
-            gate = project(self, 'mlp_up', 'bse,ef->bsf', x, self.gate_kernel)
-            h = project(self, 'mlp_up', 'bse,ef->bsf', x, self.in_kernel)
+            gate = up(project(self, 'mlp_up', 'bse,ef->bsf', x, self.gate_kernel), self.gate_bias)
+            h = up(project(self, 'mlp_up', 'bse,ef->bsf', x, self.in_kernel), self.in_bias)
         else:  # one FP8 product of the two kernels stacked as slots (model/fp8_sites.py)
             w = jnp.stack([use(k, self.dtype) for k in (self.gate_kernel, self.in_kernel)], 1)
             gate, h = jnp.moveaxis(fp8_sites.project(self.fp8, 'mlp_up', x, w), -2, 0)
-        gate, h = up(gate, self.gate_bias), up(h, self.in_bias)
+            gate, h = up(gate, self.gate_bias), up(h, self.in_bias)
         return project_down(self, jax.nn.silu(gate) * h)
 
 

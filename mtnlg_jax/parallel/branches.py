@@ -12,9 +12,10 @@ plan's HLO inventory (plan/hlo_module.py) weighs a branch by how often the table
 (`branch_fractions`) instead of counting every branch as taken.
 
 `columns(table)` groups the table's per-(tick, stage) arrays as the engine's tick reads them:
-Columns(forward: Forward, backward: Backward, arrivals: Arrivals, weights: Backward of the W
+Columns(forward: Forward, backward: Backward, arrivals: Arrivals, weights: Weights of the W
 slot or None). Where the table splits the backward (zero_bubble.py), the backward slot is B,
-the input's gradient only (scope BACKWARD_INPUT), and the W slot the weights' (scope WEIGHTS).
+the backward but for the kernels' gradients, whose taps it stashes (scope BACKWARD_INPUT), and
+the W slot those gradients from the taps (scope WEIGHTS, parallel/taps.py).
 """
 
 import dataclasses
@@ -90,21 +91,11 @@ def branch_fractions(table):
         (ACCUMULATE,): [add, 1.0 - add],  # cond(skip, pass through, add): [add, skip]
         (ACCUMULATE_SHARED,): [touched, 1.0 - touched],
     }
-    if w:  # B, W: the W slot runs what the whole backward ran, B its input's gradient
-        w_idle, last_w = share(w[0], SLOT_IDLE, slots), share(w[0], SLOT_LAST)
-        add, first_w = (1.0 - w_idle) / v, share(w[0], SLOT_FIRST)
-        touched = share(w[0], SLOT_FIRST, slots) + share(w[0], SLOT_LAST, slots)
+    if w:  # B runs the backward's conditionals (the whole backward but the taps' kernels)
         for path in [p for p in weights if p[0] == BACKWARD]:
-            weights[(WEIGHTS, *path[1:])] = weights.pop(path)
-        weights[(WEIGHTS,)] = [1.0 - w_idle, w_idle]
-        weights[(WEIGHTS, FIRST)] = weights[(WEIGHTS, LAST, FIRST)] = [1.0 - first_w, first_w]
-        weights[(WEIGHTS, LAST)] = [1.0 - last_w, last_w]
-        weights[(ACCUMULATE,)] = [add, 1.0 - add]
-        weights[(ACCUMULATE_SHARED,)] = [touched, 1.0 - touched]
-        weights[(BACKWARD_INPUT,)] = [1.0 - bwd_idle, bwd_idle]
-        weights[(BACKWARD_INPUT, FIRST)] = [1.0 - first_b, first_b]
-        weights[(BACKWARD_INPUT, LAST, FIRST)] = [1.0 - first_b, first_b]
-        weights[(BACKWARD_INPUT, LAST)] = [1.0 - last_b, last_b]
+            weights[(BACKWARD_INPUT, *path[1:])] = weights.pop(path)
+        w_idle = share(w[0], SLOT_IDLE, slots)
+        weights[(WEIGHTS,)] = [1.0 - w_idle, w_idle]  # cond(idle, pass through, dW)
     # the conditionals inside a chunk's switch (interleaved): the same shares
     inner = [p for p in weights if p[0] in (FORWARD, BACKWARD) and len(p) > 1 and CHUNK not in p]
     for path in inner:
@@ -133,6 +124,15 @@ class Backward(NamedTuple):
     slot: Any
     resid_slot: Any
     grad_slot: Any
+
+
+class Weights(NamedTuple):
+    """A split backward's W slot: its kind, the tap slot it reads and the tap slot the tick's
+    B writes (parallel/taps.py)."""
+
+    kind: Any
+    tap_slot: Any
+    b_tap_slot: Any
 
 
 class Arrivals(NamedTuple):
@@ -173,7 +173,7 @@ class Columns:
     forward: Forward
     backward: Backward
     arrivals: Arrivals
-    weights: Backward = None  # the W slot of a split backward (B in `backward`), or None
+    weights: Weights = None  # the W slot of a split backward (B in `backward`), or None
 
     def tree_flatten(self):
         leaves = [getattr(getattr(self, group), name) for group, name in _FLAT.values()]
@@ -184,7 +184,7 @@ class Columns:
         fields = {'forward': {}, 'backward': {}, 'arrivals': {}}
         for (group, name), leaf in zip(_FLAT.values(), leaves):
             fields[group][name] = leaf
-        w = Backward(*leaves[len(_FLAT) :]) if split else None
+        w = Weights(*leaves[len(_FLAT) :]) if split else None
         return cls(Forward(**fields['forward']), Backward(**fields['backward']),
                    Arrivals(**fields['arrivals']), w)  # fmt: skip
 
@@ -196,8 +196,7 @@ def columns(table):
     t = table
     weights = None
     if t.split:
-        w_columns = (t.w_micro, t.w_repeat, t.w_slot, t.w_resid_slot, t.w_grad_slot)
-        weights = Backward(w_kind[0], *map(used, w_columns))
+        weights = Weights(w_kind[0], *map(used, (t.w_tap_slot, t.bwd_tap_slot)))
     return Columns(
         Forward(fwd_kind, *map(used, (t.fwd_micro, t.fwd_repeat, t.fwd_slot, t.fwd_resid_slot))),
         Backward(

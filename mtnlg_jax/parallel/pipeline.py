@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from mtnlg_jax.parallel import gpipe, zero_bubble
+from mtnlg_jax.parallel import gpipe, taps, zero_bubble
 from mtnlg_jax.parallel import stage_functions as side
 from mtnlg_jax.parallel import schedule as schedule_lib
 from mtnlg_jax.parallel.branches import columns as table_columns
@@ -200,6 +200,9 @@ def run_table(stage_fns, params, batch, table, with_grads, bubble_fill=0.0, stag
         kept_shapes = []
         if with_grads:  # the layout of a forward's residuals: every forward has the same
             zero = jnp.zeros((), jnp.int32)
+            if table.split:  # B hands W each kernel matmul's taps (taps.py)
+                sites = taps.probe(stage.apply, chunks[0], stage.fill, zero, 0, [])
+                stage = dataclasses.replace(stage, sites=sites)
             kept_shapes, layout = probe_layout(
                 stage.forward_with_residuals, chunks[0], zero, stage.fill, zero, 0
             )
@@ -247,12 +250,17 @@ def scan_ticks(stage, table, kept_shapes, bubble_fill):
     declared = stage.fns.values
     no_values = side.identities(declared)
     sums = (zeros32(stage.chunks), zeros32(stage.shared), jnp.zeros((), jnp.float32), no_values)
+
+    def tap_buffer(a):  # a slot per micro-batch between its B and its W
+        return jnp.full((table.tap_slots, stage.per_chunk, *a.shape), bubble_fill, a.dtype)
+
     init = (
         constrain(stage.fill, stage.handoff_axes),
         constrain(stage.fill, stage.handoff_axes),
         buffer(table.stash_slots),
         [residual_buffer(r) for r in kept_shapes],
         buffer(table.grad_slots),
+        [(tap_buffer(site.x), tap_buffer(site.y)) for site in stage.sites or ()],
         sums,
     )
     xs = jax.tree.map(jnp.asarray, table_columns(table))

@@ -61,7 +61,7 @@ COLUMNS = (
     'recv_grad_slot',
 )
 # ... and those of a split backward's W slot (Schedule.split)
-W_COLUMNS = ('w_micro', 'w_repeat', 'w_slot', 'w_resid_slot', 'w_grad_slot')
+W_COLUMNS = ('w_micro', 'w_repeat', 'w_tap_slot', 'bwd_tap_slot')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,15 +102,16 @@ class Schedule:
     stash_slots: int
     resid_slots: int
     grad_slots: int
-    # A split backward (zero_bubble.py): B above computes the input's gradient only, W the
-    # weights' in a slot of its own, these columns (None where the backward is whole):
-    # w_micro, w_repeat as for B; w_slot: the stash slot of the last chunk's input (its W
-    # runs its forward again); w_resid_slot, w_grad_slot: what B read, held until W.
+    # A split backward (zero_bubble.py): B above runs the backward but for the kernels'
+    # weight gradients, W those from the taps B kept (parallel/taps.py), in a slot of its
+    # own; these columns (None where the backward is whole): w_micro, w_repeat as for B;
+    # bwd_tap_slot: the tap slot B writes, w_tap_slot: the one W reads. What B reads is
+    # held until B, the taps from B to W.
     w_micro: np.ndarray = None
     w_repeat: np.ndarray = None
-    w_slot: np.ndarray = None
-    w_resid_slot: np.ndarray = None
-    w_grad_slot: np.ndarray = None
+    w_tap_slot: np.ndarray = None
+    bwd_tap_slot: np.ndarray = None
+    tap_slots: int = 0
 
     @property
     def ticks(self):
@@ -248,8 +249,8 @@ def _pop_first(heap, allowed):
 
 def _with_slots(p, v, m, rows, act_ready, grad_ready):
     """Fill the table's arrays and give every stashed input and pending gradient a slot: the
-    lowest one free from its arrival to the backward that last reads it (W where a row holds
-    (forward, B, W) per stage: zero_bubble.py's split tables)."""
+    lowest one free from its arrival to the backward that reads it, and where a row holds
+    (forward, B, W) per stage (zero_bubble.py's split tables) B's taps one from B to W."""
     ticks = len(rows)
     shape = (ticks, p)
     split = len(rows[0][0]) == 3
@@ -257,7 +258,7 @@ def _with_slots(p, v, m, rows, act_ready, grad_ready):
     arrays = {name: np.full(shape, IDLE, np.int32) for name in names}
     at = [{op[k]: t for t, row in enumerate(rows) for op in row if op[k] is not None}
           for k in range(len(rows[0][0]))]  # fmt: skip
-    fwd_at, end_at = at[0], at[-1]
+    fwd_at, end_at = at[0], at[1]
     last = p * v - 1
 
     def assign(start, end, skip, recv=None):
@@ -283,21 +284,25 @@ def _with_slots(p, v, m, rows, act_ready, grad_ready):
     stash, stash_slots = assign(act_ready, read_at, lambda k: k[1] == 0, 'recv_act_slot')
     resid, resid_slots = assign(fwd_at, end_at, lambda k: k[1] == last)
     grads, grad_slots = assign(grad_ready, end_at, lambda k: k[1] == last, 'recv_grad_slot')
+    tapped, tap_slots = assign(end_at, at[-1], lambda k: False) if split else ({}, 0)
     for t, row in enumerate(rows):
         for s, (fwd, bwd, *w) in enumerate(row):
             if fwd is not None:
                 arrays['fwd_micro'][t, s], arrays['fwd_repeat'][t, s] = fwd[0], fwd[1] // p
                 arrays['fwd_slot'][t, s] = stash.get(fwd, IDLE) if fwd[1] != last else IDLE
                 arrays['fwd_resid_slot'][t, s] = resid.get(fwd, IDLE)
-            for prefix, key in (('bwd', bwd), ('w', w[0] if w else None)):
-                if key is not None:
-                    arrays[f'{prefix}_micro'][t, s] = key[0]
-                    arrays[f'{prefix}_repeat'][t, s] = key[1] // p
-                    arrays[f'{prefix}_slot'][t, s] = (
-                        stash.get(key, IDLE) if key[1] == last else IDLE
-                    )
-                    arrays[f'{prefix}_resid_slot'][t, s] = resid.get(key, IDLE)
-                    arrays[f'{prefix}_grad_slot'][t, s] = grads.get(key, IDLE)
+            if bwd is not None:
+                arrays['bwd_micro'][t, s], arrays['bwd_repeat'][t, s] = bwd[0], bwd[1] // p
+                arrays['bwd_slot'][t, s] = stash.get(bwd, IDLE) if bwd[1] == last else IDLE
+                arrays['bwd_resid_slot'][t, s] = resid.get(bwd, IDLE)
+                arrays['bwd_grad_slot'][t, s] = grads.get(bwd, IDLE)
+                if split:
+                    arrays['bwd_tap_slot'][t, s] = tapped[bwd]
+            if w and w[0] is not None:
+                arrays['w_micro'][t, s], arrays['w_repeat'][t, s] = w[0][0], w[0][1] // p
+                arrays['w_tap_slot'][t, s] = tapped[w[0]]
+    if split:
+        arrays['tap_slots'] = max(tap_slots, 1)
     return Schedule(
         stages=p,
         repeats=v,

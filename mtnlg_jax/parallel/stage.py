@@ -22,12 +22,16 @@ this stage's row of them). Every stage runs the same program; `lax.cond` on each
              branch has XLA:GPU copy it, through its true branch not)
     y -> stage s + 1, dx -> stage s - 1 (rings), split over 'tensor' along the sequence
 
-The carry of the scan: (act_in, grad_in, stash, resids, grad_buf, sums), sums = (fp32 block
-accumulators, one tree (L / (p v), ...) a chunk, fp32 shared accumulators, loss, side values:
-{name: fp32 array}, empty when the model declares none). Chunks are
-separate trees, not one stacked (v, ...) array: slicing a chunk's weights and accumulators out
-of a stack by a traced index copies them every tick (XLA:GPU does not read a dynamic slice in
-place in a GEMM).
+A split backward (zero_bubble.py) runs B in the backward slot, the backward but for the
+kernels' weight gradients, whose taps (parallel/taps.py) go into tap_bufs[b_tap_slot], and W
+in a slot of its own: dW = x^T dy from tap_bufs[tap_slot], added to the accumulators.
+
+The carry of the scan: (act_in, grad_in, stash, resids, grad_buf, tap_bufs ([] unless split),
+sums), sums = (fp32 block accumulators, one tree (L / (p v), ...) a chunk, fp32 shared
+accumulators, loss, side values: {name: fp32 array}, empty when the model declares none).
+Chunks are separate trees, not one stacked (v, ...) array: slicing a chunk's weights and
+accumulators out of a stack by a traced index copies them every tick (XLA:GPU does not read a
+dynamic slice in place in a GEMM).
 """
 
 import dataclasses
@@ -53,6 +57,7 @@ from mtnlg_jax.parallel.branches import (
     WEIGHTS,
 )
 from mtnlg_jax.parallel import stage_functions as side
+from mtnlg_jax.parallel import taps
 from mtnlg_jax.parallel.residuals import join_vjp, split_vjp
 from mtnlg_jax.parallel.rules import STAGE_AXIS, constrain
 
@@ -80,6 +85,7 @@ class Stage:
     handoff_axes: tuple
     stage_layers: Any = None  # stage_order.StageLayers of unequal stages (None: equal)
     split: bool = False  # the table splits the backward into B and W (zero_bubble.py)
+    sites: Any = None  # split, with gradients: a layer's tapped matmuls (taps.probe's Sites)
 
     @property
     def with_grads(self):
@@ -94,13 +100,17 @@ class Stage:
         with jax.named_scope(CHUNK):
             return jax.lax.switch(repeat, branches)
 
-    def apply(self, chunk, h, micro, repeat):
+    def apply(self, chunk, h, micro, repeat, *tapped):
         """(the chunk's blocks over h, gathered over 'tensor' on arrival, their side values:
-        fp32, those not differentiable cut from autodiff)."""
+        fp32, those not differentiable cut from autodiff); tapped: (the blocks' taps,) of a
+        split backward (taps.py), else ()."""
         h = constrain(h, ACTIVATION_AXES)
         first_layer, used = self.chunk_layers(repeat)
         batch = self.batch.at(micro)
-        y, values = self.fns.apply_blocks(chunk, h, batch, first_layer, self.fns.remat, used=used)
+        more = {'taps': tapped[0]} if tapped else {}
+        y, values = self.fns.apply_blocks(
+            chunk, h, batch, first_layer, self.fns.remat, used=used, **more
+        )
         return y, side.detach(self.fns.values, values)
 
     def chunk_layers(self, repeat):
@@ -120,8 +130,8 @@ class Stage:
 
         def first():
             x = constrain(self.fns.embed(shared, self.batch.at(micro)), ACTIVATION_AXES)
-            if self.split:  # h's gradient, zero here, laid out as the other branch's: B's
-                # VJP keeps only that gradient, and XLA insists on one layout (sequence parallel)
+            if self.split:  # h's gradient, zero here, laid out as the other branch's: B
+                # hands it off (unused), and XLA insists on one layout (sequence parallel)
                 x = jnp.where(kind == SLOT_FIRST, x, constrain(h, ACTIVATION_AXES))
             return x
 
@@ -135,17 +145,18 @@ class Stage:
         chunk 0) and its stashed input, returning (output, side values): what a forward
         differentiates."""
 
-        def run(params, x):
+        def run(params, x, *tapped):
             chunk, shared = params
-            return self.apply(chunk, self.input(kind, shared, x, micro), micro, repeat)
+            return self.apply(chunk, self.input(kind, shared, x, micro), micro, repeat, *tapped)
 
         return run
 
     def forward_with_residuals(self, chunk, kind, x, micro, repeat):
         """((y, side values), what the chunk's backward needs under fns.remat, its layout):
         the VJP's residuals without the parameters (residuals.split_vjp), kept instead of
-        recomputed."""
-        return split_vjp(self.chunk_fn(kind, micro, repeat), (chunk, self.shared), x)
+        recomputed; a split backward's VJP also of the chunk's zero taps (taps.py)."""
+        tapped = () if self.sites is None else (taps.zeros(self.sites, self.per_chunk),)
+        return split_vjp(self.chunk_fn(kind, micro, repeat), (chunk, self.shared), x, *tapped)
 
     def forward(self, fwd, stash, resids):
         """One chunk's forward (branches.Forward): (y to the next stage, resids with its
@@ -174,11 +185,10 @@ class Stage:
         ran = (fwd.kind != SLOT_IDLE) & (fwd.kind != SLOT_LAST)
         return y, [write(b, fwd.resid_slot, ran, r) for b, r in zip(resids, kept)], values
 
-    def backward(self, bwd, sums, stash, resids, grad_buf, part='both'):
+    def backward(self, bwd, sums, stash, resids, grad_buf):
         """One chunk's backward (branches.Backward) through the VJP its forward kept; the last
         chunk runs its forward here, then final norm, head and loss, whose gradient starts the
-        VJP. Without gradients: the last chunk's loss only. part 'weights': a split backward's
-        W, the parameters' gradients only (no loss, no side values, the fill as dx)."""
+        VJP. Without gradients: the last chunk's loss only."""
         h, g, kept = self.slot_inputs(bwd, stash, resids, grad_buf)
         if not self.with_grads:
             with jax.named_scope(EVAL), jax.named_scope(LAST):
@@ -188,14 +198,14 @@ class Stage:
                     lambda: (sums, self.fill),
                 )
         if len(self.chunks) == 1:
-            return self.backward_one_chunk(bwd, sums, h, g, kept, part)
+            return self.backward_one_chunk(bwd, sums, h, g, kept)[:2]
         # The conditional returns this tick's gradients, never the accumulators: handed
         # through one, XLA:GPU copies every fp32 accumulator in both branches, every tick.
         acc_blocks, acc_shared, loss, acc_values = sums
         idle = bwd.kind == SLOT_IDLE
-        with jax.named_scope(BACKWARD if part == 'both' else WEIGHTS):
-            d_chunk, d_shared, value, values, dx = jax.lax.cond(
-                idle, self.no_gradients, lambda: self.pull_back(bwd, h, g, kept, part)
+        with jax.named_scope(BACKWARD):
+            d_chunk, d_shared, value, values, dx, _ = jax.lax.cond(
+                idle, self.no_gradients, lambda: self.pull_back(bwd, h, g, kept)
             )
         with jax.named_scope(ACCUMULATE):
             acc_blocks = tuple(
@@ -212,44 +222,58 @@ class Stage:
         kept = [jax.lax.dynamic_index_in_dim(b, bwd.resid_slot, 0, False) for b in resids]
         return stash[bwd.slot], grad_buf[bwd.grad_slot], kept
 
-    def backward_input(self, bwd, sums, stash, resids, grad_buf):
-        """A split backward's B: the stage input's gradient only, through the VJP its forward
-        kept (the last chunk: its forward, head and loss first, whose loss and side values
-        are added to sums); the weights' gradients wait for W (backward, part 'weights')."""
+    def backward_input(self, bwd, slot, sums, stash, resids, grad_buf, tap_bufs):
+        """A split backward's B (one chunk a stage): the whole backward through the VJP its
+        forward kept, but for the tapped kernels' gradients: every other gradient added to
+        sums, the chunk's taps (each kernel matmul's x and dy, taps.py) written into
+        tap_bufs[slot] for W. Returns (sums, the input's gradient, tap_bufs)."""
         h, g, kept = self.slot_inputs(bwd, stash, resids, grad_buf)
-        acc_blocks, acc_shared, loss, acc_values = sums
+        sums, dx, tapped = self.backward_one_chunk(bwd, sums, h, g, kept, BACKWARD_INPUT)
+        ran = bwd.kind != SLOT_IDLE
+        tap_bufs = jax.tree.map(lambda b, t: write(b, slot, ran, t), tap_bufs, tapped)
+        return sums, dx, tap_bufs
 
-        def run():
-            return self.pull_back(bwd, h, g, kept, 'input')[2:]
+    def weights(self, w, sums, tap_bufs):
+        """A split backward's W (branches.Weights): the tapped kernels' gradients from the taps
+        B stashed, dW = x^T dy per matmul (taps.add_weight_grads), added to the chunk's
+        accumulators inside the conditional (its idle, true, branch hands them through)."""
+        acc_blocks, *rest = sums
+        # behind a barrier: without it XLA:GPU gave two tap buffers the dW matmuls' operand
+        # layout and copied each every tick (tests/test_loop_copies.py)
+        stashed = [read(b, w.tap_slot) for b in jax.tree.leaves(tap_bufs)]
+        stashed = jax.lax.optimization_barrier(stashed)
+        stashed = list(zip(stashed[::2], stashed[1::2]))  # [(x, dy)] per site
 
-        def idle():
-            return self.no_gradients()[2:]
+        def run(acc):
+            return taps.add_weight_grads(acc, self.sites, stashed)
 
-        nothing = (bwd.kind == SLOT_IDLE) | (bwd.kind == SLOT_FIRST)  # chunk 0's: no one's input
-        with jax.named_scope(BACKWARD_INPUT):
-            value, values, dx = jax.lax.cond(nothing, idle, run)
-        return (acc_blocks, acc_shared, loss + value, self.combine(acc_values, values)), dx
+        with jax.named_scope(WEIGHTS):
+            acc = jax.lax.cond(w.kind == SLOT_IDLE, lambda acc: acc, run, acc_blocks[0])
+        return ((acc,), *rest)
 
-    def backward_one_chunk(self, bwd, sums, h, g, kept, part='both'):
+    def backward_one_chunk(self, bwd, sums, h, g, kept, scope=BACKWARD):
         """One chunk a stage: its accumulators are added to inside the backward's conditional,
         whose idle (true) branch hands them through, so an idle tick writes no zero gradient
         of the chunk's size. The shared accumulators stay outside it: added to in a nested
-        conditional, XLA:GPU copies them in the outer one."""
+        conditional, XLA:GPU copies them in the outer one. Returns (sums, the input's
+        gradient, the taps: [] unless split)."""
         acc_blocks, acc_shared, loss, acc_values = sums
 
         def idle(acc):
             return acc, *self.no_gradients()[1:]
 
         def run(acc):
-            d_chunk, *rest = self.pull_back(bwd, h, g, kept, part)
-            return add(acc, d_chunk), *rest
+            d_chunk, *rest = self.pull_back(bwd, h, g, kept)
+            if self.sites is None:
+                return add(acc, d_chunk), *rest
+            return taps.add_untapped(acc, d_chunk, self.sites), *rest
 
-        with jax.named_scope(BACKWARD if part == 'both' else WEIGHTS):
-            acc, d_shared, value, values, dx = jax.lax.cond(
+        with jax.named_scope(scope):
+            acc, d_shared, value, values, dx, tapped = jax.lax.cond(
                 bwd.kind == SLOT_IDLE, idle, run, acc_blocks[0]
             )
         acc_shared = self.add_shared(bwd, acc_shared, d_shared)
-        return ((acc,), acc_shared, loss + value, self.combine(acc_values, values)), dx
+        return ((acc,), acc_shared, loss + value, self.combine(acc_values, values)), dx, tapped
 
     def add_shared(self, bwd, acc_shared, d_shared):
         """The shared accumulators + d_shared, in place, where the slot touched them: only
@@ -260,10 +284,11 @@ class Stage:
 
     def no_gradients(self):
         """An idle backward's: zero gradients, no loss, no side values (the identities), the
-        fill as the input's gradient."""
+        fill as the input's gradient, zero taps (none unless split)."""
         d_chunk, d_shared = zeros(self.chunks[0]), zeros(self.shared)
         no_values = side.identities(self.fns.values)
-        return d_chunk, d_shared, jnp.zeros((), jnp.float32), no_values, self.fill
+        tapped = [] if self.sites is None else taps.zeros(self.sites, self.per_chunk)
+        return d_chunk, d_shared, jnp.zeros((), jnp.float32), no_values, self.fill, tapped
 
     def combine(self, acc_values, values):
         """The side values' accumulators combined with a slot's (the identities where it ran
@@ -281,16 +306,15 @@ class Stage:
         value, values = self.on_chunk(bwd.repeat, last_chunk)
         return (acc_blocks, acc_shared, loss + value, self.combine(acc_values, values)), self.fill
 
-    def pull_back(self, bwd, h, g, kept_earlier, part='both'):
+    def pull_back(self, bwd, h, g, kept_earlier):
         """(the chunk's gradients, the shared parameters', the loss (0 but for the last
         chunk), the last chunk's side values (the identities but for it: a forward slot
-        accumulated the others'), the stage input's gradient), gradients in the compute dtype
-        (the accumulators take them in fp32). The VJP's cotangent of the side values is 1 for
-        a differentiable one, 0 for the others (stage_functions.objective). Each branch
-        applies its own VJP: a branch that handed the stashed residuals through would have
-        XLA copy them in both. part 'input' (B) or 'weights' (W) of a split backward: what
-        the other part alone needs is left out (zeros, no loss, the fill), so XLA drops the
-        work of it."""
+        accumulated the others'), the stage input's gradient, the chunk's taps: [] unless
+        split), gradients in the compute dtype (the accumulators take them in fp32); split,
+        the tapped kernels' gradients are zero (their taps hold what W needs). The VJP's
+        cotangent of the side values is 1 for a differentiable one, 0 for the others
+        (stage_functions.objective). Each branch applies its own VJP: a branch that handed
+        the stashed residuals through would have XLA copy them in both."""
         d_values = side.cotangents(self.fns.values)
 
         def on(chunk, repeat):
@@ -300,8 +324,10 @@ class Stage:
                 # d_shared: the embedding's half of the tied gradient (zeros but for chunk 0);
                 # exact in the compute dtype: chunk 0 and the last are on different stages, so
                 # one of d_head and d_shared is zero
-                (d_chunk, d_shared), d_h = join_vjp(self.layout, kept, params)((d_y, d_values))
-                return d_chunk, jax.tree.map(jnp.add, d_head, d_shared), d_h
+                pullback = join_vjp(self.layout, kept, params)
+                (d_chunk, d_shared), d_h, *tapped = pullback((d_y, d_values))
+                d_shared = jax.tree.map(jnp.add, d_head, d_shared)
+                return d_chunk, d_shared, d_h, tapped[0] if tapped else []
 
             def head():  # the last chunk: its forward, the loss and the loss's gradient
                 (y, values), kept, _ = self.forward_with_residuals(
@@ -310,29 +336,17 @@ class Stage:
                 value, (d_shared, d_y) = jax.value_and_grad(self.token_loss, argnums=(0, 1))(
                     self.shared, y, bwd.micro
                 )
-                d_chunk, d_shared, d_h = pullback(kept, d_y.astype(y.dtype), d_shared)
-                return d_chunk, d_shared, value, values, d_h
+                d_chunk, d_shared, d_h, tapped = pullback(kept, d_y.astype(y.dtype), d_shared)
+                return d_chunk, d_shared, value, values, d_h, tapped
 
             def stashed():  # the forward ran in an earlier tick: its residuals, the gradient
                 d_y = constrain(g, ACTIVATION_AXES)
-                d_chunk, d_shared, d_h = pullback(kept_earlier, d_y, zeros(self.shared))
+                d_chunk, d_shared, d_h, tapped = pullback(kept_earlier, d_y, zeros(self.shared))
                 no_values = side.identities(self.fns.values)
-                return d_chunk, d_shared, jnp.zeros((), jnp.float32), no_values, d_h
+                return d_chunk, d_shared, jnp.zeros((), jnp.float32), no_values, d_h, tapped
 
             with jax.named_scope(LAST):
-                return jax.lax.cond(bwd.kind == SLOT_LAST, only(head), only(stashed))
-
-        def only(branch):
-            if part == 'both':
-                return branch
-
-            def run():
-                d_chunk, d_shared, value, values, dx = branch()
-                if part == 'input':
-                    return zeros(self.chunks[0]), zeros(self.shared), value, values, dx
-                return d_chunk, d_shared, *self.no_gradients()[2:]
-
-            return run
+                return jax.lax.cond(bwd.kind == SLOT_LAST, head, stashed)
 
         return self.on_chunk(bwd.repeat, on)
 
@@ -341,22 +355,29 @@ class Stage:
 
     def tick(self, carry, columns):
         """The scan's body: one tick of the table (branches.Columns, every stage's row)."""
-        act_in, grad_in, stash, resids, grad_buf, sums = carry
+        act_in, grad_in, stash, resids, grad_buf, tap_bufs, sums = carry
         row = jax.tree.map(lambda a: a[self.index], columns)
         arrivals = row.arrivals
         stash = write(stash, arrivals.act_slot, arrivals.act, act_in)
         grad_buf = write(grad_buf, arrivals.grad_slot, arrivals.grad, grad_in)
         y, resids, values = self.forward(row.forward, stash, resids)
         sums = (*sums[:3], self.combine(sums[3], values))  # the forward's side values
-        if row.weights is None:
+        if row.weights is None or not self.with_grads:
             sums, dx = self.backward(row.backward, sums, stash, resids, grad_buf)
         else:  # a split backward: B, then W (which may be another micro-batch's)
-            sums, dx = self.backward_input(row.backward, sums, stash, resids, grad_buf)
-            sums, _ = self.backward(row.weights, sums, stash, resids, grad_buf, 'weights')
+            slot = row.weights.b_tap_slot
+            sums, dx, tap_bufs = self.backward_input(
+                row.backward, slot, sums, stash, resids, grad_buf, tap_bufs
+            )
+            sums = self.weights(row.weights, sums, tap_bufs)
         p = self.stages
         act_in = self.handoff(y, [(i, (i + 1) % p) for i in range(p)])
         grad_in = self.handoff(dx, [(i, (i - 1) % p) for i in range(p)])
-        return (act_in, grad_in, stash, resids, grad_buf, sums), None
+        return (act_in, grad_in, stash, resids, grad_buf, tap_bufs, sums), None
+
+
+def read(buffer, slot):
+    return jax.lax.dynamic_index_in_dim(buffer, slot, 0, False)
 
 
 def write(buffer, slot, arrived, value):

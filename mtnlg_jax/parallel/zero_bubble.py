@@ -13,8 +13,9 @@ the loss, so the last stage's B costs 2). Built greedily, tick by tick, one stag
     then   more of the same while the stage's work stays within the tick's slowest stage's
 
 Memory: a micro-batch stays on a stage from its forward to its W (its residuals and its
-output's gradient wait for W), at most 1F1B's peak (its table's busiest stage) or
-`max_in_flight`. p = 3, m = 4 (F3 = forward of micro-batch 3; a tick runs F, then B, then W):
+output's gradient until B, B's taps from B to W), at most 1F1B's peak (its table's busiest
+stage) or `max_in_flight`. p = 3, m = 4 (F3 = forward of micro-batch 3; a tick runs F, then
+B, then W):
 
     tick     0    1    2    3    4    5    6    7    8    9
     stage 0  F0   F1   F2   F3   B0W0 B1W1 B2   B3   W2   W3
@@ -26,11 +27,12 @@ At p = 4 the stages wait p units a step (ZB-H1: p - 1; 1F1B's table: 7), so the 
 p / (3 m + p), about (p - 1) / (3 m) (`python -m mtnlg_jax.parallel.zero_bubble 4 8` prints a
 table and its bubble; tests/test_zero_bubble.py).
 
-The engine (stage.py) runs B as the chunk's VJP with only the input's gradient kept, W as
-the same VJP with only the weights' (XLA drops what each leaves unused): W applies the
-residuals its forward kept to the output's gradient B read, so it runs the input-gradient
-chain of the chunk's layers again (the weights' gradients need each layer's output
-gradient); the last chunk's W runs its forward and head again from its stashed input.
+The engine (stage.py) runs B as the chunk's whole VJP (the last chunk's forward, head and
+loss first) but for its kernels' weight gradients: every kernel matmul is tapped
+(parallel/taps.py), so B hands out each one's input x and output gradient dy, kept in a tap
+slot until W; the norms', biases' and shared parameters' gradients (elementwise reductions,
+and the head's) are B's. W is only the kernels' dW = x^T dy, one contraction per matmul: the
+step's matmul FLOPs are 1F1B's (tests/test_pipeline_flops.py).
 """
 
 import collections

@@ -253,6 +253,29 @@ def loss_bytes(model, rows, tensor, context=1):
     return piece * (4 + itemsize(model.compute_dtype)) + vocab * model.hidden * 4
 
 
+def tap_bytes(model_cfg, rows, tensor, context=1):
+    """Bytes of one layer's taps (parallel/taps.py), per micro-batch of `rows` sequences: each
+    kernel matmul's input x and output gradient dy, a row-parallel one's x and a
+    column-parallel one's dy split over tensor, the others whole (the blocks' dense
+    matmuls; of an MoE only the shared experts' MLP, not the routed experts')."""
+    heads, kv_heads, head_dim = attention_dims(model_cfg)
+    h, t = model_cfg.hidden, tensor
+    f = (
+        config_lib.shared_ffn_hidden(model_cfg)
+        if counts.experts_of(model_cfg)
+        else mlp_width(model_cfg)
+    )
+    mlps = (2 if model_cfg.get('mlp', 'gelu') == 'swiglu' else 1) if f else 0  # in (and gate)
+    projections = 1 if kv_heads == heads else 2  # fused QKV, or Q and KV
+    # whole: the inputs of QKV and MLP-in (and gate), the output gradients of attention-out
+    # and MLP-out; split over tensor: attention-out's and MLP-out's inputs, the others' dy
+    whole = (projections + mlps + 1) * h + (h if f else 0)
+    split = (heads * head_dim + f + (heads + 2 * kv_heads) * head_dim + mlps * f) / t
+    per_token = whole + split
+    tokens = model_cfg.seq_len // context * rows
+    return tokens * per_token * itemsize(model_cfg.compute_dtype)
+
+
 def activation_bytes(config, fused_attention=False):
     """Bytes per device of activations at the peak of a step, as the configured schedule and
     recompute keep them (b = train.micro_batch rows per micro-step and replica).
@@ -270,7 +293,8 @@ def activation_bytes(config, fused_attention=False):
         layers' kept values under model.remat), the stage inputs waiting for their forward
         and the output gradients waiting for their backward (its stash and gradient slots)
         and the two hand-offs in flight, each split over tensor along the sequence, one
-        layer recomputed (remat full / selective), the loss's on the last stage
+        layer recomputed (remat full / selective), the loss's on the last stage; zbh1 (the
+        residuals held to B) adds B's taps held to W (tap slots x tap_bytes a layer)
     pipeline, gpipe (parallel/gpipe.py, differentiated as one program): each stage keeps
         what every one of its v m + p - 1 iterations saved (the chunk input under full
         recompute), one chunk recomputed, the (m, b, s, h) embedded inputs, recirculating and
@@ -305,10 +329,11 @@ def activation_bytes(config, fused_attention=False):
     if table is not None:
         handoff = boundary // tensor if model.seq_len % tensor == 0 else boundary
         chunk = layers(chunk_layers) + dense  # expected, not measured: see docs/models.md
+        tapped = table.tap_slots * chunk_layers * tap_bytes(model, rows, tensor, context)
         return dict(
             layers=table.resid_slots * chunk,
             recomputed=full_layer if model.remat != 'none' else 0,
-            pipeline_buffers=(table.stash_slots + table.grad_slots + 2) * handoff,
+            pipeline_buffers=(table.stash_slots + table.grad_slots + 2) * handoff + tapped,
             logits=logits,
         )
     iterations = engine_lib.engine(config).ticks(micro)

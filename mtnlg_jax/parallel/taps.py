@@ -1,0 +1,166 @@
+"""Taps: each weight matmul's input and output gradient, handed out by a backward that leaves
+the weights' gradient for later (ZB-H1's B and W slots, parallel/zero_bubble.py).
+
+A block's matmul with a kernel parameter, y = einsum(spec, x, w), goes through `matmul`
+(model/layers.py's project, attention's projections). Outside `tapping` it is that einsum: a
+program that never taps is the one it was. Inside, on a kernel the context knows, it is
+`_tapped(spec, x, w, x_tap, y_tap)`: the same y, and a VJP that returns x's gradient, none
+for w, and, as the "gradients" of the two zero taps, x itself and y's gradient dy. So a VJP
+of the block stack taken with its taps as inputs (the engine's B, parallel/stage.py) runs the
+input-gradient chain once and hands out every site's (x, dy); W contracts them over the
+tokens, dW = x^T dy per site (`weight_grads`), the only matmuls the weights' gradient needs.
+Everything else keeps its gradient in B: norms and biases (elementwise reductions), and the
+matmuls off the einsum path (FP8 sites, an MoE's router and routed experts, the head).
+
+    sites = probe(fn, *args)        Site (kernel path, spec, x and y shapes) of every tapped
+                                    call fn makes in one layer, in call order
+    zeros(sites, layers)            the zero taps a stack of `layers` layers takes: [(x, y)]
+                                    stacked on a leading layer axis
+    with tapping(kernels, taps):    a layer's calls take its taps in order (the model's scan
+                                    body); kernels: {id(kernel variable): its path}
+    add_weight_grads(acc, sites, stashed)   acc + each kernel's dW from B's (x, dy) taps
+    add_untapped(acc, grads, sites)         acc + grads but at the tapped kernels (B's add)
+"""
+
+import contextlib
+import contextvars
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+_TAPPING = contextvars.ContextVar('mtnlg_jax_tapping', default=None)
+_RECORDER = contextvars.ContextVar('mtnlg_jax_tap_recorder', default=None)
+
+
+class Site(NamedTuple):
+    """A tapped matmul of one layer: the kernel's path in the block's parameters, the einsum's
+    spec, its input x and output y (jax.ShapeDtypeStruct, no layer axis)."""
+
+    path: tuple
+    spec: str
+    x: jax.ShapeDtypeStruct
+    y: jax.ShapeDtypeStruct
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tapped(spec, x, w, x_tap, y_tap):
+    del x_tap, y_tap  # zeros: only their cotangents matter
+    return jnp.einsum(spec, x, w)
+
+
+def _tapped_fwd(spec, x, w, x_tap, y_tap):
+    return jnp.einsum(spec, x, w), (x, w)
+
+
+def _tapped_bwd(spec, residuals, dy):
+    """(x's gradient, no gradient for w, x and dy through the taps): the weight's gradient
+    is left to whoever reads the taps."""
+    x, w = residuals
+    _, pullback = jax.vjp(lambda x: jnp.einsum(spec, x, w), x)
+    return pullback(dy)[0], None, x, dy
+
+
+_tapped.defvjp(_tapped_fwd, _tapped_bwd)
+
+
+class _Layer:
+    """One layer's tapping while the model traces it: which kernels are tapped, the taps left
+    to hand out, and the recorder (probe) that notes each tapped call."""
+
+    def __init__(self, kernels, layer_taps, recorder):
+        self.kernels, self.taps, self.recorder = kernels, list(layer_taps), recorder
+        if recorder is not None:
+            recorder.clear()  # the sites of the layer traced last: a body traced twice is one
+
+    def matmul(self, kernel, spec, x, w):
+        path = self.kernels.get(id(kernel))
+        if path is not None and self.taps:
+            x_tap, y_tap = self.taps.pop(0)
+            return _tapped(spec, x, w, x_tap, y_tap)
+        y = jnp.einsum(spec, x, w)
+        if path is not None and self.recorder is not None:  # probing: no taps given
+            shapes = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, y))
+            self.recorder.append(Site(path, spec, *shapes))
+        return y
+
+
+def matmul(kernel, spec, x, w):
+    """einsum(spec, x, w), w the value of the parameter `kernel` (its variable): tapped inside
+    `tapping` when the layer knows the kernel, the plain einsum everywhere else."""
+    layer = _TAPPING.get()
+    if layer is None:
+        return jnp.einsum(spec, x, w)
+    return layer.matmul(kernel, spec, x, w)
+
+
+@contextlib.contextmanager
+def tapping(kernels, layer_taps):
+    """While one layer runs: its tapped calls take layer_taps [(x_tap, y_tap)] in order
+    (empty while probing); kernels: {id(kernel variable): path}."""
+    layer = _Layer(kernels, layer_taps, _RECORDER.get())
+    token = _TAPPING.set(layer)
+    try:
+        yield
+    finally:
+        _TAPPING.reset(token)
+    assert not layer.taps, 'a layer took fewer taps than it was given'
+
+
+def probe(fn, *args):
+    """The Sites of one layer of fn(*args), a function that runs a block stack with empty taps,
+    traced abstractly (nothing computed)."""
+    sites = []
+    token = _RECORDER.set(sites)
+    try:
+        jax.eval_shape(fn, *args)
+    finally:
+        _RECORDER.reset(token)
+    return tuple(sites)
+
+
+def zeros(sites, layers):
+    """The zero taps of a stack of `layers` layers: [(x, y)] per site, stacked."""
+    return [
+        tuple(jnp.zeros((layers, *a.shape), a.dtype) for a in (site.x, site.y)) for site in sites
+    ]
+
+
+def weight_grads(sites, stashed):
+    """{kernel path: dW (layers, ...)}: per site x and dy contracted over every axis but the
+    kernel's, summed over the calls of a kernel (sequence pieces); stashed: [(x, dy)] as
+    zeros(sites, ...) lays them out."""
+    grads = {}
+    for site, (x, dy) in zip(sites, stashed):
+        inputs, out = site.spec.split('->')
+        x_spec, w_spec = inputs.split(',')
+        layer = next(c for c in 'lzyxw' if c not in site.spec)
+        d = jnp.einsum(f'{layer}{x_spec},{layer}{out}->{layer}{w_spec}', x, dy)
+        grads[site.path] = d if site.path not in grads else grads[site.path] + d
+    return grads
+
+
+def add_weight_grads(acc, sites, stashed):
+    """acc (fp32, the chunk's tree) plus each tapped kernel's gradient (weight_grads)."""
+    grads = weight_grads(sites, stashed)
+
+    def add(path, a):
+        g = grads.get(_keys(path))
+        return a if g is None else a + g.astype(jnp.float32)
+
+    return jax.tree_util.tree_map_with_path(add, acc)
+
+
+def add_untapped(acc, grads, sites):
+    """acc + grads in fp32 at every leaf but the tapped kernels' (their gradient is W's)."""
+    tapped = {site.path for site in sites}
+
+    def add(path, a, g):
+        return a if _keys(path) in tapped else a + g.astype(jnp.float32)
+
+    return jax.tree_util.tree_map_with_path(add, acc, grads)
+
+
+def _keys(path):
+    return tuple(getattr(k, 'key', getattr(k, 'name', k)) for k in path)
