@@ -14,5 +14,6 @@ gpipe.py             the GPipe engine (autodiff through the forwards)
 stage_functions.py   the model's pieces an engine is handed, the micro-batch a chunk gets
 stage_order.py       blocks stored stage-major
 residuals.py         a VJP taken apart for the residual slots
+taps.py              the block matmuls' taps: ZB-H1's W from the x and dy that B stashes
 branches.py          slot kinds, the table's columns in groups, how often each branch runs
 """
