@@ -222,8 +222,8 @@ def plan_for_gpu(args, config):
     plan = report.make_plan(config, args.cluster)
     print(
         f'compiling the train step with XLA:GPU for {total} x {args.target} (data '
-        f'{mesh.data} x stage {mesh.stage} x tensor {mesh.tensor}; about a minute for the '
-        f'largest configs) ...',
+        f'{mesh.data} x stage {mesh.stage} x context {mesh.context} x tensor {mesh.tensor}; '
+        f'minutes for the largest configs) ...',
         file=sys.stderr,
         flush=True,
     )
