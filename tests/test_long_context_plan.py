@@ -130,3 +130,39 @@ def test_no_weight_splits_over_context():
     _, axes = arithmetic.abstract_params(_llama_128k().model)
     for names in jax.tree.leaves(axes, is_leaf=rules.is_axes):
         assert 'context' not in str(rules.logical_to_spec(names)), names
+
+
+PEELED_LOOP = """HloModule peeled
+
+%fused_compare (p: s32[]) -> pred[] {
+  %p = s32[] parameter(0)
+  %c = s32[] constant(3)
+  ROOT %lt = pred[] compare(%p, %c), direction=LT
+}
+
+%cond (t: (s32[], f32[8,8])) -> pred[] {
+  %t = (s32[], f32[8,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  ROOT %f = pred[] fusion(%i), kind=kLoop, calls=%fused_compare
+}
+
+%body (t: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {
+  %t = (s32[], f32[8,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[8,8]{1,0} get-tuple-element(%t), index=1
+  %y = f32[8,8]{1,0} dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %r = (s32[], f32[8,8]{1,0}) tuple(%i, %y)
+}
+
+ENTRY %main (p0: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {
+  %p0 = (s32[], f32[8,8]{1,0}) parameter(0)
+  ROOT %loop = (s32[], f32[8,8]{1,0}) while(%p0), condition=%cond, body=%body
+}
+"""
+
+
+def test_a_loop_whose_compare_is_fused_counts_its_trips():
+    """XLA:GPU gives a micro-step loop it double-buffers and peels no known trip count and
+    fuses its compare: the trips are read inside the fusion (3 here), not taken as one (the
+    Sequential engine's steps counted half their FLOPs: docs/benchmarks.md)."""
+    assert hlo_module.dot_flops(PEELED_LOOP) == 3 * 2 * 8 * 8 * 8

@@ -175,15 +175,19 @@ def parse_module(hlo_text):
 
 def trip_count(while_instruction, computations):
     """Iterations of a while loop: XLA's known_trip_count, else the constant its condition
-    compares with (a `lax.scan`'s `i < n`); None if neither is there."""
+    compares with (a `lax.scan`'s `i < n`), in the condition or in a fusion it calls (XLA:GPU
+    fuses the compare of a loop it double-buffers and peels, and gives it no known trip
+    count); None if neither is there."""
     known = _TRIP.search(while_instruction.rest)
     if known:
         return int(known.group(1))
     condition = dict(while_instruction.callees()).get('condition')
     constants = []
     for instruction in computations.get(condition, []):
-        if instruction.opcode == 'constant' and re.match(r's(32|64)\[\]', instruction.type_text):
-            constants.append(int(re.match(r'\((-?\d+)\)', instruction.rest).group(1)))
+        fused = [c for attr, c in instruction.callees() if attr == 'calls']
+        for inner in [instruction, *(i for c in fused for i in computations.get(c, []))]:
+            if inner.opcode == 'constant' and re.match(r's(32|64)\[\]', inner.type_text):
+                constants.append(int(re.match(r'\((-?\d+)\)', inner.rest).group(1)))
     return max(constants) if constants else None
 
 
