@@ -148,7 +148,9 @@ def main(argv):
     total = keys.mesh_devices(compiled_config.mesh)
     if total % processes:
         fail(f'--num_processes {processes} does not divide the {total} devices of the layout')
-    set_cpu_flags(total // processes)
+    # the arithmetic needs no devices, and thousands of forced CPU devices take minutes to
+    # tear down at exit: only a compile gets them
+    set_cpu_flags(total // processes if args.compile else 1)
     distributed.initialize_for_config(config, args)  # before JAX starts
 
     from mtnlg_jax.plan import report  # noqa: PLC0415 (imports JAX)
@@ -222,8 +224,8 @@ def plan_for_gpu(args, config):
     plan = report.make_plan(config, args.cluster)
     print(
         f'compiling the train step with XLA:GPU for {total} x {args.target} (data '
-        f'{mesh.data} x stage {mesh.stage} x tensor {mesh.tensor}; about a minute for the '
-        f'largest configs) ...',
+        f'{mesh.data} x stage {mesh.stage} x context {mesh.context} x tensor {mesh.tensor}; '
+        f'minutes for the largest configs) ...',
         file=sys.stderr,
         flush=True,
     )

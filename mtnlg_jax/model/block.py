@@ -55,6 +55,7 @@ CUDNN_MAX_HEAD_DIM = {8: 128, 9: 256}
 CONTEXT_AXES = ('batch', 'seq', 'heads', 'head_dim')
 Q_AXES = CONTEXT_AXES
 KV_AXES = ('batch', 'seq', 'kv_heads', 'head_dim')
+Q_KERNEL_AXES = ('embed', 'heads', 'head_dim')
 KV_KERNEL_AXES = ('embed', 'qkv', 'kv_heads', 'head_dim')
 GROUPED_AXES = ('batch', 'seq', 'kv_heads', 'q_per_kv', 'head_dim')
 SEED_AXES = ('batch', 'heads')
@@ -69,8 +70,9 @@ def same_segment(segment_ids):
     return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
 
 
-def attention_kernel(cfg, device=None):
-    """What Attention runs under model.attention on `device` (the mesh's first; None: the CPU):
+def attention_kernel(cfg, device=None, context=1):
+    """What Attention runs under model.attention on `device` (the mesh's first; None: the CPU)
+    with each sequence over `context` ranks (mesh.context; context_kernel):
 
         'cudnn'  jax.nn.dot_product_attention's cuDNN flash attention (a GPU; no dropout)
         'flash'  the Pallas flash kernel (model/flash_attention.py) as Triton on a GPU, where
@@ -82,6 +84,25 @@ def attention_kernel(cfg, device=None):
 
     auto takes the first of cudnn, flash, plain that can run; fused the first of cudnn, flash
     and refuses what neither can (one ConfigError naming why)."""
+    kernel = _kernel(cfg, device)
+    if context == 1:
+        return kernel
+    _, _, head_dim = attention_dims(cfg)
+    return context_kernel(kernel, cfg.seq_len // (2 * context), head_dim, gpu_generation(device))
+
+
+def context_kernel(kernel, chunk, head_dim, generation):
+    """The kernel attention runs under context parallelism (chunks of `chunk` tokens) where
+    `kernel` is attention_kernel's choice without it: cuDNN's takes no query offset, so the
+    Pallas flash kernel runs in its place where it takes the chunk, else the plain path; any
+    other choice as it is (on a CPU 'xla' runs the plain path: Attention.context)."""
+    if kernel != 'cudnn':
+        return kernel
+    return 'plain' if flash_attention.refusal(chunk, head_dim, generation) else 'flash'
+
+
+def _kernel(cfg, device):
+    """attention_kernel without context parallelism."""
     choice = cfg.get('attention', 'plain')
     on_gpu = device is not None and device.platform == 'gpu'
     heads, kv_heads, head_dim = attention_dims(cfg)
@@ -161,7 +182,7 @@ class Attention(nnx.Module):
             )
             self.qkv_bias = maybe_bias(cfg, (3, heads, head_dim), ('qkv', 'heads', 'head_dim'))
         else:
-            self.q_kernel = param(rngs, (hidden, heads, head_dim), Q_AXES[1:], std)
+            self.q_kernel = param(rngs, (hidden, heads, head_dim), Q_KERNEL_AXES, std)
             self.kv_kernel = param(rngs, (hidden, 2, kv_heads, head_dim), KV_KERNEL_AXES, std)
             self.q_bias = maybe_bias(cfg, (heads, head_dim), Q_AXES[2:])
             self.kv_bias = maybe_bias(cfg, (2, kv_heads, head_dim), KV_KERNEL_AXES[1:])
@@ -366,9 +387,12 @@ class Attention(nnx.Module):
         kernel chosen for this device: (batch, seq, heads, head_dim). order: (batch, seq)
         the tokens' global positions under context parallelism (None: 0 .. seq - 1)."""
         site = site_base + _ATTN_PROBS
-        if shards('seq') > 1 and self.kernel.startswith('flash') and order is not None:
-            return self.context_flash(q, k, v, row_keys, site, segment_ids)
-        if shards('seq') > 1:  # context parallel: the plain path (config/checks.py)
+        context = shards('seq')
+        if context > 1:  # the flash kernel at each chunk's offset, else the plain path
+            chunk = q.shape[1] // (2 * context)
+            kernel = context_kernel(self.kernel, chunk, q.shape[-1], self.gpu_generation)
+            if kernel.startswith('flash') and order is not None:
+                return self.context_flash(q, k, v, row_keys, site, segment_ids, kernel)
             return self.context_parallel(q, k, v, row_keys, site, segment_ids, order)
         if self.kernel != 'plain':
             return self.attend_fused(q, k, v, row_keys=row_keys, site=site, segment_ids=segment_ids)
@@ -397,12 +421,12 @@ class Attention(nnx.Module):
             visible = visible & (key_ids[:, None, :] == ids[:, :, None])
         return self.attend(q, k, v, visible[:, None], row_keys, site)
 
-    def context_flash(self, q, k, v, row_keys, site, segment_ids):
+    def context_flash(self, q, k, v, row_keys, site, segment_ids, kernel):
         """context_parallel() by the Pallas flash kernel, the tokens in the chunk order
         (parallel/context.py): on each device its keys, values and segment ids gathered over
         'context' and put back in sequence order, then the kernel once per query chunk with
         that chunk's offset among the keys (it walks only the key blocks up to its diagonal);
-        no (seq x seq) mask is made."""
+        no (seq x seq) mask is made. kernel: 'flash' or 'flash_interpreted' (context_kernel)."""
         q = constrain(q, CONTEXT_AXES)
         k, v = (constrain(a.astype(q.dtype), KV_AXES) for a in (k, v))
         rate = self.dropout_rate if row_keys is not None else 0.0
@@ -431,7 +455,7 @@ class Attention(nnx.Module):
                     rate,
                     segment_ids=ids,
                     q_offset=chunk * size,
-                    interpret=self.kernel == 'flash_interpreted',
+                    interpret=kernel == 'flash_interpreted',
                     generation=self.gpu_generation,
                 )  # fmt: skip
                 for i, chunk in enumerate((rank, chunks - 1 - rank))

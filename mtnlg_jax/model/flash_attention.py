@@ -142,6 +142,18 @@ def refusal(seq, head_dim, generation=None):
     return None
 
 
+def score_area(queries, keys, block):
+    """Score elements per (sequence, head) the kernels compute for `queries` queries
+    against `keys` keys in tiles of `block` query rows: the causal triangle, its diagonal
+    tiles whole, n (n + block) / 2; a context-parallel call (keys > queries: a chunk of n
+    queries at an offset o among the keys) adds the n x o keys before the chunk. The offset
+    is traced; a rank's two chunks (r and 2c - 1 - r, parallel/context.py) have offsets
+    summing to keys - n, so each call is counted at their mean, (keys - n) / 2: exact for the
+    pair (the work every rank does)."""
+    offset = (keys - queries) / 2
+    return queries * offset + queries * (queries + block) / 2
+
+
 def head_seeds(row_keys, site, heads):
     """(batch, heads) uint32 dropout seeds from one PRNG key per sequence (batch,) and the
     dropout site: the global head is part of the draw, so a head's mask is the same on

@@ -47,7 +47,8 @@ out of every ZeRO spec and collective, so the compiled steps are those of a mesh
 `context` splits the sequence, not the batch: never a replica axis. `seq` and the residual
 stream's `residual_seq` map to 'context' (parallel/context.py: each rank holds chunks r and
 2c - 1 - r); attention gathers keys and values over it (`kv_seq`). The gradients of what is
-replicated over it are summed over it by XLA.
+replicated over it are summed over it by XLA; ZeRO-1's shards split over it after the
+replica axes (`zero_axes`), as Megatron's distributed optimizer's over data x context.
 
 Sequence parallelism (Korthikanti et al. 2022; `model.sequence_parallel`): the residual
 stream, where layer norms, dropout and residual adds run, names its sequence dimension
@@ -249,10 +250,20 @@ def replica_axes(spec, mesh_shape):
     )
 
 
+def zero_axes(spec, mesh_shape):
+    """The mesh axes a leaf of `spec`'s ZeRO-1 shards split over: its replica axes, then
+    'context' where above 1 (Megatron's distributed optimizer shards over data x context
+    too). The gradients arrive summed over 'context' (XLA sums what is replicated over it
+    inside the step): ZeRO-1 reduce-scatters them over the replica axes and each context
+    rank keeps its own piece (parallel/zero.py)."""
+    context = (CONTEXT_AXIS,) if mesh_shape.get(CONTEXT_AXIS, 1) > 1 else ()
+    return replica_axes(spec, mesh_shape) + context
+
+
 def stage_zero_axes(spec, mesh_shape):
     """ZeRO-1's axes of what every pipeline stage holds (state_spec): 'stage', then the
-    leaf's replica axes."""
-    return (STAGE_AXIS, *replica_axes(spec, mesh_shape))
+    leaf's ZeRO axes."""
+    return (STAGE_AXIS, *zero_axes(spec, mesh_shape))
 
 
 def is_stage_zero(axes):
@@ -262,7 +273,7 @@ def is_stage_zero(axes):
 
 
 def zero_spec(spec, shape, mesh_shape, axis_name=None, whole_only=False):
-    """`spec` with the leaf's replica axes (or `axis_name`, one mesh axis or a tuple of them)
+    """`spec` with the leaf's ZeRO axes (zero_axes; or `axis_name`, one mesh axis or a tuple)
     added for ZeRO-1: on the first whole dimension that its size divides, else (unless
     whole_only) on the first split dimension that still divides evenly (e.g. an MLP bias split
     over tensor becomes split over (tensor, data)); else left as it is. At mesh.expert 1 the
@@ -271,7 +282,7 @@ def zero_spec(spec, shape, mesh_shape, axis_name=None, whole_only=False):
     if mesh_shape.get(EXPERT_AXIS, 1) == 1:  # the experts' dimension whole: split as before
         spec = PartitionSpec(*(_without(axes, {EXPERT_AXIS}) for axes in spec))
     if axis_name is None:
-        axis_name = entry(replica_axes(spec, mesh_shape))
+        axis_name = entry(zero_axes(spec, mesh_shape))
     names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
     data_size = math.prod(mesh_shape[a] for a in names)
     if data_size == 1:
@@ -300,7 +311,7 @@ def state_spec(spec, shape, mesh_shape):
     'stage' first."""
     if (
         mesh_shape.get(STAGE_AXIS, 1) > 1
-        and math.prod(mesh_shape[a] for a in replica_axes(spec, mesh_shape)) > 1
+        and math.prod(mesh_shape[a] for a in zero_axes(spec, mesh_shape)) > 1
         and not any(STAGE_AXIS in _names(axes) for axes in spec)
     ):
         joint = stage_zero_axes(spec, mesh_shape)

@@ -4,6 +4,11 @@ written out rather than left to the partitioner.
     fp32 master shard --cast--> compute-dtype shard --all-gather over data--> compute copy
     fp32 gradient sums of each replica --reduce-scatter over data--> fp32 gradient shard
 
+Under context parallelism the shards split over 'context' after the replica axes too
+(rules.zero_axes): the gradients arrive summed over 'context', so the reduce-scatter runs over
+the replica axes and each context rank keeps its own piece of the result; the all-gather runs
+over both.
+
 Each runs once per step in a `shard_map` manual over every mesh axis (XLA replicates the
 automatic axes of a collective's operand in a partly manual region, which would gather every
 tensor shard first), so the compiled step shows exactly one all-gather in the compute dtype
@@ -37,6 +42,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from mtnlg_jax.parallel.rules import (
+    CONTEXT_AXIS,
     REPLICA_AXES,
     STAGE_AXIS,
     constrain_spec,
@@ -61,9 +67,25 @@ class ShardLayout:
     axes: tuple = REPLICA_AXES[:1]
 
     @property
+    def summed(self):
+        """The ZeRO axes its gradients are summed over here: all but 'context' (summed by XLA
+        inside the step: rules.zero_axes)."""
+        return tuple(a for a in self.axes if a != CONTEXT_AXIS)
+
+    @property
     def stacked(self):
         """The mesh axes the train step stacks this leaf's per-replica gradients over."""
-        return self.axes[1:] if is_stage_zero(self.axes) else self.axes
+        return self.summed[1:] if is_stage_zero(self.axes) else self.summed
+
+    def own_context_piece(self, x):
+        """x, summed and scattered over `summed` (its view's data dimension holding every
+        context rank's piece), cut to this context rank's: ZeRO's split over 'context' moves
+        nothing."""
+        if CONTEXT_AXIS not in self.axes:
+            return x
+        size = x.shape[self.dim + 1] // jax.lax.axis_size(CONTEXT_AXIS)
+        start = jax.lax.axis_index(CONTEXT_AXIS) * size
+        return jax.lax.dynamic_slice_in_dim(x, start, size, axis=self.dim + 1)
 
     def view(self, x, offset=0):
         """x (with `offset` leading axes before the leaf's own) with dimension `dim` reshaped
@@ -155,11 +177,16 @@ def reduce_scatter(per_replica, layout_tree, by_stage=None):
         if is_stage_zero(lay.axes):
             if not stacked:  # whole on every stage: one stage's copy enters the sum
                 x = jnp.where(jax.lax.axis_index(STAGE_AXIS) == 0, x, jnp.zeros_like(x))
-            return jax.lax.psum_scatter(x, lay.axes, scatter_dimension=lay.dim + 1, tiled=True)
+            x = jax.lax.psum_scatter(x, lay.summed, scatter_dimension=lay.dim + 1, tiled=True)
+            return lay.own_context_piece(x)
         if lay.dim is None:
             x = psum(x, lay.axes)
         elif lay.data > 1:
-            x = jax.lax.psum_scatter(x, entry(lay.axes), scatter_dimension=lay.dim + 1, tiled=True)
+            if math.prod(jax.lax.axis_size(a) for a in lay.summed) > 1:
+                x = jax.lax.psum_scatter(
+                    x, entry(lay.summed), scatter_dimension=lay.dim + 1, tiled=True
+                )
+            x = lay.own_context_piece(x)
         # the stages' shares summed on the ZeRO shard: 1 / d of the bytes of a sum before it
         return jax.lax.psum(x, STAGE_AXIS) if stacked else x
 

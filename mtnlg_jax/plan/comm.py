@@ -30,7 +30,9 @@ formulas of the literature (ring algorithms: an all-reduce of S bytes over n dev
                  'context' are summed over it by XLA (compute dtype, an all-reduce a
                  micro-step) before ZeRO-1's reduce-scatter over 'data'
     data    (d)  ZeRO-1 / distributed optimizer: one reduce-scatter of the fp32 gradients onto
-                 the ZeRO shards and one all-gather of the compute-dtype parameters per step,
+                 the ZeRO shards and one all-gather of the compute-dtype parameters per step
+                 (under context parallelism the shards split over 'context' too, so the
+                 all-gather is over data x context: 'data+context'),
                  independent of the micro-batch count; over 'data' and 'stage' together (d p
                  devices) for the parameters every stage holds, which sums the stages' shares
                  too (without data parallelism: one all-reduce over stage of them, in fp32)
@@ -173,13 +175,19 @@ def comm_bytes_per_device(config):
         add('collective-permute', 'stage', 2 * iterations * handoff)
     if context > 1:
         _add_context(add, config, compute, e)
+    # ZeRO-1's shards split over 'context' too (rules.zero_axes): the gradients arrive summed
+    # over it, so the reduce-scatter is over the replicas and the all-gather over both
+    over_context, zero_ranks = ('+context', context) if context > 1 else ('', 1)
     if mesh.data > 1:
         add('reduce-scatter', 'data', _ring('reduce-scatter', 4 * (compute - shared), mesh.data))
-        add('all-gather', 'data', _ring('all-gather', e * (compute - shared), mesh.data))
+    if mesh.data * zero_ranks > 1:
+        size = _ring('all-gather', e * (compute - shared), mesh.data * zero_ranks)
+        add('all-gather', 'data' + over_context, size)
     if shared:
         both = mesh.data * mesh.stage
         add('reduce-scatter', 'data+stage', _ring('reduce-scatter', 4 * shared, both))
-        add('all-gather', 'data+stage', _ring('all-gather', e * shared, both))
+        size = _ring('all-gather', e * shared, both * zero_ranks)
+        add('all-gather', 'data+stage' + over_context, size)
     return out
 
 

@@ -331,22 +331,50 @@ def grouped_matmul_flops(instruction):
 
 
 def fused_attention_flops(instruction):
-    """FLOPs of one fused-attention call, counted dense (2 x scores x head_dim per matmul, as
-    the model's 12 L H Q T counts attention; a causal kernel skips most of the masked tiles,
-    so the hardware does less); 0 for any other instruction."""
+    """FLOPs of one fused-attention call: the Pallas flash kernels' by the score blocks they
+    compute (flash_attention.score_area), cuDNN's counted dense (2 x scores x head_dim per
+    matmul, as the model's 12 L H Q T counts attention; its causal tiles are not ours to
+    know, and it skips most of the masked ones, so the hardware does less); 0 for any other
+    instruction."""
     kernel = attention_kernel(instruction)
     if kernel is None:
         return 0
     matmuls = FUSED_ATTENTION_MATMULS[kernel]
-    if kernel in flash_attention.KERNEL_MATMULS:  # q: (batch, seq, heads, head_dim)
-        batch, seq, heads, head_dim = ints(_FIRST_OPERAND.search(instruction.rest).group(1))
+    if kernel in flash_attention.KERNEL_MATMULS:  # q: (batch, seq, heads, head_dim), k
+        first, second = (ints(dims) for dims in _OPERANDS.search(instruction.rest).groups())
+        batch, seq, heads, head_dim = first
         lanes = flash_attention.lane_width(head_dim)  # what its tiles multiply, padding too
-        return 2 * matmuls * batch * heads * seq * seq * lanes
+        keys = second[1]
+        block = flash_tile(kernel, seq, keys, head_dim, _GRID.findall(instruction.rest))
+        return 2 * matmuls * batch * heads * lanes * flash_attention.score_area(seq, keys, block)
     scores = _SCORES_SHAPE.search(instruction.rest)
     if not scores:
         return 0
     head_dim = _dims(split_top(instruction.type_text.strip()[1:-1])[0])[-1]
     return 2 * matmuls * math.prod(ints(scores.group(1))) * head_dim
+
+
+_GRID = re.compile(r'"?grid_([xyz])"?\s*[:=]\s*"?(\d+)')
+
+
+def flash_tile(kernel, seq, keys, head_dim, grid):
+    """The tile of a flash kernel's call that rounds its causal work (the forward's query
+    block, the backward's block), from its Triton grid where the call has one ([(axis,
+    size)]: the forward's x is seq / block, dK dV's z keys / block, dQ's z seq / block), else
+    as flash_attention.blocks chooses it for an A100 (whose backward block is half Hopper's:
+    seq x 16 fewer of the seq^2 / 2 elements). The forward's key block divides its query
+    block (flash_attention._BLOCKS), so the keys it walks for a query block end at the
+    block's last query: the key block does not count."""
+    sizes = {axis: int(size) for axis, size in grid}
+    along, length = {
+        flash_attention.FORWARD: ('x', seq),
+        flash_attention.KEY_VALUE: ('z', keys),
+        flash_attention.QUERY: ('z', seq),
+    }[kernel]
+    if sizes.get(along):
+        return length // sizes[along]
+    chosen = flash_attention.blocks(seq, head_dim)
+    return chosen.forward_q if kernel == flash_attention.FORWARD else chosen.backward
 
 
 _GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\s*\[([^\]]*)\]')

@@ -8,7 +8,16 @@ tensor t, compute dtype of e bytes):
     attention   4 b s^2 h / t FLOPs (Q K^T and the weighted sum, the whole square) at
                 peak x matmul(h / a), and its softmax, mask and dropout: (6 e + 1) a b s^2 / t
                 bytes of memory traffic, none where our engine runs a fused kernel on this
-                GPU (model/block.py's attention_kernel: the scores stay on chip)
+                GPU (model/block.py's attention_kernel: the scores stay on chip); where that
+                kernel is the Pallas flash kernel, the score blocks it computes (the causal
+                triangle, forward 2 matmuls, backward 7: flash_attention_flops), and
+                selective recompute reruns none of it (its out and log-sum-exp are kept)
+    context     context parallelism over c ranks: every sequence-long term above is s / c
+                tokens of queries (their keys still s), and the keys' and values' all-gather
+                over 'context' (b s 2 kv_heads d / t, ring bytes over the network) is waited
+                for forward and where the backward recomputes, their gradients'
+                reduce-scatter backward, and once a step the gradients' sum over 'context'
+                (plan/comm.py's bytes)
     elementwise layer norms, bias + dropout + residual adds: (10 e + 2) b s h bytes, split
                 over t with sequence parallelism; bias + GeLU: 2 e b s f / t
     tensor      2 all-reduces of the (b, s, h) activation (sequence parallelism: 2
@@ -58,7 +67,7 @@ import types
 
 import numpy as np
 
-from mtnlg_jax.model import block, counts
+from mtnlg_jax.model import block, counts, flash_attention
 from mtnlg_jax.model.layers import attention_dims
 from mtnlg_jax.model.moe import experts_of
 from mtnlg_jax.parallel import engine as engine_lib
@@ -115,14 +124,40 @@ def _ring(kind, size, group):
     return (2.0 if kind == 'all-reduce' else 1.0) * (group - 1) / group * size
 
 
-def fused_attention(model_cfg, cluster):
-    """Whether attention runs a fused kernel (cuDNN, the flash kernel: the scores stay on
-    chip) on `cluster`'s GPUs, as model/block.py's attention_kernel decides; None: the CPU's
-    plain path."""
+def kernel_on(model_cfg, cluster, context=1):
+    """The attention kernel model/block.py's attention_kernel picks on `cluster`'s GPUs with
+    each sequence over `context` ranks; 'plain' on the CPU (cluster None)."""
     if cluster is None:
-        return False
+        return 'plain'
     gpu = types.SimpleNamespace(platform='gpu', compute_capability=cluster.compute_capability)
-    return block.attention_kernel(model_cfg, gpu) != 'plain'
+    return block.attention_kernel(model_cfg, gpu, context)
+
+
+def fused_attention(model_cfg, cluster, context=1):
+    """Whether attention runs a fused kernel (cuDNN, the flash kernel: the scores stay on
+    chip) on `cluster`'s GPUs (kernel_on)."""
+    return kernel_on(model_cfg, cluster, context) != 'plain'
+
+
+def flash_attention_flops(config, generation):
+    """(forward, backward) FLOPs of the Pallas flash kernels for one layer and micro-batch on
+    one device: the score blocks they compute (flash_attention.score_area: the causal
+    triangle, its diagonal tiles whole; under context parallelism each of a rank's two query
+    chunks against the keys up to it) times their matmuls (forward 2; backward 7, the scores
+    recomputed in both of its kernels), as the compiled step's count has them."""
+    model, t, c = config.model, config.mesh.tensor, config.mesh.get('context', 1)
+    s, (_, _, head_dim) = model.seq_len, attention_dims(model)
+    queries = s // (2 * c) if c > 1 else s
+    chosen = flash_attention.blocks(queries, head_dim, generation)
+    per_head = 2 * config.train.micro_batch * model.heads / t * flash_attention.lane_width(head_dim)
+    calls = 2 if c > 1 else 1
+    area = [
+        calls * flash_attention.score_area(queries, s, b)
+        for b in (chosen.forward_q, chosen.backward)
+    ]
+    matmuls = flash_attention.KERNEL_MATMULS
+    backward = matmuls[flash_attention.KEY_VALUE] + matmuls[flash_attention.QUERY]
+    return per_head * area[0] * matmuls[flash_attention.FORWARD], per_head * area[1] * backward
 
 
 class _Rates:
@@ -147,44 +182,63 @@ class _Rates:
         return size / (bandwidth * self.figures.link_efficiency)
 
 
-def layer_forward(config, rates, exposed, fused_attention=False, exposed_experts=1.0):
+def layer_forward(
+    config, rates, exposed, fused_attention=False, exposed_experts=1.0, exposed_context=(1, 1),
+    flash=False,
+):  # fmt: skip
     """One layer's forward on one device (module docstring): seconds of its computation, of
-    its attention core alone, of the tensor collectives waited for (`exposed` of them), of a
-    mixture of experts' all-to-alls waited for (`exposed_experts` of them), and the FLOPs of
-    all of it and of the attention core."""
-    model, t = config.model, config.mesh.tensor
+    its attention core alone forward and backward (with `flash`, the Pallas flash kernels'
+    score blocks: flash_attention_flops; else the whole square, the backward twice the
+    forward), of the tensor collectives waited for (`exposed` of them), of a
+    mixture of experts' all-to-alls waited for (`exposed_experts` of them), of the keys' and
+    values' all-gather over 'context' and of their gradients' reduce-scatter (the backward's)
+    waited for (`exposed_context`: (all-gather, reduce-scatter) shares), and the FLOPs of all
+    of it and of the attention core. Under context parallelism a device holds s / c tokens of
+    each sequence, whose queries see all s keys."""
+    model, t, c = config.model, config.mesh.tensor, config.mesh.get('context', 1)
     b, s, h, f = config.train.micro_batch, model.seq_len, model.hidden, arithmetic.mlp_width(model)
     a, e = model.heads, itemsize(model.compute_dtype)
-    _, _, head_dim = attention_dims(model)
+    _, kv_heads, head_dim = attention_dims(model)
+    tokens = b * s // c  # of a micro-batch, on one device
     split = t if model.sequence_parallel else 1
-    matmul_flops = 2 * b * s * counts.layer_matmul_params(model) / t
+    matmul_flops = 2 * tokens * counts.layer_matmul_params(model) / t
     waits, experts = 0.0, 0.0
     if experts_of(model) and config.mesh.expert > 1:
-        routed = 2 * b * s * model.moe.top_k * counts.expert_params(model) / t
-        waits = rates.matmul(routed, min(b * s, h / t)) * (LOAD_IMBALANCE - 1)
+        routed = 2 * tokens * model.moe.top_k * counts.expert_params(model) / t
+        waits = rates.matmul(routed, min(tokens, h / t)) * (LOAD_IMBALANCE - 1)
         group = config.mesh.expert
-        sent = b * s * model.moe.top_k * h * e * (group - 1) / group
+        sent = tokens * model.moe.top_k * h * e * (group - 1) / group
         experts = 2 * rates.link(sent, group) * exposed_experts
-    attention_flops = 4 * b * s * s * a * head_dim / t
-    scores_bytes = 0.0 if fused_attention else (6 * e + 1) * a * b * s * s / t
+    attention_flops = 4 * tokens * s * a * head_dim / t
+    backward_flops = 2 * attention_flops
+    if flash:
+        generation = int(rates.cluster.compute_capability.split('.')[0])
+        attention_flops, backward_flops = flash_attention_flops(config, generation)
+    scores_bytes = 0.0 if fused_attention else (6 * e + 1) * a * tokens * s / t
     attention = rates.matmul(attention_flops, head_dim) + rates.bytes(scores_bytes)
+    attention_backward = rates.matmul(backward_flops, head_dim) + 2 * rates.bytes(scores_bytes)
     mlp_tensors = counts.mlp_matrices(model)  # (s, b, f) tensors read and written: 2 or 3
-    elementwise = rates.bytes((10 * e + 2) * b * s * h / split + mlp_tensors * e * b * s * f / t)
+    elementwise = rates.bytes((10 * e + 2) * tokens * h / split + mlp_tensors * e * tokens * f / t)
+    gathered = rates.link(_ring('all-gather', b * s * 2 * kv_heads * head_dim * e / t, c), c * t)
     return dict(
-        compute=rates.matmul(matmul_flops, min(b * s, h / t)) + waits + attention + elementwise,
+        compute=rates.matmul(matmul_flops, min(tokens, h / t)) + waits + attention + elementwise,
         attention=attention,
-        tensor=2 * rates.link(_ring('all-reduce', b * s * h * e, t), t) * exposed,
+        attention_backward=attention_backward,
+        tensor=2 * rates.link(_ring('all-reduce', tokens * h * e, t), t) * exposed,
         expert=experts,
+        context=gathered * exposed_context[0],
+        context_backward=gathered * exposed_context[1],
         flops=matmul_flops + attention_flops,
         attention_flops=attention_flops,
+        attention_backward_flops=backward_flops,
     )
 
 
 def head_forward(config, rates):
     """(seconds, FLOPs) of the output layer and loss on one device: the logits matmul and the
-    fp32 softmax cross-entropy over the vocabulary shard."""
+    fp32 softmax cross-entropy over the vocabulary shard (a context rank's own tokens)."""
     model, t = config.model, config.mesh.tensor
-    rows = config.train.micro_batch * model.seq_len
+    rows = config.train.micro_batch * model.seq_len // config.mesh.get('context', 1)
     vocab = model.padded_vocab / t
     flops = 2 * rows * model.hidden * vocab
     seconds = rates.matmul(flops, min(rows, model.hidden)) + rates.bytes(
@@ -193,32 +247,50 @@ def head_forward(config, rates):
     return seconds, flops
 
 
-COMPONENTS = ('compute', 'recompute', 'tensor', 'expert', 'accumulate', 'flops')
+COMPONENTS = ('compute', 'recompute', 'tensor', 'expert', 'context', 'accumulate', 'flops')
 
 
-def slot_costs(config, rates, semantics, exposed, accumulate, exposed_experts=1.0):
+def slot_costs(
+    config, rates, semantics, exposed, accumulate, exposed_experts=1.0, exposed_context=(1, 1)
+):  # fmt: skip
     """(forward, backward): {component: [middle chunk, last chunk]} of one slot, seconds (and
     FLOPs). Components: compute, recompute, tensor (collectives waited for), expert (a
-    mixture of experts' all-to-alls waited for), accumulate (the backward's gradients added
-    to the fp32 accumulators: `accumulate` seconds), flops."""
-    fused = semantics == 'ours' and fused_attention(config.model, rates.cluster)
-    layer = layer_forward(config, rates, exposed, fused, exposed_experts)
+    mixture of experts' all-to-alls waited for), context (the keys' and values' gathers over
+    'context' and their gradients' reduce-scatters waited for; the backward gathers again
+    where it recomputes), accumulate (the backward's gradients added to the fp32
+    accumulators: `accumulate` seconds), flops."""
+    kernel = 'plain'
+    if semantics == 'ours':
+        kernel = kernel_on(config.model, rates.cluster, config.mesh.context)
+    flash = kernel.startswith('flash')
+    layer = layer_forward(
+        config, rates, exposed, kernel != 'plain', exposed_experts, exposed_context, flash
+    )
     n = arithmetic.chunk_slots(config)
+    # selective recompute keeps the flash kernel's out and log-sum-exp (model/flash_attention.py)
+    kept = flash and config.model.remat == 'selective'
     again, again_flops = {
         'full': (layer['compute'] + layer['tensor'] + layer['expert'], layer['flops']),
-        'selective': (layer['attention'], layer['attention_flops']),
+        'selective': (0.0, 0.0) if kept else (layer['attention'], layer['attention_flops']),
         'none': (0.0, 0.0),
     }[config.model.remat]
+    # the backward's attention beyond twice the forward's (the flash kernels' 7 matmuls to 2)
+    extra = {
+        k: n * (layer[f'attention_backward{x}'] - 2 * layer[f'attention{x}'])
+        for k, x in (('compute', ''), ('flops', '_flops'))
+    }
     head, head_flops = head_forward(config, rates)
-    run = {k: n * layer[k] for k in ('compute', 'tensor', 'expert', 'flops')}
+    run = {k: n * layer[k] for k in ('compute', 'tensor', 'expert', 'context', 'flops')}
     forward = dict(run, recompute=0.0, accumulate=0.0)
+    gathers_again = run['context'] if config.model.remat != 'none' else 0.0
     backward = dict(
-        compute=2 * run['compute'],
+        compute=2 * run['compute'] + extra['compute'],
         tensor=run['tensor'],
         expert=run['expert'],
+        context=n * layer['context_backward'] + gathers_again,
         recompute=n * again,
         accumulate=accumulate,
-        flops=2 * run['flops'] + n * again_flops,
+        flops=2 * run['flops'] + extra['flops'] + n * again_flops,
     )
     last_forward = dict(forward, compute=forward['compute'] + head, flops=run['flops'] + head_flops)
     last_backward = dict(
@@ -315,12 +387,14 @@ def step_time(config, cluster, figures=None, semantics='ours', overlap=None, cou
         exposed(tensor_kind, 'tensor'),
         accumulate,
         exposed('all-to-all', 'expert'),
+        (exposed('all-gather', 'context'), exposed('reduce-scatter', 'context')),
     )
     handoff = 0.0
-    replica = mesh.stage * mesh.tensor
+    context = mesh.get('context', 1)
+    replica = mesh.stage * context * mesh.tensor
     engine = engine_lib.engine(config)
     if engine.pipelined:
-        activation = train.micro_batch * model.seq_len * model.hidden * e
+        activation = train.micro_batch * model.seq_len // context * model.hidden * e
         split = mesh.tensor if model.seq_len % mesh.tensor == 0 else 1
         handoff = rates.link(activation / split, replica) + rates.link(
             _ring('all-gather', activation, split), split
@@ -336,13 +410,16 @@ def step_time(config, cluster, figures=None, semantics='ours', overlap=None, cou
         )
 
     data_s = per_step('data', ('reduce-scatter', 'all-gather'), devices)
+    data_s += per_step('data+context', ('all-gather',), devices)  # ZeRO-1 over context too
     stage_s = per_step('stage', ('all-reduce',), replica)
+    # the gradients of what is replicated over 'context', summed over it (plan/comm.py)
+    context_s = per_step('context', ('all-reduce',), context * mesh.tensor)
     optimizer_s = rates.bytes(ADAM_BYTES_PER_PARAM * counts['zero'] + 4 * counts['compute'])
     busy = sum(v for k, v in work.items() if k != 'flops')
     handoffs = pipeline_s - busy if engine.pipelined else 0.0
     table = engine.table(train.micro_steps)
     pipeline_comm_s = handoff * (table.ticks if table is not None else 0)
-    total = pipeline_s + data_s + stage_s + optimizer_s
+    total = pipeline_s + data_s + stage_s + context_s + optimizer_s
     peak = cluster.peak_tflops[model.compute_dtype] * 1e12
     model_flops = arithmetic.model_flops_per_step(config) / devices
     return dict(
@@ -351,6 +428,7 @@ def step_time(config, cluster, figures=None, semantics='ours', overlap=None, cou
         recompute_s=work['recompute'],
         tensor_comm_s=work['tensor'],
         expert_comm_s=work['expert'],
+        context_comm_s=work['context'] + context_s,
         load_imbalance=LOAD_IMBALANCE if experts_of(model) else None,
         accumulate_s=work['accumulate'],
         pipeline_comm_s=pipeline_comm_s,

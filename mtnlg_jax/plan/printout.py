@@ -18,13 +18,22 @@ def predicted_line(step):
     return (
         f'  predicted  {step["predicted_step_s"]:.3f} s per step = compute '
         f'{step["compute_s"]:.3f} + recompute {step["recompute_s"]:.3f} + tensor '
-        f'{step["tensor_comm_s"]:.3f} + {moe_part(step)}accumulate {step["accumulate_s"]:.3f} '
+        f'{step["tensor_comm_s"]:.3f} + {moe_part(step)}{context_part(step)}accumulate '
+        f'{step["accumulate_s"]:.3f} '
         f'+ pipeline '
         f'{step["pipeline_comm_s"]:.3f} + bubble {step["bubble_s"]:.3f} + data '
         f'{step["data_comm_s"] + step["stage_comm_s"]:.3f} + optimizer '
         f'{step["optimizer_s"]:.3f}; {step["tflops_per_gpu"]:.1f} TFLOP/s per GPU, MFU '
         f'{100 * step["mfu"]:.1f} % ({step["efficiency"]["source"]}; docs/planner.md)'
     )
+
+
+def context_part(step):
+    """The context-parallel term of the predicted line: the keys' and values' gathers, their
+    gradients' reduce-scatters and the gradients' sum over 'context' waited for ('' without)."""
+    if not step.get('context_comm_s'):
+        return ''
+    return f'context {step["context_comm_s"]:.3f} + '
 
 
 def moe_part(step):

@@ -28,7 +28,7 @@ def memory(config, cluster=None):
     `cluster` (a clusters.Cluster: its GPUs decide whether attention is fused, as
     model/block.py's attention_kernel does; None: XLA:CPU's plain attention)."""
     state = arithmetic.state_bytes(config)
-    fused = predict.fused_attention(config.model, cluster)
+    fused = predict.fused_attention(config.model, cluster, config.mesh.context)
     activations = arithmetic.activation_bytes(config, fused)
     # update: the optimizer step's new master weights and moments, held beside the old ones
     # until the non-finite check picks one (train/step.py's `where`).
