@@ -122,9 +122,7 @@ def test_gpipe_hand_offs_and_recompute_by_hand():
     # per pass through the stage's 2 layers (2 chunks): 4 + 4 + (4 - 2)
     assert comm.tensor_allreduces_per_micro_batch(config) == 10
     edge = 2 * 4 / 2  # embedding and head: 4 micro-batches split over 2 stages
-    assert planned['all-reduce']['tensor'] == pytest.approx(
-        (9 * 5 + edge) * 2 * 1 / 2 * activation
-    )
+    assert planned['all-reduce']['tensor'] == pytest.approx((9 * 5 + edge) * 2 * 1 / 2 * activation)
 
 
 def test_1f1b_engine_hand_offs_and_recompute_by_hand():
@@ -203,6 +201,42 @@ def test_all_to_all_over_expert_is_twice_a_layer_forward_and_twice_backward():
     want = m * 4 * 4 * b * s * k * h * 4 * 3 / 4
     assert comm.comm_bytes_per_device(config)['all-to-all'] == {'expert': want}
     assert 'all-to-all' not in comm.comm_bytes_per_device(tiny_moe())  # one expert rank
+
+
+def zero_by_hand(config):
+    """{kind: {axes: bytes one device sends}} of ZeRO-1 in tiny_moe at data 2 x stage 2 x
+    expert 2 x tensor 2: the routed experts' gradients reduce-scattered over 'data' (2 ranks),
+    the rest of the block stack's over data x expert (4), the embeddings', head's and final
+    norm's over stage x data x expert (8, each stage's share summed on the way); fp32 in,
+    the compute copy gathered back in its dtype."""
+    e = arithmetic.itemsize(config.model.compute_dtype)
+    experts = arithmetic.local_param_counts(config, routed_experts=True)[0]
+    compute = arithmetic.local_param_counts(config)[0]
+    joint = arithmetic.local_shared_params(config, joint=True)
+    assert experts and joint and compute - experts - joint
+    groups = {'data': (experts, 2), 'data+expert': (compute - experts - joint, 4)}
+    groups['data+stage+expert'] = (joint, 8)
+    return {
+        kind: {axes: size * count * (n - 1) / n for axes, (count, n) in groups.items()}
+        for kind, size in (('reduce-scatter', 4), ('all-gather', e))
+    }
+
+
+def test_zero_runs_over_each_parameters_replica_axes_data_and_expert():
+    config = tiny_moe(expert=2)
+    planned = comm.comm_bytes_per_device(config)
+    for kind, per_axes in zero_by_hand(config).items():
+        assert planned[kind] == pytest.approx(per_axes)
+
+
+def test_the_prediction_waits_for_zero_over_data_and_expert():
+    """16 GPUs span two nodes: ZeRO's bytes cross the network at the H100's figures (link
+    efficiency 1, nothing hidden by the documented rule)."""
+    cluster = clusters.CLUSTERS['h100-80gb']
+    config = tiny_moe(expert=2)
+    sent = sum(sum(per_axes.values()) for per_axes in zero_by_hand(config).values())
+    step = predict.step_time(config, cluster)
+    assert step['data_comm_s'] == pytest.approx(sent / cluster.internode_bandwidth)
 
 
 def test_the_prediction_charges_the_all_to_all_and_the_load_imbalance():

@@ -31,9 +31,13 @@ formulas of the literature (ring algorithms: an all-reduce of S bytes over n dev
                  micro-step) before ZeRO-1's reduce-scatter over 'data'
     data    (d)  ZeRO-1 / distributed optimizer: one reduce-scatter of the fp32 gradients onto
                  the ZeRO shards and one all-gather of the compute-dtype parameters per step,
-                 independent of the micro-batch count; over 'data' and 'stage' together (d p
-                 devices) for the parameters every stage holds, which sums the stages' shares
-                 too (without data parallelism: one all-reduce over stage of them, in fp32)
+                 independent of the micro-batch count, over each parameter's replica axes
+                 (rules.replica_axes): 'data' alone for a mixture of experts' routed experts
+                 (split over 'expert'), 'data' and 'expert' (d x devices) for every other
+                 parameter; with 'stage' too (d x p devices) for the parameters every stage
+                 holds, which sums the stages' shares too (without replicas: one all-reduce
+                 over stage of them, in fp32). Keys name the axes as the compiled inventory
+                 does (hlo.axes_key: mesh order, axes of size 1 left out), e.g. 'data+expert'
 
     expert  (x)  a mixture of experts' dispatch and combine: per MoE layer and micro-batch, an
                  all-to-all of the micro-batch's tokens' k choices, (b s k, h) rows, to their
@@ -45,16 +49,22 @@ Scalars (loss, gradient norm, the cross-entropy's (b, s) reductions over the voc
 left out: kilobytes against gigabytes.
 """
 
+import math
+
 from mtnlg_jax.model.layers import attention_dims
 from mtnlg_jax.model.moe import experts_of
 from mtnlg_jax.parallel import engine as engine_lib
+from mtnlg_jax.parallel.rules import MESH_AXES, REPLICA_AXES, STAGE_AXIS
 from mtnlg_jax.plan.arithmetic import (
     chunk_slots,
     engine_table,
     itemsize,
     local_param_counts,
     local_shared_params,
+    mesh_sizes,
 )
+
+ZERO_KINDS = ('reduce-scatter', 'all-gather')
 
 
 def _ring(kind, size, group):
@@ -146,7 +156,8 @@ def comm_bytes_per_device(config):
     out = {}
 
     def add(kind, axis, size):
-        out.setdefault(kind, {})[axis] = size
+        per_axis = out.setdefault(kind, {})
+        per_axis[axis] = per_axis.get(axis, 0.0) + size
 
     if mesh.tensor > 1:
         layer_runs, edge_runs, gathers = _tensor_runs(config, table)
@@ -161,26 +172,61 @@ def comm_bytes_per_device(config):
         add('all-to-all', 'expert', all_to_all_bytes(config, table))
     engine = engine_lib.engine(config)
     compute, _ = local_param_counts(config)
-    # what every stage holds: ZeRO-1 over ('stage', 'data') together where it splits so
-    # (rules.state_spec); the rest's stage shares are summed on their data shards
-    shared = local_shared_params(config, joint=True)
     if engine.pipelined:
         iterations = engine.ticks(config.train.micro_steps)
+        # the shared parameters ZeRO does not split over 'stage' too: their stage shares
+        # are summed on their ZeRO shards (over data x expert: they are no experts)
         rest = local_shared_params(config, joint=False)
         if table is not None and rest:
-            size = 4 * rest / mesh.data  # fp32, on its ZeRO shard
+            size = 4 * rest / (mesh.data * mesh.expert)  # fp32, on its ZeRO shard
             add('all-reduce', 'stage', _ring('all-reduce', size, mesh.stage))
         add('collective-permute', 'stage', 2 * iterations * handoff)
     if context > 1:
         _add_context(add, config, compute, e)
-    if mesh.data > 1:
-        add('reduce-scatter', 'data', _ring('reduce-scatter', 4 * (compute - shared), mesh.data))
-        add('all-gather', 'data', _ring('all-gather', e * (compute - shared), mesh.data))
-    if shared:
-        both = mesh.data * mesh.stage
-        add('reduce-scatter', 'data+stage', _ring('reduce-scatter', 4 * shared, both))
-        add('all-gather', 'data+stage', _ring('all-gather', e * shared, both))
+    for axes, count in zero_groups(config, compute):
+        group = math.prod(mesh_sizes(config)[a] for a in axes)
+        if group == 1:
+            continue
+        for kind, size in zip(ZERO_KINDS, (4 * count, e * count)):  # fp32 in, e out
+            add(kind, axes_key(config, axes), _ring(kind, size, group))
     return out
+
+
+def zero_groups(config, compute=None):
+    """[(mesh axes, compute-copy elements per device)] of ZeRO-1's collectives (the module
+    docstring): the routed experts over 'data'; the rest of the block stack over the replica
+    axes; what every stage holds, where ZeRO splits it over 'stage' too (rules.state_spec),
+    over 'stage' and the replica axes. compute: local_param_counts(config)[0], if known."""
+    if compute is None:
+        compute, _ = local_param_counts(config)
+    experts = local_param_counts(config, routed_experts=True)[0] if experts_of(config.model) else 0
+    joint = local_shared_params(config, joint=True)
+    groups = (
+        (REPLICA_AXES[:1], experts),
+        (REPLICA_AXES, compute - experts - joint),
+        ((STAGE_AXIS, *REPLICA_AXES), joint),
+    )
+    return [(axes, count) for axes, count in groups if count]
+
+
+def axes_key(config, axes):
+    """The key of a group over `axes`, as the compiled inventory writes it (hlo.axes_key):
+    the axes above size 1, in mesh order; 'none' if no axis is."""
+    sizes = mesh_sizes(config)
+    kept = [a for a in MESH_AXES if a in axes and sizes[a] > 1]
+    return '+'.join(kept) if kept else 'none'
+
+
+def zero_bytes(comm):
+    """[(kind, axes key, bytes)] of ZeRO-1's collectives in a comm_bytes_per_device (or a
+    compiled inventory's) dict: reduce-scatters and all-gathers over a group holding a
+    replica axis (rules.REPLICA_AXES)."""
+    return [
+        (kind, key, size)
+        for kind in ZERO_KINDS
+        for key, size in comm.get(kind, {}).items()
+        if set(key.split('+')) & set(REPLICA_AXES)
+    ]
 
 
 def _add_context(add, config, compute, e):

@@ -45,7 +45,8 @@ recomputes depends on the engine that runs it (`semantics`):
 The step: the engine's schedule table (parallel/schedule.py) says which stage runs which
 slot on each tick; a tick takes its slowest stage, plus the hand-off to the next stage (split
 over tensor, over the network). Then, once per step and exposed (train/step.py runs them
-after the last micro-batch): the data-parallel reduce-scatter and all-gather of ZeRO-1 and
+after the last micro-batch): the reduce-scatter and all-gather of ZeRO-1 over each
+parameter's replica axes (data x expert; a mixture of experts' routed experts: data) and
 the stage all-reduce of the shared parameters (bytes as plan/comm.py counts them), and the
 Adam update (30 bytes a parameter of the ZeRO shard).
 
@@ -335,7 +336,10 @@ def step_time(config, cluster, figures=None, semantics='ours', overlap=None, cou
             for kind in kinds
         )
 
-    data_s = per_step('data', ('reduce-scatter', 'all-gather'), devices)
+    data_s = sum(  # ZeRO-1's collectives, over each parameter's replica axes
+        rates.link(size, devices) * exposed(kind, key)
+        for kind, key, size in comm.zero_bytes(counts['comm'])
+    )
     stage_s = per_step('stage', ('all-reduce',), replica)
     optimizer_s = rates.bytes(ADAM_BYTES_PER_PARAM * counts['zero'] + 4 * counts['compute'])
     busy = sum(v for k, v in work.items() if k != 'flops')
