@@ -40,10 +40,16 @@ formulas of the literature (ring algorithms: an all-reduce of S bytes over n dev
                  does (hlo.axes_key: mesh order, axes of size 1 left out), e.g. 'data+expert'
 
     expert  (x)  a mixture of experts' dispatch and combine: per MoE layer and micro-batch, an
-                 all-to-all of the micro-batch's tokens' k choices, (b s k, h) rows, to their
-                 experts' ranks and one back, forward, and two backward (their gradients),
-                 run as often as the tensor all-reduces of a layer (recompute included): each
-                 device sends (x-1)/x of the rows, a tensor rank its own copy
+                 all-to-all of the micro-batch's tokens' k choices to their experts' ranks and
+                 one back, forward, and two backward (their gradients), run as often as the
+                 tensor all-reduces of a layer (recompute included), each of the exchange's
+                 fixed buffers, (b s k x padding, h) rows (arithmetic.expert_padding: X / k
+                 dropless, about the capacity factor else): each device sends (x-1)/x of the
+                 rows, a tensor rank its own copy. Over 'tensor' the experts' row-parallel
+                 all-reduce then carries those buffers' rows, not (b, s, h), the other half
+                 of a layer's all-reduces (under sequence parallelism: the attention's
+                 reduce-scatter and all-gather, the experts' all-gather of their input and
+                 all-reduce of their rows)
 
 Scalars (loss, gradient norm, the cross-entropy's (b, s) reductions over the vocabulary) are
 left out: kilobytes against gigabytes.
@@ -51,6 +57,7 @@ left out: kilobytes against gigabytes.
 
 import math
 
+from mtnlg_jax.config import shared_ffn_hidden
 from mtnlg_jax.model.layers import attention_dims
 from mtnlg_jax.model.moe import experts_of
 from mtnlg_jax.parallel import engine as engine_lib
@@ -58,6 +65,7 @@ from mtnlg_jax.parallel.rules import MESH_AXES, REPLICA_AXES, STAGE_AXIS
 from mtnlg_jax.plan.arithmetic import (
     chunk_slots,
     engine_table,
+    expert_padding,
     itemsize,
     local_param_counts,
     local_shared_params,
@@ -130,13 +138,26 @@ def layer_passes(config):
     return iterations / repeats, micro // stages if micro % stages == 0 else micro
 
 
+def exchanged_rows(config):
+    """(rows of a mixture of experts' tensor all-reduce per token, 1 if its shared experts
+    add one of their own else 0) under expert parallelism: model/moe.py's exchange sums the
+    experts' row-parallel outputs over 'tensor' on its buffers, k x padding rows a token,
+    before they go back, and the shared experts' output apart (measured: docs/benchmarks.md,
+    "Mixtral 8x22B on 256 H100s"). (0, 0) where the layer's MLP all-reduce is the block's
+    (b, s, h) one."""
+    model = config.model
+    if not experts_of(model) or config.mesh.expert <= 1:
+        return 0, 0
+    return model.moe.top_k * expert_padding(config), int(shared_ffn_hidden(model) > 0)
+
+
 def all_to_all_bytes(config, table=None):
     """Bytes one device sends per step by the all-to-alls over 'expert' of a mixture of
     experts (the module docstring; 0 for a dense model or at mesh.expert 1)."""
     model, x = config.model, config.mesh.expert
     if not experts_of(model) or x <= 1:
         return 0.0
-    rows = config.train.micro_batch * model.seq_len * model.moe.top_k
+    rows = config.train.micro_batch * model.seq_len * model.moe.top_k * expert_padding(config)
     payload = rows * model.hidden * itemsize(model.compute_dtype)
     runs, _, _ = _tensor_runs(config, engine_table(config) if table is None else table)
     return runs * (x - 1) / x * payload
@@ -161,9 +182,19 @@ def comm_bytes_per_device(config):
 
     if mesh.tensor > 1:
         layer_runs, edge_runs, gathers = _tensor_runs(config, table)
+        rows, shared = exchanged_rows(config)
+        if rows:  # half the layer runs are the experts': an all-reduce of their rows
+            layer_runs /= 2
+            size = rows * activation
+            add('all-reduce', 'tensor', layer_runs * _ring('all-reduce', size, mesh.tensor))
+            kind = 'reduce-scatter' if sequence_parallel else 'all-reduce'  # the shared MLP's
+            add(kind, 'tensor', shared * layer_runs * _ring(kind, activation, mesh.tensor))
         if sequence_parallel:  # each layer all-reduce: a reduce-scatter + an all-gather
             for kind in ('reduce-scatter', 'all-gather'):
                 add(kind, 'tensor', layer_runs * _ring(kind, activation, mesh.tensor))
+            if rows:  # the experts' input gathered along the sequence
+                gather = _ring('all-gather', activation, mesh.tensor)
+                add('all-gather', 'tensor', layer_runs * gather)
         elif handoff < activation:
             add('all-gather', 'tensor', gathers * _ring('all-gather', activation, mesh.tensor))
         runs = edge_runs + (0 if sequence_parallel else layer_runs)

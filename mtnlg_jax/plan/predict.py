@@ -18,12 +18,14 @@ tensor t, compute dtype of e bytes):
 
     experts    a mixture of experts (model/moe.py): the matmuls above count the active weights
                 (the router, the shared experts, top_k routed experts: model/counts.py); over
-                mesh.expert x > 1 the routed experts' matmuls wait for the most loaded rank,
-                charged as LOAD_IMBALANCE x their balanced time, and 2 all-to-alls of the
-                tokens' k choices, (b s k, h) rows of which (x - 1) / x leave the device,
-                are waited for as the tensor collectives are (plan/comm.py); at x = 1 every
-                expert runs on every device one after another and the spread of the load
-                costs nothing
+                mesh.expert x > 1 the exchange's buffers are fixed, so every rank multiplies
+                its experts' whole buffers whatever the load: the routed experts' matmuls
+                run on padding x their active rows (arithmetic.expert_padding: X / k
+                dropless, about the capacity factor else), and 2 all-to-alls of those
+                buffers, (b s k padding, h) rows of which (x - 1) / x leave the device, are
+                waited for as the tensor collectives are (plan/comm.py); at x = 1 every
+                expert runs on every device one after another, its chosen rows only, and
+                the spread of the load costs nothing
 
     matmul(w) = matmul_efficiency x w / (w + matmul_knee): wide matmuls reach a fixed
                 fraction of peak, narrow ones (a small width per device after the tensor
@@ -68,11 +70,6 @@ from mtnlg_jax.plan.arithmetic import itemsize
 from mtnlg_jax.parallel.schedule import IDLE
 
 ADAM_BYTES_PER_PARAM = 30  # read fp32 master, m, v, gradient; write master, m, v; write e copy
-# The largest expert's load over the mean that a mixture of experts' prediction charges
-# (a stated figure, printed with the plan): configs/tiny_moe.py's make train measured 1.35 to
-# 1.86 per layer at steps 90 to 100 (3.9 at step 10), Switch's loss at 0.01, 8 experts
-# (docs/benchmarks.md, "The tiny MoE: planned, compiled, trained"); a longer run's would replace it.
-LOAD_IMBALANCE = 1.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,27 +151,34 @@ def layer_forward(config, rates, exposed, fused_attention=False, exposed_experts
     mixture of experts' all-to-alls waited for (`exposed_experts` of them), and the FLOPs of
     all of it and of the attention core."""
     model, t = config.model, config.mesh.tensor
-    b, s, h, f = config.train.micro_batch, model.seq_len, model.hidden, arithmetic.mlp_width(model)
+    padding = arithmetic.expert_padding(config)
+    b, s, h = config.train.micro_batch, model.seq_len, model.hidden
+    f = arithmetic.mlp_width(model, padding)
     a, e = model.heads, itemsize(model.compute_dtype)
     _, _, head_dim = attention_dims(model)
     split = t if model.sequence_parallel else 1
     matmul_flops = 2 * b * s * counts.layer_matmul_params(model) / t
-    waits, experts = 0.0, 0.0
+    experts = 0.0
     if experts_of(model) and config.mesh.expert > 1:
         routed = 2 * b * s * model.moe.top_k * counts.expert_params(model) / t
-        waits = rates.matmul(routed, min(b * s, h / t)) * (LOAD_IMBALANCE - 1)
+        matmul_flops += routed * (padding - 1)  # the buffers' rows past the choices
         group = config.mesh.expert
-        sent = b * s * model.moe.top_k * h * e * (group - 1) / group
-        experts = 2 * rates.link(sent, group) * exposed_experts
+        sent = b * s * model.moe.top_k * padding * h * e * (group - 1) / group
+        # an expert group's ranks lie context x tensor devices apart (parallel/mesh.py): it
+        # stays in a node only if all of that span does
+        span = group * config.mesh.get('context', 1) * t
+        experts = 2 * rates.link(sent, span) * exposed_experts
     attention_flops = 4 * b * s * s * a * head_dim / t
     scores_bytes = 0.0 if fused_attention else (6 * e + 1) * a * b * s * s / t
     attention = rates.matmul(attention_flops, head_dim) + rates.bytes(scores_bytes)
     mlp_tensors = counts.mlp_matrices(model)  # (s, b, f) tensors read and written: 2 or 3
     elementwise = rates.bytes((10 * e + 2) * b * s * h / split + mlp_tensors * e * b * s * f / t)
     return dict(
-        compute=rates.matmul(matmul_flops, min(b * s, h / t)) + waits + attention + elementwise,
+        compute=rates.matmul(matmul_flops, min(b * s, h / t)) + attention + elementwise,
         attention=attention,
-        tensor=2 * rates.link(_ring('all-reduce', b * s * h * e, t), t) * exposed,
+        tensor=(1 + (sum(comm.exchanged_rows(config)) or 1))  # attention's, MLP's or experts'
+        * rates.link(_ring('all-reduce', b * s * h * e, t), t)
+        * exposed,
         expert=experts,
         flops=matmul_flops + attention_flops,
         attention_flops=attention_flops,
@@ -355,7 +359,7 @@ def step_time(config, cluster, figures=None, semantics='ours', overlap=None, cou
         recompute_s=work['recompute'],
         tensor_comm_s=work['tensor'],
         expert_comm_s=work['expert'],
-        load_imbalance=LOAD_IMBALANCE if experts_of(model) else None,
+        expert_padding=arithmetic.expert_padding(config) if experts_of(model) else None,
         accumulate_s=work['accumulate'],
         pipeline_comm_s=pipeline_comm_s,
         bubble_s=max(handoffs - pipeline_comm_s, 0.0),
