@@ -222,8 +222,9 @@ def plan_for_gpu(args, config):
     plan = report.make_plan(config, args.cluster)
     print(
         f'compiling the train step with XLA:GPU for {total} x {args.target} (data '
-        f'{mesh.data} x stage {mesh.stage} x tensor {mesh.tensor}; about a minute for the '
-        f'largest configs) ...',
+        f'{mesh.data} x stage {mesh.stage} x tensor {mesh.tensor}'
+        + (f' x expert {mesh.expert}' if mesh.expert > 1 else '')
+        + '; about a minute for the largest dense configs) ...',
         file=sys.stderr,
         flush=True,
     )

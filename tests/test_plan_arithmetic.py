@@ -202,6 +202,8 @@ def test_all_to_all_over_expert_is_twice_a_layer_forward_and_twice_backward():
     want = m * 4 * 4 * b * s * k * (8 / k) * h * 4 * 3 / 4
     assert comm.comm_bytes_per_device(config)['all-to-all'] == {'expert': want}
     assert 'all-to-all' not in comm.comm_bytes_per_device(tiny_moe())  # one expert rank
+    config.model.remat = 'selective'  # the backward repeats the forward's two (measured)
+    assert comm.comm_bytes_per_device(config)['all-to-all'] == {'expert': 1.5 * want}
 
 
 def zero_by_hand(config):

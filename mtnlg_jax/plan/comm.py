@@ -42,7 +42,9 @@ formulas of the literature (ring algorithms: an all-reduce of S bytes over n dev
     expert  (x)  a mixture of experts' dispatch and combine: per MoE layer and micro-batch, an
                  all-to-all of the micro-batch's tokens' k choices to their experts' ranks and
                  one back, forward, and two backward (their gradients), run as often as the
-                 tensor all-reduces of a layer (recompute included), each of the exchange's
+                 tensor all-reduces of a layer (recompute included; under selective
+                 recompute the backward also repeats the forward's two, which the saved
+                 names do not cover: 6 a layer pass, measured), each of the exchange's
                  fixed buffers, (b s k x padding, h) rows (arithmetic.expert_padding: X / k
                  dropless, about the capacity factor else): each device sends (x-1)/x of the
                  rows, a tensor rank its own copy. Over 'tensor' the experts' row-parallel
@@ -160,6 +162,8 @@ def all_to_all_bytes(config, table=None):
     rows = config.train.micro_batch * model.seq_len * model.moe.top_k * expert_padding(config)
     payload = rows * model.hidden * itemsize(model.compute_dtype)
     runs, _, _ = _tensor_runs(config, engine_table(config) if table is None else table)
+    if model.remat == 'selective':  # the backward recomputes both exchanges of its layer
+        runs *= 1.5
     return runs * (x - 1) / x * payload
 
 

@@ -211,7 +211,8 @@ def slot_costs(config, rates, semantics, exposed, accumulate, exposed_experts=1.
     n = arithmetic.chunk_slots(config)
     again, again_flops = {
         'full': (layer['compute'] + layer['tensor'] + layer['expert'], layer['flops']),
-        'selective': (layer['attention'], layer['attention_flops']),
+        # selective: the attention core, and a mixture of experts' two exchanges (plan/comm.py)
+        'selective': (layer['attention'] + layer['expert'], layer['attention_flops']),
         'none': (0.0, 0.0),
     }[config.model.remat]
     head, head_flops = head_forward(config, rates)
