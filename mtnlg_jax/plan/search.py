@@ -5,10 +5,12 @@
 
 Every layout the config can take on `devices` GPUs: tensor t inside a node (dividing the
 heads, the MLP and the node's GPUs), stages p dividing the layers, expert ranks x dividing a
-mixture of experts' routed experts (1 for a dense model), data d = devices / (t p x), the
-replicas d x dividing the global batch, micro-batch b dividing the replica's batch, repeats
-v dividing the layers of a stage (interleaved when v > 1), remat none / selective / full,
-sequence parallelism (t > 1), max_in_flight 0 or p (1f1b, v = 1). Keys in `fixed` (the user's
+mixture of experts' routed experts (1 for a dense model; a mixture of experts at x = 1 only
+with t = 1: split over tensor, its experts take model/moe.py's batched path, whose gathered
+weight copies the plan does not count; docs/benchmarks.md, "Mixtral 8x22B on 256 H100s"),
+data d = devices / (t p x), the replicas d x dividing the global batch, micro-batch b
+dividing the replica's batch, repeats v dividing the layers of a stage (interleaved when
+v > 1), remat none / selective / full, sequence parallelism (t > 1), max_in_flight 0 or p (1f1b, v = 1). Keys in `fixed` (the user's
 --config.KEY=VALUE) keep the config's value; the others vary.
 
 Each layout is resolved (config.resolve: what it refuses is skipped), its step predicted
@@ -78,8 +80,8 @@ def layouts(inputs, devices, gpus_per_node, fixed=()):
         choices('mesh.expert', _divisors(experts) if experts else [1]),
     )
     for t, p, x in meshes:
-        if devices % (t * p * x):
-            continue
+        if devices % (t * p * x) or (experts and x == 1 and t > 1):
+            continue  # one expert rank over tensor: the batched path's weight copies, unplanned
         d = devices // (t * p * x)
         wanted = _get(inputs, 'mesh.data')
         if 'mesh.data' in fixed and wanted != -1 and d != wanted:
