@@ -47,9 +47,7 @@ def test_a_bf16_pipelined_step_compiles_through_the_tool(tmp_path):
     plan = json.loads(out.read_text())
     assert {'params', 'per_device_bytes', 'model_flops_per_step', 'hardware_flops_per_step',
             'comm_bytes_per_device', 'compiled', 'cluster'} <= set(plan)  # fmt: skip
-    assert {'params', 'grads', 'optimizer', 'activations', 'total'} <= set(
-        plan['per_device_bytes']
-    )
+    assert {'params', 'grads', 'optimizer', 'activations', 'total'} <= set(plan['per_device_bytes'])
     compiled = plan['compiled']
     assert {'argument_bytes', 'output_bytes', 'alias_bytes', 'temp_bytes', 'peak_bytes',
             'flops', 'compile_s', 'collectives'} <= set(compiled)  # fmt: skip
@@ -76,9 +74,19 @@ def test_a_bf16_pipelined_step_compiles_through_the_tool(tmp_path):
         (['--json', 'README.md/plan.json'], '--json README.md/plan.json: '),  # its folder a file
         (['--target', 'h200'], "--target 'h200' is not one of a100-80gb, h100-80gb"),
         (['--target', 'a100-80gb', '--num_processes', '2'], 'leave out --num_processes'),
-        (['--target', 'a100-80gb', '--config.mesh.tensor=16', '--config.mesh.data=1',
-          '--config.mesh.stage=1', '--config.model.heads=16', '--devices', '16'],
-         'mesh.tensor 16 with 16 devices: a100-80gb nodes hold 8 GPUs'),
+        (
+            [
+                '--target',
+                'a100-80gb',
+                '--config.mesh.tensor=16',
+                '--config.mesh.data=1',
+                '--config.mesh.stage=1',
+                '--config.model.heads=16',
+                '--devices',
+                '16',
+            ],
+            'mesh.tensor 16 with 16 devices: a100-80gb nodes hold 8 GPUs',
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_status_2(args, message, tmp_path, capsys, monkeypatch):
@@ -108,8 +116,9 @@ def test_target_without_the_gpu_compiler_says_what_to_install(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, cwd=support.ROOT, env=env)
     assert result.returncode == 2 and result.stdout == ''
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith('error: --target a100-80gb: the XLA:GPU '
-                                                   'compiler is not installed'), lines
+    assert len(lines) == 1 and lines[0].startswith(
+        'error: --target a100-80gb: the XLA:GPU compiler is not installed'
+    ), lines
     assert 'make gpu-compile' in lines[0]
 
 

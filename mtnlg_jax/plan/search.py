@@ -10,8 +10,9 @@ with t = 1: split over tensor, its experts take model/moe.py's batched path, who
 weight copies the plan does not count; docs/benchmarks.md, "Mixtral 8x22B on 256 H100s"),
 data d = devices / (t p x), the replicas d x dividing the global batch, micro-batch b
 dividing the replica's batch, repeats v dividing the layers of a stage (interleaved when
-v > 1), remat none / selective / full, sequence parallelism (t > 1), max_in_flight 0 or p (1f1b, v = 1). Keys in `fixed` (the user's
---config.KEY=VALUE) keep the config's value; the others vary.
+v > 1), remat none / selective / full, sequence parallelism (t > 1), max_in_flight 0 or p
+(1f1b, v = 1). Keys in `fixed` (the user's --config.KEY=VALUE) keep the config's value; the
+others vary.
 
 Each layout is resolved (config.resolve: what it refuses is skipped), its step predicted
 (plan/predict.py, the 'ours' semantics), and the layouts are ranked by that; memory per device
