@@ -12,8 +12,9 @@ exchange has fixed buffers, every row of a rank for each expert when dropless, s
 would multiply (and the all-to-alls carry) experts / top_k = 4 times the chosen rows.
 
 Layout, for 256 H100s (`launch/plan.py --search --cluster h100-80gb --devices 256`, capacity,
-selective recompute and sequence parallelism fixed, ranks it third of 1,288 at 0.7 % behind
-the first and 13 GiB further from 80 GB; docs/benchmarks.md, "Mixtral 8x22B on 256 H100s"):
+selective recompute and sequence parallelism fixed, ranked it third of 1,288, 0.7 % behind
+the first and 13 GiB further from 80 GB; the second, one expert rank, does not fit as
+compiled; docs/benchmarks.md, "Mixtral 8x22B on 256 H100s"):
 tensor 4 x expert 2 (the experts' all-to-all inside a node) x pipeline 8 (7 layers a stage,
 interleaved 7 chunks of 1) x data -1 (4 on 256), selective recompute, sequence parallelism.
 
