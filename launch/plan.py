@@ -224,8 +224,9 @@ def plan_for_gpu(args, config):
     plan = report.make_plan(config, args.cluster)
     print(
         f'compiling the train step with XLA:GPU for {total} x {args.target} (data '
-        f'{mesh.data} x stage {mesh.stage} x context {mesh.context} x tensor {mesh.tensor}; '
-        f'minutes for the largest configs) ...',
+        f'{mesh.data} x stage {mesh.stage} x context {mesh.context} x tensor {mesh.tensor}'
+        + (f' x expert {mesh.expert}' if mesh.expert > 1 else '')
+        + '; minutes for the largest configs) ...',
         file=sys.stderr,
         flush=True,
     )

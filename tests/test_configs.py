@@ -21,8 +21,8 @@ from mtnlg_jax.model import gpt
 def _param_count(path):
     """Parameters of a config's model, counted on abstract shapes (nothing is allocated)."""
     config = config_lib.load(path)
-    config.mesh.update(dict(data=1, stage=1))  # one replica of one stage: the tensor group
-    config.pipeline.repeats = 1
+    config.mesh.update(dict(data=1, stage=1, expert=1))  # one replica, one stage: tensor only
+    config.pipeline.update(dict(repeats=1, schedule='1f1b'))
     config.train.global_batch = config.train.micro_batch
     config.train.rampup.start = 0  # one sequence per step: no room for a ramp
     config = config_lib.resolve(config, config.mesh.tensor)

@@ -18,7 +18,7 @@ import test_moe
 from mtnlg_jax.checkpoint import store as checkpoint_lib
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.plan import compile as compile_lib
-from mtnlg_jax.plan import hlo, hlo_module
+from mtnlg_jax.plan import comm, hlo, hlo_module, report
 from mtnlg_jax.data import batch as batch_lib
 from mtnlg_jax.train import resume
 from mtnlg_jax.train import state as state_lib
@@ -101,8 +101,25 @@ def test_the_compiled_step_sends_tokens_to_their_experts_by_all_to_all():
     expert_spec = tuple(shardings['moe']['in_kernel'].spec)  # (layers, experts, embed, width)
     assert expert_spec[1] == 'expert' and expert_spec[2] == 'data', expert_spec
     assert ('data', 'expert') in tuple(shardings['ln_mlp']['scale'].spec)
+    assert_planned_as_compiled(config, compiled, mesh)
     single = support.small_config(data=4, tensor=2, moe=MOE, remat='none')
     assert 'all-to-all' not in compile_lib.compile_train_step(single)[0].as_text()
+
+
+def assert_planned_as_compiled(config, compiled, mesh, tolerance=0.1):
+    """The planner's bytes one device sends per step (plan/comm.py) against the compiled
+    inventory's, within `tolerance`: ZeRO-1 over 'data' (the experts) and over data x expert
+    (the rest), the all-to-alls of the exchange's dropless buffers over 'expert', and the
+    tensor all-reduces, the experts' on those buffers' rows."""
+    inventory = hlo.collective_inventory(compiled.as_text(), mesh)
+    got = report.compiled_comm(inventory)
+    planned = comm.comm_bytes_per_device(config)
+    pairs = [('reduce-scatter', 'data'), ('reduce-scatter', 'data+expert')]
+    pairs += [('all-gather', 'data'), ('all-gather', 'data+expert')]
+    pairs += [('all-to-all', 'expert'), ('all-reduce', 'tensor')]
+    for kind, axes in pairs:
+        want = planned[kind][axes]
+        assert abs(got[kind][axes] - want) <= tolerance * want, (kind, axes, got, planned)
 
 
 def test_a_checkpoint_restores_under_another_expert_layout(tmp_path):

@@ -74,6 +74,26 @@ def test_overrides_stay_fixed_and_the_rest_varies():
     assert varied and not varied & fixed
 
 
+def test_expert_ranks_are_searched_over_the_divisors_of_the_experts():
+    """A mixture of 4 experts on 16 GPUs: expert x in {1, 2, 4} (1 only without tensor
+    parallelism), the batch over data x expert; a dense model keeps expert 1."""
+    moe = inputs()
+    moe.model.moe.update(dict(experts=4, top_k=2))
+    found = list(search.layouts(moe, 16, 8))
+    assert {layout['mesh.expert'] for layout in found} == {1, 2, 4}
+    assert all(layout['mesh.tensor'] == 1 for layout in found if layout['mesh.expert'] == 1)
+    for layout in found:
+        replicas = layout['mesh.data'] * layout['mesh.expert']
+        assert replicas * layout['mesh.stage'] * layout['mesh.tensor'] == 16
+        assert 16 % replicas == 0 and 16 // replicas % layout['train.micro_batch'] == 0
+    assert {layout['mesh.expert'] for layout in search.layouts(inputs(), 16, 8)} == {1}
+    moe.mesh.expert = 2
+    fixed = {'mesh.expert'}
+    result = search.search(moe, 8, FREE, fixed, top=3, progress=False, figures=WIDTH_MATTERS)
+    assert [entry['keys']['mesh.expert'] for entry in result['best']] == [2, 2, 2]
+    assert all(' x2 ' in entry['layout'] for entry in result['best'])
+
+
 def test_a_gpu_count_the_batch_cannot_use_is_an_error():
     try:
         search.search(inputs(), 7, FREE, progress=False)

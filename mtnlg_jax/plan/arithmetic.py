@@ -179,28 +179,56 @@ def engine_table(config, micro_steps=None):
     return engine_lib.engine(config).table(micro_steps or config.train.micro_steps)
 
 
-def mlp_width(model_cfg, dense=False):
+def expert_padding(config):
+    """Rows a mixture of experts' routed experts multiply, and its all-to-alls carry, per
+    (token, choice) row (model/moe.py). Under expert parallelism (mesh.expert > 1) the
+    exchange's buffers are fixed: each expert takes C rows from every rank, C = b x its
+    slots in a sequence, ceil(factor s k / X), under a capacity factor, b s (every row a rank
+    holds) dropless, so X C rows stand for b s k choices: X / k dropless, about the capacity
+    factor else. 1 at one expert rank (the grouped matmul's rows are the choices, its tiles'
+    padding aside) and for a dense model."""
+    model = config.model
+    if not counts.experts_of(model) or config.mesh.expert <= 1:
+        return 1.0
+    moe, s = model.moe, model.seq_len
+    slots = math.ceil(moe.capacity_factor * s * moe.top_k / moe.experts)
+    return moe.experts * (slots if moe.capacity_factor else s) / (s * moe.top_k)
+
+
+def mlp_width(model_cfg, dense=False, padding=1.0):
     """The MLP width one token's activations have: model.ffn_hidden (a dense model's, or
     dense: a dense layer's ahead of the experts); a mixture of experts' top_k routed experts'
-    and the shared experts' (the grouped matmuls' rows are the token's k choices; the
-    router's logits and the dispatch's index arrays are not counted)."""
+    (x `padding`, expert_padding) and the shared experts' (the grouped matmuls' rows are the
+    token's k choices; the router's logits and the dispatch's index arrays are not counted)."""
     if dense or not counts.experts_of(model_cfg):
         return model_cfg.ffn_hidden
-    moe = model_cfg.moe
-    return moe.top_k * config_lib.moe_ffn_hidden(model_cfg) + config_lib.shared_ffn_hidden(
-        model_cfg
-    )
+    routed = model_cfg.moe.top_k * config_lib.moe_ffn_hidden(model_cfg) * padding
+    return routed + config_lib.shared_ffn_hidden(model_cfg)
+
+
+def expert_rows_width(model_cfg, padding=1.0, dense=False):
+    """Elements a token's choices keep of (rows, hidden) shape in a mixture of experts (0 for
+    a dense model or layer): k x `padding` rows of the hidden width, whole over tensor."""
+    if dense or not counts.experts_of(model_cfg):
+        return 0
+    return model_cfg.moe.top_k * padding * model_cfg.hidden
 
 
 def layer_activation_bytes(
-    model_cfg, rows, tensor, remat, fused_attention=False, context=1, dense=False
+    model_cfg, rows, tensor, remat, fused_attention=False, context=1, dense=False, padding=1.0
 ):
     """Bytes one layer keeps for its backward pass, per micro-batch of `rows` sequences.
     fused_attention: a fused kernel (cuDNN, the flash kernel) keeps its fp32 log-sum-exp
     where the plain path keeps the (seq x seq) scores and probabilities. context: ranks of
     context parallelism, each holding s / c of every sequence: its scores are (s / c) x s,
     and a layer kept whole also keeps the keys and values gathered over 'context' (s, b,
-    2 kv_heads d / t). dense: a dense layer ahead of a mixture of experts.
+    2 kv_heads d / t). dense: a dense layer ahead of a mixture of experts. padding: a mixture
+    of experts' rows per choice (expert_padding).
+
+    A mixture of experts keeps, beyond its MLP's width (mlp_width: k x padding rows of the
+    experts' widths), the experts' outputs (model/moe.py's `moe_out`: k x padding rows of
+    (hidden) a token, whole over tensor) under selective and none; under none also their
+    inputs (the rows gathered, or received by the all-to-all, in expert order).
 
     remat none: s b h (6 e + 12 e / t) + a s^2 b (4 + e) / t: the block's inputs, layer-norm
         outputs, residual branch outputs (6 x (s, b, h), replicated over tensor), QKV, context
@@ -226,11 +254,13 @@ def layer_activation_bytes(
     residual = tensor if model_cfg.get('sequence_parallel', False) else 1
     if remat == 'full':
         return s * rows * h * e / residual
+    expert_rows = expert_rows_width(model_cfg, padding, dense) * e
     if remat == 'selective':
-        saved_mlp = mlp_width(model_cfg, dense) * (2 if swiglu else 1)
-        return s * rows * (2 * h * e / residual + (split + saved_mlp) * e / tensor)
-    f = mlp_width(model_cfg, dense) * (3 if swiglu else 2)
-    kept = s * rows * (6 * h * e / residual + (split + f) * e / tensor)
+        saved_mlp = mlp_width(model_cfg, dense, padding) * (2 if swiglu else 1)
+        kept = 2 * h * e / residual + (split + saved_mlp) * e / tensor + expert_rows
+        return s * rows * kept
+    f = mlp_width(model_cfg, dense, padding) * (3 if swiglu else 2)
+    kept = s * rows * (6 * h * e / residual + (split + f) * e / tensor + 2 * expert_rows)
     core = a * s * rows * 4 if fused_attention else a * s * whole * rows * (4 + e)
     if context > 1:
         core += 2 * kv_heads * head_dim * whole * rows * e
@@ -310,11 +340,14 @@ def activation_bytes(config, fused_attention=False):
     e = itemsize(model.compute_dtype)
     boundary = model.seq_len // context * rows * model.hidden * e
     logits = loss_bytes(model, rows, tensor, context)
-    full_layer = layer_activation_bytes(model, rows, tensor, 'none', fused_attention, context)
+    padding = expert_padding(config)
+    full_layer = layer_activation_bytes(
+        model, rows, tensor, 'none', fused_attention, context, padding=padding
+    )
 
     def layers(count, dense=False):
         kept = layer_activation_bytes(
-            model, rows, tensor, model.remat, context=context, dense=dense
+            model, rows, tensor, model.remat, context=context, dense=dense, padding=padding
         )
         return count * kept
 

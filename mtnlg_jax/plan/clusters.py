@@ -20,6 +20,7 @@ import dataclasses
 
 from mtnlg_jax.config.keys import mesh_devices
 from mtnlg_jax.parallel import engine as engine_lib
+from mtnlg_jax.plan import comm as comm_lib
 from mtnlg_jax.plan import predict
 from mtnlg_jax.plan.arithmetic import GIGA
 
@@ -95,7 +96,7 @@ def estimate(cluster, config, per_device_total, hardware_flops, comm):
     )
     tensor_bytes = sum(per_axis.get('tensor', 0.0) for per_axis in comm.values())
     stage_bytes = sum(per_axis.get('stage', 0.0) for per_axis in comm.values())
-    data_bytes = sum(per_axis.get('data', 0.0) for per_axis in comm.values())
+    data_bytes = sum(size for _, _, size in comm_lib.zero_bytes(comm))
     replica = mesh.stage * mesh.tensor
     stage_link = (
         cluster.nvlink_bandwidth

@@ -30,33 +30,54 @@ formulas of the literature (ring algorithms: an all-reduce of S bytes over n dev
                  'context' are summed over it by XLA (compute dtype, an all-reduce a
                  micro-step) before ZeRO-1's reduce-scatter over 'data'
     data    (d)  ZeRO-1 / distributed optimizer: one reduce-scatter of the fp32 gradients onto
-                 the ZeRO shards and one all-gather of the compute-dtype parameters per step
-                 (under context parallelism the shards split over 'context' too, so the
-                 all-gather is over data x context: 'data+context'),
-                 independent of the micro-batch count; over 'data' and 'stage' together (d p
-                 devices) for the parameters every stage holds, which sums the stages' shares
-                 too (without data parallelism: one all-reduce over stage of them, in fp32)
+                 the ZeRO shards and one all-gather of the compute-dtype parameters per step,
+                 independent of the micro-batch count, over each parameter's replica axes
+                 (rules.replica_axes): 'data' alone for a mixture of experts' routed experts
+                 (split over 'expert'), 'data' and 'expert' (d x devices) for every other
+                 parameter; with 'stage' too (d x p devices) for the parameters every stage
+                 holds, which sums the stages' shares too (without replicas: one all-reduce
+                 over stage of them, in fp32). Under context parallelism the shards split
+                 over 'context' too, so each all-gather is over its replica axes and
+                 'context' (e.g. 'data+context'). Keys name the axes as the compiled
+                 inventory does (hlo.axes_key: mesh order, axes of size 1 left out), e.g.
+                 'data+expert'
 
     expert  (x)  a mixture of experts' dispatch and combine: per MoE layer and micro-batch, an
-                 all-to-all of the micro-batch's tokens' k choices, (b s k, h) rows, to their
-                 experts' ranks and one back, forward, and two backward (their gradients),
-                 run as often as the tensor all-reduces of a layer (recompute included): each
-                 device sends (x-1)/x of the rows, a tensor rank its own copy
+                 all-to-all of the micro-batch's tokens' k choices to their experts' ranks and
+                 one back, forward, and two backward (their gradients), run as often as the
+                 tensor all-reduces of a layer (recompute included; under selective
+                 recompute the backward also repeats the forward's two, which the saved
+                 names do not cover: 6 a layer pass, measured), each of the exchange's
+                 fixed buffers, (b s k x padding, h) rows (arithmetic.expert_padding: X / k
+                 dropless, about the capacity factor else): each device sends (x-1)/x of the
+                 rows, a tensor rank its own copy. Over 'tensor' the experts' row-parallel
+                 all-reduce then carries those buffers' rows, not (b, s, h), the other half
+                 of a layer's all-reduces (under sequence parallelism: the attention's
+                 reduce-scatter and all-gather, the experts' all-gather of their input and
+                 all-reduce of their rows)
 
 Scalars (loss, gradient norm, the cross-entropy's (b, s) reductions over the vocabulary) are
 left out: kilobytes against gigabytes.
 """
 
+import math
+
+from mtnlg_jax.config import shared_ffn_hidden
 from mtnlg_jax.model.layers import attention_dims
 from mtnlg_jax.model.moe import experts_of
 from mtnlg_jax.parallel import engine as engine_lib
+from mtnlg_jax.parallel.rules import MESH_AXES, REPLICA_AXES, STAGE_AXIS
 from mtnlg_jax.plan.arithmetic import (
     chunk_slots,
     engine_table,
+    expert_padding,
     itemsize,
     local_param_counts,
     local_shared_params,
+    mesh_sizes,
 )
+
+ZERO_KINDS = ('reduce-scatter', 'all-gather')
 
 
 def _ring(kind, size, group):
@@ -122,15 +143,30 @@ def layer_passes(config):
     return iterations / repeats, micro // stages if micro % stages == 0 else micro
 
 
+def exchanged_rows(config):
+    """(rows of a mixture of experts' tensor all-reduce per token, 1 if its shared experts
+    add one of their own else 0) under expert parallelism: model/moe.py's exchange sums the
+    experts' row-parallel outputs over 'tensor' on its buffers, k x padding rows a token,
+    before they go back, and the shared experts' output apart (measured: docs/benchmarks.md,
+    "Mixtral 8x22B on 256 H100s"). (0, 0) where the layer's MLP all-reduce is the block's
+    (b, s, h) one."""
+    model = config.model
+    if not experts_of(model) or config.mesh.expert <= 1:
+        return 0, 0
+    return model.moe.top_k * expert_padding(config), int(shared_ffn_hidden(model) > 0)
+
+
 def all_to_all_bytes(config, table=None):
     """Bytes one device sends per step by the all-to-alls over 'expert' of a mixture of
     experts (the module docstring; 0 for a dense model or at mesh.expert 1)."""
     model, x = config.model, config.mesh.expert
     if not experts_of(model) or x <= 1:
         return 0.0
-    rows = config.train.micro_batch * model.seq_len * model.moe.top_k
+    rows = config.train.micro_batch * model.seq_len * model.moe.top_k * expert_padding(config)
     payload = rows * model.hidden * itemsize(model.compute_dtype)
     runs, _, _ = _tensor_runs(config, engine_table(config) if table is None else table)
+    if model.remat == 'selective':  # the backward recomputes both exchanges of its layer
+        runs *= 1.5
     return runs * (x - 1) / x * payload
 
 
@@ -148,13 +184,24 @@ def comm_bytes_per_device(config):
     out = {}
 
     def add(kind, axis, size):
-        out.setdefault(kind, {})[axis] = size
+        per_axis = out.setdefault(kind, {})
+        per_axis[axis] = per_axis.get(axis, 0.0) + size
 
     if mesh.tensor > 1:
         layer_runs, edge_runs, gathers = _tensor_runs(config, table)
+        rows, shared = exchanged_rows(config)
+        if rows:  # half the layer runs are the experts': an all-reduce of their rows
+            layer_runs /= 2
+            size = rows * activation
+            add('all-reduce', 'tensor', layer_runs * _ring('all-reduce', size, mesh.tensor))
+            kind = 'reduce-scatter' if sequence_parallel else 'all-reduce'  # the shared MLP's
+            add(kind, 'tensor', shared * layer_runs * _ring(kind, activation, mesh.tensor))
         if sequence_parallel:  # each layer all-reduce: a reduce-scatter + an all-gather
             for kind in ('reduce-scatter', 'all-gather'):
                 add(kind, 'tensor', layer_runs * _ring(kind, activation, mesh.tensor))
+            if rows:  # the experts' input gathered along the sequence
+                gather = _ring('all-gather', activation, mesh.tensor)
+                add('all-gather', 'tensor', layer_runs * gather)
         elif handoff < activation:
             add('all-gather', 'tensor', gathers * _ring('all-gather', activation, mesh.tensor))
         runs = edge_runs + (0 if sequence_parallel else layer_runs)
@@ -163,32 +210,63 @@ def comm_bytes_per_device(config):
         add('all-to-all', 'expert', all_to_all_bytes(config, table))
     engine = engine_lib.engine(config)
     compute, _ = local_param_counts(config)
-    # what every stage holds: ZeRO-1 over ('stage', 'data') together where it splits so
-    # (rules.state_spec); the rest's stage shares are summed on their data shards
-    shared = local_shared_params(config, joint=True)
     if engine.pipelined:
         iterations = engine.ticks(config.train.micro_steps)
+        # the shared parameters ZeRO does not split over 'stage' too: their stage shares
+        # are summed on their ZeRO shards (over data x expert: they are no experts)
         rest = local_shared_params(config, joint=False)
         if table is not None and rest:
-            size = 4 * rest / mesh.data  # fp32, on its ZeRO shard
+            size = 4 * rest / (mesh.data * mesh.expert)  # fp32, on its ZeRO shard
             add('all-reduce', 'stage', _ring('all-reduce', size, mesh.stage))
         add('collective-permute', 'stage', 2 * iterations * handoff)
     if context > 1:
         _add_context(add, config, compute, e)
-    # ZeRO-1's shards split over 'context' too (rules.zero_axes): the gradients arrive summed
-    # over it, so the reduce-scatter is over the replicas and the all-gather over both
-    over_context, zero_ranks = ('+context', context) if context > 1 else ('', 1)
-    if mesh.data > 1:
-        add('reduce-scatter', 'data', _ring('reduce-scatter', 4 * (compute - shared), mesh.data))
-    if mesh.data * zero_ranks > 1:
-        size = _ring('all-gather', e * (compute - shared), mesh.data * zero_ranks)
-        add('all-gather', 'data' + over_context, size)
-    if shared:
-        both = mesh.data * mesh.stage
-        add('reduce-scatter', 'data+stage', _ring('reduce-scatter', 4 * shared, both))
-        size = _ring('all-gather', e * shared, both * zero_ranks)
-        add('all-gather', 'data+stage' + over_context, size)
+    for axes, count in zero_groups(config, compute):
+        # ZeRO-1's shards split over 'context' too (rules.zero_axes): the gradients arrive
+        # summed over it, so the reduce-scatter is over the replicas, the all-gather over both
+        gathered = (*axes, 'context') if context > 1 else axes
+        for kind, size, over in zip(ZERO_KINDS, (4 * count, e * count), (axes, gathered)):
+            group = math.prod(mesh_sizes(config)[a] for a in over)
+            if group > 1:
+                add(kind, axes_key(config, over), _ring(kind, size, group))
     return out
+
+
+def zero_groups(config, compute=None):
+    """[(mesh axes, compute-copy elements per device)] of ZeRO-1's collectives (the module
+    docstring): the routed experts over 'data'; the rest of the block stack over the replica
+    axes; what every stage holds, where ZeRO splits it over 'stage' too (rules.state_spec),
+    over 'stage' and the replica axes. compute: local_param_counts(config)[0], if known."""
+    if compute is None:
+        compute, _ = local_param_counts(config)
+    experts = local_param_counts(config, routed_experts=True)[0] if experts_of(config.model) else 0
+    joint = local_shared_params(config, joint=True)
+    groups = (
+        (REPLICA_AXES[:1], experts),
+        (REPLICA_AXES, compute - experts - joint),
+        ((STAGE_AXIS, *REPLICA_AXES), joint),
+    )
+    return [(axes, count) for axes, count in groups if count]
+
+
+def axes_key(config, axes):
+    """The key of a group over `axes`, as the compiled inventory writes it (hlo.axes_key):
+    the axes above size 1, in mesh order; 'none' if no axis is."""
+    sizes = mesh_sizes(config)
+    kept = [a for a in MESH_AXES if a in axes and sizes[a] > 1]
+    return '+'.join(kept) if kept else 'none'
+
+
+def zero_bytes(comm):
+    """[(kind, axes key, bytes)] of ZeRO-1's collectives in a comm_bytes_per_device (or a
+    compiled inventory's) dict: reduce-scatters and all-gathers over a group holding a
+    replica axis (rules.REPLICA_AXES)."""
+    return [
+        (kind, key, size)
+        for kind in ZERO_KINDS
+        for key, size in comm.get(kind, {}).items()
+        if set(key.split('+')) & set(REPLICA_AXES)
+    ]
 
 
 def _add_context(add, config, compute, e):

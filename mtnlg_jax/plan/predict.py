@@ -27,12 +27,14 @@ tensor t, compute dtype of e bytes):
 
     experts    a mixture of experts (model/moe.py): the matmuls above count the active weights
                 (the router, the shared experts, top_k routed experts: model/counts.py); over
-                mesh.expert x > 1 the routed experts' matmuls wait for the most loaded rank,
-                charged as LOAD_IMBALANCE x their balanced time, and 2 all-to-alls of the
-                tokens' k choices, (b s k, h) rows of which (x - 1) / x leave the device,
-                are waited for as the tensor collectives are (plan/comm.py); at x = 1 every
-                expert runs on every device one after another and the spread of the load
-                costs nothing
+                mesh.expert x > 1 the exchange's buffers are fixed, so every rank multiplies
+                its experts' whole buffers whatever the load: the routed experts' matmuls
+                run on padding x their active rows (arithmetic.expert_padding: X / k
+                dropless, about the capacity factor else), and 2 all-to-alls of those
+                buffers, (b s k padding, h) rows of which (x - 1) / x leave the device, are
+                waited for as the tensor collectives are (plan/comm.py); at x = 1 every
+                expert runs on every device one after another, its chosen rows only, and
+                the spread of the load costs nothing
 
     matmul(w) = matmul_efficiency x w / (w + matmul_knee): wide matmuls reach a fixed
                 fraction of peak, narrow ones (a small width per device after the tensor
@@ -54,7 +56,8 @@ recomputes depends on the engine that runs it (`semantics`):
 The step: the engine's schedule table (parallel/schedule.py) says which stage runs which
 slot on each tick; a tick takes its slowest stage, plus the hand-off to the next stage (split
 over tensor, over the network). Then, once per step and exposed (train/step.py runs them
-after the last micro-batch): the data-parallel reduce-scatter and all-gather of ZeRO-1 and
+after the last micro-batch): the reduce-scatter and all-gather of ZeRO-1 over each
+parameter's replica axes (data x expert; a mixture of experts' routed experts: data) and
 the stage all-reduce of the shared parameters (bytes as plan/comm.py counts them), and the
 Adam update (30 bytes a parameter of the ZeRO shard).
 
@@ -76,11 +79,6 @@ from mtnlg_jax.plan.arithmetic import itemsize
 from mtnlg_jax.parallel.schedule import IDLE
 
 ADAM_BYTES_PER_PARAM = 30  # read fp32 master, m, v, gradient; write master, m, v; write e copy
-# The largest expert's load over the mean that a mixture of experts' prediction charges
-# (a stated figure, printed with the plan): configs/tiny_moe.py's make train measured 1.35 to
-# 1.86 per layer at steps 90 to 100 (3.9 at step 10), Switch's loss at 0.01, 8 experts
-# (docs/benchmarks.md, "The tiny MoE: planned, compiled, trained"); a longer run's would replace it.
-LOAD_IMBALANCE = 1.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,19 +194,24 @@ def layer_forward(
     of it and of the attention core. Under context parallelism a device holds s / c tokens of
     each sequence, whose queries see all s keys."""
     model, t, c = config.model, config.mesh.tensor, config.mesh.get('context', 1)
-    b, s, h, f = config.train.micro_batch, model.seq_len, model.hidden, arithmetic.mlp_width(model)
+    padding = arithmetic.expert_padding(config)
+    b, s, h = config.train.micro_batch, model.seq_len, model.hidden
+    f = arithmetic.mlp_width(model, padding=padding)
     a, e = model.heads, itemsize(model.compute_dtype)
     _, kv_heads, head_dim = attention_dims(model)
     tokens = b * s // c  # of a micro-batch, on one device
     split = t if model.sequence_parallel else 1
     matmul_flops = 2 * tokens * counts.layer_matmul_params(model) / t
-    waits, experts = 0.0, 0.0
+    experts = 0.0
     if experts_of(model) and config.mesh.expert > 1:
         routed = 2 * tokens * model.moe.top_k * counts.expert_params(model) / t
-        waits = rates.matmul(routed, min(tokens, h / t)) * (LOAD_IMBALANCE - 1)
+        matmul_flops += routed * (padding - 1)  # the buffers' rows past the choices
         group = config.mesh.expert
-        sent = tokens * model.moe.top_k * h * e * (group - 1) / group
-        experts = 2 * rates.link(sent, group) * exposed_experts
+        sent = tokens * model.moe.top_k * padding * h * e * (group - 1) / group
+        # an expert group's ranks lie context x tensor devices apart (parallel/mesh.py): it
+        # stays in a node only if all of that span does
+        span = group * c * t
+        experts = 2 * rates.link(sent, span) * exposed_experts
     attention_flops = 4 * tokens * s * a * head_dim / t
     backward_flops = 2 * attention_flops
     if flash:
@@ -221,10 +224,12 @@ def layer_forward(
     elementwise = rates.bytes((10 * e + 2) * tokens * h / split + mlp_tensors * e * tokens * f / t)
     gathered = rates.link(_ring('all-gather', b * s * 2 * kv_heads * head_dim * e / t, c), c * t)
     return dict(
-        compute=rates.matmul(matmul_flops, min(tokens, h / t)) + waits + attention + elementwise,
+        compute=rates.matmul(matmul_flops, min(tokens, h / t)) + attention + elementwise,
         attention=attention,
         attention_backward=attention_backward,
-        tensor=2 * rates.link(_ring('all-reduce', tokens * h * e, t), t) * exposed,
+        tensor=(1 + (sum(comm.exchanged_rows(config)) or 1))  # attention's, MLP's or experts'
+        * rates.link(_ring('all-reduce', tokens * h * e, t), t)
+        * exposed,
         expert=experts,
         context=gathered * exposed_context[0],
         context_backward=gathered * exposed_context[1],
@@ -271,7 +276,12 @@ def slot_costs(
     kept = flash and config.model.remat == 'selective'
     again, again_flops = {
         'full': (layer['compute'] + layer['tensor'] + layer['expert'], layer['flops']),
-        'selective': (0.0, 0.0) if kept else (layer['attention'], layer['attention_flops']),
+        # selective: the attention core (unless the flash kernel's outputs are kept), and a
+        # mixture of experts' two exchanges (plan/comm.py)
+        'selective': (
+            (0.0 if kept else layer['attention']) + layer['expert'],
+            0.0 if kept else layer['attention_flops'],
+        ),
         'none': (0.0, 0.0),
     }[config.model.remat]
     # the backward's attention beyond twice the forward's (the flash kernels' 7 matmuls to 2)
@@ -409,8 +419,10 @@ def step_time(config, cluster, figures=None, semantics='ours', overlap=None, cou
             for kind in kinds
         )
 
-    data_s = per_step('data', ('reduce-scatter', 'all-gather'), devices)
-    data_s += per_step('data+context', ('all-gather',), devices)  # ZeRO-1 over context too
+    data_s = sum(  # ZeRO-1's collectives, over each parameter's replica axes (and context)
+        rates.link(size, devices) * exposed(kind, key)
+        for kind, key, size in comm.zero_bytes(counts['comm'])
+    )
     stage_s = per_step('stage', ('all-reduce',), replica)
     # the gradients of what is replicated over 'context', summed over it (plan/comm.py)
     context_s = per_step('context', ('all-reduce',), context * mesh.tensor)
@@ -429,7 +441,7 @@ def step_time(config, cluster, figures=None, semantics='ours', overlap=None, cou
         tensor_comm_s=work['tensor'],
         expert_comm_s=work['expert'],
         context_comm_s=work['context'] + context_s,
-        load_imbalance=LOAD_IMBALANCE if experts_of(model) else None,
+        expert_padding=arithmetic.expert_padding(config) if experts_of(model) else None,
         accumulate_s=work['accumulate'],
         pipeline_comm_s=pipeline_comm_s,
         bubble_s=max(handoffs - pipeline_comm_s, 0.0),

@@ -38,12 +38,12 @@ def context_part(step):
 
 def moe_part(step):
     """A mixture of experts' term of the predicted line: the all-to-all waited for, and the
-    load imbalance charged ('' for a dense model)."""
-    if step.get('load_imbalance') is None:
+    exchange's padding charged ('' for a dense model)."""
+    if step.get('expert_padding') is None:
         return ''
     return (
-        f'all-to-all {step["expert_comm_s"]:.3f} (load imbalance {step["load_imbalance"]:g} '
-        f'charged over expert ranks) + '
+        f'all-to-all {step["expert_comm_s"]:.3f} (the experts\' rows padded '
+        f'{step["expert_padding"]:.3g} x by the exchange) + '
     )
 
 
@@ -60,8 +60,8 @@ def moe_lines(plan):
         f'B parameters ({moe["routed_expert_params"] / 1e9:.4f} B in routed experts)',
         f'  per device routed experts: params {_gib(held["params"])}, grads '
         f'{_gib(held["grads"])}, optimizer {_gib(held["optimizer"])}; all-to-all per step: '
-        f'{sent or "none (one expert rank)"}; load imbalance {moe["load_imbalance"]:g} '
-        f'({moe["load_imbalance_source"]})',
+        f'{sent or "none (one expert rank)"}; rows per choice {moe["expert_padding"]:.3g} '
+        f'({moe["expert_padding_source"]})',
     ]
 
 
@@ -79,7 +79,9 @@ def lines(plan):
         + (f' x expert {mesh["expert"]}' if mesh.get('expert', 1) > 1 else '')
         + ', '
         f'pipeline repeats {c["repeats"]}; global batch {c["global_batch"]} = micro_batch '
-        f'{c["micro_batch"]} x data {mesh["data"]} x {c["micro_steps"]} micro-steps',
+        f'{c["micro_batch"]} x data {mesh["data"]}'
+        + (f' x expert {mesh["expert"]}' if mesh.get('expert', 1) > 1 else '')
+        + f' x {c["micro_steps"]} micro-steps',
         'per device   ' + ', '.join(f'{k} {_gib(per_device[k])}' for k in PER_DEVICE_KEYS),
         '  activations ' + ', '.join(f'{k} {_gib(v)}' for k, v in plan['activation_bytes'].items()),
         f'FLOPs        model {plan["model_flops_per_step"]:.4g} per step (6N + 12LHQT per '

@@ -63,8 +63,8 @@ def make_plan(config, cluster=None):
 def moe_figures(config, params):
     """A mixture of experts' part of the plan: its routing, total and active parameters, the
     routed experts' bytes per device (split over expert, tensor and stage) and the
-    all-to-all bytes one device sends per step by axis, and the load imbalance the
-    prediction charges (predict.LOAD_IMBALANCE, a stated figure)."""
+    all-to-all bytes one device sends per step by axis, and the rows the experts multiply
+    per (token, choice) row (arithmetic.expert_padding)."""
     model = config.model
     all_to_all = comm.all_to_all_bytes(config)
     moe_layers = config_lib.block_stack_layers(model)  # but the dense layers ahead of them
@@ -77,9 +77,9 @@ def moe_figures(config, params):
         routed_expert_params=moe_layers * model.moe.experts * counts.expert_params(model),
         expert_bytes_per_device=arithmetic.expert_bytes(config),
         all_to_all_bytes_per_device={'expert': all_to_all} if all_to_all else {},
-        load_imbalance=predict.LOAD_IMBALANCE,
-        load_imbalance_source='a stated figure (plan/predict.py LOAD_IMBALANCE), charged at '
-        'mesh.expert > 1',
+        expert_padding=arithmetic.expert_padding(config),
+        expert_padding_source="the exchange's fixed buffers at mesh.expert > 1: X / k "
+        'dropless, about the capacity factor else (model/moe.py)',
     )
 
 

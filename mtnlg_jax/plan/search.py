@@ -4,11 +4,15 @@
     print('\\n'.join(lines(result)))
 
 Every layout the config can take on `devices` GPUs: tensor t inside a node (dividing the
-heads, the MLP and the node's GPUs), stages p dividing the layers, data d = devices / (t p)
-dividing the global batch, micro-batch b dividing the replica's batch, repeats v dividing the
-layers of a stage (interleaved when v > 1), remat none / selective / full, sequence
-parallelism (t > 1), max_in_flight 0 or p (1f1b, v = 1). Keys in `fixed` (the user's
---config.KEY=VALUE) keep the config's value; the others vary.
+heads, the MLP and the node's GPUs), stages p dividing the layers, expert ranks x dividing a
+mixture of experts' routed experts (1 for a dense model; a mixture of experts at x = 1 only
+with t = 1: split over tensor, its experts take model/moe.py's batched path, whose gathered
+weight copies the plan does not count; docs/benchmarks.md, "Mixtral 8x22B on 256 H100s"),
+data d = devices / (t p x), the replicas d x dividing the global batch, micro-batch b
+dividing the replica's batch, repeats v dividing the layers of a stage (interleaved when
+v > 1), remat none / selective / full, sequence parallelism (t > 1), max_in_flight 0 or p
+(1f1b, v = 1). Keys in `fixed` (the user's --config.KEY=VALUE) keep the config's value; the
+others vary.
 
 Each layout is resolved (config.resolve: what it refuses is skipped), its step predicted
 (plan/predict.py, the 'ours' semantics), and the layouts are ranked by that; memory per device
@@ -32,6 +36,7 @@ FREE_KEYS = (
     'mesh.tensor',
     'mesh.stage',
     'mesh.data',
+    'mesh.expert',
     'pipeline.repeats',
     'pipeline.max_in_flight',
     'train.micro_batch',
@@ -69,37 +74,47 @@ def layouts(inputs, devices, gpus_per_node, fixed=()):
         for t in _divisors(gpus_per_node)
         if model.heads % t == 0 and kv_heads % t == 0 and ffn % t == 0
     ]
-    for t in choices('mesh.tensor', tensors):
-        for p in choices('mesh.stage', _divisors(model.num_layers)):
-            if devices % (t * p):
-                continue
-            d = devices // (t * p)
-            wanted = _get(inputs, 'mesh.data')
-            if 'mesh.data' in fixed and wanted != -1 and d != wanted:
-                continue
-            if batch % d:
-                continue
-            stage_layers = model.num_layers // p
-            repeats = _divisors(stage_layers) if p > 1 else [1]
-            sp = [False, True] if t > 1 and model.seq_len % t == 0 else [False]
-            for v, b, remat, seq in itertools.product(
-                choices('pipeline.repeats', repeats),
-                choices('train.micro_batch', _divisors(batch // d)),
-                choices('model.remat', list(REMATS)),
-                choices('model.sequence_parallel', sp),
-            ):
-                bounds = [0, p] if p > 1 and v == 1 else [0]
-                for in_flight in choices('pipeline.max_in_flight', bounds):
-                    yield {
-                        'mesh.tensor': t,
-                        'mesh.stage': p,
-                        'mesh.data': d,
-                        'pipeline.repeats': v,
-                        'pipeline.max_in_flight': in_flight,
-                        'train.micro_batch': b,
-                        'model.remat': remat,
-                        'model.sequence_parallel': seq,
-                    }
+    experts = model.moe.experts if 'moe' in model else 0
+    meshes = itertools.product(
+        choices('mesh.tensor', tensors),
+        choices('mesh.stage', _divisors(model.num_layers)),
+        choices('mesh.expert', _divisors(experts) if experts else [1]),
+    )
+    for t, p, x in meshes:
+        if devices % (t * p * x) or (experts and x == 1 and t > 1):
+            continue  # one expert rank over tensor: the batched path's weight copies, unplanned
+        d = devices // (t * p * x)
+        wanted = _get(inputs, 'mesh.data')
+        if 'mesh.data' in fixed and wanted != -1 and d != wanted:
+            continue
+        if batch % (d * x):
+            continue
+        mesh = {'mesh.tensor': t, 'mesh.stage': p, 'mesh.data': d, 'mesh.expert': x}
+        yield from _schedules(choices, mesh, model, batch // (d * x))
+
+
+def _schedules(choices, mesh, model, replica_batch):
+    """layouts' entries of one mesh: repeats, micro-batch, recompute, sequence parallelism and
+    the in-flight bound, each as `choices` allows."""
+    t, p = mesh['mesh.tensor'], mesh['mesh.stage']
+    repeats = _divisors(model.num_layers // p) if p > 1 else [1]
+    sp = [False, True] if t > 1 and model.seq_len % t == 0 else [False]
+    for v, b, remat, seq in itertools.product(
+        choices('pipeline.repeats', repeats),
+        choices('train.micro_batch', _divisors(replica_batch)),
+        choices('model.remat', list(REMATS)),
+        choices('model.sequence_parallel', sp),
+    ):
+        bounds = [0, p] if p > 1 and v == 1 else [0]
+        for in_flight in choices('pipeline.max_in_flight', bounds):
+            yield {
+                **mesh,
+                'pipeline.repeats': v,
+                'pipeline.max_in_flight': in_flight,
+                'train.micro_batch': b,
+                'model.remat': remat,
+                'model.sequence_parallel': seq,
+            }
 
 
 def with_layout(inputs, layout, devices, fixed=()):
@@ -119,6 +134,8 @@ def describe(config):
     """The layout of a resolved config in one short string."""
     mesh, train, pipe, model = config.mesh, config.train, config.pipeline, config.model
     text = f't{mesh.tensor} p{mesh.stage} d{mesh.data}'
+    if mesh.expert > 1:
+        text += f' x{mesh.expert}'
     if mesh.stage > 1:
         text += f' v{pipe.repeats}'
         if pipe.max_in_flight:
@@ -155,7 +172,7 @@ def search(inputs, devices, cluster, fixed=(), top=10, progress=True, figures=No
         except config_lib.ConfigError:
             refused += 1
             continue
-        key = (layout['mesh.tensor'], layout['mesh.stage'], layout['mesh.data'])
+        key = tuple(layout[k] for k in ('mesh.tensor', 'mesh.stage', 'mesh.data', 'mesh.expert'))
         if key not in counts_cache:  # data and stage traffic depend on the mesh alone
             counts_cache[key] = predict.traffic(config)
         step = predict.step_time(config, cluster, figures, counts=counts_cache[key])
@@ -190,7 +207,7 @@ def _no_layout(inputs, devices, fixed):
     return (
         f'no layout of {inputs.model.num_layers} layers, {inputs.model.heads} heads and '
         f'global batch {inputs.train.global_batch} uses {devices} GPUs (data x stage x '
-        f'tensor must be {devices}, data must divide the global batch)'
+        f'expert x tensor must be {devices}, data x expert must divide the global batch)'
         + (f'; fixed: {", ".join(sorted(fixed))}' if fixed else '')
     )
 
