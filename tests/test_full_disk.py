@@ -121,8 +121,14 @@ def test_a_full_disk_under_two_processes_is_one_line(small_disk, token_data):
     line = assert_one_error_line(
         result.stderr, 'No space left on device (ENOSPC)', 'the newest complete checkpoint is'
     )
-    log = (workdir / 'logs/process_1.log').read_text()
-    assert 'Traceback' not in log and log.strip().splitlines()[-1] == line, log[-3000:]
+    log_path = workdir / 'logs/process_1.log'
+    log = log_path.read_text() if log_path.exists() else ''
+    assert 'Traceback' not in log, log[-3000:]
+    # Process 1 ends on the same line: in its log, or, where the full disk refused the log
+    # (how much room the failed save left decides which), in spawn's warning naming it.
+    refused = [row for row in result.stderr.splitlines() if 'process_1.log: not written' in row]
+    ended_on = refused[0].split('ended on: ', 1)[1] if refused else log.strip().splitlines()[-1]
+    assert ended_on == line, (result.stderr[-3000:], log[-3000:])
 
 
 def test_metrics_on_a_full_disk_warn_once_and_never_block(small_disk, capsys):

@@ -469,18 +469,19 @@ def test_a_hung_worker_ends_the_run_with_one_line_and_keeps_the_work(cluster, tm
     """--drill stall: piece 0's worker hangs in pass 1; with --stall_timeout_s 10 the run ends
     with status 3 and one `error:` line naming the stage, no output placed, the work folder
     (its scan and state) kept for a rerun. Until the worker hangs the test touches the
-    heartbeat itself: on CI's loaded cores a Ray worker's start can take longer than any
-    bound a test can wait, and a watch that fires then (the failure it is also for) is not
-    this drill's. Last in the module: the hung worker holds a CPU of the cluster until Ray
+    heartbeat itself, from the scan on: on CI's loaded cores a Ray worker's start can take
+    longer than any bound a test can wait, and a watch that fires then (the failure it is
+    also for) is not this drill's. Last in the module: the hung worker holds a CPU of the cluster until Ray
     ends the departed driver's job."""
     address, env = cluster
     out = tmp_path / 'curated.jsonl'
     work = tmp_path / 'curated.jsonl.work'
 
+    work.mkdir()  # the watch reads its heartbeat from the scan on (curate takes the folder)
+
     def until_the_worker_hangs(stopped):
-        while not stopped.wait(1.0) and not (work / 'drill.stall').exists():
-            if work.is_dir():
-                (work / '.heartbeat').touch()
+        while not (work / 'drill.stall').exists() and not stopped.wait(1.0):
+            (work / '.heartbeat').touch()
 
     started = time.monotonic()
     done = tool('curate.py', '--input', GOLDEN / 'planted.raw.jsonl', '--output', out,
