@@ -100,7 +100,8 @@ def test_our_export_config_reads_back_into_the_same_model_keys(name):
         ('mixtral', dict(num_experts_per_tok=5), 'num_experts_per_tok = 5 > 4 experts'),
         ('mixtral', dict(num_local_experts=None), 'num_local_experts = None'),
         ('qwen3_moe', dict(decoder_sparse_step=2), 'config.json decoder_sparse_step = 2'),
-        ('qwen3_moe', dict(mlp_only_layers=[0]), 'config.json mlp_only_layers = [0]'),
+        ('qwen3_moe', dict(mlp_only_layers=[1]), 'config.json mlp_only_layers = [1]'),
+        ('qwen3_moe', dict(mlp_only_layers=[0, 1, 2]), 'no layer left for the experts'),
         ('qwen3_moe', dict(moe_intermediate_size=None), 'moe_intermediate_size = None: a positive'),
         ('qwen3_moe', dict(shared_expert_intermediate_size=8), 'shared_expert_intermediate_size'),
         ('qwen3', dict(use_sliding_window=True), 'config.json use_sliding_window = True'),
@@ -136,19 +137,30 @@ def test_experts_read_per_expert_and_write_back_bit_exact_from_either_file_layou
             np.testing.assert_array_equal(value, reader.read(name).astype(np.float32))
 
 
-@pytest.mark.parametrize('name', ['qwen3_moe', 'qwen3'])
-def test_q_and_k_norms_read_as_qk_norm_rows(name):
+@pytest.mark.parametrize(
+    'name, stacks',
+    [('qwen3_moe', dict(dense_blocks=[0], blocks=[1, 2])), ('qwen3', dict(blocks=[0, 1]))],
+)
+def test_q_and_k_norms_read_as_qk_norm_rows(name, stacks):
+    """Each of our stacks' rows is its Hugging Face layer's q and k norms: Qwen3-MoE's
+    mlp_only_layers [0] is our dense stack (model.moe.dense_layers 1), its layers 1 and 2
+    our blocks."""
     cfg = model_cfg_of(name)
+    assert cfg.get('moe', {}).get('dense_layers', 0) == len(stacks.get('dense_blocks', []))
     with st.Reader(FIXTURE / name) as reader:
-        q = reader.read('model.layers.1.self_attn.q_norm.weight').astype(np.float32)
-        k = reader.read('model.layers.1.self_attn.k_norm.weight').astype(np.float32)
-        ours = hf_llama.read_leaf(reader, ('blocks', 'attention', 'qk_norm'), cfg, 384, ())
-    assert ours.shape == (2, 2, 16)
-    np.testing.assert_array_equal(ours[1], np.stack([q, k]))
+        for stack, layers in stacks.items():
+            ours = hf_llama.read_leaf(reader, (stack, 'attention', 'qk_norm'), cfg, 384, ())
+            assert ours.shape == (len(layers), 2, 16)
+            for row, layer in enumerate(layers):
+                q, k = (
+                    reader.read(f'model.layers.{layer}.self_attn.{n}_norm.weight') for n in 'qk'
+                )
+                np.testing.assert_array_equal(ours[row], np.stack([q, k]).astype(np.float32))
 
 
 def test_a_devices_experts_are_read_as_its_slice_of_the_whole_leaf():
-    """A device holding experts 1 and 2 of layer 1 (and half the width) reads only those."""
+    """A device holding experts 1 and 2 of the MoE stack's second layer (Hugging Face's layer
+    2: layer 0 is dense) and half their width reads only those."""
     cfg = model_cfg_of('qwen3_moe')
     path = ('blocks', 'moe', 'in_kernel')
     index = (slice(1, 2), slice(1, 3), slice(None), slice(12, 24))
@@ -163,7 +175,7 @@ def test_a_devices_experts_are_read_as_its_slice_of_the_whole_leaf():
         reader.read = recorded
         part = hf_llama.read_leaf(reader, path, cfg, PADDED_VOCAB, index)
     np.testing.assert_array_equal(part, whole[index])
-    assert names == [f'model.layers.1.mlp.experts.{j}.up_proj.weight' for j in (1, 2)]
+    assert names == [f'model.layers.2.mlp.experts.{j}.up_proj.weight' for j in (1, 2)]
 
 
 # ---- imported into our model (launch/convert.py), against transformers' logits
@@ -340,8 +352,9 @@ def test_an_import_refuses_moe_overrides_its_config_json_contradicts(tmp_path, c
 
 
 def test_the_loss_under_a_pipeline_equals_transformers(tmp_path):
-    """Qwen3-MoE under data 2 x stage 2 x tensor 2, a layer a stage: the eval step's
-    pipelined loss of the fixture's tokens is the cross-entropy of transformers' logits."""
+    """Qwen3-MoE under data 2 x stage 2 x tensor 2, its dense layer 0 ahead of the stages and
+    an MoE layer a stage: the eval step's pipelined loss of the fixture's tokens is the
+    cross-entropy of transformers' logits."""
     config = import_config(data=2, stage=2, tensor=2, seq_len=32)
     config.model.sequence_parallel = False  # as test_hf_llama.py's pipeline test says
     workdir = tmp_path / 'w'

@@ -471,8 +471,8 @@ def test_a_hung_worker_ends_the_run_with_one_line_and_keeps_the_work(cluster, tm
     (its scan and state) kept for a rerun. Until the worker hangs the test touches the
     heartbeat itself, from the scan on: on CI's loaded cores a Ray worker's start can take
     longer than any bound a test can wait, and a watch that fires then (the failure it is
-    also for) is not this drill's. Last in the module: the hung worker holds a CPU of the cluster until Ray
-    ends the departed driver's job."""
+    also for) is not this drill's. Last in the module: the hung worker holds a CPU of the
+    cluster until Ray ends the departed driver's job."""
     address, env = cluster
     out = tmp_path / 'curated.jsonl'
     work = tmp_path / 'curated.jsonl.work'

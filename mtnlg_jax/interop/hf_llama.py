@@ -306,20 +306,34 @@ def sizes(model_cfg):
     return size
 
 
+STACKS = ('dense_blocks', 'blocks')  # our leaves stacked over layers, in HF's layer order
+
+
+def hf_layers(path, model_cfg):
+    """The Hugging Face layer of each entry of our stacked leaf `path`: the dense layers
+    ahead of the experts (model.moe.dense_layers = k, our `dense_blocks` stack) are HF's
+    layers 0 .. k - 1, `blocks` the rest; [None] for a leaf outside the layers."""
+    dense = model_cfg.get('moe', {}).get('dense_layers', 0)
+    if path[0] == 'dense_blocks':
+        return range(dense)
+    return range(dense, model_cfg.num_layers) if path[0] == 'blocks' else [None]
+
+
 def leaf_of(path, model_cfg):
     """The Leaf of our parameter `path` (a tuple of keys), its experts spelled out;
-    HFFormatError if the model's Hugging Face class has none."""
+    HFFormatError if the model's Hugging Face class has none. A dense layer's leaves
+    (`dense_blocks`) are the Llama block's."""
     table = leaves(model_cfg)
-    if path not in table:
+    key = ('blocks', *path[1:]) if path[0] == 'dense_blocks' else path
+    if key not in table:
         raise HFFormatError(
             f'our parameter {".".join(path)} has no {architecture(model_cfg)} counterpart'
         )
-    return table[path].for_experts(sizes(model_cfg).get('x', 0))
+    return table[key].for_experts(sizes(model_cfg).get('x', 0))
 
 
-def hf_names(path, leaf, num_layers):
-    layers = range(num_layers) if path[0] == 'blocks' else [None]
-    return [name.format(i=i) for i in layers for name, _ in leaf.sources]
+def hf_names(path, leaf, model_cfg):
+    return [name.format(i=i) for i in hf_layers(path, model_cfg) for name, _ in leaf.sources]
 
 
 def check_shapes(reader, path, leaf, model_cfg):
@@ -327,8 +341,7 @@ def check_shapes(reader, path, leaf, model_cfg):
     size = sizes(model_cfg)
     for name, groups in leaf.sources:
         expected = tuple(math.prod(size[a] for a in group) for group in groups)
-        layers = range(model_cfg.num_layers) if path[0] == 'blocks' else [None]
-        for i in layers:
+        for i in hf_layers(path, model_cfg):
             full = name.format(i=i)
             if full not in reader:
                 raise HFFormatError(f'no tensor {full} in its safetensors')
@@ -358,7 +371,7 @@ def params_on_mesh(reader, abstract, shardings, model_cfg):
     for path in paths:
         leaf = leaf_of(path, model_cfg)
         check_shapes(reader, path, leaf, model_cfg)
-        used.update(hf_names(path, leaf, model_cfg.num_layers))
+        used.update(hf_names(path, leaf, model_cfg))
     if model_cfg.tie_embeddings:
         used.add('lm_head.weight')  # a tied model's head, when stored, is the embedding again
     extra = [n for n in reader.names() if n not in used and not n.endswith(_BUFFERS)]
@@ -387,12 +400,13 @@ def read_leaf(reader, path, model_cfg, padded_vocab, index):
     leaf = leaf_of(path, model_cfg)
     size = dict(sizes(model_cfg), t=len(leaf.sources))
     ours = dict(size, v=padded_vocab)
-    layered = path[0] == 'blocks'
-    shape = ((model_cfg.num_layers,) if layered else ()) + tuple(ours[a] for a in leaf.axes)
+    layered = path[0] in STACKS
+    hf_layer = hf_layers(path, model_cfg)
+    shape = ((len(hf_layer),) if layered else ()) + tuple(ours[a] for a in leaf.axes)
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
     bounds = [range(n)[s] for n, s in zip(shape, index)]
     want = dict(zip(leaf.axes, bounds[1:] if layered else bounds))
-    layers = bounds[0] if layered else [None]
+    layers = [hf_layer[i] for i in bounds[0]] if layered else [None]
     per_layer = [_read_layer(reader, leaf, size, want, i) for i in layers]
     return np.stack(per_layer) if layered else per_layer[0]
 
@@ -437,13 +451,12 @@ def _read_source(reader, name, groups, leaf, size, want, layer):
 
 def hf_tensors(paths, get, model_cfg, dtype=np.float32):
     """(HF name, array) pairs of our parameters, in HF's order (embedding, layer by layer,
-    norm, head), one layer of one leaf in memory at a time: get(path, layer) returns our
-    leaf's layer `layer` (None: the whole top-level leaf) as numpy."""
+    norm, head), one layer of one leaf in memory at a time: get(path, layer) returns entry
+    `layer` of our stacked leaf (None: the whole top-level leaf) as numpy."""
     size = sizes(model_cfg)
-    top = [p for p in paths if p[0] != 'blocks']
-    blocks = [p for p in paths if p[0] == 'blocks']
+    top = [p for p in paths if p[0] not in STACKS]
 
-    def convert(path, layer):
+    def convert(path, layer, hf_layer=None):
         leaf = leaf_of(path, model_cfg)
         value = np.asarray(get(path, layer), np.float32)
         if 'v' in leaf.axes:  # the padded vocabulary's rows are cut
@@ -456,14 +469,16 @@ def hf_tensors(paths, get, model_cfg, dtype=np.float32):
             letters = ''.join(groups)
             part = part.transpose([axes.index(a) for a in letters])
             shape = [math.prod(size[a] for a in group) for group in groups]
-            yield name.format(i=layer), np.ascontiguousarray(part.reshape(shape), dtype)
+            yield name.format(i=hf_layer), np.ascontiguousarray(part.reshape(shape), dtype)
 
     for path in top:
         if path == ('token_embed',):
             yield from convert(path, None)
-    for i in range(model_cfg.num_layers):
-        for path in blocks:
-            yield from convert(path, i)
+    for stack in STACKS:  # HF's layers in order: the dense ones first
+        stacked = [p for p in paths if p[0] == stack]
+        for i, hf_layer in enumerate(hf_layers((stack,), model_cfg) if stacked else ()):
+            for path in stacked:
+                yield from convert(path, i, hf_layer)
     for path in top:
         if path != ('token_embed',):
             yield from convert(path, None)

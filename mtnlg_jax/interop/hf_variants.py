@@ -13,15 +13,18 @@ transformers 4.51+ and 5 both load.
     num_local_experts | num_experts     model.moe.experts
     num_experts_per_tok          model.moe.top_k
     intermediate_size            Mixtral: model.moe.ffn_hidden (and model.ffn_hidden);
-                                 Qwen3-MoE: model.ffn_hidden (its dense MLP's, unused)
+                                 Qwen3-MoE: model.ffn_hidden (its dense layers' MLP)
     moe_intermediate_size        Qwen3-MoE: model.moe.ffn_hidden
     norm_topk_prob               model.moe.norm_top_k (Mixtral always renormalises)
-    (softmax router, no shared experts, no dense layers, dropless: fixed)
+    mlp_only_layers = [0 .. k-1] Qwen3-MoE: model.moe.dense_layers = k (HF's layers 0 .. k - 1
+                                 are our dense_blocks stack, the rest our blocks)
+    (softmax router, no shared experts, dropless: fixed)
 
 What we cannot represent is refused, one HFFormatError naming the key: sliding-window
 attention (Mixtral's `sliding_window`, Qwen3's `use_sliding_window` or a `sliding_attention`
 layer type), router jitter, Qwen3-MoE's `decoder_sparse_step` other than 1 and
-`mlp_only_layers` (dense layers among the experts), a shared expert. The training recipe's MoE
+`mlp_only_layers` other than the first k layers (dense layers among the experts), a shared
+expert. The training recipe's MoE
 keys (aux_loss_coeff, bias_update_rate, capacity_factor) stay the --config's, as the
 learning rate does.
 """
@@ -64,8 +67,11 @@ def _refuse_what_we_cannot_represent(hf_config, kind):
         refuse('router_jitter_noise', 'the router has no jitter here (0 only)')
     if hf_config.get('decoder_sparse_step', 1) != 1:
         refuse('decoder_sparse_step', 'every layer is a mixture of experts here (1 only)')
-    if hf_config.get('mlp_only_layers'):
-        refuse('mlp_only_layers', 'dense layers among the experts are not converted ([] only)')
+    dense = hf_config.get('mlp_only_layers') or []
+    if dense and (kind != 'qwen3_moe' or dense != list(range(len(dense)))):
+        refuse('mlp_only_layers', 'dense layers only ahead of the experts here (0 .. k - 1)')
+    if len(dense) >= hf_config.get('num_hidden_layers', 0):
+        refuse('mlp_only_layers', 'no layer left for the experts')
     for key in ('shared_expert_intermediate_size', 'n_shared_experts'):
         if hf_config.get(key):
             refuse(key, 'no shared expert in Mixtral or Qwen3-MoE')
@@ -99,7 +105,7 @@ def moe_keys(hf_config, kind):
         ffn_hidden=width,
         shared_experts=0,
         shared_ffn_hidden=0,
-        dense_layers=0,
+        dense_layers=len(hf_config.get('mlp_only_layers') or []),
         router='softmax',
         norm_top_k=renormalise,
     )
@@ -143,7 +149,10 @@ def unexportable(model_cfg):
     why = {
         'router': (moe.router != 'softmax', 'routes by softmax'),
         'shared_experts': (moe.shared_experts > 0, 'has no shared expert'),
-        'dense_layers': (moe.dense_layers > 0, 'is converted with every layer an MoE'),
+        'dense_layers': (
+            moe.dense_layers > 0 and name == 'MixtralForCausalLM',
+            'has no dense layers (Qwen3-MoE has: model.qk_norm)',
+        ),
         'norm_top_k': (
             name == 'MixtralForCausalLM' and not moe.norm_top_k,
             'always renormalises (Qwen3-MoE may not: model.qk_norm)',
@@ -195,7 +204,7 @@ def hf_config_of(model_cfg, bos_id=None, eos_id=None, dtype='float32'):
             moe_intermediate_size=moe.ffn_hidden or model_cfg.ffn_hidden,
             norm_topk_prob=moe.norm_top_k,
             decoder_sparse_step=1,
-            mlp_only_layers=[],
+            mlp_only_layers=list(range(moe.dense_layers)),
             router_aux_loss_coef=moe.aux_loss_coeff,
             output_router_logits=False,
         )
