@@ -50,12 +50,14 @@ def small_config(
     repeats=1,
     schedule='1f1b',
     expert=1,
+    context=1,
     **model_overrides,
 ):
     """A 2-layer GPT (heads divisible by 8) that runs in seconds, fp32, no dropout; expert:
-    mesh.expert (an MoE model's), more replicas of the batch beside data's."""
+    mesh.expert (an MoE model's), more replicas of the batch beside data's; context:
+    mesh.context (each sequence in 2 x context chunks)."""
     config = config_lib.defaults()
-    config.mesh.update(dict(data=data, stage=stage, tensor=tensor, expert=expert))
+    config.mesh.update(dict(data=data, stage=stage, tensor=tensor, expert=expert, context=context))
     config.pipeline.update(dict(repeats=repeats, schedule=schedule))
     config.model.update(
         dict(
@@ -79,7 +81,7 @@ def small_config(
     )
     config.optimizer.update(dict(lr=3e-3, min_lr=3e-4, warmup_tokens=1024))
     config.train.steps = 10
-    return config_lib.resolve(config, data * stage * expert * tensor)
+    return config_lib.resolve(config, data * stage * expert * context * tensor)
 
 
 # Small layouts the planner is checked against, compiled by XLA:CPU (test_plan_compiled.py)

@@ -1,7 +1,8 @@
 """Expert parallelism (mesh.expert; parallel/rules.py, model/moe.py's exchange): an MoE block
 under data x expert x tensor, expert x tensor with sequence parallelism, stage x expert x
-tensor interleaved and expert 8 alone computes one device's loss, every gradient leaf and
-side value (dropless, and with capacity 1.0 the same tokens dropped), GPT's and Llama's
+tensor interleaved, context x expert x tensor and expert 8 alone computes one device's loss,
+every gradient leaf and side value (dropless, and with capacity 1.0 the same tokens dropped:
+under context too, where the sequence is held in the chunk order), GPT's and Llama's
 blocks (the router bias moving alike: test_moe.py), a dense layer ahead of the experts
 (model.moe.dense_layers) unpipelined and pipelined; the eval step scores alike; a checkpoint
 with a dense layer restores under another expert layout and a pipelined one; the compiled
@@ -41,6 +42,11 @@ CASES = {
     'llama-dropless-e2t2-sp': (
         dict(**LLAMA, moe=MOE),
         dict(expert=2, tensor=2, sequence_parallel=True),
+    ),
+    # each sequence over context ranks in the chunk order: capacity queues in sequence order
+    'gpt-capacity-c2e2t2-sp': (
+        dict(moe=CAPACITY),
+        dict(context=2, expert=2, tensor=2, sequence_parallel=True),
     ),
     'llama-capacity-dense1-s2e2t2v2': (
         dict(num_layers=5, **LLAMA, moe={**CAPACITY, 'dense_layers': 1}),

@@ -67,12 +67,14 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from mtnlg_jax.config import moe_ffn_hidden, shared_ffn_hidden
 from mtnlg_jax.model import buffers, grouped_matmul
 from mtnlg_jax.model.layers import mlp, out_std, param, use
+from mtnlg_jax.parallel import context as context_lib
 from mtnlg_jax.parallel.rules import EXPERT_AXIS, constrain, shards
 from mtnlg_jax.parallel.stage_functions import SideValue
 
@@ -189,16 +191,23 @@ class MoE(nnx.Module):
     def kept(self, chosen):
         """(batch, seq, top_k) bool: the choices within their expert's capacity (all of them
         when dropless). Each sequence competes alone: its choices queue at their experts first
-        choices first, then second ones, each in token order. The one-hot here is (tokens x
-        experts) of int32, no hidden dimension."""
+        choices first, then second ones, each in token order: under context parallelism the
+        sequence is held in the chunk order (parallel/context.py), so the queue is formed in
+        the sequence's own order and the answer put back, and every layout drops the same
+        choices. The one-hot here is (tokens x experts) of int32, no hidden dimension."""
         if not self.capacity_factor:
             return jnp.ones(chosen.shape, bool)
         b, s, k = chosen.shape
+        context = shards('seq')
+        order = context_lib.chunk_order(s, context)
+        if context > 1:
+            chosen = chosen[:, np.argsort(order)]  # in sequence order
         capacity = self.slots(s)
         queue = jax.nn.one_hot(chosen.transpose(0, 2, 1).reshape(b, k * s), self.experts)
         queue = queue.astype(jnp.int32)
         place = ((jnp.cumsum(queue, axis=1) - 1) * queue).sum(-1)  # within its expert's queue
-        return (place < capacity).reshape(b, k, s).transpose(0, 2, 1)
+        keep = (place < capacity).reshape(b, k, s).transpose(0, 2, 1)
+        return keep[:, order] if context > 1 else keep
 
     def dispatch(self, x, chosen, weights, keep):
         """The routed experts' output (batch, seq, embed): the (token, choice) rows sorted by
