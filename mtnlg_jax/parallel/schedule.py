@@ -141,14 +141,14 @@ class Schedule:
 
     def tick_costs(self, forward=1.0, backward=2.0):
         """(each tick's cost, its slowest stage's work; each stage's work): a backward about 2
-        forwards (3 with full recompute), half of it B and half W where split, the last
-        chunk's forward empty (its backward's tick runs it)."""
+        forwards (3 with full recompute); where split, W a forward's matmuls again (dW =
+        x^T dy) and B the rest; the last chunk's forward empty (its backward's tick runs it)."""
         last = self.fwd_repeat == self.repeats - 1
         last &= np.arange(self.stages)[None, :] == self.stages - 1
         work = forward * ((self.fwd_micro != IDLE) & ~last)
         if self.split:
-            halves = (self.bwd_micro != IDLE).astype(float) + (self.w_micro != IDLE)
-            work = work + backward / 2 * halves
+            work = work + (backward - forward) * (self.bwd_micro != IDLE)
+            work = work + forward * (self.w_micro != IDLE)
         else:
             work = work + backward * (self.bwd_micro != IDLE)
         return work.max(axis=1), work.sum(axis=0)

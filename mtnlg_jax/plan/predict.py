@@ -316,6 +316,14 @@ def slot_costs(
     )
 
 
+def _weight_gradient(forward, component):
+    """A W slot's share of the backward (zero-bubble schedules): dW = x^T dy, the forward's
+    matmuls once more and nothing else (no recompute: B recomputes where remat is on, so a
+    full-recompute backward is B 2 forwards and W 1; no collectives: the weight gradients
+    reduce with ZeRO-1's after the loop)."""
+    return forward[component][0] if component in ('compute', 'flops') else 0.0
+
+
 def _timeline(config, forward, backward, handoff):
     """{component: seconds of the busiest stage}, the step's pipeline seconds and the FLOPs a
     device runs (mean over stages), from the schedule table: a tick takes its slowest stage
@@ -342,15 +350,21 @@ def _timeline(config, forward, backward, handoff):
     fwd_last = (table.fwd_repeat == table.repeats - 1) & last
     bwd_last = (table.bwd_repeat == table.repeats - 1) & last
     fwd_busy, bwd_busy = table.fwd_micro != IDLE, table.bwd_micro != IDLE
-    if table.split:  # B and W slots (zero_bubble.py): half the backward each, as the table
+    if table.split:  # B and W slots (zero_bubble.py)
         w_last = (table.w_repeat == table.repeats - 1) & last
-        bwd_busy = np.stack([bwd_busy, table.w_micro != IDLE]) / 2
+        bwd_busy = np.stack([bwd_busy, table.w_micro != IDLE])
         bwd_last = np.stack([bwd_last, w_last])
     per_stage, tick = {}, 0.0
     for k in COMPONENTS:
         cost = np.where(fwd_last, forward[k][1], forward[k][0]) * fwd_busy
-        backward_cost = np.where(bwd_last, backward[k][1], backward[k][0]) * bwd_busy
-        cost = cost + (backward_cost.sum(axis=0) if table.split else backward_cost)
+        if table.split:
+            weights = _weight_gradient(forward, k)  # W's; B the rest of the backward
+            middle = np.array([backward[k][0] - weights, weights])[:, None, None]
+            lasts = np.array([backward[k][1] - weights, weights])[:, None, None]
+            backward_cost = (np.where(bwd_last, lasts, middle) * bwd_busy).sum(axis=0)
+        else:
+            backward_cost = np.where(bwd_last, backward[k][1], backward[k][0]) * bwd_busy
+        cost = cost + backward_cost
         per_stage[k] = cost.sum(axis=0)
         if k != 'flops':
             tick = tick + cost
