@@ -10,6 +10,9 @@ import pytest
 
 from support import ROOT, SMALL_MODEL, TRAIN_ENV, launch_in_process, run_train, train_args
 
+from mtnlg_jax.eval import workdir as workdir_lib
+from mtnlg_jax.eval.generation import Generator
+
 
 def untouched(workdir):
     workdir.mkdir()
@@ -197,14 +200,18 @@ def tensorboard_tags(folder):
 
 
 def test_a_mixture_of_experts_run_logs_each_layers_expert_load(tmp_path, token_data):
-    """The reporter's MoE figures: every layer's largest expert load over the mean and the
-    dropped share in metrics.jsonl, tensorboard (one tag a layer) and the run's own output
-    (the progress bar's load and drop, a line by layer beside the validation loss); the
-    banner names the experts and the active parameters."""
+    """The reporter's MoE figures of a run over data 2 x expert 2 x tensor 2: every layer's
+    largest expert load over the mean and the dropped share in metrics.jsonl, tensorboard
+    (one tag a layer) and the run's own output (the progress bar's load and drop, a line by
+    layer beside the validation loss); the banner names the experts and the active
+    parameters. The workdir loader restores the run onto expert 1 (data x tensor), where
+    generation's KV cache gives the recomputed sequence's tokens."""
     workdir = tmp_path / 'run'
     args = train_args(
         workdir,
         *SMALL_MODEL,
+        '--config.mesh.data=2',
+        '--config.mesh.expert=2',
         '--config.model.num_layers=2',
         '--config.model.moe.experts=4',
         '--config.model.moe.top_k=2',
@@ -240,3 +247,10 @@ def test_a_mixture_of_experts_run_logs_each_layers_expert_load(tmp_path, token_d
         assert [step for step, _ in tags[tag]] == [2, 4], tag
     last = [tags[f'train/moe_layer_load_max_over_mean/layer_{i}'][-1][1] for i in range(2)]
     assert last == pytest.approx(train[-1]['moe_layer_load_max_over_mean'], abs=1e-4)
+
+    loaded = workdir_lib.load(str(workdir), data=1, tensor=2, dtype='float32')
+    assert loaded.config.mesh.expert == 1 and loaded.config.model.moe.experts == 4
+    generator = Generator(loaded.graphdef, loaded.params, loaded.config.model, loaded.mesh)
+    [cached] = generator([[5, 17, 42, 7]], 6)
+    [recomputed] = generator([[5, 17, 42, 7]], 6, use_cache=False)
+    assert cached == recomputed and len(cached) == 6

@@ -47,11 +47,13 @@ class LoadedModel:
 def inference_config(saved, data=None, tensor=None):
     """The config of a run (config.json as a dict) resolved for an inference mesh of
     data x tensor devices (defaults: the run's own); ConfigError if the model cannot be laid
-    out so."""
+    out so. A run trained over expert or context ranks loads onto expert 1 and context 1:
+    each tensor group holds every expert and whole sequences (checkpoints restore onto any
+    layout)."""
     config = config_lib.inputs_of(saved.get('inputs') or saved)
     data = saved['mesh']['data'] if data is None else data
     tensor = saved['mesh']['tensor'] if tensor is None else tensor
-    config.mesh.update(dict(data=data, stage=1, tensor=tensor))
+    config.mesh.update(dict(data=data, stage=1, tensor=tensor, expert=1, context=1))
     # Checkpoints hold the blocks in layer order: no pipeline, whatever the run's schedule.
     config.pipeline.update(dict(repeats=1, schedule='1f1b'))
     config = config_lib.resolve_model(config, data * tensor)
