@@ -113,9 +113,10 @@ def print_table(title, header, rows):
         print('| ' + ' | '.join(str(cell) for cell in row) + ' |')
 
 
-def compile_for_one_h100(fn, shapes):
+def compile_for_one_h100(fn, shapes, compiler_options=None):
     """fn compiled by XLA:GPU for one compile-only H100 (`make gpu-compile`, enabled before JAX
-    started) on arrays of `shapes`, (shape, dtype) pairs: the optimized program, nothing run."""
+    started) on arrays of `shapes`, (shape, dtype) pairs: the optimized program, nothing run.
+    compiler_options: jax.jit's (e.g. model/fp8.py's)."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: PLC0415
 
     from mtnlg_jax.plan import gpu_target  # noqa: PLC0415
@@ -124,4 +125,4 @@ def compile_for_one_h100(fn, shapes):
     whole = NamedSharding(Mesh(devices, ('x',)), PartitionSpec())
     specs = [jax.ShapeDtypeStruct(shape, dtype, sharding=whole) for shape, dtype in shapes]
     with gpu_target.compiling_for(devices):
-        return jax.jit(fn).lower(*specs).compile()
+        return jax.jit(fn, compiler_options=compiler_options).lower(*specs).compile()

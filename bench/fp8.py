@@ -76,7 +76,8 @@ def gpu_rows(args):
     rows = []
     for recipe in ('fp32', *fp8.RECIPES):
         program = functools.partial(step, recipe)
-        compiled = compile_for_one_h100(program, [(s, jnp.bfloat16) for s in shapes])
+        options = fp8.compiler_options(recipe)
+        compiled = compile_for_one_h100(program, [(s, jnp.bfloat16) for s in shapes], options)
         by_dtype = hlo_module.matmul_flops_by_dtype(compiled.as_text())
         shares = ', '.join(f'{k} {v / work:.2f}' for k, v in sorted(by_dtype.items()))
         rows.append(['bf16' if recipe == 'fp32' else recipe, shares])

@@ -96,7 +96,10 @@ def fp8_matmuls(size=8192):
     for recipe in ('bf16', *fp8.RECIPES):
         row = dict(recipe=recipe)
         try:
-            program = jax.jit(functools.partial(fp8_bench.step, recipe.replace('bf16', 'fp32')))
+            program = jax.jit(
+                functools.partial(fp8_bench.step, recipe.replace('bf16', 'fp32')),
+                compiler_options=fp8.compiler_options(recipe),
+            )
             data = [a.astype(jnp.bfloat16) for a in (x, w, cotangent)]
             got = program(*data)
             errors = fp8_bench.rms_errors([a.astype(jnp.float32) for a in got], want, every)

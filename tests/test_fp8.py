@@ -1,7 +1,10 @@
 """FP8 matmuls (model/fp8.py): each recipe's product and gradients within FP8's error of the
 fp32 ones, and really quantized; blockwise keeps an outlier to its own tile, where one
 tensorwise scale loses every other row; compiled for an H100, the forward and both gradients
-of tensorwise and delayed are FP8 GEMMs (e4m3 x e4m3, e5m2 x e4m3, e4m3 x e5m2)."""
+of tensorwise and delayed are FP8 GEMMs (e4m3 x e4m3, e5m2 x e4m3, e4m3 x e5m2), their
+partial sums over `tensor` reduce-scattered in bf16."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -66,31 +69,69 @@ def test_delayed_with_this_steps_amax_is_tensorwise_and_bad_recipes_are_refused(
         fp8.matmul(x, w, 'mxfp8')
 
 
+@pytest.mark.parametrize('recipe', ['tensorwise', 'delayed'])
+def test_slots_are_the_product_of_their_stack_and_their_gradients_its_slices(recipe):
+    """w as a tuple of slots (SwiGLU's gate and in kernels) is the stacked weight's product,
+    one scale over both (the larger slot's), its gradients the stacked gradient's slices."""
+    x, w = _inputs()
+    other = 40.0 * w  # its amax sets the shared scale
+    stacked = jnp.stack([w, other], 1)
+    scales = _delayed_scales(x, stacked) if recipe == 'delayed' else None
+    cotangent = jax.random.normal(jax.random.key(2), (M, 2, N))
+    got, pull = jax.vjp(lambda a, b, c: fp8.matmul(a, (b, c), recipe, scales), x, w, other)
+    want, pull_want = jax.vjp(lambda a, s: fp8.matmul(a, s, recipe, scales), x, stacked)
+    np.testing.assert_array_equal(got, want)
+    dx, dw, d_other = pull(cotangent)
+    want_dx, want_dw = pull_want(cotangent)
+    np.testing.assert_array_equal(dx, want_dx)
+    np.testing.assert_array_equal(jnp.stack([dw, d_other], 1), want_dw)
+    if recipe == 'tensorwise':  # w alone takes its own, larger scale: another quantization
+        assert not np.array_equal(got[:, 0], fp8.matmul(x, w, recipe))
+
+
 @pytest.mark.skipif(gpu_compile.missing() is not None, reason=str(gpu_compile.missing()))
 @pytest.mark.parametrize('recipe', ['tensorwise', 'delayed'])
-def test_compiled_for_an_h100_the_forward_and_both_gradients_are_fp8_gemms(recipe):
+def test_compiled_for_h100s_the_products_are_fp8_gemms_reduced_in_bf16(recipe):
+    """On 2 H100s, the model's column-parallel shape: x split by rows (sequence parallel) and
+    gathered, w split by columns over `tensor`. The forward and both gradients are cuBLASLt FP8
+    GEMMs (the scales their operands), and the input gradient's partial sums over `tensor`
+    are reduce-scattered in bf16: the dot's result is the scaled product (model/fp8.py)."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from mtnlg_jax.plan import gpu_target, hlo_module
 
     rows, k, n = 1024, 512, 768
-    devices = gpu_target.devices('h100-80gb', 1)
-    whole = NamedSharding(Mesh(devices, ('x',)), PartitionSpec())
+    devices = gpu_target.devices('h100-80gb', 2)
+    mesh = Mesh(devices, ('tensor',))
+    by_rows, by_columns = (
+        NamedSharding(mesh, PartitionSpec(*s)) for s in (('tensor',), (None, 'tensor'))
+    )
 
     def step(x, w):
-        scales = (jnp.float32(2.0), jnp.float32(3.0)) if recipe == 'delayed' else None
-        out, pull = jax.vjp(lambda a, b: fp8.matmul(a, b, recipe, scales), x, w)
-        return out, pull(out)
+        scales = (jnp.float32(2.0), jnp.float32(4.0)) if recipe == 'delayed' else None
+        whole = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec()))
+        out, pull = jax.vjp(lambda a, b: fp8.matmul(a, b, recipe, scales), whole, w)
+        return pull(out)
 
-    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=whole) for s in [(rows, k), (k, n)]]
+    args = [
+        jax.ShapeDtypeStruct((rows, k), jnp.bfloat16, sharding=by_rows),
+        jax.ShapeDtypeStruct((k, n), jnp.bfloat16, sharding=by_columns),
+    ]
     with gpu_target.compiling_for(devices):
-        text = jax.jit(step).lower(*args).compile().as_text()
-    each = 2 * rows * k * n
+        jitted = jax.jit(step, out_shardings=(by_rows, by_columns),
+                         compiler_options=fp8.compiler_options(recipe))  # fmt: skip
+        text = jitted.lower(*args).compile().as_text()
+    each = 2 * rows * k * n // 2  # a device's half
     assert hlo_module.matmul_flops_by_dtype(text) == {
         'f8e4m3fn': each,  # the forward
         'f8e5m2 x f8e4m3fn': each,  # the input's gradient
         'f8e4m3fn x f8e5m2': each,  # the weights' gradient
     }
+    assert text.count('custom_call_target="__cublas$lt$matmul$f8"') == 3
+    reduced = re.findall(
+        r'= \(*\(?(\w+)\[([\d,]*)\][^=]*? (all-reduce|reduce-scatter)(?:-start)?\(', text
+    )
+    assert [(dtype, op) for dtype, dims, op in reduced if dims] == [('bf16', 'reduce-scatter')]
 
 
 # The three ways a compiled FP8 product can appear (hand-written after XLA:GPU's forms): a

@@ -48,14 +48,30 @@ def test_fp8_with_fp32_compute_and_blockwise_off_its_blocks_are_refused():
 
 
 def _dots(jaxpr):
-    """Every dot_general of a jaxpr, nested ones (the block scan's body) included."""
-    found = []
+    """Every dot_general of a jaxpr, nested ones (the block scan's body) included, each as the
+    types it multiplies: an operand dequantized right before the dot (convert(q) x scale,
+    model/fp8.py's form of an FP8 GEMM) by q's type, any other by its own."""
+    found, producers = [], {}
     for eqn in jaxpr.eqns:
+        producers.update({v: eqn for v in eqn.outvars})
         if eqn.primitive.name == 'dot_general':
-            found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
+            found.append(tuple(_multiplied_type(v, producers) for v in eqn.invars))
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             found += _dots(sub)
     return found
+
+
+def _multiplied_type(var, producers):
+    """q's type where var = convert(q) x scale, q in FP8; else var's own."""
+    eqn = producers.get(var)
+    if eqn is not None and eqn.primitive.name == 'mul':
+        for operand in eqn.invars:
+            convert = producers.get(operand)
+            if convert is not None and convert.primitive.name == 'convert_element_type':
+                source = str(convert.invars[0].aval.dtype)
+                if source.startswith('float8'):
+                    return source
+    return str(var.aval.dtype)
 
 
 @pytest.mark.parametrize('block', ['gpt', 'llama'])
@@ -185,8 +201,13 @@ E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 
 
 def _numpy_quantize(v, dtype, amax, margin=0):
+    """(q, scale): the scale the power of two putting amax in the format's top binade."""
     top = float(ml_dtypes.finfo(dtype).max)
-    scale = np.where(amax > 0, top / (amax * 2.0**margin), 1.0).astype(np.float32)
+    limit = top / 2.0**margin
+    with np.errstate(divide='ignore'):
+        exact = np.exp2(np.floor(np.log2(limit / amax)))
+    scale = np.where(amax > 0, exact, 1.0).astype(np.float32)
+    assert ((amax * scale <= limit) & ((amax * scale > limit / 2) | (amax == 0))).all()
     return np.clip(v * scale, -top, top).astype(dtype), scale
 
 

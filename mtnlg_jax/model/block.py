@@ -17,7 +17,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from mtnlg_jax.config import ConfigError
-from mtnlg_jax.model import flash_attention, fp8_sites, moe, rope
+from mtnlg_jax.model import flash_attention, fp8, fp8_sites, moe, rope
 from mtnlg_jax.model.layers import (
     add_bias,
     attention_dims,
@@ -42,10 +42,12 @@ from mtnlg_jax.parallel.rules import constrain, gather_context, local_call, shar
 # with SwiGLU 'mlp_in' is both the gate and the up projection (silu(gate) * up recomputed).
 # The flash kernel's own out and log-sum-exp are kept too, so its forward does not run again;
 # of a mixture of experts, the router's choice (the backward never routes again) and the
-# grouped matmuls' outputs (model/moe.py).
+# grouped matmuls' outputs (model/moe.py). Under model.fp8 the products' quantized inputs and
+# scales (model/fp8.py): the backward does not take x's amax and quantize it again (the
+# quantized weights are not kept: they would cost more memory than requantizing saves time).
 SELECTIVE_SAVED = (
     'qkv', 'context', 'attn_out', 'mlp_in', 'mlp_out',
-    *flash_attention.SAVED_NAMES, *moe.SAVED_NAMES,
+    *flash_attention.SAVED_NAMES, *moe.SAVED_NAMES, fp8.SAVED_NAMES[0],
 )  # fmt: skip
 
 # The largest head dimension of cuDNN's flash attention by compute capability major (JAX 0.10:

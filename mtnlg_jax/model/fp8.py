@@ -5,8 +5,9 @@
     backward           dy -> e5m2 (2 mantissa bits, max 57344: gradients span more range)
                        dx = dy @ w^T, dw = x^T @ dy, from the same quantized x and w
 
-A scale maps a tensor's largest magnitude (its amax) to the format's largest value, so the
-values use the format's whole range: q = saturate(v x scale), v ~ q / scale. Recipes:
+A scale maps a tensor's largest magnitude (its amax) into the top binade of the format (a power
+of two: amax x scale in (max / 2, max]), so the values use the format's range:
+q = saturate(v x scale), v ~ q / scale. Recipes:
 
     tensorwise   one scale a tensor, from this step's amax (current scaling)
     delayed      x's and w's scales from amax values of earlier steps, passed in (the
@@ -15,21 +16,41 @@ values use the format's whole range: q = saturate(v x scale), v ~ q / scale. Rec
                  of K), w by 128 x 128 blocks; each K block's product scaled back before
                  the blocks are summed in fp32
 
-Tensorwise and delayed are the dequantize-then-dot pattern XLA:GPU's GEMM rewriter turns into
-cuBLASLt FP8 GEMMs on Hopper (`__cublas$lt$matmul$f8`, the scales folded into the call);
-blockwise multiplies one K block at a time (a batched FP8 product, its scales applied
-outside). The input gradient and the weight gradient are separate products, so a schedule
-may run them apart.
+Tensorwise and delayed scales are powers of two, so that a dequantized value (q / scale, in
+the compute dtype) is exact. Their products are written in the one form XLA:GPU's GEMM
+rewriter turns into a cuBLASLt FP8 GEMM with the scales as operands (`__cublas$lt$matmul$f8`,
+jaxlib 0.10.2, tests/test_fp8.py): dot(convert(q_a) x broadcast(1 / s_a), convert(q_b) x
+broadcast(1 / s_b)), the converts and the multiplies in the compute dtype, the dot's result in
+it too. The dot's result is then the scaled product itself, so under tensor parallelism its
+partial sums are reduced (reduce-scattered) in the compute dtype, as the bf16 step's are; a
+scaling after the dot would sit between the all-reduce and its slice. The rewrite only
+happens with XLA:GPU's Triton GEMMs off (COMPILER_OPTIONS: GemmFusion otherwise takes the dot
+first, as a bf16 product of the dequantized operands). Blockwise multiplies one K block at a
+time (a batched FP8 product, its scales applied outside). The input gradient and the weight
+gradient are separate products, so a schedule may run them apart.
 """
 
 import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 RECIPES = ('tensorwise', 'delayed', 'blockwise')
 BLOCK = 128  # blockwise: columns of an activation tile, the side of a weight block
+# What a product keeps for its backward, by name (model.remat = selective keeps the first):
+# the quantized input and both scales; the quantized weight.
+SAVED_NAMES = ('fp8_input', 'fp8_weight')
+# XLA options of a program with tensorwise or delayed FP8 products (jax.jit's
+# compiler_options; XLA:CPU ignores them): GEMMs through cuBLASLt, where the FP8 rewrite is
+# (the module docstring). Blockwise's products are not of that form: none.
+COMPILER_OPTIONS = {'xla_gpu_enable_triton_gemm': False}
+
+
+def compiler_options(recipe):
+    """jax.jit's compiler_options for a program with `recipe`'s products ('none': bf16)."""
+    return dict(COMPILER_OPTIONS) if recipe in ('tensorwise', 'delayed') else {}
 
 
 def largest(dtype):
@@ -37,9 +58,11 @@ def largest(dtype):
 
 
 def scale_of(amax, dtype, margin=0):
-    """The factor mapping amax to the format's largest value / 2^margin (1 where amax is 0)."""
+    """The factor mapping amax into the format's top binade below its largest value /
+    2^margin, a power of two (q / scale is then exact in any float type: the GEMM's
+    dequantization); 1 where amax is 0."""
     amax = jnp.asarray(amax, jnp.float32)
-    scale = largest(dtype) / (amax * 2.0**margin)
+    scale = jnp.exp2(jnp.floor(jnp.log2(largest(dtype) / (amax * 2.0**margin))))
     return jnp.where(amax > 0, scale, 1.0)
 
 
@@ -50,6 +73,9 @@ def quantize(v, dtype, scale):
 
 
 def amax(v):
+    """The largest |v|, of an array or of a tuple of slots (all of them)."""
+    if isinstance(v, tuple):
+        return functools.reduce(jnp.maximum, map(amax, v))
     return jnp.max(jnp.abs(v)).astype(jnp.float32)
 
 
@@ -57,7 +83,14 @@ def matmul(x, w, recipe='tensorwise', scales=None, margin=0):
     """x (..., K) @ w (K, *N) in FP8 under `recipe` (RECIPES), in x's dtype: (..., *N). scales:
     delayed's (x scale, w scale), from earlier steps' amax values (scale_of). N may be several
     dimensions (a fused kernel's slots, heads, head_dim), left unfolded: one product, one
-    input-gradient product; blockwise takes one N dimension (its 128 x 128 weight blocks)."""
+    input-gradient product; blockwise takes one N dimension (its 128 x 128 weight blocks).
+    w may be a tuple of slots, each (K, *N), multiplied as one weight (K, slots, *N) (e.g.
+    SwiGLU's gate and in kernels): one scale over them all, and stacked only once quantized
+    (the stack written in FP8, inside the quantization's kernel); their gradients a tuple."""
+    if isinstance(w, list):
+        w = tuple(w)
+    if isinstance(w, tuple) and recipe == 'blockwise':
+        raise ValueError('blockwise FP8 multiplies one (K, N) weight, not slots')
     if recipe not in RECIPES:
         raise ValueError(f'FP8 recipe {recipe!r}: one of {RECIPES}')
     if recipe == 'delayed' and scales is None:
@@ -85,19 +118,26 @@ def _forward(x, w, scales, recipe, margin):
         sx, sw = scales
     else:
         sx, sw = scale_of(amax(x), E4M3, margin), scale_of(amax(w), E4M3, margin)
-    qx, qw = quantize(x, E4M3, sx), quantize(w, E4M3, sw)
-    return _product(qx, sx, qw, sw, x.dtype, ((qx.ndim - 1,), (0,))), (qx, sx, qw, sw)
+    qx = quantize(x, E4M3, sx)
+    if isinstance(w, tuple):  # slots: quantized, then stacked after K
+        qw = jnp.stack([quantize(slot, E4M3, sw) for slot in w], 1)
+    else:
+        qw = quantize(w, E4M3, sw)
+    names = SAVED_NAMES[0], SAVED_NAMES[0], SAVED_NAMES[1], SAVED_NAMES[0]
+    saved = tuple(map(checkpoint_name, (qx, sx, qw, sw), names))
+    return _product(qx, sx, qw, sw, x.dtype, ((qx.ndim - 1,), (0,))), saved
 
 
 def _matmul_fwd(x, w, scales, recipe, margin):
     out, saved = _forward(x, w, scales, recipe, margin)
-    dtypes = jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype)  # the gradients' (as arrays)
-    return out, (saved, scales, dtypes)
+    like = jax.tree.map(lambda v: jnp.zeros((0,), v.dtype), (x, w))  # the gradients' types
+    return out, (saved, scales, like)
 
 
 def _matmul_bwd(recipe, margin, residuals, dy):
     (qx, sx, qw, sw), scales, (x_like, w_like) = residuals
-    x_dtype, w_dtype = x_like.dtype, w_like.dtype
+    slots = len(w_like) if isinstance(w_like, tuple) else 0
+    x_dtype, w_dtype = x_like.dtype, jax.tree.leaves(w_like)[0].dtype
     zero_scales = jax.tree.map(jnp.zeros_like, scales)
     if recipe == 'blockwise':
         qdy, sdy = _tiles(dy, E5M2, margin)
@@ -110,6 +150,8 @@ def _matmul_bwd(recipe, margin, residuals, dy):
     n_of_dy = tuple(range(qdy.ndim - n, qdy.ndim))
     dx = _product(qdy, sdy, qw, sw, x_dtype, (n_of_dy, tuple(range(1, qw.ndim))))  # input's
     dw = _product(qx, sx, qdy, sdy, w_dtype, (lead, lead))  # the weights' gradient, apart
+    if slots:
+        dw = tuple(dw[:, i] for i in range(slots))
     return dx, dw, zero_scales
 
 
@@ -117,11 +159,16 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 def _product(qa, sa, qb, sb, dtype, contract):
-    """(qa . qb) / (sa sb), contracting the `contract` dimensions: the FP8 operands into one
-    dot accumulating in fp32, the scales applied to its result (XLA:GPU compiles it to one
-    FP8 GEMM, the scales folded in)."""
-    out = jax.lax.dot_general(qa, qb, (contract, ((), ())), preferred_element_type=jnp.float32)
-    return (out / (sa * sb)).astype(dtype)
+    """(qa / sa) . (qb / sb) in `dtype`, contracting the `contract` dimensions: each operand
+    dequantized right before the dot (the form XLA:GPU rewrites into one FP8 GEMM, the scales
+    its operands and the accumulation fp32: the module docstring)."""
+    a, b = _dequantized(qa, sa, dtype), _dequantized(qb, sb, dtype)
+    return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=dtype)
+
+
+def _dequantized(q, scale, dtype):
+    """q / scale in `dtype`: exact for power-of-two scales (scale_of)."""
+    return q.astype(dtype) * (1.0 / scale).astype(dtype)
 
 
 def _tiles(v, dtype, margin):

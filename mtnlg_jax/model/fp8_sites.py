@@ -52,6 +52,11 @@ def settings(cfg):
     return None if recipe == 'none' else (recipe, cfg.get('fp8_margin', 0))
 
 
+def compiler_options(cfg):
+    """The XLA options a program of a model config needs (jax.jit's compiler_options)."""
+    return fp8.compiler_options(cfg.get('fp8', 'none'))
+
+
 def history_buffer(cfg):
     """The delayed recipe's buffer of one block (the module docstring), or None."""
     if cfg.get('fp8', 'none') != 'delayed':
@@ -78,11 +83,17 @@ def project(setting, site, x, w, contract=1):
     """x (..., *K) @ w (*K, *N) in FP8, K the last `contract` dimensions of x and the first of
     w (folded into one: the fold keeps a split dimension outermost); N stays as it is (a fused
     kernel's slot axis sits outside the heads tensor parallelism splits: folding it would move
-    data), but for blockwise, whose weight blocks need one N (the caller gives it one slot)."""
+    data), but for blockwise, whose weight blocks need one N (the caller gives it one slot).
+    w may be a tuple of kernels of one shape, multiplied as slots (fp8.matmul): the result
+    (..., slots, *N)."""
     recipe, margin = setting
-    lead, k_shape, n_shape = x.shape[: x.ndim - contract], w.shape[:contract], w.shape[contract:]
+    first = w[0] if isinstance(w, tuple) else w
+    lead = x.shape[: x.ndim - contract]
+    k_shape, n_shape = first.shape[:contract], first.shape[contract:]
     x2 = x.reshape(*lead, math.prod(k_shape))
-    w2 = w.reshape(math.prod(k_shape), *n_shape)
+    w2 = jax.tree.map(lambda v: v.reshape(math.prod(k_shape), *n_shape), w)
+    if isinstance(w, tuple):  # slots (fp8.matmul): the product's N is (slots, *N)
+        n_shape = (len(w), *n_shape)
     if recipe == 'blockwise':
         w2 = w2.reshape(w2.shape[0], math.prod(n_shape))
     scales = None

@@ -150,7 +150,7 @@ class SwiGLU(nnx.Module):
             gate = up(project(self, 'mlp_up', 'bse,ef->bsf', x, self.gate_kernel), self.gate_bias)
             h = up(project(self, 'mlp_up', 'bse,ef->bsf', x, self.in_kernel), self.in_bias)
         else:  # one FP8 product of the two kernels stacked as slots (model/fp8_sites.py)
-            w = jnp.stack([use(k, self.dtype) for k in (self.gate_kernel, self.in_kernel)], 1)
+            w = tuple(use(k, self.dtype) for k in (self.gate_kernel, self.in_kernel))
             gate, h = jnp.moveaxis(fp8_sites.project(self.fp8, 'mlp_up', x, w), -2, 0)
             gate, h = up(gate, self.gate_bias), up(h, self.in_bias)
         return project_down(self, jax.nn.silu(gate) * h)

@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec
 from mtnlg_jax.data.batch import BATCH_AXES
 from mtnlg_jax.data import packing
 from mtnlg_jax.model import buffers as buffers_lib
+from mtnlg_jax.model import fp8_sites
 from mtnlg_jax.model import gpt
 from mtnlg_jax.parallel import engine as engine_lib
 from mtnlg_jax.parallel import context, rules, stage_order, zero
@@ -250,7 +251,12 @@ def make_train_step(config, setup, inject=None):
         metrics = dict(loss=loss, grad_norm=grad_norm, lr=lr, skipped=skipped)
         return new_state, {**metrics, **values}  # the model's side values under their names
 
-    return jax.jit(train_step, out_shardings=(setup.state_shardings, None), donate_argnums=0)
+    return jax.jit(
+        train_step,
+        out_shardings=(setup.state_shardings, None),
+        donate_argnums=0,
+        compiler_options=fp8_sites.compiler_options(config.model),
+    )
 
 
 def buffers_after(setup, buffers, values, step):
@@ -307,7 +313,7 @@ def make_eval_step(config, setup):
         loss, count, _ = engine.loss_sum(_stage_functions(setup), model_params, batch)
         return loss, count
 
-    return jax.jit(eval_step)
+    return jax.jit(eval_step, compiler_options=fp8_sites.compiler_options(config.model))
 
 
 def _stage_functions(setup):
