@@ -13,6 +13,7 @@ from mtnlg_jax import config as config_lib
 from mtnlg_jax.eval import completion
 from mtnlg_jax.eval.generation import Generator, Sampling, choose_tokens
 from mtnlg_jax.model import decode, gpt
+from mtnlg_jax.model.layers import attention_dims
 from mtnlg_jax.plan import hlo
 
 PROMPTS = [[5, 17, 9], [800, 3, 3, 41, 7, 7, 120], [64]]
@@ -68,13 +69,16 @@ def test_greedy_with_the_kv_cache_equals_greedy_by_full_recomputation(tensor_par
     assert len({tuple(row) for row in cached}) == len(PROMPTS)  # not one degenerate answer
 
 
-def test_a_prompt_prefilled_over_context_decodes_as_one_device():
-    """Llama's block on context 2 x tensor 2 x data 2: the prompts' prefill (the shortest
-    one's first 16 tokens, 4 chunks of 4, rank r holding chunks r and 3 - r) is split over
+@pytest.mark.parametrize('block', ['llama', 'gpt'])
+def test_a_prompt_prefilled_over_context_decodes_as_one_device(block):
+    """Llama's block (rope at the chunks' global positions, grouped heads) and GPT's (learned
+    positions) on context 2 x tensor 2 x data 2: the prompts' prefill (the shortest one's
+    first 16 tokens, 4 chunks of 4, rank r holding chunks r and 3 - r) is split over
     'context', the compiled prefill gathering each layer's keys and values over it; its cache
     is one device's prefill's and the greedy tokens those of full recomputation on one
     device."""
-    generate, config = generator(data=2, tensor=2, context=2, **LLAMA_BLOCK)
+    model_keys = LLAMA_BLOCK if block == 'llama' else {}
+    generate, config = generator(data=2, tensor=2, context=2, **model_keys)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, VOCAB, n).tolist() for n in (17, 20, 18, 19)]
     buffer = np.asarray([p[:16] for p in prompts], np.int32)
@@ -84,8 +88,11 @@ def test_a_prompt_prefilled_over_context_decodes_as_one_device():
         compiled = Generator._prefill.lower(generate, generate.params, tokens, 28).compile()
     inventory = hlo.collective_inventory(compiled.as_text(), generate.mesh)
     gathers = [e for e in inventory if e['kind'] == 'all-gather' and e['axes'] == ('context',)]
-    # K and V whole over the prompt: 2 rows a data rank x 16 x 2 heads a tensor rank x 8 x 4 B
-    assert len(gathers) == 2 and all(e['bytes'] == 2 * 16 * 2 * 8 * 4 for e in gathers)
+    # K (or K and V together) whole over the prompt: 2 rows a data rank x 16 x the key/value
+    # heads of a tensor rank x head_dim x 4 B
+    _, kv_heads, head_dim = attention_dims(config.model)
+    kv = 2 * 16 * kv_heads // 2 * head_dim * 4
+    assert gathers and all(e['bytes'] in (kv, 2 * kv) for e in gathers), gathers
     assert all(e['in_loop'] and e['count'] == config.model.num_layers for e in gathers)
     model = gpt.merge(generate.graphdef, jax.device_get(generate.params))
     empty = decode.init_cache(generate.cfg, len(prompts), 28, jnp.float32)
