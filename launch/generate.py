@@ -14,9 +14,11 @@ completion is cut before it). A prompt plus --max_new_tokens beyond the model's 
 (seq_len) is an error, not a silent cut. With one prompt and one sequence the text is streamed
 as it is produced; otherwise each completion prints when the batch is done. The mesh is data 1
 x tensor (the run's tensor size unless --tensor says otherwise; on a CPU-only machine the tool
-makes that many CPU devices itself); only the parameters are read. --output writes the
-completions as JSON with the sampling settings that made them. Bad input prints one line
-`error: ...` and exits with status 2 before anything is compiled or written.
+makes that many CPU devices itself); with --context C, data x context x tensor, the prompts'
+prefill split over C devices as training splits a sequence (eval/generation.py); only the
+parameters are read. --output writes the completions as JSON with the sampling settings that
+made them. Bad input prints one line `error: ...` and exits with status 2 before anything is
+compiled or written.
 """
 
 import os
@@ -51,6 +53,9 @@ def parse_args(argv):
     parser.add_argument('--no_cache', action='store_true', help='recompute (for comparison)')
     parser.add_argument('--tensor', type=int, help="mesh tensor size (default: the run's)")
     parser.add_argument('--data_parallel', type=int, default=1, help='mesh data size')
+    parser.add_argument(
+        '--context', type=int, default=1, help="mesh context size: the prompts' prefill split"
+    )
     parser.add_argument(
         '--tokenizer', help="sentencepiece .model or GPT-2 BPE files (default: the run's)"
     )
@@ -96,14 +101,14 @@ def main(argv):
                 fail(f'--{flag} shapes sampling: add --do_sample (generation is greedy without)')
     if args.max_new_tokens < 1:
         fail(f'--max_new_tokens must be a positive integer, got {args.max_new_tokens}')
-    for name in ('data_parallel', 'tensor'):
+    for name in ('data_parallel', 'context', 'tensor'):
         value = getattr(args, name)
         if value is not None and value < 1:
             fail(f'--{name} must be a positive integer, got {value}')
     if args.output:
         check_output_file(args.output)
     run_mesh = workdir_config(args.workdir)['mesh']
-    devices = args.data_parallel * (args.tensor or run_mesh['tensor'])
+    devices = args.data_parallel * args.context * (args.tensor or run_mesh['tensor'])
     cpu_devices(max(1, devices // distributed.requested_process_count(args)))
 
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)  # first
@@ -129,7 +134,7 @@ def main(argv):
         fail(f'--{e}')
     try:
         saved = workdir_lib.read_saved_config(args.workdir)
-        config = workdir_lib.inference_config(saved, args.data_parallel, args.tensor)
+        config = workdir_lib.inference_config(saved, args.data_parallel, args.tensor, args.context)
         tokenizer, _ = workdir_lib.run_tokenizer(args.workdir, config, args.tokenizer)
     except (workdir_lib.WorkdirError, config_lib.ConfigError) as e:
         fail(str(e))
@@ -139,7 +144,9 @@ def main(argv):
     except ValueError as e:  # "max_new_tokens 30: a prompt of ...": the flag's name
         fail(f'--{e}')
     try:
-        loaded = workdir_lib.load(args.workdir, args.step, args.data_parallel, args.tensor)
+        loaded = workdir_lib.load(
+            args.workdir, args.step, args.data_parallel, args.tensor, context=args.context
+        )
     except (workdir_lib.WorkdirError, config_lib.ConfigError) as e:
         fail(str(e))
 

@@ -10,12 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mtnlg_jax import config as config_lib
 from mtnlg_jax.checkpoint import store as checkpoint_lib
 from mtnlg_jax.train import faults, resume
 from mtnlg_jax.train import state as state_lib
 from mtnlg_jax.data import batch as batch_lib
 from mtnlg_jax.train import step as step_lib
-from support import assert_trees_close, layout, random_batches, small_config
+from support import LLAMA_BLOCK, SEQ_LEN, assert_trees_close, layout, random_batches, small_config
 
 
 @functools.cache
@@ -140,6 +141,55 @@ def test_init_from_takes_another_runs_parameters_under_another_layout(tmp_path):
     assert_trees_close(restored['params'], saved['params'], atol=0)
     assert int(restored['step']) == 0 and counters['samples_consumed'] == 0
     assert 'initialised  parameters from step 3' in lines[0]
+
+
+def longer_stage(config, seq_len, context, **layout_and_model):
+    """Llama 3's next long-context stage of `config` (docs/training.md): seq_len tokens split
+    over `context` x tensor with sequence parallelism, rope's llama3 scaling from the
+    previous stage's length."""
+    config = config_lib.inputs_of(small_config(**layout_and_model))
+    config.mesh.context = context
+    config.model.update(dict(seq_len=seq_len, sequence_parallel=True))
+    config.model.rope_scaling.update(dict(type='llama3', original_context=SEQ_LEN))
+    return config_lib.resolve(config, 8)
+
+
+def test_init_from_a_shorter_sequence_starts_a_longer_one_on_context_parallelism(tmp_path):
+    """Continued pretraining: a Llama run at seq 32 (no rope scaling) on data 2 x tensor 4
+    starts a new run at seq 128 on context 2 x tensor 2 x data 2 with rope's llama3 scaling:
+    the parameters are the source's, and two train steps on one batch of 128 tokens a row
+    lower its loss. (A resume that changes model.seq_len is refused: test_identity.py.)"""
+    block = dict(LLAMA_BLOCK, rope_scaling=dict(type='none'))
+    config = small_config(data=2, tensor=4, **block)
+    _, setup = layout(config)
+    source = state_lib.init_state(config, setup)
+    checkpoints = checkpoint_lib.Checkpoints(tmp_path / 'short')
+    checkpoints.save(3, source, resume.checkpoint_meta(config, resume.fresh_counters()))
+    checkpoints.wait()
+    checkpoints.close()
+    saved = jax.device_get(source['params'])
+    long = longer_stage(config, 4 * SEQ_LEN, context=2, data=2, tensor=2, **block)
+    long.checkpoint.init_from = str(tmp_path / 'short')
+    long.train.seed = 99  # its own initialisation would differ
+    mesh, long_setup = layout(long)
+    pieces = [random_batches(1, seed=s)[0][:, :SEQ_LEN] for s in range(5)]
+    batch = np.concatenate(pieces, 1)[:, : 4 * SEQ_LEN + 1].astype(np.int32)
+    tokens, rows = batch_lib.place_batch(*batch_lib.to_micro_steps(batch, 2), mesh)
+    lines = []
+    with jax.set_mesh(mesh):
+        new = checkpoint_lib.Checkpoints(tmp_path / 'long')
+        position = resume.restore_or_init(long, long_setup, new, log=lines.append)
+        new.close()
+        restored = jax.device_get(position.state['params'])
+        train_step = step_lib.make_train_step(long, long_setup)
+        state, losses = position.state, []
+        for i in range(2):
+            seen = jnp.float32((i + 1) * batch[:, 1:].size)
+            state, metrics = train_step(state, tokens, rows, seen)
+            losses.append(float(metrics['loss']))
+    assert 'initialised  parameters from step 3' in lines[0]
+    assert_trees_close(restored, saved, atol=0)
+    assert np.isfinite(losses).all() and losses[1] < losses[0], losses
 
 
 def test_a_non_finite_step_leaves_parameters_and_optimizer_state_unchanged():

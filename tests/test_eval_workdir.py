@@ -17,3 +17,13 @@ def test_the_default_runs_config_resolves_for_inference_on_any_mesh(data, tensor
     assert config.train.to_dict() == config_lib.load('configs/tiny.py').train.to_dict()  # as given
     assert config.mesh.tensor == (tensor or saved['mesh']['tensor'])
     assert config.model.padded_vocab == saved['derived']['model']['padded_vocab']
+
+
+@pytest.mark.parametrize('context', [1, 2])
+def test_a_context_parallel_runs_config_resolves_for_inference_on_the_context_asked(context):
+    """configs/tiny_llama_8k.py trains on context 4 x tensor 2: inference takes the mesh's
+    context from its caller (1 by default; generation's prefill splits over it), not the
+    run's."""
+    saved = config_lib.resolve(config_lib.load('configs/tiny_llama_8k.py'), 8).to_dict()
+    config = workdir_lib.inference_config(saved, 1, 2, context)
+    assert (config.mesh.data, config.mesh.context, config.mesh.tensor) == (1, context, 2)

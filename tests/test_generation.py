@@ -6,19 +6,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support import VOCAB, layout, small_config
+from support import LLAMA_BLOCK, VOCAB, layout, small_config
+
+from mtnlg_jax import config as config_lib
 
 from mtnlg_jax.eval import completion
 from mtnlg_jax.eval.generation import Generator, Sampling, choose_tokens
-from mtnlg_jax.model import gpt
+from mtnlg_jax.model import decode, gpt
+from mtnlg_jax.model.layers import attention_dims
+from mtnlg_jax.plan import hlo
 
 PROMPTS = [[5, 17, 9], [800, 3, 3, 41, 7, 7, 120], [64]]
 
 
-def generator(data, tensor):
+def generator(data, tensor, context=1, **model):
     # A larger init than training's makes the logits peaked, so greedy choices are decided by
     # clear margins rather than by float rounding.
-    config = small_config(data=data, tensor=tensor, init_std=0.3)
+    config = small_config(data=data, tensor=tensor, init_std=0.3, **model)
+    if context > 1:
+        config = config_lib.inputs_of(config)
+        config.mesh.context = context
+        config = config_lib.resolve(config, data * context * tensor)
     mesh, setup = layout(config)
     with jax.set_mesh(mesh):
         params = jax.jit(
@@ -59,6 +67,40 @@ def test_greedy_with_the_kv_cache_equals_greedy_by_full_recomputation(tensor_par
     bucketed = Generator(generate.graphdef, generate.params, generate.cfg, generate.mesh, 4)
     assert cached == recomputed == reference == bucketed(PROMPTS, max_new_tokens=12)
     assert len({tuple(row) for row in cached}) == len(PROMPTS)  # not one degenerate answer
+
+
+@pytest.mark.parametrize('block', ['llama', 'gpt'])
+def test_a_prompt_prefilled_over_context_decodes_as_one_device(block):
+    """Llama's block (rope at the chunks' global positions, grouped heads) and GPT's (learned
+    positions) on context 2 x tensor 2 x data 2: the prompts' prefill (the shortest one's
+    first 16 tokens, 4 chunks of 4, rank r holding chunks r and 3 - r) is split over
+    'context', the compiled prefill gathering each layer's keys and values over it; its cache
+    is one device's prefill's and the greedy tokens those of full recomputation on one
+    device."""
+    model_keys = LLAMA_BLOCK if block == 'llama' else {}
+    generate, config = generator(data=2, tensor=2, context=2, **model_keys)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (17, 20, 18, 19)]
+    buffer = np.asarray([p[:16] for p in prompts], np.int32)
+    with jax.set_mesh(generate.mesh):
+        split = jax.device_get(generate._prefill_cache(buffer, 28))
+        tokens = jax.device_put(buffer, generate._batch_sharding)
+        compiled = Generator._prefill.lower(generate, generate.params, tokens, 28).compile()
+    inventory = hlo.collective_inventory(compiled.as_text(), generate.mesh)
+    gathers = [e for e in inventory if e['kind'] == 'all-gather' and e['axes'] == ('context',)]
+    # K (or K and V together) whole over the prompt: 2 rows a data rank x 16 x the key/value
+    # heads of a tensor rank x head_dim x 4 B
+    _, kv_heads, head_dim = attention_dims(config.model)
+    kv = 2 * 16 * kv_heads // 2 * head_dim * 4
+    assert gathers and all(e['bytes'] in (kv, 2 * kv) for e in gathers), gathers
+    assert all(e['in_loop'] and e['count'] == config.model.num_layers for e in gathers)
+    model = gpt.merge(generate.graphdef, jax.device_get(generate.params))
+    empty = decode.init_cache(generate.cfg, len(prompts), 28, jnp.float32)
+    whole = jax.jit(lambda tokens: decode.forward_cached(model, tokens, empty, 0)[1])(buffer)
+    for a, b in zip(split, whole):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    reference = [greedy_by_recomputation(generate, prompt, 8) for prompt in prompts]
+    assert generate(prompts, max_new_tokens=8) == reference
 
 
 def test_generation_stops_at_end_of_document_and_at_the_sequence_length(tensor_parallel):

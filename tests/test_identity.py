@@ -182,6 +182,8 @@ def test_resuming_with_another_tokenizer_of_the_same_size_is_refused(
     [
         (['--config.data.split=900,90,10'], 'data.split'),
         (['--config.data.order=megatron'], 'data.order'),
+        # a longer sequence is a new run (checkpoint.init_from: Llama 3's long-context stages)
+        (['--config.model.seq_len=64'], 'model.seq_len: 32 -> 64'),
     ],
 )
 def test_a_data_stream_change_on_resume_needs_accept_changes(

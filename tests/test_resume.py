@@ -1,6 +1,6 @@
 """Invariants 3 and 4 of docs/design.md at the command line: a stopped run resumes from its workdir
 with the losses the uninterrupted run had, exactly under the same layout, within 1e-4 under
-any other (data, stage, tensor, repeats), with no conversion step."""
+any other (data, stage, tensor, repeats, context), with no conversion step."""
 
 import json
 import re
@@ -27,10 +27,11 @@ STEPS, HALF = 10, 5
 DEFAULT_LAYOUT = (4, 1, 2, 1)  # data, stage, tensor, repeats: configs/tiny.py's
 
 
-def layout_flags(data, stage, tensor, repeats, schedule='1f1b'):
+def layout_flags(data, stage, tensor, repeats, schedule='1f1b', context=1):
     return [
         f'--config.mesh.data={data}',
         f'--config.mesh.stage={stage}',
+        f'--config.mesh.context={context}',
         f'--config.mesh.tensor={tensor}',
         f'--config.pipeline.repeats={repeats}',
         f'--config.pipeline.schedule={schedule}',
@@ -191,6 +192,10 @@ def test_a_run_killed_during_an_async_save_resumes_from_the_newest_complete_chec
         # padded vocabulary changing with tensor: test_checkpoint.py (384 -> 1024 rows).
         ((1, 2, 4, 2, 'gpipe'), (2, 2, 2, 1)),  # GPipe order, v = 2 -> 1F1B, v = 1
         ((4, 1, 2, 1), (2, 2, 2, 2)),  # into a pipeline
+        # ZeRO-1 over data 2 x context 2 -> over data 4 (the uninterrupted run's compile) and
+        # over context 4: the optimizer state's shards follow the context size
+        ((2, 1, 2, 1, '1f1b', 2), (4, 1, 2, 1)),
+        ((2, 1, 2, 1, '1f1b', 2), (1, 1, 2, 1, '1f1b', 4)),
     ],
     ids=lambda value: 'x'.join(map(str, value)),
 )
@@ -209,7 +214,11 @@ def test_a_checkpoint_resumes_under_another_layout_with_the_uninterrupted_losses
         data=token_data,
     )
     data, stage, tensor = resumed_under[:3]
-    assert f'mesh         data {data} x stage {stage} x tensor {tensor}' in resumed.stdout
+    context = resumed_under[5] if len(resumed_under) > 5 else 1
+    over = f'context {context} x ' if context > 1 else ''
+    assert f'mesh         data {data} x stage {stage} x {over}tensor {tensor}' in resumed.stdout
+    zero = f'data {data}' + (f' x context {context}' if context > 1 else '')
+    assert f'(ZeRO-1 over {zero})' in resumed.stdout
     assert f'resumed      from step {HALF}' in resumed.stdout
     expected, actual = losses(runs.uninterrupted()), losses(workdir)
     assert sorted(actual) == sorted(expected)

@@ -15,10 +15,17 @@ the host can stream text as it is produced (and stop a row once its text holds a
 string: completion.py). The repetition penalty keeps a (batch, vocab) mask of the tokens
 each row has seen, split like the logits. `use_cache=False` recomputes the whole sequence at
 every step: the reference the cached path is tested and benchmarked against.
+
+Under context parallelism (mesh.context = c > 1) the prefill is split over 'context' as a
+training sequence is (parallel/context.py): the prompt's first multiple of 2c tokens in the
+chunk order, each rank's queries its two chunks against the keys and values gathered over
+'context' (the flash kernel at each chunk's offset on a GPU, else the plain path), the cache
+filled in sequence order; the tokens after it, one at a time, as without.
 """
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +34,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from mtnlg_jax.model import decode, gpt
+from mtnlg_jax.parallel import context as context_lib
 from mtnlg_jax.parallel import rules
 
 
@@ -95,11 +103,22 @@ class Generator:
     def _empty_cache(self, rows, max_len):
         return decode.init_cache(self.cfg, rows, max_len, self.dtype)
 
+    @property
+    def context(self):
+        """mesh.context: a prefill of a multiple of 2 x context tokens is split over it."""
+        return self.mesh.shape.get(rules.CONTEXT_AXIS, 1)
+
     @functools.partial(jax.jit, static_argnums=(0, 3))
     def _prefill(self, params, tokens, max_len):
-        """The cache after tokens (batch, n), with room for max_len positions."""
+        """The cache after tokens (batch, n), with room for max_len positions; under context
+        parallelism the tokens in the chunk order, each rank's two chunks its own
+        (decode.forward_cached)."""
         cache = decode.init_cache(self.cfg, tokens.shape[0], max_len, self.dtype)
-        return decode.forward_cached(gpt.merge(self.graphdef, params), tokens, cache, 0)[1]
+        model, order = gpt.merge(self.graphdef, params), None
+        if self.context > 1:
+            order = context_lib.chunk_order(tokens.shape[1], self.context)
+            tokens = tokens[:, order]
+        return decode.forward_cached(model, tokens, cache, 0, order)[1]
 
     @staticmethod
     def _choose(logits, token, seen, index, sampling, key):
@@ -166,7 +185,9 @@ class Generator:
         key = jax.random.key(seed)
         # Prefill all but the last token of the shortest prompt (rounded down to the bucket);
         # the steps from there feed each row its own prompt tokens until it generates.
-        prefilled = (int(lengths.min()) - 1) // bucket * bucket
+        # (Under context parallelism, to a multiple of 2 x context: the prefill's chunks.)
+        chunks = math.lcm(bucket, 2 * self.context if self.context > 1 else 1)
+        prefilled = (int(lengths.min()) - 1) // chunks * chunks
         seen = np.zeros((rows, self.cfg.padded_vocab), bool)  # the tokens prefilled
         seen[np.repeat(np.arange(rows), prefilled), buffer[:, :prefilled].reshape(-1)] = True
 

@@ -470,14 +470,17 @@ class Attention(nnx.Module):
             args, axes = args + (segment_ids,), axes + (SEGMENT_AXES,)
         return constrain(local_call(flash, args, CONTEXT_AXES, args_axes=axes), CONTEXT_AXES)
 
-    def cached(self, x, cache, index):
+    def cached(self, x, cache, index, order=None):
         """Attention of new tokens x (batch, new, embed) at positions index, index + 1, ...
         over every earlier position, for decoding with a KV cache.
 
         cache: (keys, values), each (batch, max_len, kv_heads, head_dim); the new tokens'
         keys and values (rotated by their positions under rope) are written at `index` and
-        the updated cache is returned with the output.
+        the updated cache is returned with the output. order: a prompt from position 0 in
+        the chunk order, split over 'context' (cached_context).
         """
+        if order is not None:
+            return self.cached_context(x, cache, order)
         q, k, v = self.project_qkv(x, index + jnp.arange(x.shape[1]))
         keys, values = (
             jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), index, axis=1)
@@ -492,6 +495,23 @@ class Attention(nnx.Module):
         query_pos = index + jnp.arange(x.shape[1])
         visible = jnp.arange(keys.shape[1])[None, :] <= query_pos[:, None]
         return self.project_out(self.attend(q, keys, values, visible)), (keys, values)
+
+    def cached_context(self, x, cache, order):
+        """A prompt's prefill split over 'context' as training splits a sequence: x (batch, n,
+        embed) in the chunk order (order (n,): the global position of each place,
+        parallel/context.py), so each rank's queries are its two chunks, against the keys
+        and values gathered over 'context' (context(): the flash kernel at each chunk's
+        offset where it runs, else the plain path on (n / c) x n scores a rank). The keys
+        and values go into the cache in sequence order from position 0."""
+        q, k, v = self.project_qkv(x, order)
+        rows = jnp.broadcast_to(jnp.asarray(order), x.shape[:2])
+        context = self.context(q, k, v, None, 0, order=rows)
+        in_sequence = np.argsort(order)
+        keys, values = (
+            jax.lax.dynamic_update_slice_in_dim(c, new[:, in_sequence].astype(c.dtype), 0, axis=1)
+            for c, new in zip(cache, (k, v))
+        )
+        return self.project_out(context), (keys, values)
 
 
 def gathered(x):
@@ -567,14 +587,14 @@ class Block(nnx.Module):
         x = x + dropout(h, self.hidden_dropout, row_keys, site + _MLP_RESIDUAL)
         return constrain(x, ('batch', 'residual_seq', 'embed')), values
 
-    def cached(self, x, cache, index):
+    def cached(self, x, cache, index, order=None):
         """The block on new tokens at positions index, ... with a KV cache (no dropout: for
         inference); returns (x, updated cache). See Attention.cached."""
         with fp8_sites.recording(self.history()):
-            return self.cached_layers(x, cache, index)
+            return self.cached_layers(x, cache, index, order)
 
-    def cached_layers(self, x, cache, index):
-        h, cache = self.attention.cached(self.ln_attn(x), cache, index)
+    def cached_layers(self, x, cache, index, order=None):
+        h, cache = self.attention.cached(self.ln_attn(x), cache, index, order)
         x = x + h
         if hasattr(self, 'moe'):
             x = x + self.moe(self.ln_mlp(x), 0)[0]

@@ -12,11 +12,16 @@ stacked block parameters with that layer's slice of the cache alongside:
         -> logits of the last new position (batch, vocab), cache with positions
            index .. index + new - 1 filled
 
-A prompt goes in as one call (prefill), then one token per call.
+A prompt goes in as one call (prefill), then one token per call. Under context parallelism
+(mesh.context > 1) the prefill takes the prompt in the chunk order and splits it over
+'context' as training does (eval/generation.py); the tokens after it run as before.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from mtnlg_jax.parallel.rules import constrain
@@ -33,33 +38,41 @@ def init_cache(model_cfg, batch, max_len, dtype):
     return tuple(constrain(jnp.zeros(shape, dtype), CACHE_AXES) for _ in range(2))
 
 
-def forward_cached(model, tokens, cache, index):
+def forward_cached(model, tokens, cache, index, order=None):
     """Logits (batch, vocab) after tokens (batch, new) at positions index .. index + new - 1,
-    and the updated cache. The caller keeps index + new <= model.seq_len."""
+    and the updated cache. The caller keeps index + new <= model.seq_len. order: a prompt
+    from index 0 given in the chunk order of context parallelism (order (new,): the global
+    position of each place; parallel/context.py), split over 'context' (Attention.cached)."""
     x = jnp.take(model.token_embed[...], tokens, axis=0)
     if model.position_embed is not None:  # rope: the blocks rotate by index, index + 1, ...
         table = model.position_embed[...]
-        x = x + jax.lax.dynamic_slice_in_dim(table, index, tokens.shape[1])
+        if order is None:
+            x = x + jax.lax.dynamic_slice_in_dim(table, index, tokens.shape[1])
+        else:
+            x = x + table[jnp.asarray(order)]
     x = constrain(x, ('batch', 'seq', 'embed'))
+    stack = functools.partial(_cached_stack, index=index, order=order)
     if model.dense_blocks is None:
-        x, cache = _cached_stack(model.blocks, x, cache, index)
+        x, cache = stack(model.blocks, x, cache)
     else:  # the dense layers ahead of the experts hold the cache's first rows
         k = model.dense_layers
-        x, dense = _cached_stack(model.dense_blocks, x, tuple(c[:k] for c in cache), index)
-        x, rest = _cached_stack(model.blocks, x, tuple(c[k:] for c in cache), index)
+        x, dense = stack(model.dense_blocks, x, tuple(c[:k] for c in cache))
+        x, rest = stack(model.blocks, x, tuple(c[k:] for c in cache))
         cache = tuple(jnp.concatenate(pair) for pair in zip(dense, rest))
     cache = tuple(constrain(c, CACHE_AXES) for c in cache)
-    hidden = model.final_norm(x[:, -1:])
+    last = -1 if order is None else int(np.argmax(order))  # the last position's place
+    hidden = model.final_norm(x[:, last:][:, :1])
     return model.logits(hidden)[:, 0], cache
 
 
-def _cached_stack(blocks, x, cache, index):
+def _cached_stack(blocks, x, cache, index, order):
     """(x, cache) after a stack of blocks scanned over x with their layers' cache rows."""
     graphdef, stacked = nnx.split(blocks)
 
     def one_block(x, block_and_cache):
         params, keys, values = block_and_cache
-        x, (keys, values) = nnx.merge(graphdef, params).cached(x, (keys, values), index)
+        block = nnx.merge(graphdef, params)
+        x, (keys, values) = block.cached(x, (keys, values), index, order)
         return x, (keys, values)
 
     return jax.lax.scan(one_block, x, (stacked, *cache))

@@ -36,7 +36,9 @@ def lines(config, setup, compile_seconds, train_data):
         f'hidden {config.model.hidden}, {config.model.heads} heads, seq {config.model.seq_len}, '
         f'vocab {config.model.vocab_size} (padded {config.model.padded_vocab}), '
         f'{config.model.compute_dtype} compute, remat {config.model.remat}',
-        f'mesh         data {mesh.data} x stage {mesh.stage} x tensor {mesh.tensor} '
+        f'mesh         data {mesh.data} x stage {mesh.stage} x '
+        + (f'context {mesh.context} x ' if mesh.context > 1 else '')
+        + f'tensor {mesh.tensor} '
         + (f'x expert {mesh.expert} ' if mesh.expert > 1 else '')
         + f'on {jax.device_count()} x {device.device_kind} ({jax.process_count()} process(es))',
         f'batch        global {config.train.global_batch} = micro_batch {config.train.micro_batch} '
@@ -46,7 +48,7 @@ def lines(config, setup, compile_seconds, train_data):
         *rampup_lines(config),
         f'per device   parameters {footprint.format_bytes(held["parameters"])}, '
         f'gradients {footprint.format_bytes(held["gradients"])}, '
-        f'optimizer {footprint.format_bytes(held["optimizer"])} (ZeRO-1 over data {mesh.data})',
+        f'optimizer {footprint.format_bytes(held["optimizer"])} (ZeRO-1 over {zero_line(mesh)})',
         f'FLOPs        {flops_per_step / 1e12:.3f} TFLOP model FLOPs per step '
         f'(6N + 12LHQT per token{", N active" if experts_of(config.model) else ""}); peak '
         f'{devices.device_peak_tflops(device, config.model.compute_dtype) or "unknown"} TFLOP/s '
@@ -57,6 +59,12 @@ def lines(config, setup, compile_seconds, train_data):
         + (' (no effect on this CPU)' if device.platform == 'cpu' else ''),
         *data_lines(config, train_data),
     ]
+
+
+def zero_line(mesh):
+    """The axes ZeRO-1 shards the optimizer state over (rules.zero_axes): data, and context
+    where above 1."""
+    return f'data {mesh.data}' + (f' x context {mesh.context}' if mesh.context > 1 else '')
 
 
 def experts_lines(model_cfg, num_params):
