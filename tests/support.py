@@ -199,12 +199,14 @@ def assert_gradients_close(actual, expected, atol=1e-5, relative=1e-5):
 
 
 def assert_dropout_does_not_depend_on_the_layout(layout, dropout, **model):
-    """With `dropout` (model keys), `layout` (small_config keys) computes one device's loss and
-    gradients of one step, and dropout moves the gradients far beyond that tolerance (so the
-    masks are drawn, and drawn alike)."""
+    """With `dropout` (model keys), `layout` (small_config keys) starts from one device's
+    parameters (bit for bit) and computes its loss and gradients of one step, and dropout
+    moves the gradients far beyond that tolerance (so the masks are drawn, and drawn alike)."""
     batch = random_batches(1)[0]
-    loss_one, grads_one, grads_no_dropout = _one_device_with_and_without(dropout, model)
-    _, loss_many, grads_many = gradients(small_config(**layout, **model, **dropout), batch, step=5)
+    params_one, loss_one, grads_one, grads_no_dropout = _one_device_with_and_without(dropout, model)
+    config = small_config(**layout, **model, **dropout)
+    params_many, loss_many, grads_many = gradients(config, batch, step=5)
+    assert_trees_close(params_many, params_one, atol=0.0)
     change = max(
         np.abs(a - b).max()
         for a, b in zip(jax.tree.leaves(grads_one), jax.tree.leaves(grads_no_dropout))
@@ -218,16 +220,16 @@ _ONE_DEVICE = {}  # the one-device side of the check above, for each (dropout, m
 
 
 def _one_device_with_and_without(dropout, model):
-    """(loss, gradients) of one device with `dropout` and its gradients without: the same for
-    every layout a test checks, so computed once a process."""
+    """(initial parameters, loss, gradients) of one device with `dropout` and its gradients
+    without: the same for every layout a test checks, so computed once a process."""
     key = repr((sorted(dropout.items()), sorted(model.items())))
     if key not in _ONE_DEVICE:
         batch = random_batches(1)[0]
-        _, loss, grads = gradients(
+        params, loss, grads = gradients(
             small_config(data=1, micro_steps=1, **model, **dropout), batch, step=5
         )
         _, _, no_dropout = gradients(small_config(data=1, **model), batch, step=5)
-        _ONE_DEVICE[key] = loss, grads, no_dropout
+        _ONE_DEVICE[key] = params, loss, grads, no_dropout
     return _ONE_DEVICE[key]
 
 

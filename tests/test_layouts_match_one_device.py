@@ -17,6 +17,9 @@ LAYOUTS = [  # (data, stage, tensor, sequence_parallel)
     (1, 1, 8, True),
 ]
 TRAJECTORY_LAYOUTS = LAYOUTS[:5]
+# data 4 x tensor 2, sequence parallelism off and on: the dropout test's layouts below (the same
+# micro-batches; initial parameters, loss and gradients against one device, dropout on)
+GRADIENT_LAYOUTS = [layout for layout in LAYOUTS if layout[:3] != (4, 1, 2)]
 
 
 @pytest.fixture(scope='module')
@@ -28,7 +31,7 @@ def one_device():
     return dict(params=params, loss=loss, grads=grads, losses=losses)
 
 
-@pytest.mark.parametrize('data,stage,tensor,sp', LAYOUTS)
+@pytest.mark.parametrize('data,stage,tensor,sp', GRADIENT_LAYOUTS)
 def test_initial_parameters_loss_and_gradients_match_one_device(
     one_device, data, stage, tensor, sp
 ):

@@ -251,38 +251,11 @@ def test_a_bad_block_is_one_error_line_on_the_command_line(tmp_path):
     ), lines
 
 
-# (data, stage, tensor, micro-batches, repeats, schedule, model overrides): 4 layers of
-# Llama's block; tensor 2 leaves each rank 2 of the 4 key/value heads. Both run the block on
-# two pieces of each sequence (model.sequence_pieces), with and without sequence parallelism.
-PIPELINED = [
-    (2, 2, 2, 4, 1, '1f1b', dict(remat='full', sequence_pieces=2)),
-    (
-        1, 2, 2, 4, 2, 'interleaved',
-        dict(sequence_parallel=True, remat='selective', sequence_pieces=2),
-    ),
-    (1, 4, 2, 8, 1, 'zbh1', dict(sequence_parallel=True, remat='full', sequence_pieces=2)),
-]  # fmt: skip
-
-
-@pytest.fixture(scope='module')
-def four_layers_one_device():
-    config = support.small_config(num_layers=4, **support.LLAMA_BLOCK)
-    params, loss, grads = support.gradients(config, support.random_batches(1)[0], step=5)
-    return dict(params=params, loss=loss, grads=grads)
-
-
-@pytest.mark.parametrize('layout', PIPELINED, ids=lambda layout: layout[5])
-def test_a_pipelined_llama_with_recompute_equals_one_device(four_layers_one_device, layout):
-    """1F1B (full recompute), interleaved 1F1B (sequence parallel, selective recompute) and
-    ZB-H1 (B and W slots; sequence parallel, full recompute): the loss and per-leaf gradients
-    of one device without recompute."""
-    *mesh, model = layout
-    config = support.small_config(*mesh, num_layers=4, **support.LLAMA_BLOCK, **model)
-    params, loss, grads = support.gradients(config, support.random_batches(1)[0], step=5)
-    expected = four_layers_one_device
-    support.assert_trees_close(params, expected['params'], atol=0.0)
-    np.testing.assert_allclose(loss, expected['loss'], rtol=1e-6)
-    support.assert_gradients_close(grads, expected['grads'])
+# Pipelined layouts of Llama's block equal one device in cases that carry other files'
+# assertions too (one compile each): 1F1B (full recompute) and interleaved 1F1B (sequence
+# parallel, selective recompute), both on two sequence pieces, in test_packing.py's packed
+# pipelined cases; ZB-H1 (B and W slots; tensor 2, sequence parallel, full recompute, two
+# pieces) over stages of unequal depth in test_unequal_stages.py.
 
 
 def test_a_llama_checkpoint_restores_under_another_layout(tmp_path):

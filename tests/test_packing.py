@@ -22,17 +22,28 @@ from mtnlg_jax.model import gpt
 from mtnlg_jax.model.loss import cross_entropy
 
 EOD = 7
-# 1F1B d2 s2 t2 and GPipe d2 s2 t2 with 2 repeats (GPT's block: learned positions), interleaved
-# d2 s2 t2 with 2 repeats (Llama's block: rope, the positions in every chunk)
+# Llama's block (rope: the positions in every chunk) in 1F1B d2 s2 t2 (full recompute) and in
+# interleaved d2 s2 t2 with 2 repeats (sequence parallel, selective recompute), both on two
+# sequence pieces: test_llama_block.py's pipelined 1F1B and interleaved cases, carried here (one
+# compile for both files' assertions); GPipe d2 s2 t2 with 2 repeats with GPT's block (learned
+# positions: the first chunk's embedding).
+LLAMA_1F1B = dict(support.LLAMA_BLOCK, remat='full', sequence_pieces=2)
+LLAMA_INTERLEAVED = dict(
+    support.LLAMA_BLOCK, sequence_parallel=True, remat='selective', sequence_pieces=2
+)
 PIPELINED = [
-    test_pipeline.LAYOUTS[0],
-    (*test_pipeline.LAYOUTS[1][:-1], support.LLAMA_BLOCK),
-    test_pipeline.LAYOUTS[4],
+    (*test_pipeline.D2S2T2_1F1B[:-1], LLAMA_1F1B),
+    (*test_pipeline.D2S2T2_INTERLEAVED[:-1], LLAMA_INTERLEAVED),
+    test_pipeline.D2S2T2_GPIPE,
 ]
 
 
+def _is_llama(layout):
+    return layout[-1].get('mlp') == 'swiglu'
+
+
 def _pipelined_name(layout):
-    return test_pipeline._name(layout) + ('-llama' if layout[-1] is support.LLAMA_BLOCK else '')
+    return test_pipeline._name(layout) + ('-llama' if _is_llama(layout) else '')
 
 
 def megatron_masks(data, eod, reset_position_ids, reset_attention_mask, eod_mask_loss):
@@ -186,23 +197,24 @@ def test_a_packed_layout_equals_one_device():
 
 @functools.cache
 def packed_one_device(llama=False):
-    """(loss, gradients) of the packed batch on one device, the three keys on, at
-    test_pipeline's depth, GPT's block or Llama's."""
+    """(initial parameters, loss, gradients) of the packed batch on one device, the three keys
+    on, at test_pipeline's depth, GPT's block or Llama's (no recompute, no pieces)."""
     model = support.LLAMA_BLOCK if llama else {}
     config = _packed_config(num_layers=test_pipeline.LAYERS, **model)
-    _, loss, grads = support.gradients(config, _packed_batch())
-    return loss, grads
+    return support.gradients(config, _packed_batch())
 
 
 @pytest.mark.parametrize('layout', PIPELINED, ids=_pipelined_name)
 def test_a_packed_pipelined_layout_equals_one_device(layout):
     """The three keys on, rows of several documents: each engine hands every chunk its
     micro-batch's positions (learned: the first chunk's embedding; rope: every chunk's
-    blocks), segment ids and loss mask, and gives one device's loss and gradients (per leaf,
-    relative to its scale)."""
-    loss, grads = packed_one_device(llama=layout[-1] is support.LLAMA_BLOCK)
+    blocks), segment ids and loss mask, and gives one device's initial parameters (bit for
+    bit), loss and gradients (per leaf, relative to its scale), Llama's under recompute,
+    sequence parallelism and sequence pieces as without them."""
+    params, loss, grads = packed_one_device(llama=_is_llama(layout))
     config = _packed(test_pipeline._config(layout))
-    _, loss_piped, grads_piped = support.gradients(config, _packed_batch())
+    params_piped, loss_piped, grads_piped = support.gradients(config, _packed_batch())
+    support.assert_trees_close(params_piped, params, atol=0.0)
     np.testing.assert_allclose(loss_piped, loss, rtol=1e-6)
     support.assert_gradients_close(grads_piped, grads)
 
@@ -211,7 +223,7 @@ def test_the_keys_change_the_packed_batchs_loss():
     """What the pipelined layouts are held to depends on the keys: the model's loss of the
     packed batch is the step's with them on, and moves 100 x the layouts' tolerance without
     them (so a pipeline that ignored them would fail)."""
-    loss, _ = packed_one_device()
+    _, loss, _ = packed_one_device()
     config = _packed_config(num_layers=test_pipeline.LAYERS)
     graphdef, params, _ = gpt.split(gpt.create(config.model, config.train.seed))
     tokens = jnp.asarray(_packed_batch(), jnp.int32)
@@ -227,9 +239,9 @@ def test_the_keys_change_the_packed_batchs_loss():
 def test_the_pipelined_eval_loss_counts_only_the_loss_masks_tokens():
     """The eval step on 1F1B d2 s2 t2, the three keys on: the one-device loss, its sum and
     count over the tokens the loss mask keeps (every input but the EODs)."""
-    loss, _ = packed_one_device()
+    _, loss, _ = packed_one_device()
     batch = _packed_batch()
-    config = _packed(test_pipeline._config(test_pipeline.LAYOUTS[0]))
+    config = _packed(test_pipeline._config(test_pipeline.D2S2T2_1F1B))
     loss_sum, count = test_pipeline.eval_sums(config, batch)
     assert count == batch[:, :-1].size - (batch[:, :-1] == EOD).sum()
     np.testing.assert_allclose(loss_sum / count, loss, rtol=1e-6)

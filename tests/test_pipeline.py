@@ -21,17 +21,24 @@ from mtnlg_jax.train import step as step_lib
 LAYERS = 4
 DROPOUT = dict(attention_dropout=0.1, hidden_dropout=0.1)
 # (data, stage, tensor, repeats, micro-batches m, schedule, model overrides)
+D2S2T2_1F1B = (2, 2, 2, 1, 4, '1f1b', {})
+D2S2T2_INTERLEAVED = (2, 2, 2, 2, 4, 'interleaved', {})
+D2S2T2_GPIPE = (2, 2, 2, 2, 4, 'gpipe', {})
+# Loss and gradients against one device. These layouts are held to it in other files' cases,
+# which compile them once for both (docs/benchmarks.md, "The test suite's time"):
+# d2s2t2v1m4-1f1b and d1s4t2v1m8-zbh1 (B and W slots) with the toy side values
+# (test_side_values.py, the same configs, initial parameters included); d2s2t2v2m4-interleaved
+# below with sequence parallelism and packed with Llama's block (test_packing.py);
+# d2s2t2v2m4-gpipe packed (test_packing.py) and over data 2 x stage 2 (test_side_values.py).
 LAYOUTS = [
-    (2, 2, 2, 1, 4, '1f1b', {}),
-    (2, 2, 2, 2, 4, 'interleaved', {}),
     (1, 4, 2, 1, 2, '1f1b', DROPOUT),  # m < p, m not a multiple of p, dropout on
     (1, 2, 4, 2, 2, 'interleaved', {}),  # m = p with v > 1; tensor 4 splits the hand-offs
-    (2, 2, 2, 2, 4, 'gpipe', {}),
     (2, 2, 2, 2, 4, 'interleaved', dict(sequence_parallel=True)),
-    (1, 4, 2, 1, 8, 'zbh1', {}),  # B and W slots (zero_bubble.py)
     (2, 2, 2, 1, 4, 'zbh1', DROPOUT),  # the last chunk's B runs its forward: same masks
 ]
-TRAJECTORIES = [LAYOUTS[0], LAYOUTS[1]]
+# Their train steps' losses, step after step (the optimizer's update under stage x data, ZeRO
+# included): test_resume.py's two layout cases run 5 steps each after the restore under
+# d2s2t2v1m4 1F1B and d2s2t2v2m4 interleaved, within 1e-4 of the unpipelined run's losses.
 
 
 def _name(layout):
@@ -65,13 +72,8 @@ def one_device():
     _, loss_dropout, grads_dropout = support.gradients(
         support.small_config(num_layers=LAYERS, **DROPOUT), batch, step=5
     )
-    losses, _ = support.train_losses(config, support.random_batches(10, seed=1))
     return dict(
-        params=params,
-        loss=loss,
-        grads=grads,
-        losses=losses,
-        dropout=dict(loss=loss_dropout, grads=grads_dropout),
+        params=params, loss=loss, grads=grads, dropout=dict(loss=loss_dropout, grads=grads_dropout)
     )
 
 
@@ -82,12 +84,6 @@ def test_loss_and_gradients_match_one_device(one_device, layout):
     support.assert_trees_close(params, one_device['params'], atol=0.0)
     np.testing.assert_allclose(loss, expected['loss'], rtol=1e-6)
     support.assert_gradients_close(grads, expected['grads'])
-
-
-@pytest.mark.parametrize('layout', TRAJECTORIES, ids=_name)
-def test_ten_step_losses_match_one_device(one_device, layout):
-    losses, _ = support.train_losses(_config(layout), support.random_batches(10, seed=1))
-    np.testing.assert_allclose(losses, one_device['losses'], atol=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -138,7 +134,9 @@ def test_bf16_gradient_error_no_worse_than_unpipelined(one_device, bf16_error, s
     assert relative_error(piped, one_device['grads']) <= 1.1 * bf16_error
 
 
-@pytest.mark.parametrize('schedule', ['interleaved', 'zbh1'])
+# The interleaved table's idle slots: test_side_values.py's NaN test (the same layout and
+# checks, its toy values beside).
+@pytest.mark.parametrize('schedule', ['zbh1'])
 def test_idle_slots_filled_with_nan_never_reach_loss_or_gradients(schedule):
     repeats = 2 if schedule == 'interleaved' else 1
     config = support.small_config(stage=2, repeats=repeats, micro_steps=4, num_layers=LAYERS)

@@ -189,7 +189,9 @@ def test_a_run_killed_during_an_async_save_resumes_from_the_newest_complete_chec
     'saved_under,resumed_under',
     [
         # Out of a pipeline: test_multiprocess.py (1 x 8 pipelined -> 2 x 4 unpipelined); the
-        # padded vocabulary changing with tensor: test_checkpoint.py (384 -> 1024 rows).
+        # padded vocabulary changing with tensor: test_checkpoint.py (384 -> 1024 rows). The
+        # resumed layouts' 5 steps are also the pipelined trajectories test_pipeline.py held
+        # to one device (d2s2t2v1m4 1F1B, d2s2t2v2m4 interleaved).
         ((1, 2, 4, 2, 'gpipe'), (2, 2, 2, 1)),  # GPipe order, v = 2 -> 1F1B, v = 1
         ((4, 1, 2, 1), (2, 2, 2, 2)),  # into a pipeline
         # ZeRO-1 over data 2 x context 2 -> over data 4 (the uninterrupted run's compile) and

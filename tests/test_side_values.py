@@ -86,8 +86,8 @@ def one_device():
     _, _, plain = support.gradients(config, batch, step=5)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(gpt, 'stage_functions', with_toy_values(gpt.stage_functions))
-        _, loss, grads, values = support.gradients_and_values(config, batch, step=5)
-        yield dict(batch=batch, loss=loss, grads=grads, values=values, plain=plain)
+        params, loss, grads, values = support.gradients_and_values(config, batch, step=5)
+        yield dict(batch=batch, params=params, loss=loss, grads=grads, values=values, plain=plain)
 
 
 def assert_values_close(values, expected):
@@ -121,10 +121,13 @@ LAYOUTS = {
 
 @pytest.mark.parametrize('layout', LAYOUTS)
 def test_every_engine_carries_the_values_and_their_gradient_as_one_device(one_device, layout):
-    """The train step's loss, gradients (per leaf, relative to its scale) and values
-    (combined over layers, chunks, micro-batches, stages and replicas) equal one device's."""
+    """The train step's initial parameters (bit for bit), loss, gradients (per leaf, relative
+    to its scale) and values (combined over layers, chunks, micro-batches, stages and
+    replicas) equal one device's. The 1f1b and zbh1 layouts are test_pipeline.py's
+    d2s2t2v1m4-1f1b and d1s4t2v1m8-zbh1: these cases hold those engines to one device there."""
     config = LAYOUTS[layout]()
-    _, loss, grads, values = support.gradients_and_values(config, one_device['batch'], step=5)
+    params, loss, grads, values = support.gradients_and_values(config, one_device['batch'], step=5)
+    support.assert_trees_close(params, one_device['params'], atol=0.0)
     np.testing.assert_allclose(loss, one_device['loss'], rtol=1e-6)
     support.assert_gradients_close(grads, one_device['grads'], relative=RELATIVE)
     assert_values_close(values, one_device['values'])
@@ -148,7 +151,9 @@ def test_the_train_steps_metrics_hold_the_values_under_their_names(one_device):
 
 def test_idle_slots_filled_with_nan_reach_no_value_and_eval_carries_them(one_device):
     """The table engine (interleaved, with idle slots) with its empty slots NaN: the values,
-    with gradients and without (evaluation), are the clean run's and one device's."""
+    with gradients and without (evaluation), are the clean run's and one device's; the loss
+    and gradients are finite and the clean run's, bit for bit (test_pipeline.py's NaN check
+    of the interleaved table, carried by this compile)."""
     config = support.small_config(stage=2, repeats=2, micro_steps=4, num_layers=LAYERS)
     mesh, setup = support.layout(config)
     tokens = jnp.asarray(one_device['batch'].reshape(4, 4, -1), jnp.int32)
@@ -157,11 +162,12 @@ def test_idle_slots_filled_with_nan_reach_no_value_and_eval_carries_them(one_dev
     stage_fns = gpt.stage_functions(setup.graphdef)
     assert stage_fns.values == DECLARED  # the toy's, patched in by the fixture
 
-    def values_of(with_grads):
+    def runs(with_grads):
+        """(loss, _, gradients, values) of the clean run and of the poisoned one."""
         run = jax.jit(
             lambda params, fill: pipeline.run_schedule(
                 stage_fns, params, tokens, None, table, with_grads, bubble_fill=fill
-            )[3]
+            )
         )
         with jax.set_mesh(mesh):
             params = state_lib.init_state(config, setup)['params']
@@ -170,6 +176,11 @@ def test_idle_slots_filled_with_nan_reach_no_value_and_eval_carries_them(one_dev
     expected = dict(one_device['values'])
     expected['penalty'] = expected['penalty'] * tokens[..., 1:].size  # a sum, not per token
     for with_grads in (True, False):
-        clean, poisoned = values_of(with_grads)
-        support.assert_trees_close(poisoned, clean, atol=0.0)
-        assert_values_close(poisoned, expected)
+        clean, poisoned = runs(with_grads)
+        support.assert_trees_close(poisoned[3], clean[3], atol=0.0)
+        assert_values_close(poisoned[3], expected)
+        if with_grads:
+            assert np.isfinite(poisoned[0])
+            assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(poisoned[2]))
+            np.testing.assert_array_equal(poisoned[0], clean[0])
+            support.assert_trees_close(poisoned[2], clean[2], atol=0.0)

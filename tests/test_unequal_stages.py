@@ -45,17 +45,23 @@ def test_the_stored_order_round_trips_and_pads_with_zeros():
     np.testing.assert_array_equal(back['blocks'], tree['blocks'])
 
 
-def _config(stage, repeats=1, schedule='1f1b', first=1, last=1, micro_steps=4, **model):
-    config = support.small_config(micro_steps=micro_steps, num_layers=LAYERS, **model)
+def _config(stage, repeats=1, schedule='1f1b', first=1, last=1, micro_steps=4, tensor=1, **model):
+    config = support.small_config(
+        tensor=tensor, micro_steps=micro_steps, num_layers=LAYERS, **model
+    )
     config = config_lib.inputs_of(config)
     config.mesh.stage = stage
     config.pipeline.update(
         repeats=repeats, schedule=schedule, first_stage_layers=first, last_stage_layers=last
     )
-    return config_lib.resolve(config, stage)
+    return config_lib.resolve(config, stage * tensor)
 
 
 BLOCKS = {'gpt': {}, 'llama': support.LLAMA_BLOCK}
+# test_llama_block.py's ZB-H1 case, carried by the ZB-H1 layout here (one compile for both):
+# tensor 2 (2 of the 4 key/value heads a rank), sequence parallel, full recompute, the block
+# on two pieces of each sequence; the one-device reference runs none of them.
+LLAMA_TENSOR = dict(tensor=2, sequence_parallel=True, remat='full', sequence_pieces=2)
 
 
 @pytest.fixture(scope='module')
@@ -73,23 +79,30 @@ def one_device():
 
 
 @pytest.mark.parametrize(
-    'stage, repeats, schedule, first, last, block',
+    'stage, repeats, schedule, first, last, block, more',
     [
-        (4, 1, '1f1b', 1, 1, 'llama'),  # Llama 3 405B's shape in small
-        (2, 2, 'interleaved', 2, 4, 'gpt'),
-        (2, 2, 'interleaved', 3, 3, 'gpt'),
-        (4, 1, 'zbh1', 1, 1, 'llama'),
+        (4, 1, '1f1b', 1, 1, 'llama', {}),  # Llama 3 405B's shape in small
+        (2, 2, 'interleaved', 2, 4, 'gpt', {}),
+        (2, 2, 'interleaved', 3, 3, 'gpt', {}),
+        (4, 1, 'zbh1', 1, 1, 'llama', LLAMA_TENSOR),
     ],
-    ids=['1f1b-1-2-2-1-llama', 'interleaved-2-4', 'interleaved-3-3-uneven-chunks', 'zbh1-llama'],
+    ids=[
+        '1f1b-1-2-2-1-llama',
+        'interleaved-2-4',
+        'interleaved-3-3-uneven-chunks',
+        'zbh1-llama-t2-sp-pieces',
+    ],
 )
 def test_an_unequal_layout_equals_one_device(
-    one_device, stage, repeats, schedule, first, last, block
+    one_device, stage, repeats, schedule, first, last, block, more
 ):
-    """Loss and every gradient per leaf, relative to its scale, with dropout on (each layer
-    keeps its own masks wherever it runs); the stored padding slots stay zero and get zero
-    gradients."""
+    """Initial parameters (bit for bit), loss and every gradient per leaf, relative to its
+    scale, with dropout on (each layer keeps its own masks wherever it runs); the stored
+    padding slots stay zero and get zero gradients."""
     batch, (params_one, loss_one, grads_one) = one_device(block)
-    config = _config(stage, repeats, schedule, first, last, hidden_dropout=0.1, **BLOCKS[block])
+    config = _config(
+        stage, repeats, schedule, first, last, hidden_dropout=0.1, **BLOCKS[block], **more
+    )
     params, loss, grads = support.gradients(config, batch, step=5)
     support.assert_trees_close(params, params_one, atol=0.0)
     np.testing.assert_allclose(loss, loss_one, rtol=1e-6)
