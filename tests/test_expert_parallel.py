@@ -47,6 +47,15 @@ CASES = {
         dict(stage=2, expert=2, tensor=2, micro_steps=4, repeats=2, schedule='interleaved'),
     ),
     'gpt-capacity-e8': (dict(moe=CAPACITY), dict(expert=8)),
+    # parallel folding (model.moe.fold_tensor): the experts over expert x tensor, whole
+    'llama-capacity-fold-e2t2-sp': (
+        dict(**LLAMA, moe={**CAPACITY, 'fold_tensor': True}),
+        dict(expert=2, tensor=2, sequence_parallel=True),
+    ),
+    'gpt-dropless-fold-d2e2t2': (
+        dict(moe={**MOE, 'fold_tensor': True}),
+        dict(data=2, expert=2, tensor=2),
+    ),
 }
 
 
