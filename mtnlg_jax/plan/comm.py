@@ -70,7 +70,9 @@ from mtnlg_jax.parallel.rules import MESH_AXES, REPLICA_AXES, STAGE_AXIS
 from mtnlg_jax.plan.arithmetic import (
     chunk_slots,
     engine_table,
+    exchange_ranks,
     expert_padding,
+    folded,
     itemsize,
     local_param_counts,
     local_shared_params,
@@ -151,18 +153,29 @@ def exchanged_rows(config):
     "Mixtral 8x22B on 256 H100s"). (0, 0) where the layer's MLP all-reduce is the block's
     (b, s, h) one."""
     model = config.model
-    if not experts_of(model) or config.mesh.expert <= 1:
+    if not experts_of(model) or exchange_ranks(config) <= 1:
         return 0, 0
-    return model.moe.top_k * expert_padding(config), int(shared_ffn_hidden(model) > 0)
+    shared = int(shared_ffn_hidden(model) > 0)
+    if folded(config):  # whole experts: the (b, s, h) sums of a dense MLP, none on buffers
+        return 0, shared
+    return model.moe.top_k * expert_padding(config), shared
+
+
+def exchange_axes(config):
+    """The mesh axes of a mixture of experts' all-to-alls: ('expert',), folded ('expert',
+    'tensor')."""
+    return ('expert', 'tensor') if folded(config) else ('expert',)
 
 
 def all_to_all_bytes(config, table=None):
-    """Bytes one device sends per step by the all-to-alls over 'expert' of a mixture of
-    experts (the module docstring; 0 for a dense model or at mesh.expert 1)."""
-    model, x = config.model, config.mesh.expert
+    """Bytes one device sends per step by the all-to-alls over 'expert' (folded: expert x
+    tensor, each tensor rank its 1/t of the rows) of a mixture of experts (the module
+    docstring; 0 for a dense model or one exchange rank)."""
+    model, x = config.model, exchange_ranks(config)
     if not experts_of(model) or x <= 1:
         return 0.0
     rows = config.train.micro_batch * model.seq_len * model.moe.top_k * expert_padding(config)
+    rows /= config.mesh.tensor if folded(config) else 1
     payload = rows * model.hidden * itemsize(model.compute_dtype)
     runs, _, _ = _tensor_runs(config, engine_table(config) if table is None else table)
     if model.remat == 'selective':  # the backward recomputes both exchanges of its layer
@@ -190,16 +203,19 @@ def comm_bytes_per_device(config):
     if mesh.tensor > 1:
         layer_runs, edge_runs, gathers = _tensor_runs(config, table)
         rows, shared = exchanged_rows(config)
-        if rows:  # half the layer runs are the experts': an all-reduce of their rows
+        fold = folded(config)
+        if rows or fold:  # half the layer runs are the experts'
             layer_runs /= 2
-            size = rows * activation
+            size = rows * activation  # unfolded: an all-reduce of their buffers' rows
             add('all-reduce', 'tensor', layer_runs * _ring('all-reduce', size, mesh.tensor))
             kind = 'reduce-scatter' if sequence_parallel else 'all-reduce'  # the shared MLP's
             add(kind, 'tensor', shared * layer_runs * _ring(kind, activation, mesh.tensor))
+        if fold:  # the exchange gathers its input and reduce-scatters the tokens' sums
+            _add_folded(add, config, layer_runs, activation)
         if sequence_parallel:  # each layer all-reduce: a reduce-scatter + an all-gather
             for kind in ('reduce-scatter', 'all-gather'):
                 add(kind, 'tensor', layer_runs * _ring(kind, activation, mesh.tensor))
-            if rows:  # the experts' input gathered along the sequence
+            if rows:  # the experts' input gathered along the sequence (unfolded)
                 gather = _ring('all-gather', activation, mesh.tensor)
                 add('all-gather', 'tensor', layer_runs * gather)
         elif handoff < activation:
@@ -207,7 +223,7 @@ def comm_bytes_per_device(config):
         runs = edge_runs + (0 if sequence_parallel else layer_runs)
         add('all-reduce', 'tensor', runs * _ring('all-reduce', activation, mesh.tensor))
     if all_to_all_bytes(config, table):
-        add('all-to-all', 'expert', all_to_all_bytes(config, table))
+        add('all-to-all', axes_key(config, exchange_axes(config)), all_to_all_bytes(config, table))
     engine = engine_lib.engine(config)
     compute, _ = local_param_counts(config)
     if engine.pipelined:
@@ -230,6 +246,18 @@ def comm_bytes_per_device(config):
             if group > 1:
                 add(kind, axes_key(config, over), _ring(kind, size, group))
     return out
+
+
+def _add_folded(add, config, runs, activation):
+    """comm_bytes_per_device's tensor traffic of a folded exchange, `runs` layer runs:
+    the input's all-gather along the sequence (again where selective recompute repeats the
+    exchange) and the tokens' sums reduce-scattered back; without sequence parallelism
+    gathered whole after."""
+    t, sequence_parallel = config.mesh.tensor, config.model.get('sequence_parallel', False)
+    gathers = runs * (1.5 if config.model.remat == 'selective' else 1)
+    gathers += 0 if sequence_parallel else runs
+    add('all-gather', 'tensor', gathers * _ring('all-gather', activation, t))
+    add('reduce-scatter', 'tensor', runs * _ring('reduce-scatter', activation, t))
 
 
 def zero_groups(config, compute=None):
