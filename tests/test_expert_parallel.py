@@ -48,9 +48,9 @@ CASES = {
     ),
     'gpt-capacity-e8': (dict(moe=CAPACITY), dict(expert=8)),
     # parallel folding (model.moe.fold_tensor): the experts over expert x tensor, whole
-    'llama-capacity-fold-e2t2-sp': (
+    'llama-capacity-fold-e2t2-sp': (  # selective: the exchanged rows kept, not recomputed
         dict(**LLAMA, moe={**CAPACITY, 'fold_tensor': True}),
-        dict(expert=2, tensor=2, sequence_parallel=True),
+        dict(expert=2, tensor=2, sequence_parallel=True, remat='selective'),
     ),
     'gpt-dropless-fold-d2e2t2': (
         dict(moe={**MOE, 'fold_tensor': True}),
@@ -113,9 +113,10 @@ def test_folded_the_tokens_travel_over_expert_x_tensor_to_whole_experts():
     and the planned bytes match the compiled ones: the all-to-alls over expert+tensor (each
     tensor rank its 1/t share of the dropless buffers), the exchange's reduce-scatter of the
     tokens' sums over tensor, and the tensor all-reduces, the attention's and the shared
-    expert's alone: none on the experts' rows (dropless, 4 x the tokens')."""
+    expert's alone: none on the experts' rows (dropless, 4 x the tokens'). Under selective
+    recompute the exchanged rows are kept: 4 all-to-alls a layer pass, not 6."""
     config = support.small_config(
-        data=2, expert=2, tensor=2, remat='none', moe={**MOE, 'fold_tensor': True}
+        data=2, expert=2, tensor=2, remat='selective', moe={**MOE, 'fold_tensor': True}
     )
     compiled, _, info = compile_lib.compile_train_step(config)
     mesh = info['mesh']

@@ -82,8 +82,9 @@ from mtnlg_jax.parallel.stage_functions import SideValue
 AUX_LOSS, Z_LOSS, LOADS, DROPPED = 'moe_aux_loss', 'moe_z_loss', 'moe_loads', 'moe_dropped'
 # Names selective recompute keeps (model/block.py's SELECTIVE_SAVED): the router's choice and
 # the dispatch's sort, so the backward never routes or sorts again, and the grouped matmuls'
-# outputs, as the dense MLP's.
-SAVED_NAMES = ('moe_route', 'moe_in', 'moe_out')
+# outputs, as the dense MLP's; folded, the rows each all-to-all delivers (1/t of the rows a
+# rank of the unfolded exchange holds), so the backward runs no exchange again.
+SAVED_NAMES = ('moe_route', 'moe_in', 'moe_out', 'moe_exchanged')
 # The CPU's grouped matmul pads each expert's group to whole blocks: the block is the largest
 # power of two that keeps the padding within 1/16 of the rows (at most BLOCK_MAX rows).
 PADDING_SHARE, BLOCK_MAX = 16, 256
@@ -268,7 +269,7 @@ class MoE(nnx.Module):
         rows = x.reshape(b * s, embed).at[token].get(mode='fill', fill_value=0)
         local = experts // ranks
         buffer = rows.reshape(ranks, local * capacity, embed)
-        received = jax.lax.all_to_all(buffer, axes, 0, 0)  # (source rank, ...)
+        received = exchanged(jax.lax.all_to_all(buffer, axes, 0, 0), pieces)  # (source, ...)
         received = received.reshape(ranks, local, capacity, embed).transpose(1, 0, 2, 3)
         out = self.expert_mlp(
             received.reshape(local, ranks * capacity, embed),
@@ -277,6 +278,7 @@ class MoE(nnx.Module):
         )
         out = out.reshape(local, ranks, capacity, embed).transpose(1, 0, 2, 3)
         out = jax.lax.all_to_all(out.reshape(ranks, local * capacity, embed), axes, 0, 0)
+        out = exchanged(out, pieces)
         out = out.reshape(experts * capacity, embed) * weight[:, None].astype(out.dtype)
         out = jnp.zeros((b * s, embed), out.dtype).at[token].add(out, mode='drop')
         return out.reshape(b, s, embed)
@@ -366,6 +368,12 @@ class MoE(nnx.Module):
             LOADS: row[:, None] * counts.sum(0)[None, :],
             DROPPED: (~keep).sum().astype(jnp.float32),
         }
+
+
+def exchanged(rows, pieces):
+    """An all-to-all's rows, named for selective recompute when folded (pieces > 1: 1/t of
+    the unfolded exchange's rows a rank, cheap to keep); unfolded, recomputed."""
+    return checkpoint_name(rows, 'moe_exchanged') if pieces > 1 else rows
 
 
 def block_rows(rows, experts, kernel=False):

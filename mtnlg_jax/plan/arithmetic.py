@@ -243,7 +243,8 @@ def layer_activation_bytes(
     A mixture of experts keeps, beyond its MLP's width (mlp_width: k x padding rows of the
     experts' widths), the experts' outputs (model/moe.py's `moe_out`: k x padding rows of
     (hidden) a token, whole over tensor) under selective and none; under none also their
-    inputs (the rows gathered, or received by the all-to-all, in expert order).
+    inputs (the rows gathered, or received by the all-to-all, in expert order); folded,
+    selective also keeps the rows both all-to-alls deliver (1/t of them a tensor rank).
 
     remat none: s b h (6 e + 12 e / t) + a s^2 b (4 + e) / t: the block's inputs, layer-norm
         outputs, residual branch outputs (6 x (s, b, h), replicated over tensor), QKV, context
@@ -272,7 +273,8 @@ def layer_activation_bytes(
     expert_rows = expert_rows_width(model_cfg, padding, dense) * e / (tensor if fold else 1)
     if remat == 'selective':
         saved_mlp = mlp_width(model_cfg, dense, padding) * (2 if swiglu else 1)
-        kept = 2 * h * e / residual + (split + saved_mlp) * e / tensor + expert_rows
+        exchanged = 2 * expert_rows if fold else 0  # the all-to-alls' rows (model/moe.py)
+        kept = 2 * h * e / residual + (split + saved_mlp) * e / tensor + expert_rows + exchanged
         return s * rows * kept
     f = mlp_width(model_cfg, dense, padding) * (3 if swiglu else 2)
     kept = s * rows * (6 * h * e / residual + (split + f) * e / tensor + 2 * expert_rows)

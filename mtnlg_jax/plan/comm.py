@@ -54,7 +54,13 @@ formulas of the literature (ring algorithms: an all-reduce of S bytes over n dev
                  all-reduce then carries those buffers' rows, not (b, s, h), the other half
                  of a layer's all-reduces (under sequence parallelism: the attention's
                  reduce-scatter and all-gather, the experts' all-gather of their input and
-                 all-reduce of their rows)
+                 all-reduce of their rows). Folded (model.moe.fold_tensor, x t ranks,
+                 key 'expert+tensor'): each tensor rank sends its 1/t share of the buffers,
+                 (b s k x padding / t, h) rows, to the x t - 1 others; over 'tensor' no
+                 experts' all-reduce, but the exchange's all-gather of its input (and
+                 back whole without sequence parallelism) and reduce-scatter of the tokens'
+                 sums: the dense MLP's bytes; selective recompute keeps the exchanged rows,
+                 so the backward runs no all-to-all again (4 a layer pass, not 6)
 
 Scalars (loss, gradient norm, the cross-entropy's (b, s) reductions over the vocabulary) are
 left out: kilobytes against gigabytes.
@@ -178,8 +184,8 @@ def all_to_all_bytes(config, table=None):
     rows /= config.mesh.tensor if folded(config) else 1
     payload = rows * model.hidden * itemsize(model.compute_dtype)
     runs, _, _ = _tensor_runs(config, engine_table(config) if table is None else table)
-    if model.remat == 'selective':  # the backward recomputes both exchanges of its layer
-        runs *= 1.5
+    if model.remat == 'selective' and not folded(config):  # the backward exchanges again
+        runs *= 1.5  # (folded, the exchanged rows are kept: model/moe.py's SAVED_NAMES)
     return runs * (x - 1) / x * payload
 
 
@@ -250,12 +256,11 @@ def comm_bytes_per_device(config):
 
 def _add_folded(add, config, runs, activation):
     """comm_bytes_per_device's tensor traffic of a folded exchange, `runs` layer runs:
-    the input's all-gather along the sequence (again where selective recompute repeats the
-    exchange) and the tokens' sums reduce-scattered back; without sequence parallelism
-    gathered whole after."""
+    the input's all-gather along the sequence and the tokens' sums reduce-scattered back
+    (selective recompute keeps the exchanged rows: neither runs again); without sequence
+    parallelism gathered whole after."""
     t, sequence_parallel = config.mesh.tensor, config.model.get('sequence_parallel', False)
-    gathers = runs * (1.5 if config.model.remat == 'selective' else 1)
-    gathers += 0 if sequence_parallel else runs
+    gathers = runs * (1 if sequence_parallel else 1.5)  # the forward half gathers back
     add('all-gather', 'tensor', gathers * _ring('all-gather', activation, t))
     add('reduce-scatter', 'tensor', runs * _ring('reduce-scatter', activation, t))
 

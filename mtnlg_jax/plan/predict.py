@@ -34,7 +34,9 @@ tensor t, compute dtype of e bytes):
                 buffers, (b s k padding, h) rows of which (x - 1) / x leave the device, are
                 waited for as the tensor collectives are (plan/comm.py); at x = 1 every
                 expert runs on every device one after another, its chosen rows only, and
-                the spread of the load costs nothing
+                the spread of the load costs nothing. Folded (model.moe.fold_tensor): the
+                exchange spans x t ranks, each tensor rank sends 1/t of the rows, and the
+                experts' tensor collectives are a dense MLP's
 
     matmul(w) = matmul_efficiency x w / (w + matmul_knee): wide matmuls reach a fixed
                 fraction of peak, narrow ones (a small width per device after the tensor
