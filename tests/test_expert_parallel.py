@@ -194,6 +194,21 @@ BAD = [
 ]
 
 
+FOLD = {**MOE, 'fold_tensor': True}
+BAD += [
+    (
+        dict(moe={**FOLD, 'experts': 4}),
+        dict(expert=2, tensor=4, data=1),
+        'model.moe.fold_tensor: 4 experts are not divisible by mesh.expert x mesh.tensor=8',
+    ),
+    (
+        dict(moe=FOLD),
+        dict(expert=2, tensor=2, context=2, data=1),
+        'model.moe.fold_tensor: mesh.context=2: capacity counts whole sequences',
+    ),
+]
+
+
 @pytest.mark.parametrize('model, mesh, message', BAD)
 def test_bad_expert_layouts_are_one_line_naming_the_key(model, mesh, message):
     config = config_lib.defaults()
