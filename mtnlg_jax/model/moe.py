@@ -261,14 +261,9 @@ class MoE(nnx.Module):
         place = jnp.arange(ids.size) - starts[sorted_ids] - index * capacity  # in its share
         mine = (sorted_ids < experts) & (place >= 0) & (place < capacity)
         slot = jnp.where(mine, sorted_ids * capacity + place, experts * capacity)
-        # each slot's token (b s past the last: empty) and weight, so that only the
-        # buffer's rows are gathered and scattered back, never (b s k, embed)
-        token = jnp.full((experts * capacity,), b * s).at[slot].set(order // k, mode='drop')
-        weight = jnp.zeros((experts * capacity,), weights.dtype)
-        weight = weight.at[slot].set(weights.reshape(-1)[order], mode='drop')
-        rows = x.reshape(b * s, embed).at[token].get(mode='fill', fill_value=0)
+        buffers = Buffers(order, slot, weights, (b, s, k), experts * capacity, pieces > 1)
         local = experts // ranks
-        buffer = rows.reshape(ranks, local * capacity, embed)
+        buffer = buffers.fill(x).reshape(ranks, local * capacity, embed)
         received = exchanged(jax.lax.all_to_all(buffer, axes, 0, 0), pieces)  # (source, ...)
         received = received.reshape(ranks, local, capacity, embed).transpose(1, 0, 2, 3)
         out = self.expert_mlp(
@@ -279,9 +274,7 @@ class MoE(nnx.Module):
         out = out.reshape(local, ranks, capacity, embed).transpose(1, 0, 2, 3)
         out = jax.lax.all_to_all(out.reshape(ranks, local * capacity, embed), axes, 0, 0)
         out = exchanged(out, pieces)
-        out = out.reshape(experts * capacity, embed) * weight[:, None].astype(out.dtype)
-        out = jnp.zeros((b * s, embed), out.dtype).at[token].add(out, mode='drop')
-        return out.reshape(b, s, embed)
+        return buffers.combine(out.reshape(experts * capacity, embed))
 
     def folded(self, x, chosen, weights, keep):
         """exchange's output under parallel folding (model.moe.fold_tensor), in a region
@@ -368,6 +361,46 @@ class MoE(nnx.Module):
             LOADS: row[:, None] * counts.sum(0)[None, :],
             DROPPED: (~keep).sum().astype(jnp.float32),
         }
+
+
+class Buffers:
+    """The exchange's buffers of `size` slots and the tokens' rows: `fill` puts each slot's
+    row in, `combine` sums each token's k weighted rows out of them. By slot (`by_slot`,
+    folded): each slot's token and weight, so that only the buffers' rows are gathered and
+    scattered, never (b s k, embed) on every tensor rank. By row (unfolded): the (token,
+    choice) rows in sort order scattered in and gathered back; there XLA sums the tensor-
+    split experts' outputs on the buffers alone (by slot it added a (b, s, h) sum a layer
+    pass: docs/benchmarks.md, "Mixtral 8x22B on 256 H100s")."""
+
+    def __init__(self, order, slot, weights, shape, size, by_slot):
+        self.order, self.slot, self.weights, self.shape = order, slot, weights, shape
+        self.size, self.by_slot = size, by_slot
+        b, s, k = shape
+        if by_slot:  # b s past the last: an empty slot
+            self.token = jnp.full((size,), b * s).at[slot].set(order // k, mode='drop')
+            weight = jnp.zeros((size,), weights.dtype)
+            self.weight = weight.at[slot].set(weights.reshape(-1)[order], mode='drop')
+
+    def fill(self, x):
+        """(size, embed) of x (b, s, embed): each slot's row, 0 where empty."""
+        b, s, k = self.shape
+        rows = x.reshape(b * s, x.shape[-1])
+        if self.by_slot:
+            return rows.at[self.token].get(mode='fill', fill_value=0)
+        empty = jnp.zeros((self.size, x.shape[-1]), x.dtype)
+        return empty.at[self.slot].set(rows[self.order // k], mode='drop')
+
+    def combine(self, out):
+        """(b, s, embed): each token's rows of out (size, embed), weighted and summed."""
+        b, s, k = self.shape
+        if self.by_slot:
+            out = out * self.weight[:, None].astype(out.dtype)
+            out = jnp.zeros((b * s, out.shape[-1]), out.dtype).at[self.token].add(out, mode='drop')
+            return out.reshape(b, s, -1)
+        out = out.at[self.slot].get(mode='fill', fill_value=0)
+        back = jnp.zeros_like(self.order).at[self.order].set(jnp.arange(self.order.size))
+        out = out[back].reshape(b, s, k, -1)  # back in token order: back is order's inverse
+        return jnp.einsum('bske,bsk->bse', out, self.weights.astype(out.dtype))
 
 
 def exchanged(rows, pieces):
