@@ -19,7 +19,7 @@ tensor 4 x expert 2 (the experts' all-to-all inside a node) x pipeline 8 (7 laye
 interleaved 7 chunks of 1) x data -1 (4 on 256), selective recompute, sequence parallelism,
 and parallel folding (model.moe.fold_tensor: in the MoE layers the 4 tensor ranks are more
 expert ranks, the 8 experts whole over expert x tensor): compiled both ways, folding cut the
-exposed communication from 27.7 % to 13.6 % of compute and the replayed step from 8.94 s to
+exposed communication from 21.9 % to 13.6 % of compute and the replayed step from 9.49 s to
 7.15 s (docs/benchmarks.md, "Mixtral 8x22B on 256 H100s").
 
     python launch/plan.py --config configs/mixtral_8x22b.py --devices 256 --target h100-80gb \
