@@ -53,6 +53,15 @@ CASES = {
         dict(stage=2, expert=2, tensor=2, micro_steps=4, repeats=2, schedule='interleaved'),
     ),
     'gpt-capacity-e8': (dict(moe=CAPACITY), dict(expert=8)),
+    # parallel folding (model.moe.fold_tensor): the experts over expert x tensor, whole
+    'llama-capacity-fold-e2t2-sp': (  # selective: the exchanged rows kept, not recomputed
+        dict(**LLAMA, moe={**CAPACITY, 'fold_tensor': True}),
+        dict(expert=2, tensor=2, sequence_parallel=True, remat='selective'),
+    ),
+    'gpt-dropless-fold-d2e2t2': (
+        dict(moe={**MOE, 'fold_tensor': True}),
+        dict(data=2, expert=2, tensor=2),
+    ),
 }
 
 
@@ -93,15 +102,7 @@ def test_the_compiled_step_sends_tokens_to_their_experts_by_all_to_all():
     config = support.small_config(data=2, expert=2, tensor=2, moe=MOE, remat='none')
     compiled, _, info = compile_lib.compile_train_step(config)
     mesh = info['mesh']
-    computations, _ = hlo_module.parse_module(compiled.as_text())
-    exchanges = [
-        hlo.spanned_axes(
-            hlo.replica_groups(i, mesh.size), mesh.axis_names, tuple(mesh.shape.values())
-        )
-        for instructions in computations.values()
-        for i in instructions
-        if i.opcode in ('all-to-all', 'all-to-all-start')
-    ]
+    exchanges = all_to_all_axes(compiled, mesh)
     assert len(exchanges) >= 4 and set(exchanges) == {('expert',)}, exchanges
     shardings = info['setup'].state_shardings['params']['blocks']
     expert_spec = tuple(shardings['moe']['in_kernel'].spec)  # (layers, experts, embed, width)
@@ -112,17 +113,56 @@ def test_the_compiled_step_sends_tokens_to_their_experts_by_all_to_all():
     assert 'all-to-all' not in compile_lib.compile_train_step(single)[0].as_text()
 
 
-def assert_planned_as_compiled(config, compiled, mesh, tolerance=0.1):
+def test_folded_the_tokens_travel_over_expert_x_tensor_to_whole_experts():
+    """model.moe.fold_tensor, data 2 x expert 2 x tensor 2: the all-to-alls span expert x
+    tensor, the experts' weights split over both by expert (each whole: no width split),
+    and the planned bytes match the compiled ones: the all-to-alls over expert+tensor (each
+    tensor rank its 1/t share of the dropless buffers), the exchange's reduce-scatter of the
+    tokens' sums over tensor, and the tensor all-reduces, the attention's and the shared
+    expert's alone: none on the experts' rows (dropless, 4 x the tokens'). Under selective
+    recompute the exchanged rows are kept: 4 all-to-alls a layer pass, not 6."""
+    config = support.small_config(
+        data=2, expert=2, tensor=2, remat='selective', moe={**MOE, 'fold_tensor': True}
+    )
+    compiled, _, info = compile_lib.compile_train_step(config)
+    mesh = info['mesh']
+    exchanges = set(all_to_all_axes(compiled, mesh))
+    assert exchanges == {('expert', 'tensor')}, exchanges
+    shardings = info['setup'].state_shardings['params']['blocks']
+    spec = tuple(shardings['moe']['in_kernel'].spec)  # (layers, experts, embed, width)
+    assert spec[1] == ('expert', 'tensor') and spec[3] is None, spec
+    assert_planned_as_compiled(config, compiled, mesh, exchange='expert+tensor')
+
+
+def all_to_all_axes(compiled, mesh):
+    """The mesh axes each all-to-all of a compiled step spans."""
+    computations, _ = hlo_module.parse_module(compiled.as_text())
+    return [
+        hlo.spanned_axes(
+            hlo.replica_groups(i, mesh.size), mesh.axis_names, tuple(mesh.shape.values())
+        )
+        for instructions in computations.values()
+        for i in instructions
+        if i.opcode in ('all-to-all', 'all-to-all-start')
+    ]
+
+
+def assert_planned_as_compiled(config, compiled, mesh, tolerance=0.1, exchange='expert'):
     """The planner's bytes one device sends per step (plan/comm.py) against the compiled
     inventory's, within `tolerance`: ZeRO-1 over 'data' (the experts) and over data x expert
-    (the rest), the all-to-alls of the exchange's dropless buffers over 'expert', and the
-    tensor all-reduces, the experts' on those buffers' rows."""
+    (the rest), the all-to-alls of the exchange's dropless buffers over `exchange` ('expert',
+    folded 'expert+tensor'), and the tensor all-reduces, the experts' on those buffers' rows
+    (unfolded)."""
     inventory = hlo.collective_inventory(compiled.as_text(), mesh)
     got = report.compiled_comm(inventory)
     planned = comm.comm_bytes_per_device(config)
     pairs = [('reduce-scatter', 'data'), ('reduce-scatter', 'data+expert')]
     pairs += [('all-gather', 'data'), ('all-gather', 'data+expert')]
-    pairs += [('all-to-all', 'expert'), ('all-reduce', 'tensor')]
+    pairs += [('all-to-all', exchange)]
+    # over tensor the all-reduces, and the reduce-scatters where planned (folded: the
+    # exchange's); not the all-gathers, which XLA:CPU adds where it re-gathers the residual
+    kinds = ('all-reduce', 'reduce-scatter')
+    pairs += [(kind, 'tensor') for kind in kinds if 'tensor' in planned.get(kind, {})]
     for kind, axes in pairs:
         want = planned[kind][axes]
         assert abs(got[kind][axes] - want) <= tolerance * want, (kind, axes, got, planned)
@@ -131,8 +171,8 @@ def assert_planned_as_compiled(config, compiled, mesh, tolerance=0.1):
 def test_a_checkpoint_restores_under_another_expert_layout(tmp_path):
     """A state saved after a step under expert 4 (the experts split 4 ways, ZeRO over 4
     replicas, the router bias moved by the MoE layers' loads) restores bit for bit under
-    expert 2 x tensor 2, stage 2 x expert 2 x tensor 2 (the dense layer held by both stages)
-    and on one device."""
+    expert 2 x tensor 2, stage 2 x expert 2 x tensor 2 (the dense layer held by both stages),
+    on one device and folded (model.moe.fold_tensor: whole experts over expert x tensor)."""
     config = support.small_config(expert=4, **DENSE_FIRST)
     _, state = support.train_losses(config, support.random_batches(1))
     checkpoints = checkpoint_lib.Checkpoints(tmp_path)
@@ -141,8 +181,10 @@ def test_a_checkpoint_restores_under_another_expert_layout(tmp_path):
     checkpoints.close()
     saved = jax.device_get(state)
     assert np.abs(saved['buffers']['blocks']['moe']['router_bias']).max() > 0
-    for layout in (dict(expert=2, tensor=2), dict(stage=2, expert=2, tensor=2), dict()):
-        other = support.small_config(**layout, **DENSE_FIRST)
+    folded = dict(DENSE_FIRST, moe={**DENSE_FIRST['moe'], 'fold_tensor': True})
+    layouts = [dict(expert=2, tensor=2), dict(stage=2, expert=2, tensor=2), dict()]
+    for layout, model in [*((layout, DENSE_FIRST) for layout in layouts), (layouts[0], folded)]:
+        other = support.small_config(**layout, **model)
         restored, _, _ = test_checkpoint.restore_into(tmp_path, other)
         support.assert_trees_close(support.in_layer_order(other, restored), saved, atol=0)
 
@@ -154,6 +196,21 @@ BAD = [
         dict(moe=MOE),
         dict(expert=8, data=1),
         'train.global_batch: 4 is not divisible by train.micro_batch x mesh.data x mesh.expert',
+    ),
+]
+
+
+FOLD = {**MOE, 'fold_tensor': True}
+BAD += [
+    (
+        dict(moe={**FOLD, 'experts': 4}),
+        dict(expert=2, tensor=4, data=1),
+        'model.moe.fold_tensor: 4 experts are not divisible by mesh.expert x mesh.tensor=8',
+    ),
+    (
+        dict(moe=FOLD),
+        dict(expert=2, tensor=2, context=2, data=1),
+        'model.moe.fold_tensor: mesh.context=2: capacity counts whole sequences',
     ),
 ]
 

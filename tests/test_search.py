@@ -76,12 +76,16 @@ def test_overrides_stay_fixed_and_the_rest_varies():
 
 def test_expert_ranks_are_searched_over_the_divisors_of_the_experts():
     """A mixture of 4 experts on 16 GPUs: expert x in {1, 2, 4} (1 only without tensor
-    parallelism), the batch over data x expert; a dense model keeps expert 1."""
+    parallelism or folded), folded (model.moe.fold_tensor) wherever x t > 1 divides the
+    experts, the batch over data x expert; a dense model keeps expert 1."""
     moe = inputs()
     moe.model.moe.update(dict(experts=4, top_k=2))
     found = list(search.layouts(moe, 16, 8))
     assert {layout['mesh.expert'] for layout in found} == {1, 2, 4}
-    assert all(layout['mesh.tensor'] == 1 for layout in found if layout['mesh.expert'] == 1)
+    unfolded = [layout for layout in found if not layout['model.moe.fold_tensor']]
+    assert all(layout['mesh.tensor'] == 1 for layout in unfolded if layout['mesh.expert'] == 1)
+    folds = {(k['mesh.expert'], k['mesh.tensor']) for k in found if k['model.moe.fold_tensor']}
+    assert folds == {(1, 2), (1, 4), (2, 2)}, folds
     for layout in found:
         replicas = layout['mesh.data'] * layout['mesh.expert']
         assert replicas * layout['mesh.stage'] * layout['mesh.tensor'] == 16

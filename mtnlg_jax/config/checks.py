@@ -152,6 +152,30 @@ def _check_fp8(model, tensor):
         )
 
 
+def _check_fold(model, mesh):
+    """model.moe.fold_tensor: the experts over expert x tensor, each tensor rank its 1/t of
+    every sequence's rows (model/moe.py's folded exchange), whole sequences (no context)."""
+    moe = model.moe
+    if not moe.fold_tensor:
+        return
+    ranks = mesh.expert * mesh.tensor
+    _require(
+        moe.experts % ranks == 0,
+        'model.moe.fold_tensor',
+        f'{moe.experts} experts are not divisible by mesh.expert x mesh.tensor={ranks}',
+    )
+    _require(
+        model.seq_len % mesh.tensor == 0,
+        'model.moe.fold_tensor',
+        f'model.seq_len={model.seq_len} is not divisible by mesh.tensor={mesh.tensor}',
+    )
+    _require(
+        mesh.get('context', 1) == 1,
+        'model.moe.fold_tensor',
+        f'mesh.context={mesh.context}: capacity counts whole sequences, which context splits',
+    )
+
+
 def check_moe(model, mesh):
     """model.moe.* against the block and the mesh: top_k within the experts, the experts over
     mesh.expert, the experts' widths over mesh.tensor, dense_layers below num_layers; a dense
@@ -180,9 +204,10 @@ def check_moe(model, mesh):
         ('ffn_hidden', moe_ffn_hidden(model)),
         ('shared_ffn_hidden', shared_ffn_hidden(model)),
     )
+    _check_fold(model, mesh)
     for name, width in widths:
         _require(
-            width % tensor == 0,
+            width % (1 if name == 'ffn_hidden' and moe.fold_tensor else tensor) == 0,
             f'model.moe.{name}',
             f'{width} is not divisible by mesh.tensor={tensor}',
         )

@@ -215,6 +215,14 @@ KEYS = (
         "auxiliary-loss-free balancing: the router's per-expert choice bias moves by this x "
         'sign(mean load - load) after each step (0: never moves)',
     ),
+    Key(
+        'model.moe.fold_tensor',
+        False,
+        'bool',
+        "parallel folding: in the MoE layers the tensor ranks are more expert ranks (experts "
+        "whole, split over expert x tensor; tokens exchanged over both), no expert tensor "
+        'all-reduce; checkpoints hold whole experts, so a run resumes either way',
+    ),
     Key('model.moe.z_loss_coeff', 0.0, 'num>=0', "the router's z-loss (metric moe_z_loss)"),
     Key(
         'model.moe.capacity_factor',

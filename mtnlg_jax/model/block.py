@@ -581,7 +581,7 @@ class Block(nnx.Module):
         x = x + dropout(h, self.hidden_dropout, row_keys, site + _ATTN_RESIDUAL)
         values = {}
         if hasattr(self, 'moe'):  # whole sequences: capacity counts a sequence's choices
-            h, values = self.moe(gathered(self.ln_mlp(x)), layer)
+            h, values = self.moe(self.ln_mlp(x), layer)  # it gathers what it needs
         else:
             h = join([self.mlp(gathered(self.ln_mlp(p))) for p in split(x, n, RESIDUAL)], RESIDUAL)
         x = x + dropout(h, self.hidden_dropout, row_keys, site + _MLP_RESIDUAL)

@@ -20,7 +20,10 @@ for every token, the tokens are sorted by expert and each expert multiplies only
 
 Under expert parallelism (mesh.expert > 1, inside the train step's region manual over
 'expert') `exchange` takes dispatch's place: the rows go to their experts' ranks in
-capacity-padded buffers by all_to_all over 'expert', and come back the same way.
+capacity-padded buffers by all_to_all over 'expert', and come back the same way. Under
+parallel folding (model.moe.fold_tensor) the tensor ranks are more expert ranks: `folded`
+runs the exchange over expert x tensor, each tensor rank sending its 1/t share of every
+expert's slots, each expert whole on its rank (no tensor all-reduce in the experts).
 
 The grouped matmul (`grouped_matmul_kind`): each group padded to whole tiles of rows
 (model/grouped_matmul.py's layout), every tile multiplied by its expert's weights: the work
@@ -75,14 +78,15 @@ from mtnlg_jax.config import moe_ffn_hidden, shared_ffn_hidden
 from mtnlg_jax.model import buffers, grouped_matmul
 from mtnlg_jax.model.layers import mlp, out_std, param, use
 from mtnlg_jax.parallel import context as context_lib
-from mtnlg_jax.parallel.rules import EXPERT_AXIS, constrain, shards
+from mtnlg_jax.parallel.rules import EXPERT_AXIS, FOLDED_AXES, TENSOR_AXIS, constrain, shards
 from mtnlg_jax.parallel.stage_functions import SideValue
 
 AUX_LOSS, Z_LOSS, LOADS, DROPPED = 'moe_aux_loss', 'moe_z_loss', 'moe_loads', 'moe_dropped'
 # Names selective recompute keeps (model/block.py's SELECTIVE_SAVED): the router's choice and
 # the dispatch's sort, so the backward never routes or sorts again, and the grouped matmuls'
-# outputs, as the dense MLP's.
-SAVED_NAMES = ('moe_route', 'moe_in', 'moe_out')
+# outputs, as the dense MLP's; folded, the rows each all-to-all delivers (1/t of the rows a
+# rank of the unfolded exchange holds), so the backward runs no exchange again.
+SAVED_NAMES = ('moe_route', 'moe_in', 'moe_out', 'moe_exchanged')
 # The CPU's grouped matmul pads each expert's group to whole blocks: the block is the largest
 # power of two that keeps the padding within 1/16 of the rows (at most BLOCK_MAX rows).
 PADDING_SHARE, BLOCK_MAX = 16, 256
@@ -137,7 +141,12 @@ class MoE(nnx.Module):
     def __init__(self, cfg, rngs, grouped='blocks'):
         moe = cfg.moe
         experts, hidden, width = moe.experts, cfg.hidden, moe_ffn_hidden(cfg)
-        inward = ('experts', 'embed', 'expert_mlp')
+        # parallel folding: each expert whole on its rank of expert x tensor (rules.py)
+        self.fold = moe.get('fold_tensor', False)
+        experts_axis, width_axis = (
+            ('folded_experts', None) if self.fold else ('experts', 'expert_mlp')
+        )
+        inward = (experts_axis, 'embed', width_axis)
         scores = ('embed', 'expert_scores')  # every rank routes to every expert
         self.router_kernel = param(rngs, (hidden, experts), scores, cfg.init_std)
         self.swiglu = cfg.get('mlp', 'gelu') == 'swiglu'
@@ -146,7 +155,7 @@ class MoE(nnx.Module):
         )
         self.in_kernel = param(rngs, (experts, hidden, width), inward, cfg.init_std)
         self.out_kernel = param(
-            rngs, (experts, width, hidden), ('experts', 'expert_mlp', 'embed'), out_std(cfg)
+            rngs, (experts, width, hidden), (experts_axis, width_axis, 'embed'), out_std(cfg)
         )
         shared = shared_ffn_hidden(cfg)
         self.shared = mlp(cfg, rngs, shared) if shared else None
@@ -162,17 +171,26 @@ class MoE(nnx.Module):
         self.dtype = cfg.compute_dtype
 
     def __call__(self, x, layer):
-        """x (batch, seq, embed), whole along seq (capacity counts whole sequences); layer:
-        the block's global index (its row of moe_loads). Returns (batch, residual_seq, embed)
-        and the side values."""
-        logits, scores, chosen, weights = self.route(x)
-        keep = self.kept(chosen)
+        """x (batch, residual_seq, embed), the block's normalised input; layer: the block's
+        global index (its row of moe_loads). Returns (batch, residual_seq, embed) and the
+        side values. Capacity counts whole sequences: x is gathered along seq (under
+        sequence parallelism one all-gather over tensor) where the experts read it, but
+        folded, where the exchange gathers it itself and the router reads each rank's slice."""
+        whole = constrain(x, ('batch', 'seq', 'embed'))
         over_experts = EXPERT_AXIS in jax.sharding.get_abstract_mesh().manual_axes
-        dispatch = self.exchange if over_experts and shards('experts') > 1 else self.dispatch
-        out = dispatch(x, chosen, jnp.where(keep, weights, 0.0), keep)
+        folded = self.fold and over_experts and shards('folded_experts') > 1
+        logits, scores, chosen, weights = self.route(x if folded else whole)
+        keep = self.kept(chosen)
+        weights = jnp.where(keep, weights, 0.0)
+        if folded:
+            out = self.folded(x, chosen, weights, keep)
+        elif over_experts and shards('experts') > 1:
+            out = self.exchange(whole, chosen, weights, keep)
+        else:
+            out = self.dispatch(whole, chosen, weights, keep)
         out = constrain(out, ('batch', 'residual_seq', 'embed'))
         if self.shared is not None:
-            out = out + self.shared(x)
+            out = out + self.shared(whole)
         return out, self.values(logits, scores, chosen, keep, layer)
 
     def route(self, x):
@@ -223,7 +241,7 @@ class MoE(nnx.Module):
         out = out[back].reshape(b, s, k, embed)
         return jnp.einsum('bske,bsk->bse', out, weights.astype(out.dtype))
 
-    def exchange(self, x, chosen, weights, keep):
+    def exchange(self, x, chosen, weights, keep, kernels=None, share=(0, 1)):
         """dispatch's output under expert parallelism, inside a region manual over 'expert'
         (the train step's, over the replica axes): x holds this rank's rows, the expert
         weights its own experts (experts / ranks of them). Each kept (token, choice) takes a
@@ -231,33 +249,67 @@ class MoE(nnx.Module):
         rows (capacity: rows x its per-sequence slots; dropless: every row, as a token
         chooses an expert once); one all-to-all over 'expert' sends each rank the buffers of
         its experts from every rank, each expert multiplies its (ranks x C) rows as one
-        batched matmul, and a second all-to-all brings the rows back to their tokens."""
+        batched matmul, and a second all-to-all brings the rows back to their tokens.
+
+        share (index, pieces), folded: this tensor rank fills slots index x C/p .. (index +
+        1) x C/p of every expert's C (the same sort on every tensor rank), so the p ranks
+        together send each slot once, and its output is its share's part of the tokens'
+        sum (the caller sums it over tensor). kernels: the experts' weights in the compute
+        dtype, this rank's experts (default: the module's)."""
         b, s, embed = x.shape
-        k, experts, ranks = self.top_k, self.experts, shards('experts')
-        capacity = b * (self.slots(s) if self.capacity_factor else s)
+        k, experts = self.top_k, self.experts
+        index, pieces = share
+        axes = FOLDED_AXES if pieces > 1 else EXPERT_AXIS
+        ranks = shards('folded_experts' if pieces > 1 else 'experts')
+        capacity = -(-b * (self.slots(s) if self.capacity_factor else s) // pieces)
         ids = jnp.where(keep, chosen, experts).reshape(-1)
         order = checkpoint_name(jnp.argsort(ids, stable=True), 'moe_route')
         sizes = jnp.bincount(ids, length=experts + 1)
         starts = jnp.cumsum(sizes) - sizes
         sorted_ids = ids[order]
-        place = jnp.arange(ids.size) - starts[sorted_ids]  # within its expert's slots
-        slot = jnp.where(sorted_ids < experts, sorted_ids * capacity + place, experts * capacity)
-        rows = x.reshape(b * s, embed)[order // k]
-        buffer = jnp.zeros((experts * capacity, embed), x.dtype).at[slot].set(rows, mode='drop')
+        place = jnp.arange(ids.size) - starts[sorted_ids] - index * capacity  # in its share
+        mine = (sorted_ids < experts) & (place >= 0) & (place < capacity)
+        slot = jnp.where(mine, sorted_ids * capacity + place, experts * capacity)
+        buffers = Buffers(order, slot, weights, (b, s, k), experts * capacity, pieces > 1)
         local = experts // ranks
-        buffer = buffer.reshape(ranks, local * capacity, embed)
-        received = jax.lax.all_to_all(buffer, EXPERT_AXIS, 0, 0)  # (source rank, ...)
+        buffer = buffers.fill(x).reshape(ranks, local * capacity, embed)
+        received = exchanged(jax.lax.all_to_all(buffer, axes, 0, 0), pieces)  # (source, ...)
         received = received.reshape(ranks, local, capacity, embed).transpose(1, 0, 2, 3)
         out = self.expert_mlp(
             received.reshape(local, ranks * capacity, embed),
             lambda a, w: jnp.einsum('xne,xef->xnf', a, w),
+            kernels,
         )
         out = out.reshape(local, ranks, capacity, embed).transpose(1, 0, 2, 3)
-        out = jax.lax.all_to_all(out.reshape(ranks, local * capacity, embed), EXPERT_AXIS, 0, 0)
-        out = out.reshape(experts * capacity, embed).at[slot].get(mode='fill', fill_value=0)
-        back = jnp.zeros_like(order).at[order].set(jnp.arange(order.size))  # order's inverse
-        out = out[back].reshape(b, s, k, embed)
-        return jnp.einsum('bske,bsk->bse', out, weights.astype(out.dtype))
+        out = jax.lax.all_to_all(out.reshape(ranks, local * capacity, embed), axes, 0, 0)
+        out = exchanged(out, pieces)
+        return buffers.combine(out.reshape(experts * capacity, embed))
+
+    def folded(self, x, chosen, weights, keep):
+        """exchange's output under parallel folding (model.moe.fold_tensor), in a region
+        manual over 'tensor' within the replicas' over 'expert': each tensor rank gathers
+        the sequences (its own 1/t of them is x's, along residual_seq), sends its share of
+        every expert's slots over expert x tensor to the ranks of whole experts, and the
+        tokens' sums are reduce-scattered back onto the sequence's 1/t slices (without
+        sequence parallelism XLA gathers them whole after). No tensor all-reduce in the
+        experts: each holds its expert whole."""
+        kernels = self.kernels()
+        split = jax.sharding.PartitionSpec(None, TENSOR_AXIS, None)
+        whole, mine = jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(TENSOR_AXIS)
+
+        def body(x, chosen, weights, keep, *kernels):
+            x = jax.lax.all_gather(x, TENSOR_AXIS, axis=1, tiled=True)
+            share = (jax.lax.axis_index(TENSOR_AXIS), jax.lax.axis_size(TENSOR_AXIS))
+            out = self.exchange(x, chosen, weights, keep, kernels, share)
+            return jax.lax.psum_scatter(out, TENSOR_AXIS, scatter_dimension=1, tiled=True)
+
+        return jax.shard_map(
+            body,
+            in_specs=(split, whole, whole, whole, *(mine,) * len(kernels)),
+            out_specs=split,
+            axis_names={TENSOR_AXIS},
+            check_vma=False,
+        )(x, chosen, weights, keep, *kernels)
 
     def slots(self, seq):
         """Each expert's slots in a sequence of `seq` tokens under capacity_factor."""
@@ -286,15 +338,22 @@ class MoE(nnx.Module):
         out = self.expert_mlp(grouped_matmul.to_tiles(rows, layout), matmul)
         return grouped_matmul.from_tiles(out, layout)
 
-    def expert_mlp(self, rows, matmul):
-        """The block's MLP kind through matmul(rows, expert weights): GeLU, or SwiGLU."""
+    def kernels(self):
+        """The experts' weights in the compute dtype: (in, out), or (in, out, gate) SwiGLU."""
+        kernels = (self.in_kernel, self.out_kernel) + ((self.gate_kernel,) if self.swiglu else ())
+        return tuple(use(kernel, self.dtype) for kernel in kernels)
+
+    def expert_mlp(self, rows, matmul, kernels=None):
+        """The block's MLP kind through matmul(rows, expert weights): GeLU, or SwiGLU.
+        kernels: kernels()'s form (default: this module's)."""
+        kernels = self.kernels() if kernels is None else kernels
 
         def up(kernel):
-            return checkpoint_name(matmul(rows, use(kernel, self.dtype)), 'moe_in')
+            return checkpoint_name(matmul(rows, kernel), 'moe_in')
 
-        h = up(self.in_kernel)
-        h = jax.nn.silu(up(self.gate_kernel)) * h if self.swiglu else jax.nn.gelu(h, True)
-        return checkpoint_name(matmul(h, use(self.out_kernel, self.dtype)), 'moe_out')
+        h = up(kernels[0])
+        h = jax.nn.silu(up(kernels[2])) * h if self.swiglu else jax.nn.gelu(h, True)
+        return checkpoint_name(matmul(h, kernels[1]), 'moe_out')
 
     def values(self, logits, scores, chosen, keep, layer):
         """The side values of this layer (the module docstring)."""
@@ -311,6 +370,52 @@ class MoE(nnx.Module):
             LOADS: row[:, None] * counts.sum(0)[None, :],
             DROPPED: (~keep).sum().astype(jnp.float32),
         }
+
+
+class Buffers:
+    """The exchange's buffers of `size` slots and the tokens' rows: `fill` puts each slot's
+    row in, `combine` sums each token's k weighted rows out of them. By slot (`by_slot`,
+    folded): each slot's token and weight, so that only the buffers' rows are gathered and
+    scattered, never (b s k, embed) on every tensor rank. By row (unfolded): the (token,
+    choice) rows in sort order scattered in and gathered back; there XLA sums the tensor-
+    split experts' outputs on the buffers alone (by slot it added a (b, s, h) sum a layer
+    pass: docs/benchmarks.md, "Mixtral 8x22B on 256 H100s")."""
+
+    def __init__(self, order, slot, weights, shape, size, by_slot):
+        self.order, self.slot, self.weights, self.shape = order, slot, weights, shape
+        self.size, self.by_slot = size, by_slot
+        b, s, k = shape
+        if by_slot:  # b s past the last: an empty slot
+            self.token = jnp.full((size,), b * s).at[slot].set(order // k, mode='drop')
+            weight = jnp.zeros((size,), weights.dtype)
+            self.weight = weight.at[slot].set(weights.reshape(-1)[order], mode='drop')
+
+    def fill(self, x):
+        """(size, embed) of x (b, s, embed): each slot's row, 0 where empty."""
+        b, s, k = self.shape
+        rows = x.reshape(b * s, x.shape[-1])
+        if self.by_slot:
+            return rows.at[self.token].get(mode='fill', fill_value=0)
+        empty = jnp.zeros((self.size, x.shape[-1]), x.dtype)
+        return empty.at[self.slot].set(rows[self.order // k], mode='drop')
+
+    def combine(self, out):
+        """(b, s, embed): each token's rows of out (size, embed), weighted and summed."""
+        b, s, k = self.shape
+        if self.by_slot:
+            out = out * self.weight[:, None].astype(out.dtype)
+            out = jnp.zeros((b * s, out.shape[-1]), out.dtype).at[self.token].add(out, mode='drop')
+            return out.reshape(b, s, -1)
+        out = out.at[self.slot].get(mode='fill', fill_value=0)
+        back = jnp.zeros_like(self.order).at[self.order].set(jnp.arange(self.order.size))
+        out = out[back].reshape(b, s, k, -1)  # back in token order: back is order's inverse
+        return jnp.einsum('bske,bsk->bse', out, self.weights.astype(out.dtype))
+
+
+def exchanged(rows, pieces):
+    """An all-to-all's rows, named for selective recompute when folded (pieces > 1: 1/t of
+    the unfolded exchange's rows a rank, cheap to keep); unfolded, recomputed."""
+    return checkpoint_name(rows, 'moe_exchanged') if pieces > 1 else rows
 
 
 def block_rows(rows, experts, kernel=False):

@@ -28,6 +28,8 @@ tensor-parallel rows are Megatron's:
                                                                       vocabulary shards
     expert weights (layers, experts, ...)          experts -> expert  each expert rank holds
                                                                       its own experts (below)
+    folded experts (layers, experts, ...)   -> (expert, tensor)       parallel folding: each
+                                                                      expert whole on one rank
     activations    (batch, ...)                    batch  -> REPLICA_AXES (data, expert)
 
 The replica axes are those the batch's rows and ZeRO-1's shards split over: the train step's
@@ -80,6 +82,8 @@ REPLICA_AXES = ('data', 'expert')
 STAGE_AXIS = 'stage'
 EXPERT_AXIS = 'expert'
 CONTEXT_AXIS = 'context'  # what `seq` splits over (parallel/context.py)
+TENSOR_AXIS = 'tensor'
+FOLDED_AXES = (EXPERT_AXIS, TENSOR_AXIS)  # the MoE layers' expert ranks under folding
 
 
 def entry(names):
@@ -100,6 +104,9 @@ LOGICAL_RULES = (
     # parallel in, row parallel out). The router's scores over the experts are whole.
     ('experts', EXPERT_AXIS),
     ('expert_mlp', 'tensor'),
+    # Parallel folding (model.moe.fold_tensor): the tensor ranks are more expert ranks, each
+    # expert whole on one rank of expert x tensor (its width named None).
+    ('folded_experts', FOLDED_AXES),
     ('expert_scores', None),
     ('embed', None),
     ('head_dim', None),

@@ -81,7 +81,19 @@ EXPERT_AXIS = 'expert'
 def is_routed_expert(names):
     """Whether a parameter of these logical axes is a routed expert's weights (model/moe.py:
     gate, in and out kernels; the router's kernel is not)."""
-    return 'experts' in names and 'expert_mlp' in names
+    return ('experts' in names and 'expert_mlp' in names) or 'folded_experts' in names
+
+
+def folded(config):
+    """Whether a mixture of experts runs folded (model.moe.fold_tensor over tensor > 1):
+    its exchange over expert x tensor, each expert whole."""
+    model = config.model
+    return bool(counts.experts_of(model) and model.moe.fold_tensor and config.mesh.tensor > 1)
+
+
+def exchange_ranks(config):
+    """The ranks a mixture of experts' exchange spans: mesh.expert, x mesh.tensor folded."""
+    return config.mesh.expert * (config.mesh.tensor if folded(config) else 1)
 
 
 def planned_spec(names):
@@ -181,14 +193,15 @@ def engine_table(config, micro_steps=None):
 
 def expert_padding(config):
     """Rows a mixture of experts' routed experts multiply, and its all-to-alls carry, per
-    (token, choice) row (model/moe.py). Under expert parallelism (mesh.expert > 1) the
+    (token, choice) row (model/moe.py; folded, each tensor rank sends its 1/t share of
+    every expert's slots: the same ratio). Under expert parallelism (mesh.expert > 1) the
     exchange's buffers are fixed: each expert takes C rows from every rank, C = b x its
     slots in a sequence, ceil(factor s k / X), under a capacity factor, b s (every row a rank
     holds) dropless, so X C rows stand for b s k choices: X / k dropless, about the capacity
     factor else. 1 at one expert rank (the grouped matmul's rows are the choices, its tiles'
     padding aside) and for a dense model."""
     model = config.model
-    if not counts.experts_of(model) or config.mesh.expert <= 1:
+    if not counts.experts_of(model) or exchange_ranks(config) <= 1:
         return 1.0
     moe, s = model.moe, model.seq_len
     slots = math.ceil(moe.capacity_factor * s * moe.top_k / moe.experts)
@@ -215,20 +228,23 @@ def expert_rows_width(model_cfg, padding=1.0, dense=False):
 
 
 def layer_activation_bytes(
-    model_cfg, rows, tensor, remat, fused_attention=False, context=1, dense=False, padding=1.0
-):
+    model_cfg, rows, tensor, remat, fused_attention=False, context=1, dense=False, padding=1.0,
+    fold=False,
+):  # fmt: skip
     """Bytes one layer keeps for its backward pass, per micro-batch of `rows` sequences.
     fused_attention: a fused kernel (cuDNN, the flash kernel) keeps its fp32 log-sum-exp
     where the plain path keeps the (seq x seq) scores and probabilities. context: ranks of
     context parallelism, each holding s / c of every sequence: its scores are (s / c) x s,
     and a layer kept whole also keeps the keys and values gathered over 'context' (s, b,
     2 kv_heads d / t). dense: a dense layer ahead of a mixture of experts. padding: a mixture
-    of experts' rows per choice (expert_padding).
+    of experts' rows per choice (expert_padding); fold: folded (each tensor rank its 1/t of
+    the rows, of whole experts' width).
 
     A mixture of experts keeps, beyond its MLP's width (mlp_width: k x padding rows of the
     experts' widths), the experts' outputs (model/moe.py's `moe_out`: k x padding rows of
     (hidden) a token, whole over tensor) under selective and none; under none also their
-    inputs (the rows gathered, or received by the all-to-all, in expert order).
+    inputs (the rows gathered, or received by the all-to-all, in expert order); folded,
+    selective also keeps the rows both all-to-alls deliver (1/t of them a tensor rank).
 
     remat none: s b h (6 e + 12 e / t) + a s^2 b (4 + e) / t: the block's inputs, layer-norm
         outputs, residual branch outputs (6 x (s, b, h), replicated over tensor), QKV, context
@@ -254,10 +270,11 @@ def layer_activation_bytes(
     residual = tensor if model_cfg.get('sequence_parallel', False) else 1
     if remat == 'full':
         return s * rows * h * e / residual
-    expert_rows = expert_rows_width(model_cfg, padding, dense) * e
+    expert_rows = expert_rows_width(model_cfg, padding, dense) * e / (tensor if fold else 1)
     if remat == 'selective':
         saved_mlp = mlp_width(model_cfg, dense, padding) * (2 if swiglu else 1)
-        kept = 2 * h * e / residual + (split + saved_mlp) * e / tensor + expert_rows
+        exchanged = 2 * expert_rows if fold else 0  # the all-to-alls' rows (model/moe.py)
+        kept = 2 * h * e / residual + (split + saved_mlp) * e / tensor + expert_rows + exchanged
         return s * rows * kept
     f = mlp_width(model_cfg, dense, padding) * (3 if swiglu else 2)
     kept = s * rows * (6 * h * e / residual + (split + f) * e / tensor + 2 * expert_rows)
@@ -340,15 +357,16 @@ def activation_bytes(config, fused_attention=False):
     e = itemsize(model.compute_dtype)
     boundary = model.seq_len // context * rows * model.hidden * e
     logits = loss_bytes(model, rows, tensor, context)
-    padding = expert_padding(config)
+    padding, fold = expert_padding(config), folded(config)
     full_layer = layer_activation_bytes(
-        model, rows, tensor, 'none', fused_attention, context, padding=padding
+        model, rows, tensor, 'none', fused_attention, context, padding=padding, fold=fold
     )
 
     def layers(count, dense=False):
         kept = layer_activation_bytes(
-            model, rows, tensor, model.remat, context=context, dense=dense, padding=padding
-        )
+            model, rows, tensor, model.remat, context=context, dense=dense, padding=padding,
+            fold=fold,
+        )  # fmt: skip
         return count * kept
 
     moe_layers = config_lib.block_stack_layers(model)

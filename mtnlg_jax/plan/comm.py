@@ -54,7 +54,13 @@ formulas of the literature (ring algorithms: an all-reduce of S bytes over n dev
                  all-reduce then carries those buffers' rows, not (b, s, h), the other half
                  of a layer's all-reduces (under sequence parallelism: the attention's
                  reduce-scatter and all-gather, the experts' all-gather of their input and
-                 all-reduce of their rows)
+                 all-reduce of their rows). Folded (model.moe.fold_tensor, x t ranks,
+                 key 'expert+tensor'): each tensor rank sends its 1/t share of the buffers,
+                 (b s k x padding / t, h) rows, to the x t - 1 others; over 'tensor' no
+                 experts' all-reduce, but the exchange's all-gather of its input (and
+                 back whole without sequence parallelism) and reduce-scatter of the tokens'
+                 sums: the dense MLP's bytes; selective recompute keeps the exchanged rows,
+                 so the backward runs no all-to-all again (4 a layer pass, not 6)
 
 Scalars (loss, gradient norm, the cross-entropy's (b, s) reductions over the vocabulary) are
 left out: kilobytes against gigabytes.
@@ -70,7 +76,9 @@ from mtnlg_jax.parallel.rules import MESH_AXES, REPLICA_AXES, STAGE_AXIS
 from mtnlg_jax.plan.arithmetic import (
     chunk_slots,
     engine_table,
+    exchange_ranks,
     expert_padding,
+    folded,
     itemsize,
     local_param_counts,
     local_shared_params,
@@ -151,22 +159,33 @@ def exchanged_rows(config):
     "Mixtral 8x22B on 256 H100s"). (0, 0) where the layer's MLP all-reduce is the block's
     (b, s, h) one."""
     model = config.model
-    if not experts_of(model) or config.mesh.expert <= 1:
+    if not experts_of(model) or exchange_ranks(config) <= 1:
         return 0, 0
-    return model.moe.top_k * expert_padding(config), int(shared_ffn_hidden(model) > 0)
+    shared = int(shared_ffn_hidden(model) > 0)
+    if folded(config):  # whole experts: the (b, s, h) sums of a dense MLP, none on buffers
+        return 0, shared
+    return model.moe.top_k * expert_padding(config), shared
+
+
+def exchange_axes(config):
+    """The mesh axes of a mixture of experts' all-to-alls: ('expert',), folded ('expert',
+    'tensor')."""
+    return ('expert', 'tensor') if folded(config) else ('expert',)
 
 
 def all_to_all_bytes(config, table=None):
-    """Bytes one device sends per step by the all-to-alls over 'expert' of a mixture of
-    experts (the module docstring; 0 for a dense model or at mesh.expert 1)."""
-    model, x = config.model, config.mesh.expert
+    """Bytes one device sends per step by the all-to-alls over 'expert' (folded: expert x
+    tensor, each tensor rank its 1/t of the rows) of a mixture of experts (the module
+    docstring; 0 for a dense model or one exchange rank)."""
+    model, x = config.model, exchange_ranks(config)
     if not experts_of(model) or x <= 1:
         return 0.0
     rows = config.train.micro_batch * model.seq_len * model.moe.top_k * expert_padding(config)
+    rows /= config.mesh.tensor if folded(config) else 1
     payload = rows * model.hidden * itemsize(model.compute_dtype)
     runs, _, _ = _tensor_runs(config, engine_table(config) if table is None else table)
-    if model.remat == 'selective':  # the backward recomputes both exchanges of its layer
-        runs *= 1.5
+    if model.remat == 'selective' and not folded(config):  # the backward exchanges again
+        runs *= 1.5  # (folded, the exchanged rows are kept: model/moe.py's SAVED_NAMES)
     return runs * (x - 1) / x * payload
 
 
@@ -190,16 +209,19 @@ def comm_bytes_per_device(config):
     if mesh.tensor > 1:
         layer_runs, edge_runs, gathers = _tensor_runs(config, table)
         rows, shared = exchanged_rows(config)
-        if rows:  # half the layer runs are the experts': an all-reduce of their rows
+        fold = folded(config)
+        if rows or fold:  # half the layer runs are the experts'
             layer_runs /= 2
-            size = rows * activation
+            size = rows * activation  # unfolded: an all-reduce of their buffers' rows
             add('all-reduce', 'tensor', layer_runs * _ring('all-reduce', size, mesh.tensor))
             kind = 'reduce-scatter' if sequence_parallel else 'all-reduce'  # the shared MLP's
             add(kind, 'tensor', shared * layer_runs * _ring(kind, activation, mesh.tensor))
+        if fold:  # the exchange gathers its input and reduce-scatters the tokens' sums
+            _add_folded(add, config, layer_runs, activation)
         if sequence_parallel:  # each layer all-reduce: a reduce-scatter + an all-gather
             for kind in ('reduce-scatter', 'all-gather'):
                 add(kind, 'tensor', layer_runs * _ring(kind, activation, mesh.tensor))
-            if rows:  # the experts' input gathered along the sequence
+            if rows:  # the experts' input gathered along the sequence (unfolded)
                 gather = _ring('all-gather', activation, mesh.tensor)
                 add('all-gather', 'tensor', layer_runs * gather)
         elif handoff < activation:
@@ -207,7 +229,7 @@ def comm_bytes_per_device(config):
         runs = edge_runs + (0 if sequence_parallel else layer_runs)
         add('all-reduce', 'tensor', runs * _ring('all-reduce', activation, mesh.tensor))
     if all_to_all_bytes(config, table):
-        add('all-to-all', 'expert', all_to_all_bytes(config, table))
+        add('all-to-all', axes_key(config, exchange_axes(config)), all_to_all_bytes(config, table))
     engine = engine_lib.engine(config)
     compute, _ = local_param_counts(config)
     if engine.pipelined:
@@ -230,6 +252,17 @@ def comm_bytes_per_device(config):
             if group > 1:
                 add(kind, axes_key(config, over), _ring(kind, size, group))
     return out
+
+
+def _add_folded(add, config, runs, activation):
+    """comm_bytes_per_device's tensor traffic of a folded exchange, `runs` layer runs:
+    the input's all-gather along the sequence and the tokens' sums reduce-scattered back
+    (selective recompute keeps the exchanged rows: neither runs again); without sequence
+    parallelism gathered whole after."""
+    t, sequence_parallel = config.mesh.tensor, config.model.get('sequence_parallel', False)
+    gathers = runs * (1 if sequence_parallel else 1.5)  # the forward half gathers back
+    add('all-gather', 'tensor', gathers * _ring('all-gather', activation, t))
+    add('reduce-scatter', 'tensor', runs * _ring('reduce-scatter', activation, t))
 
 
 def zero_groups(config, compute=None):

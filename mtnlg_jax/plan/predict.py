@@ -34,7 +34,9 @@ tensor t, compute dtype of e bytes):
                 buffers, (b s k padding, h) rows of which (x - 1) / x leave the device, are
                 waited for as the tensor collectives are (plan/comm.py); at x = 1 every
                 expert runs on every device one after another, its chosen rows only, and
-                the spread of the load costs nothing
+                the spread of the load costs nothing. Folded (model.moe.fold_tensor): the
+                exchange spans x t ranks, each tensor rank sends 1/t of the rows, and the
+                experts' tensor collectives are a dense MLP's
 
     matmul(w) = matmul_efficiency x w / (w + matmul_knee): wide matmuls reach a fixed
                 fraction of peak, narrow ones (a small width per device after the tensor
@@ -203,14 +205,15 @@ def layer_forward(
     split = t if model.sequence_parallel else 1
     matmul_flops = 2 * tokens * counts.layer_matmul_params(model) / t
     experts = 0.0
-    if experts_of(model) and config.mesh.expert > 1:
+    group = arithmetic.exchange_ranks(config)
+    if experts_of(model) and group > 1:
         routed = 2 * tokens * model.moe.top_k * counts.expert_params(model) / t
         matmul_flops += routed * (padding - 1)  # the buffers' rows past the choices
-        group = config.mesh.expert
-        sent = tokens * model.moe.top_k * padding * h * e * (group - 1) / group
+        rows = tokens * model.moe.top_k * padding / (t if arithmetic.folded(config) else 1)
+        sent = rows * h * e * (group - 1) / group
         # an expert group's ranks lie context x tensor devices apart (parallel/mesh.py): it
         # stays in a node only if all of that span does
-        span = group * c * t
+        span = group * c * (1 if arithmetic.folded(config) else t)
         experts = 2 * rates.link(sent, span) * exposed_experts
     attention_flops = 4 * tokens * s * a * head_dim / t
     backward_flops = 2 * attention_flops
@@ -227,7 +230,11 @@ def layer_forward(
         compute=rates.matmul(matmul_flops, min(tokens, h / t)) + attention + elementwise,
         attention=attention,
         attention_backward=attention_backward,
-        tensor=(1 + (sum(comm.exchanged_rows(config)) or 1))  # attention's, MLP's or experts'
+        tensor=(
+            1
+            + (sum(comm.exchanged_rows(config)) or 1)
+            + arithmetic.folded(config) * comm.exchanged_rows(config)[1]
+        )  # attention's, MLP's or experts' (+ shared's folded)
         * rates.link(_ring('all-reduce', tokens * h * e, t), t)
         * exposed,
         expert=experts,
@@ -410,7 +417,7 @@ def step_time(config, cluster, figures=None, semantics='ours', overlap=None, cou
         semantics,
         exposed(tensor_kind, 'tensor'),
         accumulate,
-        exposed('all-to-all', 'expert'),
+        exposed('all-to-all', comm.axes_key(config, comm.exchange_axes(config))),
         (exposed('all-gather', 'context'), exposed('reduce-scatter', 'context')),
     )
     handoff = 0.0

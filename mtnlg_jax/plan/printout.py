@@ -56,7 +56,8 @@ def moe_lines(plan):
     sent = ', '.join(f'{axis} {_gib(n)}' for axis, n in moe['all_to_all_bytes_per_device'].items())
     return [
         f'experts      {moe["experts"]} routed, top {moe["top_k"]}, over {moe["expert_ranks"]} '
-        f'expert rank(s): {moe["active_params"] / 1e9:.4f} B active of {moe["params"] / 1e9:.4f} '
+        f'expert rank(s){" (folded: expert x tensor)" if moe.get("folded") else ""}: '
+        f'{moe["active_params"] / 1e9:.4f} B active of {moe["params"] / 1e9:.4f} '
         f'B parameters ({moe["routed_expert_params"] / 1e9:.4f} B in routed experts)',
         f'  per device routed experts: params {_gib(held["params"])}, grads '
         f'{_gib(held["grads"])}, optimizer {_gib(held["optimizer"])}; all-to-all per step: '

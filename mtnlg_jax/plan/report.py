@@ -71,12 +71,15 @@ def moe_figures(config, params):
     return dict(
         experts=model.moe.experts,
         top_k=model.moe.top_k,
-        expert_ranks=config.mesh.expert,
+        expert_ranks=arithmetic.exchange_ranks(config),
+        folded=arithmetic.folded(config),
         params=params,
         active_params=counts.active_params(model, params),
         routed_expert_params=moe_layers * model.moe.experts * counts.expert_params(model),
         expert_bytes_per_device=arithmetic.expert_bytes(config),
-        all_to_all_bytes_per_device={'expert': all_to_all} if all_to_all else {},
+        all_to_all_bytes_per_device=(
+            {comm.axes_key(config, comm.exchange_axes(config)): all_to_all} if all_to_all else {}
+        ),
         expert_padding=arithmetic.expert_padding(config),
         expert_padding_source="the exchange's fixed buffers at mesh.expert > 1: X / k "
         'dropless, about the capacity factor else (model/moe.py)',

@@ -6,8 +6,9 @@
 Every layout the config can take on `devices` GPUs: tensor t inside a node (dividing the
 heads, the MLP and the node's GPUs), stages p dividing the layers, expert ranks x dividing a
 mixture of experts' routed experts (1 for a dense model; a mixture of experts at x = 1 only
-with t = 1: split over tensor, its experts take model/moe.py's batched path, whose gathered
-weight copies the plan does not count; docs/benchmarks.md, "Mixtral 8x22B on 256 H100s"),
+with t = 1 or folded: split over tensor, its experts take model/moe.py's batched path, whose
+gathered weight copies the plan does not count; docs/benchmarks.md, "Mixtral 8x22B on 256
+H100s"), parallel folding (model.moe.fold_tensor, t > 1, x t dividing the experts) or not,
 data d = devices / (t p x), the replicas d x dividing the global batch, micro-batch b
 dividing the replica's batch, repeats v dividing the layers of a stage (interleaved when
 v > 1), remat none / selective / full, sequence parallelism (t > 1), max_in_flight 0 or p
@@ -42,8 +43,10 @@ FREE_KEYS = (
     'train.micro_batch',
     'model.remat',
     'model.sequence_parallel',
+    'model.moe.fold_tensor',
 )
 REMATS = ('none', 'selective', 'full')
+MESH_KEYS = ('mesh.tensor', 'mesh.stage', 'mesh.data', 'mesh.expert')
 
 
 class SearchError(ValueError):
@@ -55,8 +58,13 @@ def _divisors(n):
 
 
 def _get(config, key):
-    section, name = key.split('.')
-    return config[section][name]
+    """A dotted key's value (False for model.moe.* of a config without the section)."""
+    *sections, name = key.split('.')
+    for section in sections:
+        if section not in config:
+            return False
+        config = config[section]
+    return config[name]
 
 
 def layouts(inputs, devices, gpus_per_node, fixed=()):
@@ -81,16 +89,21 @@ def layouts(inputs, devices, gpus_per_node, fixed=()):
         choices('mesh.expert', _divisors(experts) if experts else [1]),
     )
     for t, p, x in meshes:
-        if devices % (t * p * x) or (experts and x == 1 and t > 1):
-            continue  # one expert rank over tensor: the batched path's weight copies, unplanned
+        if devices % (t * p * x):
+            continue
         d = devices // (t * p * x)
         wanted = _get(inputs, 'mesh.data')
         if 'mesh.data' in fixed and wanted != -1 and d != wanted:
             continue
         if batch % (d * x):
             continue
-        mesh = {'mesh.tensor': t, 'mesh.stage': p, 'mesh.data': d, 'mesh.expert': x}
-        yield from _schedules(choices, mesh, model, batch // (d * x))
+        folds = [False, True] if experts and t > 1 and experts % (x * t) == 0 else [False]
+        for fold in choices('model.moe.fold_tensor', folds):
+            if experts and x == 1 and t > 1 and not fold:
+                continue  # one expert rank over tensor: the batched path's weight copies
+            mesh = {'mesh.tensor': t, 'mesh.stage': p, 'mesh.data': d, 'mesh.expert': x}
+            mesh.update({'model.moe.fold_tensor': fold} if experts else {})
+            yield from _schedules(choices, mesh, model, batch // (d * x))
 
 
 def _schedules(choices, mesh, model, replica_batch):
@@ -122,8 +135,11 @@ def with_layout(inputs, layout, devices, fixed=()):
     schedule follows the repeats (1f1b, interleaved) unless the user fixed it."""
     config = ml_collections.ConfigDict(inputs.to_dict())
     for key, value in layout.items():
-        section, name = key.split('.')
-        config[section][name] = value
+        *sections, name = key.split('.')
+        node = config
+        for section in sections:
+            node = node[section]
+        node[name] = value
     if 'pipeline.schedule' not in fixed:
         config.pipeline.schedule = 'interleaved' if config.pipeline.repeats > 1 else '1f1b'
     config.train.rampup.start = 0  # the step of the full batch is the one that counts
@@ -136,6 +152,8 @@ def describe(config):
     text = f't{mesh.tensor} p{mesh.stage} d{mesh.data}'
     if mesh.expert > 1:
         text += f' x{mesh.expert}'
+    if 'moe' in model and model.moe.fold_tensor and mesh.tensor > 1:
+        text += ' fold'
     if mesh.stage > 1:
         text += f' v{pipe.repeats}'
         if pipe.max_in_flight:
@@ -172,7 +190,7 @@ def search(inputs, devices, cluster, fixed=(), top=10, progress=True, figures=No
         except config_lib.ConfigError:
             refused += 1
             continue
-        key = tuple(layout[k] for k in ('mesh.tensor', 'mesh.stage', 'mesh.data', 'mesh.expert'))
+        key = tuple(layout.get(k) for k in (*MESH_KEYS, 'model.moe.fold_tensor'))
         if key not in counts_cache:  # data and stage traffic depend on the mesh alone
             counts_cache[key] = predict.traffic(config)
         step = predict.step_time(config, cluster, figures, counts=counts_cache[key])
