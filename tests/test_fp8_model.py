@@ -3,6 +3,8 @@ block matmul and nothing else is an FP8 product; a weight's scale is its whole t
 tensor parallelism; delayed's scales come from its history, and the history resumes exactly
 through a checkpoint. The quantised values and scales of each recipe against NumPy."""
 
+import contextlib
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -16,6 +18,7 @@ from mtnlg_jax import config as config_lib
 from mtnlg_jax.checkpoint import store as checkpoint_lib
 from mtnlg_jax.model import fp8, fp8_sites, gpt
 from mtnlg_jax.train import resume
+from mtnlg_jax.train import step as step_lib
 from support import (
     LLAMA_BLOCK,
     TRAIN_ENV,
@@ -111,6 +114,27 @@ def test_a_weights_scale_is_its_whole_tensors_under_tensor_parallelism():
         [fp8.matmul(x, w[:, i * 32 : (i + 1) * 32]) for i in range(8)], axis=1
     )  # fmt: skip  (per-shard scales, what must not happen)
     assert not np.allclose(local, product, rtol=1e-6, atol=1e-6)
+
+
+def test_tensorwise_weights_quantized_once_a_step_give_the_same_step(monkeypatch):
+    """The train step quantizes each weight once (model/fp8_sites.py weights_once, under data
+    x tensor with 2 micro-steps): the loss and every gradient bit for bit those of quantizing
+    in every micro-step, and the block stack's scan was handed the quantized weights."""
+    config = _config(data=2, tensor=2, micro_steps=2, sequence_parallel=True)
+    batch = random_batches(1)[0]
+    handed, stack_weights = [], fp8_sites.stack_weights
+
+    def spy(layers):
+        handed.append(stack_weights(layers))
+        return handed[-1]
+
+    monkeypatch.setattr(fp8_sites, 'stack_weights', spy)
+    _, once_loss, once, _ = gradients_and_values(config, batch)
+    assert handed and sorted(handed[0]) == ['attn_out', 'kv', 'mlp_out', 'mlp_up', 'q']
+    monkeypatch.setattr(step_lib, '_fp8_weights_once', lambda *_: contextlib.nullcontext())
+    _, each_loss, each, _ = gradients_and_values(config, batch)
+    assert once_loss == each_loss
+    assert_trees_close(once, each, atol=0)
 
 
 # --- delayed ----------------------------------------------------------------------------------
