@@ -116,11 +116,16 @@ def test_a_weights_scale_is_its_whole_tensors_under_tensor_parallelism():
     assert not np.allclose(local, product, rtol=1e-6, atol=1e-6)
 
 
-def test_tensorwise_weights_quantized_once_a_step_give_the_same_step(monkeypatch):
+@pytest.mark.parametrize('recipe', ['tensorwise', 'delayed'])
+def test_weights_quantized_once_a_step_give_the_same_step(monkeypatch, recipe):
     """The train step quantizes each weight once (model/fp8_sites.py weights_once, under data
-    x tensor with 2 micro-steps): the loss and every gradient bit for bit those of quantizing
-    in every micro-step, and the block stack's scan was handed the quantized weights."""
-    config = _config(data=2, tensor=2, micro_steps=2, sequence_parallel=True)
+    x tensor with 2 micro-steps): the loss, every gradient and delayed's amax values bit for
+    bit those of quantizing in every micro-step, and the block stack's scan was handed the
+    quantized weights. Delayed starts from a history holding w's amax and not x's, so its
+    weights are scaled by the history and its inputs by this step's amax."""
+    if recipe == 'delayed':
+        monkeypatch.setattr(fp8_sites, 'history_buffer', _history_of_weights)
+    config = _config(recipe, data=2, tensor=2, micro_steps=2, sequence_parallel=True)
     batch = random_batches(1)[0]
     handed, stack_weights = [], fp8_sites.stack_weights
 
@@ -129,12 +134,19 @@ def test_tensorwise_weights_quantized_once_a_step_give_the_same_step(monkeypatch
         return handed[-1]
 
     monkeypatch.setattr(fp8_sites, 'stack_weights', spy)
-    _, once_loss, once, _ = gradients_and_values(config, batch)
+    _, once_loss, once, once_values = gradients_and_values(config, batch)
     assert handed and sorted(handed[0]) == ['attn_out', 'kv', 'mlp_out', 'mlp_up', 'q']
     monkeypatch.setattr(step_lib, '_fp8_weights_once', lambda *_: contextlib.nullcontext())
-    _, each_loss, each, _ = gradients_and_values(config, batch)
+    _, each_loss, each, each_values = gradients_and_values(config, batch)
     assert once_loss == each_loss
     assert_trees_close(once, each, atol=0)
+    assert_trees_close(once_values, each_values, atol=0)
+
+
+def _history_of_weights(cfg):
+    """A block's fp8_history whose newest entry holds 0.25 for each site's w, 0 for its x."""
+    history = jnp.zeros((len(fp8_sites.SITES), 2, cfg.fp8_amax_history)).at[:, 1, 0].set(0.25)
+    return fp8_sites.buffers.buffer(history, (None, None, None), rule=fp8_sites.RULE)
 
 
 # --- delayed ----------------------------------------------------------------------------------

@@ -87,9 +87,9 @@ def matmul(x, w, recipe='tensorwise', scales=None, margin=0, quantized=None):
     w may be a tuple of slots, each (K, *N), multiplied as one weight (K, slots, *N) (e.g.
     SwiGLU's gate and in kernels): one scale over them all, and stacked only once quantized
     (the stack written in FP8, inside the quantization's kernel); their gradients a tuple.
-    quantized: tensorwise's w already quantized (once a step: model/fp8_sites.py), (q (K,
-    *N) as the slots stack it, the same with K last (*N, K), the forward GEMM's operand, its
-    scale); w then only says the gradient's type, which goes to w as without it."""
+    quantized: w already quantized (tensorwise and delayed, once a step: model/fp8_sites.py),
+    (q (K, *N) as the slots stack it, the same with K last (*N, K), the forward GEMM's
+    operand, its scale); w then only says the gradient's type, which goes to w as without it."""
     if isinstance(w, list):
         w = tuple(w)
     if isinstance(w, tuple) and recipe == 'blockwise':
@@ -98,8 +98,8 @@ def matmul(x, w, recipe='tensorwise', scales=None, margin=0, quantized=None):
         raise ValueError(f'FP8 recipe {recipe!r}: one of {RECIPES}')
     if recipe == 'delayed' and scales is None:
         raise ValueError('the delayed FP8 recipe needs the scales of x and w')
-    if quantized is not None and recipe != 'tensorwise':
-        raise ValueError(f'a weight quantized ahead is tensorwise, not {recipe!r}')
+    if quantized is not None and recipe == 'blockwise':
+        raise ValueError('a weight quantized ahead is tensorwise or delayed, not blockwise')
     if recipe == 'blockwise' and w.ndim != 2:
         raise ValueError(f'blockwise FP8 multiplies a (K, N) weight, got {w.shape}')
     scales = (jnp.float32(1.0), jnp.float32(1.0)) if scales is None else scales
@@ -120,7 +120,7 @@ def _forward(x, w, scales, quantized, recipe, margin):
         qw, sw = _blocks(w, margin)
         return _blockwise_product(qx, sx, qw, sw, x.dtype), (qx, sx, qw, sw)
     if quantized is not None:
-        return _forward_quantized(x, quantized, margin)
+        return _forward_quantized(x, quantized, scales[0] if recipe == 'delayed' else None, margin)
     if recipe == 'delayed':
         sx, sw = scales
     else:
@@ -135,11 +135,12 @@ def _forward(x, w, scales, quantized, recipe, margin):
     return _product(qx, sx, qw, sw, x.dtype, ((qx.ndim - 1,), (0,))), saved
 
 
-def _forward_quantized(x, quantized, margin):
-    """_forward's tensorwise product with w quantized ahead: x quantized, times w's copy with
-    K last (cuBLASLt's FP8 GEMM wants both operands' contracted dimension innermost)."""
+def _forward_quantized(x, quantized, sx, margin):
+    """_forward's product with w quantized ahead: x quantized (by sx, delayed's; None: its
+    amax), times w's copy with K last (cuBLASLt's FP8 GEMM wants both operands' contracted
+    dimension innermost)."""
     qw, qw_k_last, sw = quantized
-    sx = scale_of(amax(x), E4M3, margin)
+    sx = scale_of(amax(x), E4M3, margin) if sx is None else sx
     qx = checkpoint_name(quantize(x, E4M3, sx), SAVED_NAMES[0])
     sx = checkpoint_name(sx, SAVED_NAMES[0])
     contract = ((qx.ndim - 1,), (qw_k_last.ndim - 1,))

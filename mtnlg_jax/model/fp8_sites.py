@@ -21,13 +21,14 @@ model.sequence_pieces); w's over the whole weight, whatever its layout: under SP
 a weight split over `tensor` is the global max (tests/test_fp8_model.py). Blockwise scales
 are local to a 1 x 128 tile (128 x 128 for weights), so no layout changes them.
 
-tensorwise quantizes each weight once a step (weights_once, for a step that runs its block
-stack as one scan over all layers: no pipeline, no dense layers ahead of experts): from the
-compute copy, outside the micro-step loop, each site's kernel stacked over the layers is
-quantized layer by layer (its scale the layer's amax over the whole kernel, as project's),
-kept as it is (the input gradient's GEMM operand) and with K last (the forward's), and the
-block stack's scan hands each layer its slice (layer_weights); the weight's gradient goes to
-the bf16 kernel as ever. The same values as quantizing in every micro-step, without the
+Tensorwise and delayed quantize each weight once a step (weights_once, for a step that runs
+its block stack as one scan over all layers: no pipeline, no dense layers ahead of experts):
+from the compute copy, outside the micro-step loop, each site's kernel stacked over the
+layers is quantized layer by layer (its scale the layer's amax over the whole kernel, as
+project's; delayed's from the layer's history, this amax recorded for it as each micro-step
+did), kept as it is (the input gradient's GEMM operand) and with K last (the forward's), and
+the block stack's scan hands each layer its slice (layer_weights); the weight's gradient goes
+to the bf16 kernel as ever. The same values as quantizing in every micro-step, without the
 amax reductions, quantizations and transposes of every micro-step.
 
 delayed: every block holds a buffer (model/buffers.py), `fp8_history` (sites, 2 [x, w],
@@ -108,15 +109,17 @@ def project(setting, site, x, w, contract=1):
         n_shape = (len(w), *n_shape)
     if recipe == 'blockwise':
         w2 = w2.reshape(w2.shape[0], math.prod(n_shape))
-    quantized = (_LAYER.get() or {}).get(site) if recipe == 'tensorwise' else None
-    if quantized is not None and quantized[0].shape != (math.prod(k_shape), *n_shape):
+    ahead = (_LAYER.get() or {}).get(site) if recipe != 'blockwise' else None
+    if ahead is not None and ahead[0].shape != (math.prod(k_shape), *n_shape):
         raise ValueError(f'FP8 site {site}: its weight was quantized ahead in another shape')
+    quantized = None if ahead is None else ahead[:3]
     scales = None
     if recipe == 'delayed':
-        now = tuple(jax.lax.stop_gradient(fp8.amax(a)) for a in (x2, w2))
+        w_amax = fp8.amax(w2) if ahead is None else ahead[3]  # w's: the step's, taken once
+        now = tuple(jax.lax.stop_gradient(a) for a in (fp8.amax(x2), w_amax))
         recording = _RECORDING.get()
         if recording is None:  # outside a block's recording: current scaling
-            scales = tuple(fp8.scale_of(a, fp8.E4M3, margin) for a in now)
+            scales, quantized = tuple(fp8.scale_of(a, fp8.E4M3, margin) for a in now), None
         else:
             scales = recording.scales(site, now, margin)
             recording.record(site, now)
@@ -142,33 +145,41 @@ def _site_kernels(block):
     return sites
 
 
-def _quantized_stack(w, contract, margin):
+def _quantized_stack(w, contract, margin, past=None):
     """w (layers, *K, *N) or a tuple of slots of that shape, quantized layer by layer as
     project quantizes one layer's: (q (layers, K, [slots,] *N), q with K last, scales
-    (layers,))."""
+    (layers,), amax values (layers,)). past: delayed's (layers,) largest amax in each layer's
+    history, the scale's where above 0 (Recording.scales); None: tensorwise's, this step's."""
     slots = w if isinstance(w, tuple) else (w,)
     layers, k = slots[0].shape[0], math.prod(slots[0].shape[1 : 1 + contract])
     folded = [v.reshape(layers, k, *v.shape[1 + contract :]) for v in slots]
     amax = functools.reduce(
         jnp.maximum, [jnp.max(jnp.abs(v).reshape(layers, -1), 1) for v in folded]
     )
-    scale = fp8.scale_of(amax.astype(jnp.float32), fp8.E4M3, margin)
+    amax = amax.astype(jnp.float32)
+    scale = fp8.scale_of(
+        amax if past is None else jnp.where(past > 0, past, amax), fp8.E4M3, margin
+    )
     q = [fp8.quantize(v, fp8.E4M3, scale.reshape(-1, *(1,) * (v.ndim - 1))) for v in folded]
     q = jnp.stack(q, 2) if isinstance(w, tuple) else q[0]
-    return q, jnp.moveaxis(q, 1, -1), scale
+    return q, jnp.moveaxis(q, 1, -1), scale, amax
 
 
 @contextlib.contextmanager
 def weights_once(setting, blocks, layers):
-    """While a step's engine traces: the tensorwise sites of `blocks` (the compute copy's
-    block stack, a plain dict stacked over `layers`) quantized once (the module docstring),
-    for the stack's scan (stack_weights); nothing under another recipe or blocks None."""
-    if setting is None or setting[0] != 'tensorwise' or blocks is None:
+    """While a step's engine traces: the tensorwise or delayed sites of `blocks` (the compute
+    copy's block stack beside its buffers, a plain dict stacked over `layers`) quantized once
+    (the module docstring), for the stack's scan (stack_weights); nothing under blockwise or
+    blocks None."""
+    if setting is None or setting[0] not in ('tensorwise', 'delayed') or blocks is None:
         yield
         return
-    margin = setting[1]
+    margin, history = setting[1], blocks.get('fp8_history')
+    past = None if history is None else jax.lax.stop_gradient(jnp.max(history[:, :, 1], -1))
     stack = {
-        s: _quantized_stack(jax.lax.stop_gradient(w), c, margin)
+        s: _quantized_stack(
+            jax.lax.stop_gradient(w), c, margin, None if past is None else past[:, SITES.index(s)]
+        )
         for s, (w, c) in _site_kernels(blocks).items()
     }
     token = _STACK.set((layers, stack))
