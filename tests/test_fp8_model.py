@@ -3,6 +3,8 @@ block matmul and nothing else is an FP8 product; a weight's scale is its whole t
 tensor parallelism; delayed's scales come from its history, and the history resumes exactly
 through a checkpoint. The quantised values and scales of each recipe against NumPy."""
 
+import contextlib
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -16,6 +18,7 @@ from mtnlg_jax import config as config_lib
 from mtnlg_jax.checkpoint import store as checkpoint_lib
 from mtnlg_jax.model import fp8, fp8_sites, gpt
 from mtnlg_jax.train import resume
+from mtnlg_jax.train import step as step_lib
 from support import (
     LLAMA_BLOCK,
     TRAIN_ENV,
@@ -111,6 +114,39 @@ def test_a_weights_scale_is_its_whole_tensors_under_tensor_parallelism():
         [fp8.matmul(x, w[:, i * 32 : (i + 1) * 32]) for i in range(8)], axis=1
     )  # fmt: skip  (per-shard scales, what must not happen)
     assert not np.allclose(local, product, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize('recipe', ['tensorwise', 'delayed'])
+def test_weights_quantized_once_a_step_give_the_same_step(monkeypatch, recipe):
+    """The train step quantizes each weight once (model/fp8_sites.py weights_once, under data
+    x tensor with 2 micro-steps): the loss, every gradient and delayed's amax values bit for
+    bit those of quantizing in every micro-step, and the block stack's scan was handed the
+    quantized weights. Delayed starts from a history holding w's amax and not x's, so its
+    weights are scaled by the history and its inputs by this step's amax."""
+    if recipe == 'delayed':
+        monkeypatch.setattr(fp8_sites, 'history_buffer', _history_of_weights)
+    config = _config(recipe, data=2, tensor=2, micro_steps=2, sequence_parallel=True)
+    batch = random_batches(1)[0]
+    handed, stack_weights = [], fp8_sites.stack_weights
+
+    def spy(layers):
+        handed.append(stack_weights(layers))
+        return handed[-1]
+
+    monkeypatch.setattr(fp8_sites, 'stack_weights', spy)
+    _, once_loss, once, once_values = gradients_and_values(config, batch)
+    assert handed and sorted(handed[0]) == ['attn_out', 'kv', 'mlp_out', 'mlp_up', 'q']
+    monkeypatch.setattr(step_lib, '_fp8_weights_once', lambda *_: contextlib.nullcontext())
+    _, each_loss, each, each_values = gradients_and_values(config, batch)
+    assert once_loss == each_loss
+    assert_trees_close(once, each, atol=0)
+    assert_trees_close(once_values, each_values, atol=0)
+
+
+def _history_of_weights(cfg):
+    """A block's fp8_history whose newest entry holds 0.25 for each site's w, 0 for its x."""
+    history = jnp.zeros((len(fp8_sites.SITES), 2, cfg.fp8_amax_history)).at[:, 1, 0].set(0.25)
+    return fp8_sites.buffers.buffer(history, (None, None, None), rule=fp8_sites.RULE)
 
 
 # --- delayed ----------------------------------------------------------------------------------

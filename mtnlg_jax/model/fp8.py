@@ -79,14 +79,17 @@ def amax(v):
     return jnp.max(jnp.abs(v)).astype(jnp.float32)
 
 
-def matmul(x, w, recipe='tensorwise', scales=None, margin=0):
+def matmul(x, w, recipe='tensorwise', scales=None, margin=0, quantized=None):
     """x (..., K) @ w (K, *N) in FP8 under `recipe` (RECIPES), in x's dtype: (..., *N). scales:
     delayed's (x scale, w scale), from earlier steps' amax values (scale_of). N may be several
     dimensions (a fused kernel's slots, heads, head_dim), left unfolded: one product, one
     input-gradient product; blockwise takes one N dimension (its 128 x 128 weight blocks).
     w may be a tuple of slots, each (K, *N), multiplied as one weight (K, slots, *N) (e.g.
     SwiGLU's gate and in kernels): one scale over them all, and stacked only once quantized
-    (the stack written in FP8, inside the quantization's kernel); their gradients a tuple."""
+    (the stack written in FP8, inside the quantization's kernel); their gradients a tuple.
+    quantized: w already quantized (tensorwise and delayed, once a step: model/fp8_sites.py),
+    (q (K, *N) as the slots stack it, the same with K last (*N, K), the forward GEMM's
+    operand, its scale); w then only says the gradient's type, which goes to w as without it."""
     if isinstance(w, list):
         w = tuple(w)
     if isinstance(w, tuple) and recipe == 'blockwise':
@@ -95,25 +98,29 @@ def matmul(x, w, recipe='tensorwise', scales=None, margin=0):
         raise ValueError(f'FP8 recipe {recipe!r}: one of {RECIPES}')
     if recipe == 'delayed' and scales is None:
         raise ValueError('the delayed FP8 recipe needs the scales of x and w')
+    if quantized is not None and recipe == 'blockwise':
+        raise ValueError('a weight quantized ahead is tensorwise or delayed, not blockwise')
     if recipe == 'blockwise' and w.ndim != 2:
         raise ValueError(f'blockwise FP8 multiplies a (K, N) weight, got {w.shape}')
     scales = (jnp.float32(1.0), jnp.float32(1.0)) if scales is None else scales
     if recipe != 'blockwise':  # x's leading dimensions kept: their shardings reach the dots
-        return _matmul(x, w, scales, recipe, margin)
+        return _matmul(x, w, scales, quantized, recipe, margin)
     flat = x.reshape(-1, x.shape[-1])
-    return _matmul(flat, w, scales, recipe, margin).reshape(*x.shape[:-1], w.shape[-1])
+    return _matmul(flat, w, scales, None, recipe, margin).reshape(*x.shape[:-1], w.shape[-1])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _matmul(x, w, scales, recipe, margin):
-    return _forward(x, w, scales, recipe, margin)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _matmul(x, w, scales, quantized, recipe, margin):
+    return _forward(x, w, scales, quantized, recipe, margin)[0]
 
 
-def _forward(x, w, scales, recipe, margin):
+def _forward(x, w, scales, quantized, recipe, margin):
     if recipe == 'blockwise':
         qx, sx = _tiles(x, E4M3, margin)
         qw, sw = _blocks(w, margin)
         return _blockwise_product(qx, sx, qw, sw, x.dtype), (qx, sx, qw, sw)
+    if quantized is not None:
+        return _forward_quantized(x, quantized, scales[0] if recipe == 'delayed' else None, margin)
     if recipe == 'delayed':
         sx, sw = scales
     else:
@@ -128,22 +135,35 @@ def _forward(x, w, scales, recipe, margin):
     return _product(qx, sx, qw, sw, x.dtype, ((qx.ndim - 1,), (0,))), saved
 
 
-def _matmul_fwd(x, w, scales, recipe, margin):
-    out, saved = _forward(x, w, scales, recipe, margin)
+def _forward_quantized(x, quantized, sx, margin):
+    """_forward's product with w quantized ahead: x quantized (by sx, delayed's; None: its
+    amax), times w's copy with K last (cuBLASLt's FP8 GEMM wants both operands' contracted
+    dimension innermost)."""
+    qw, qw_k_last, sw = quantized
+    sx = scale_of(amax(x), E4M3, margin) if sx is None else sx
+    qx = checkpoint_name(quantize(x, E4M3, sx), SAVED_NAMES[0])
+    sx = checkpoint_name(sx, SAVED_NAMES[0])
+    contract = ((qx.ndim - 1,), (qw_k_last.ndim - 1,))
+    return _product(qx, sx, qw_k_last, sw, x.dtype, contract), (qx, sx, qw, sw)
+
+
+def _matmul_fwd(x, w, scales, quantized, recipe, margin):
+    out, saved = _forward(x, w, scales, quantized, recipe, margin)
     like = jax.tree.map(lambda v: jnp.zeros((0,), v.dtype), (x, w))  # the gradients' types
-    return out, (saved, scales, like)
+    return out, (saved, scales, quantized, like)
 
 
 def _matmul_bwd(recipe, margin, residuals, dy):
-    (qx, sx, qw, sw), scales, (x_like, w_like) = residuals
+    (qx, sx, qw, sw), scales, quantized, (x_like, w_like) = residuals
     slots = len(w_like) if isinstance(w_like, tuple) else 0
     x_dtype, w_dtype = x_like.dtype, jax.tree.leaves(w_like)[0].dtype
     zero_scales = jax.tree.map(jnp.zeros_like, scales)
+    zero_quantized = jax.tree.map(jnp.zeros_like, quantized)  # no gradient: w takes dW
     if recipe == 'blockwise':
         qdy, sdy = _tiles(dy, E5M2, margin)
         dx = _blockwise_rows_gradient(qdy, sdy, qw, sw, x_dtype)
         dw = _blockwise_weights_gradient(qx, sx, qdy, sdy, w_dtype)
-        return dx, dw, zero_scales
+        return dx, dw, zero_scales, None
     sdy = scale_of(amax(dy), E5M2, margin)
     qdy = quantize(dy, E5M2, sdy)
     n, lead = qw.ndim - 1, tuple(range(qx.ndim - 1))
@@ -152,7 +172,7 @@ def _matmul_bwd(recipe, margin, residuals, dy):
     dw = _product(qx, sx, qdy, sdy, w_dtype, (lead, lead))  # the weights' gradient, apart
     if slots:
         dw = tuple(dw[:, i] for i in range(slots))
-    return dx, dw, zero_scales
+    return dx, dw, zero_scales, zero_quantized
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)

@@ -21,6 +21,16 @@ model.sequence_pieces); w's over the whole weight, whatever its layout: under SP
 a weight split over `tensor` is the global max (tests/test_fp8_model.py). Blockwise scales
 are local to a 1 x 128 tile (128 x 128 for weights), so no layout changes them.
 
+Tensorwise and delayed quantize each weight once a step (weights_once, for a step that runs
+its block stack as one scan over all layers: no pipeline, no dense layers ahead of experts):
+from the compute copy, outside the micro-step loop, each site's kernel stacked over the
+layers is quantized layer by layer (its scale the layer's amax over the whole kernel, as
+project's; delayed's from the layer's history, this amax recorded for it as each micro-step
+did), kept as it is (the input gradient's GEMM operand) and with K last (the forward's), and
+the block stack's scan hands each layer its slice (layer_weights); the weight's gradient goes
+to the bf16 kernel as ever. The same values as quantizing in every micro-step, without the
+amax reductions, quantizations and transposes of every micro-step.
+
 delayed: every block holds a buffer (model/buffers.py), `fp8_history` (sites, 2 [x, w],
 model.fp8_amax_history), the amax values of earlier steps. A site's scale is
 scale_of(the largest amax in its history); while the history is all zeros (the first step)
@@ -32,6 +42,7 @@ pipeline chunks, stages and replicas (parallel/stage_functions.py); after the st
 
 import contextlib
 import contextvars
+import functools
 import math
 
 import jax
@@ -44,6 +55,8 @@ SITES = ('qkv', 'q', 'kv', 'attn_out', 'mlp_up', 'mlp_out')
 AMAX = 'fp8_amax'  # the side value: (layers, sites, 2) this step's amax of x and of w
 RULE = 'fp8_amax_history'
 _RECORDING = contextvars.ContextVar('mtnlg_jax_fp8_recording', default=None)
+_STACK = contextvars.ContextVar('mtnlg_jax_fp8_stack', default=None)  # {site: stacked}
+_LAYER = contextvars.ContextVar('mtnlg_jax_fp8_layer', default=None)  # {site: one layer's}
 
 
 def settings(cfg):
@@ -96,17 +109,105 @@ def project(setting, site, x, w, contract=1):
         n_shape = (len(w), *n_shape)
     if recipe == 'blockwise':
         w2 = w2.reshape(w2.shape[0], math.prod(n_shape))
+    ahead = (_LAYER.get() or {}).get(site) if recipe != 'blockwise' else None
+    if ahead is not None and ahead[0].shape != (math.prod(k_shape), *n_shape):
+        raise ValueError(f'FP8 site {site}: its weight was quantized ahead in another shape')
+    quantized = None if ahead is None else ahead[:3]
     scales = None
     if recipe == 'delayed':
-        now = tuple(jax.lax.stop_gradient(fp8.amax(a)) for a in (x2, w2))
+        w_amax = fp8.amax(w2) if ahead is None else ahead[3]  # w's: the step's, taken once
+        now = tuple(jax.lax.stop_gradient(a) for a in (fp8.amax(x2), w_amax))
         recording = _RECORDING.get()
         if recording is None:  # outside a block's recording: current scaling
-            scales = tuple(fp8.scale_of(a, fp8.E4M3, margin) for a in now)
+            scales, quantized = tuple(fp8.scale_of(a, fp8.E4M3, margin) for a in now), None
         else:
             scales = recording.scales(site, now, margin)
             recording.record(site, now)
-    out = fp8.matmul(x2, w2, recipe, scales, margin)
+    out = fp8.matmul(x2, w2, recipe, scales, margin, quantized)
     return out.reshape(*lead, *n_shape)
+
+
+def _site_kernels(block):
+    """{site: (kernel or tuple of slot kernels, contract)} of a dense block's parameters (a
+    plain dict; each kernel stacked over layers or not); an MoE block's shared experts are
+    not among them (they quantize in every micro-step)."""
+    attention, mlp = block.get('attention', {}), block.get('mlp', {})
+    names = {'qkv': 'qkv_kernel', 'q': 'q_kernel', 'kv': 'kv_kernel', 'attn_out': 'out_kernel'}
+    sites = {
+        s: (attention[k], 2 if s == 'attn_out' else 1) for s, k in names.items() if k in attention
+    }
+    if 'gate_kernel' in mlp:
+        sites['mlp_up'] = ((mlp['gate_kernel'], mlp['in_kernel']), 1)
+    elif 'in_kernel' in mlp:
+        sites['mlp_up'] = (mlp['in_kernel'], 1)
+    if 'out_kernel' in mlp:
+        sites['mlp_out'] = (mlp['out_kernel'], 1)
+    return sites
+
+
+def _quantized_stack(w, contract, margin, past=None):
+    """w (layers, *K, *N) or a tuple of slots of that shape, quantized layer by layer as
+    project quantizes one layer's: (q (layers, K, [slots,] *N), q with K last, scales
+    (layers,), amax values (layers,)). past: delayed's (layers,) largest amax in each layer's
+    history, the scale's where above 0 (Recording.scales); None: tensorwise's, this step's."""
+    slots = w if isinstance(w, tuple) else (w,)
+    layers, k = slots[0].shape[0], math.prod(slots[0].shape[1 : 1 + contract])
+    folded = [v.reshape(layers, k, *v.shape[1 + contract :]) for v in slots]
+    amax = functools.reduce(
+        jnp.maximum, [jnp.max(jnp.abs(v).reshape(layers, -1), 1) for v in folded]
+    )
+    amax = amax.astype(jnp.float32)
+    scale = fp8.scale_of(
+        amax if past is None else jnp.where(past > 0, past, amax), fp8.E4M3, margin
+    )
+    q = [fp8.quantize(v, fp8.E4M3, scale.reshape(-1, *(1,) * (v.ndim - 1))) for v in folded]
+    q = jnp.stack(q, 2) if isinstance(w, tuple) else q[0]
+    return q, jnp.moveaxis(q, 1, -1), scale, amax
+
+
+@contextlib.contextmanager
+def weights_once(setting, blocks, layers):
+    """While a step's engine traces: the tensorwise or delayed sites of `blocks` (the compute
+    copy's block stack beside its buffers, a plain dict stacked over `layers`) quantized once
+    (the module docstring), for the stack's scan (stack_weights); nothing under blockwise or
+    blocks None."""
+    if setting is None or setting[0] not in ('tensorwise', 'delayed') or blocks is None:
+        yield
+        return
+    margin, history = setting[1], blocks.get('fp8_history')
+    past = None if history is None else jax.lax.stop_gradient(jnp.max(history[:, :, 1], -1))
+    stack = {
+        s: _quantized_stack(
+            jax.lax.stop_gradient(w), c, margin, None if past is None else past[:, SITES.index(s)]
+        )
+        for s, (w, c) in _site_kernels(blocks).items()
+    }
+    token = _STACK.set((layers, stack))
+    try:
+        yield
+    finally:
+        _STACK.reset(token)
+
+
+def stack_weights(layers):
+    """The quantized weights (weights_once) of the block stack of `layers` layers being
+    traced, {site: stacked}, or None outside weights_once."""
+    held = _STACK.get()
+    if held is None:
+        return None
+    if held[0] != layers:
+        raise ValueError(f'FP8 weights quantized for {held[0]} layers, a stack of {layers} runs')
+    return held[1]
+
+
+@contextlib.contextmanager
+def layer_weights(weights):
+    """While one layer of the stack runs: its slice of stack_weights' (None: none)."""
+    token = _LAYER.set(weights)
+    try:
+        yield
+    finally:
+        _LAYER.reset(token)
 
 
 class Recording:

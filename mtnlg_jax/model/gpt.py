@@ -234,14 +234,15 @@ def apply_block_stack(
 
     def one_block(carry, slot_layer_and_params):
         x, values = carry
-        slot, layer, params, *layer_taps = slot_layer_and_params
+        slot, layer, params, weights, *layer_taps = slot_layer_and_params
         ran = None if used is None else slot < used
         block = nnx.merge(graphdef, params)
-        if layer_taps:
-            with taps_lib.tapping(_kernels(block), layer_taps[0]):
+        with fp8_sites.layer_weights(weights):
+            if layer_taps:
+                with taps_lib.tapping(_kernels(block), layer_taps[0]):
+                    out, emitted = block(x, row_keys, layer, positions, segment_ids, order)
+            else:
                 out, emitted = block(x, row_keys, layer, positions, segment_ids, order)
-        else:
-            out, emitted = block(x, row_keys, layer, positions, segment_ids, order)
         if ran is not None:
             out, emitted = jnp.where(ran, out, x), side.where_ran(declared, ran, emitted)
         return (out, side.combine(declared, values, emitted)), None
@@ -250,7 +251,8 @@ def apply_block_stack(
         one_block = jax.checkpoint(one_block, policy=REMAT_POLICIES[remat], prevent_cse=False)
     slots = jnp.arange(num_layers)
     init = (x, side.identities(declared))
-    xs = (slots, first_layer + slots, stacked) + (() if taps is None else (taps,))
+    weights = fp8_sites.stack_weights(num_layers)  # FP8 weights quantized once a step, or None
+    xs = (slots, first_layer + slots, stacked, weights) + (() if taps is None else (taps,))
     (x, values), _ = jax.lax.scan(one_block, init, xs)
     return x, values
 

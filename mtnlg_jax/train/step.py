@@ -102,9 +102,10 @@ def gradients_and_values(config, setup, params, tokens, row_ids, step, buffers=N
     def per_replica(model_state, tokens, row_ids):
         with rules.sequence_parallel(config.model.sequence_parallel):
             model_params = buffers_lib.beside(*model_state)
-            loss_sum, token_count, grads, values = _replica_sums(
-                config, stage_fns, model_params, tokens, row_ids, step
-            )
+            with _fp8_weights_once(config, model_params):
+                loss_sum, token_count, grads, values = _replica_sums(
+                    config, stage_fns, model_params, tokens, row_ids, step
+                )
         grads = buffers_lib.without(grads, model_state[1])
         totals = zero.psum(jnp.stack([loss_sum, token_count]))
         values = side.over_axis(declared, values, rules.REPLICAS)
@@ -130,6 +131,15 @@ def gradients_and_values(config, setup, params, tokens, row_ids, step, buffers=N
         setup.state_shardings['params'],
     )
     return loss_sum / token_count, grads, _per_token(declared, values, token_count)
+
+
+def _fp8_weights_once(config, model_params):
+    """Tensorwise FP8's weights quantized once a step, outside the micro-step loop
+    (model/fp8_sites.py), where the block stack is one scan over every layer: no pipeline,
+    no dense layers ahead of experts; elsewhere each micro-step quantizes them."""
+    one_scan = not engine_lib.engine(config).pipelined and not model_params.get('dense_blocks')
+    blocks = model_params['blocks'] if one_scan else None
+    return fp8_sites.weights_once(fp8_sites.settings(config.model), blocks, config.model.num_layers)
 
 
 def _per_token(declared, values, token_count):
