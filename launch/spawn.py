@@ -107,11 +107,12 @@ class QuietGloo:
     """Passes process 0's stderr on to this terminal without gloo's connection notices
     ('[Gloo] Rank 0 is connected to 1 peer ranks. ...', about 20 in a 2-process run), chunk by
     chunk as it arrives, so a progress bar's carriage returns still draw in place. An `error:`
-    line waits for what follows it: the run's error line stays the terminal's last, after any
-    warning spawn prints once every process has ended (`close`)."""
+    line, whole or in part, waits for what follows it: the run's error line stays the
+    terminal's last, after any warning spawn prints once every process has ended (`close`)."""
 
     NOTICE = re.compile(rb'\[Gloo\][^\n]*\n')
     PREFIX = b'[Gloo]'
+    ERROR = b'error: '
 
     def __init__(self, out):
         self.out, self.held = out, b''
@@ -123,9 +124,14 @@ class QuietGloo:
             ends = [n for n in range(1, len(self.PREFIX)) if text.endswith(self.PREFIX[:n])]
             cut = len(text) - max(ends) if ends else len(text)
         text, self.held = text[:cut], text[cut:]
-        last = text.rfind(b'\n', 0, len(text) - 1) + 1  # where the last whole line starts
-        if text.endswith(b'\n') and text[last:].startswith(b'error: '):
-            text, self.held = text[:last], text[last:] + self.held
+        # where the last line starts, after a newline or a progress bar's carriage return (a
+        # whole line, or what has come of one: an unbuffered print writes its line and its
+        # newline apart, and a read may end between them)
+        end = len(text) - 1 if text.endswith(b'\n') else len(text)
+        last = max(text.rfind(b'\n', 0, end), text.rfind(b'\r', 0, end)) + 1
+        line = text[last:]
+        if line and (line.startswith(self.ERROR) or self.ERROR.startswith(line)):
+            text, self.held = text[:last], line + self.held
         self.out.write(text)
         self.out.flush()
 

@@ -102,6 +102,9 @@ def test_a_full_disk_at_a_save_is_one_line_and_the_kept_checkpoint_resumes_exact
     assert max(before) > 3 and all(after[s] == before[s] for s in before), (before, after)
 
 
+# Alone, after the rest: beside two other test files on 2 cores the two processes' async
+# saves meet the full disk at other steps from run to run (seen: both blocked past 240 s).
+@pytest.mark.serial
 def test_a_full_disk_under_two_processes_is_one_line(small_disk, token_data):
     """launch/spawn.py, 2 processes x 4 devices on one full tmpfs: status 1, the one error
     line on the terminal, none from spawn, no traceback in either process's output."""
@@ -124,11 +127,15 @@ def test_a_full_disk_under_two_processes_is_one_line(small_disk, token_data):
     log_path = workdir / 'logs/process_1.log'
     log = log_path.read_text() if log_path.exists() else ''
     assert 'Traceback' not in log, log[-3000:]
-    # Process 1 ends on the same line: in its log, or, where the full disk refused the log
-    # (how much room the failed save left decides which), in spawn's warning naming it.
+    # Process 1 ends on the same line: in spawn's warning where the full disk refused the log,
+    # else in the log, whose last line the disk may have cut (how much room the failed save
+    # left decides which).
     refused = [row for row in result.stderr.splitlines() if 'process_1.log: not written' in row]
-    ended_on = refused[0].split('ended on: ', 1)[1] if refused else log.strip().splitlines()[-1]
-    assert ended_on == line, (result.stderr[-3000:], log[-3000:])
+    if refused:
+        assert refused[0].split('ended on: ', 1)[1] == line, result.stderr[-3000:]
+    else:
+        ended_on = log.strip().splitlines()[-1]
+        assert ended_on.startswith('error: checkpoint ') and line.startswith(ended_on), log[-3000:]
 
 
 def test_metrics_on_a_full_disk_warn_once_and_never_block(small_disk, capsys):

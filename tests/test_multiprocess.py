@@ -389,3 +389,11 @@ def test_process_zeros_error_line_stays_last_after_spawns_warnings():
     quiet.feed(b'error: retrying\n')
     quiet.feed(b'step 5\n')  # not the last line: passed on with what follows it
     assert out.getvalue() == b'error: retrying\nstep 5\n'
+    # An unbuffered print writes the line and its newline apart; a read can end anywhere.
+    quiet = spawn_module().QuietGloo(out := io.BytesIO())
+    for piece in (b'step 6\r 5%\rerr', b'or: not saved', b'\n'):
+        quiet.feed(piece)
+    assert out.getvalue() == b'step 6\r 5%\r'
+    out.write(b'warning: log not written in full\n')
+    quiet.close()
+    assert out.getvalue().splitlines()[-1] == b'error: not saved'

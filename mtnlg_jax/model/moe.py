@@ -287,7 +287,7 @@ class MoE(nnx.Module):
 
     def folded(self, x, chosen, weights, keep):
         """exchange's output under parallel folding (model.moe.fold_tensor), in a region
-        manual over 'tensor' within the replicas' over 'expert': each tensor rank gathers
+        manual over tensor within the replicas' over 'expert': each tensor rank gathers
         the sequences (its own 1/t of them is x's, along residual_seq), sends its share of
         every expert's slots over expert x tensor to the ranks of whole experts, and the
         tokens' sums are reduce-scattered back onto the sequence's 1/t slices (without
