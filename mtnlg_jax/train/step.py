@@ -134,7 +134,7 @@ def gradients_and_values(config, setup, params, tokens, row_ids, step, buffers=N
 
 
 def _fp8_weights_once(config, model_params):
-    """Tensorwise FP8's weights quantized once a step, outside the micro-step loop
+    """Tensorwise and delayed FP8's weights quantized once a step, outside the micro-step loop
     (model/fp8_sites.py), where the block stack is one scan over every layer: no pipeline,
     no dense layers ahead of experts; elsewhere each micro-step quantizes them."""
     one_scan = not engine_lib.engine(config).pipelined and not model_params.get('dense_blocks')
