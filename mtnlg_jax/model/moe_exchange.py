@@ -1,5 +1,5 @@
 """Expert parallelism's token exchange: the (token, choice) rows to their experts' ranks and
-back, inside the train step's region manual over 'expert' (and, folded, over 'tensor').
+back, inside the train step's region manual over 'expert' (and, folded, over the tensor axis).
 
 Two ways (`model.moe.exchange`), the same rows multiplied by the same experts:
 
