@@ -256,7 +256,8 @@ class MoE(nnx.Module):
                 rows, lambda a, w: jax.lax.ragged_dot(a, w, group_sizes, precision=None), kernels
             )
         # the kernel has no tensor-parallel form yet: split experts take the batched path
-        kernel = self.grouped == 'pallas' and shards('expert_mlp') == 1
+        # (folded, each expert is whole whatever the rule table splits expert_mlp over)
+        kernel = self.grouped == 'pallas' and (self.fold or shards('expert_mlp') == 1)
         tile = block_rows(rows.shape[0], self.experts, kernel)
         layout = grouped_matmul.tile_layout(group_sizes, rows.shape[0], tile)
         if kernel:
