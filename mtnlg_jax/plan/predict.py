@@ -353,7 +353,7 @@ def _timeline(config, forward, backward, handoff):
         per = sum(forward[k][1] + backward[k][1] for k in COMPONENTS if k != 'flops')
         return work, iterations * per + iterations * 2 * handoff, work['flops']
     stage = np.arange(table.stages)[None, :]
-    last = stage == table.stages - 1
+    last = stage == table.last_stage  # the head's (stage 0 in zbv's V)
     fwd_last = (table.fwd_repeat == table.repeats - 1) & last
     bwd_last = (table.bwd_repeat == table.repeats - 1) & last
     fwd_busy, bwd_busy = table.fwd_micro != IDLE, table.bwd_micro != IDLE
