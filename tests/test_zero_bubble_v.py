@@ -163,3 +163,24 @@ def test_bad_shapes_and_repeats_are_refused():
         config.mesh.stage, config.pipeline.schedule = 2, 'zbv'
         config_lib.resolve(config, 2)
     assert error.value.key == 'pipeline.repeats'
+
+
+@pytest.mark.parametrize('first,last', [(0, 0), (2, 4)])
+def test_the_v_is_one_more_mapping_of_the_stored_order(first, last):
+    """Stage s stores chunks s and 2p - 1 - s, in that order (equal stages, and 2 + 4 + 4 + 4
+    layers with stage 0's chunks one layer each, padded): the layer-order round trip is exact,
+    so checkpoints stay in layer order and restore under any schedule."""
+    layers = 14 if first else 16
+    layout = stage_order.StageLayers(layers, 4, 2, first, last, v_shape=True)
+    held = layout.storage().reshape(4, 2, layout.slots)
+    for s in range(4):
+        for r, chunk in enumerate((s, 7 - s)):
+            placed = held[s, r][held[s, r] >= 0]
+            assert placed[0] == layout.first_layers[r, s] and len(placed) >= 1
+            later = layout.first_layers.reshape(-1) > layout.first_layers[r, s]
+            assert later.sum() == 7 - chunk  # the chunk's place in the model's order
+    tree = {'blocks': np.arange(layers, dtype=np.float32) + 1, 'other': np.ones(2)}
+    stored = stage_order.to_schedule_order(tree, layout)
+    assert stored['blocks'].shape == (layout.stored_layers,)
+    back = stage_order.to_layer_order(stored, layout)
+    np.testing.assert_array_equal(back['blocks'], tree['blocks'])

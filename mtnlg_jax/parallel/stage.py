@@ -20,15 +20,17 @@ this stage's row of them). Every stage runs the same program; `lax.cond` on each
              ones, are updated after them, in place, by a conditional that skips them unless
              the slot ran that chunk: a conditional that hands a buffer through its false
              branch has XLA:GPU copy it, through its true branch not)
-    y -> stage s + 1, dx -> stage s - 1 (rings), split over 'tensor' along the sequence
+    y -> stage s + 1, dx -> stage s - 1 (rings), split over 'tensor' along the sequence;
+    in the V (zero_bubble_v.py) both also the other way, the turn on stage p - 1 local
 
 A split backward (zero_bubble.py) runs B in the backward slot, the backward but for the
 kernels' weight gradients, whose taps (parallel/taps.py) go into tap_bufs[b_tap_slot], and W
 in a slot of its own: dW = x^T dy from tap_bufs[tap_slot], added to the accumulators.
 
-The carry of the scan: (act_in, grad_in, stash, resids, grad_buf, tap_bufs ([] unless split),
-sums), sums = (fp32 block accumulators, one tree (L / (p v), ...) a chunk, fp32 shared
-accumulators, loss, side values: {name: fp32 array}, empty when the model declares none).
+The carry of the scan: (act_in, grad_in (in the V pairs, each way's), stash, resids,
+grad_buf, tap_bufs ([] unless split), sums), sums = (fp32 block accumulators, one tree
+(L / (p v), ...) a chunk, fp32 shared accumulators, loss, side values: {name: fp32 array},
+empty when the model declares none).
 Chunks are separate trees, not one stacked (v, ...) array: slicing a chunk's weights and
 accumulators out of a stack by a traced index copies them every tick (XLA:GPU does not read a
 dynamic slice in place in a GEMM).
