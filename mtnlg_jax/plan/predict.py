@@ -427,7 +427,9 @@ def step_time(config, cluster, figures=None, semantics='ours', overlap=None, cou
     if engine.pipelined:
         activation = train.micro_batch * model.seq_len // context * model.hidden * e
         split = mesh.tensor if model.seq_len % mesh.tensor == 0 else 1
-        handoff = rates.link(activation / split, replica) + rates.link(
+        table = engine.table(train.micro_steps)
+        ways = 2 if table is not None and table.v_shape else 1  # zbv's V: each link twice
+        handoff = ways * rates.link(activation / split, replica) + rates.link(
             _ring('all-gather', activation, split), split
         )
         handoff *= exposed('collective-permute', 'stage')
