@@ -23,9 +23,9 @@ chunk 0's forward to its last W: bounding that count (`pipeline.max_in_flight`, 
 interleaved table's) bounds every stage's memory at `bound` stage inputs (two chunk inputs of
 half a stage each) and cannot deadlock (every micro-batch inside can always move on). Without
 a bound, 2p: a micro-batch's way (2p forwards, 2p B's back, a tick a hop) takes 4p - 1 ticks
-and one enters every second tick. Each stage then holds at most 3p - 1 chunk inputs (from
-p = 4 on; 1.5 p - 0.5 stage inputs, lockstep 1F1B's stage 0 2p - 1): the p put-off W's are
-what the ramp-down fills its waits with.
+and one enters every second tick. Each stage then holds at most 3p - 1 chunk inputs, that is
+1.5 p - 0.5 stage inputs (lockstep 1F1B's stage 0: 2p - 1), up to p of them past B with their
+W put off: what the ramp-down fills its waits with.
 
 The bubble: stage s runs nothing before tick s (ZB-V's start-up, p - 1 units on stage p - 1,
 which the paper's count of zero leaves out), and from the first B (stage 0, tick 2p - 1)
