@@ -60,7 +60,8 @@ def _config(stage, repeats=1, schedule='1f1b', first=1, last=1, micro_steps=4, t
 BLOCKS = {'gpt': {}, 'llama': support.LLAMA_BLOCK}
 # test_llama_block.py's ZB-H1 case, carried by the ZB-H1 layout here (one compile for both):
 # tensor 2 (2 of the 4 key/value heads a rank), sequence parallel, full recompute, the block
-# on two pieces of each sequence; the one-device reference runs none of them.
+# on two pieces of each sequence; the one-device reference runs none of them. ZB-V's Llama
+# case too: its V of 1 + 1 and 2 + 2 layers (padding slots on stage 0).
 LLAMA_TENSOR = dict(tensor=2, sequence_parallel=True, remat='full', sequence_pieces=2)
 
 
@@ -85,12 +86,14 @@ def one_device():
         (2, 2, 'interleaved', 2, 4, 'gpt', {}),
         (2, 2, 'interleaved', 3, 3, 'gpt', {}),
         (4, 1, 'zbh1', 1, 1, 'llama', LLAMA_TENSOR),
+        (2, 2, 'zbv', 2, 4, 'llama', LLAMA_TENSOR),  # the V: chunks 0 and 3 on stage 0
     ],
     ids=[
         '1f1b-1-2-2-1-llama',
         'interleaved-2-4',
         'interleaved-3-3-uneven-chunks',
         'zbh1-llama-t2-sp-pieces',
+        'zbv-llama-2-4-t2-sp-pieces',
     ],
 )
 def test_an_unequal_layout_equals_one_device(

@@ -16,7 +16,8 @@ formulas of the literature (ring algorithms: an all-reduce of S bytes over n dev
                  layer) and its backward v m times (2 per layer, 4 with remat = full, which
                  recomputes each layer's forward, less the dead one of a single-layer chunk);
                  the embedding's all-reduce runs m / p times, the head's input gradient m / p;
-                 two hand-offs per tick of the table, split over tensor along the sequence
+                 two hand-offs per tick of the table (four in zbv's V: output and gradient
+                 each sent both ways, parallel/stage.py), split over tensor along the sequence
                  (when it divides), each gathered where it is used: by the forward of every
                  chunk but the first, and by the backward of every chunk but the last (its
                  gradient) and of the last (its input: its forward runs in that tick);
@@ -240,7 +241,8 @@ def comm_bytes_per_device(config):
         if table is not None and rest:
             size = 4 * rest / (mesh.data * mesh.expert)  # fp32, on its ZeRO shard
             add('all-reduce', 'stage', _ring('all-reduce', size, mesh.stage))
-        add('collective-permute', 'stage', 2 * iterations * handoff)
+        sent = 4 if table is not None and table.v_shape else 2  # the V sends both ways
+        add('collective-permute', 'stage', sent * iterations * handoff)
     if context > 1:
         _add_context(add, config, compute, e)
     for axes, count in zero_groups(config, compute):

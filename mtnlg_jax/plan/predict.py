@@ -353,7 +353,7 @@ def _timeline(config, forward, backward, handoff):
         per = sum(forward[k][1] + backward[k][1] for k in COMPONENTS if k != 'flops')
         return work, iterations * per + iterations * 2 * handoff, work['flops']
     stage = np.arange(table.stages)[None, :]
-    last = stage == table.stages - 1
+    last = stage == table.last_stage  # the head's (stage 0 in zbv's V)
     fwd_last = (table.fwd_repeat == table.repeats - 1) & last
     bwd_last = (table.bwd_repeat == table.repeats - 1) & last
     fwd_busy, bwd_busy = table.fwd_micro != IDLE, table.bwd_micro != IDLE
@@ -427,7 +427,9 @@ def step_time(config, cluster, figures=None, semantics='ours', overlap=None, cou
     if engine.pipelined:
         activation = train.micro_batch * model.seq_len // context * model.hidden * e
         split = mesh.tensor if model.seq_len % mesh.tensor == 0 else 1
-        handoff = rates.link(activation / split, replica) + rates.link(
+        table = engine.table(train.micro_steps)
+        ways = 2 if table is not None and table.v_shape else 1  # zbv's V: each link twice
+        handoff = ways * rates.link(activation / split, replica) + rates.link(
             _ring('all-gather', activation, split), split
         )
         handoff *= exposed('collective-permute', 'stage')
