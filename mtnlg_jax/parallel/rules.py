@@ -215,6 +215,13 @@ def own(x, logical_name, axis):
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
+def piece_index(logical_name):
+    """This device's index among the pieces of a dimension named `logical_name` over the mesh
+    axes manual here (a context rank's, where 'context' is), None where none are."""
+    names = _manual_names(logical_name)
+    return jax.lax.axis_index(entry(names)) if names else None
+
+
 def total(x, logical_name):
     """x summed over the mesh axes a dimension named `logical_name` splits over that are
     manual here (a sum over that dimension's pieces); x as it is where none are."""
