@@ -29,6 +29,13 @@
 parallelism the region holds each rank's own experts (their weights split over 'expert'),
 the MoE layers exchange tokens by all-to-all over 'expert' inside it (model/moe.py), and the
 experts' gradients leave it per expert rank, summed over 'data' alone (parallel/zero.py).
+Under context parallelism (mesh.context > 1) the region is manual over 'context' too
+(rules.region_axes): each context rank holds its own places of every sequence (the windows
+come whole; _micro_batches takes the rank's places), attention gathers keys and values over
+'context' explicitly, and each rank's gradients, partial sums over its own tokens, leave the
+region unsummed: ZeRO-1's one reduce-scatter sums them over data x context, as Megatron's
+distributed optimizer does, where the partitioner would all-reduce them over 'context' after
+every backward pass. The loss, token count and side values are summed over 'context' too.
 Gradients are summed in fp32 across micro-steps, pipeline iterations and replicas. The
 global batch arrives as (micro_steps, global_batch / micro_steps, seq + 1) with the second
 axis split over 'data': each replica sees micro_batch sequences per micro-step.
