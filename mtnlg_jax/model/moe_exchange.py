@@ -68,8 +68,9 @@ class Route:
         expert = jnp.minimum(self.sorted, experts - 1)
         self.place = jnp.arange(ids.size) - starts[expert]  # within its expert's rows
         self.expert, self.shape = expert, (b, s, k)
-        # the most rows of one expert from one rank: capacity's slots, or every token
-        per_expert = b * (moe.slots(s) if moe.capacity_factor else s)
+        # the most rows of one expert from one rank: capacity's slots (of the whole
+        # sequences, where context is manual), or every token
+        per_expert = b * (moe.held_slots(s) if moe.capacity_factor else s)
         self.capacity = -(-per_expert // pieces)
 
 

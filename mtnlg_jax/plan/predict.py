@@ -16,8 +16,8 @@ tensor t, compute dtype of e bytes):
                 tokens of queries (their keys still s), and the keys' and values' all-gather
                 over 'context' (b s 2 kv_heads d / t, ring bytes over the network) is waited
                 for forward and where the backward recomputes, their gradients'
-                reduce-scatter backward, and once a step the gradients' sum over 'context'
-                (plan/comm.py's bytes)
+                reduce-scatter backward; the gradients' sum over 'context' is ZeRO-1's
+                reduce-scatter over the replicas and 'context', once a step (plan/comm.py)
     elementwise layer norms, bias + dropout + residual adds: (10 e + 2) b s h bytes, split
                 over t with sequence parallelism; bias + GeLU: 2 e b s f / t
     tensor      2 all-reduces of the (b, s, h) activation (sequence parallelism: 2
@@ -447,14 +447,12 @@ def step_time(config, cluster, figures=None, semantics='ours', overlap=None, cou
         for kind, key, size in comm.zero_bytes(counts['comm'])
     )
     stage_s = per_step('stage', ('all-reduce',), replica)
-    # the gradients of what is replicated over 'context', summed over it (plan/comm.py)
-    context_s = per_step('context', ('all-reduce',), context * mesh.tensor)
     optimizer_s = rates.bytes(ADAM_BYTES_PER_PARAM * counts['zero'] + 4 * counts['compute'])
     busy = sum(v for k, v in work.items() if k != 'flops')
     handoffs = pipeline_s - busy if engine.pipelined else 0.0
     table = engine.table(train.micro_steps)
     pipeline_comm_s = handoff * (table.ticks if table is not None else 0)
-    total = pipeline_s + data_s + stage_s + context_s + optimizer_s
+    total = pipeline_s + data_s + stage_s + optimizer_s
     peak = cluster.peak_tflops[model.compute_dtype] * 1e12
     model_flops = arithmetic.model_flops_per_step(config) / devices
     return dict(
@@ -463,7 +461,7 @@ def step_time(config, cluster, figures=None, semantics='ours', overlap=None, cou
         recompute_s=work['recompute'],
         tensor_comm_s=work['tensor'],
         expert_comm_s=work['expert'],
-        context_comm_s=work['context'] + context_s,
+        context_comm_s=work['context'],
         expert_padding=arithmetic.expert_padding(config) if experts_of(model) else None,
         accumulate_s=work['accumulate'],
         pipeline_comm_s=pipeline_comm_s,
