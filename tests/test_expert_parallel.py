@@ -29,6 +29,7 @@ RELATIVE = 1e-5  # of each gradient leaf's and value's largest entry (fp32)
 # A shared expert beside the routed ones, the aux loss and the router bias update on.
 MOE = {**test_moe.MOE, 'shared_experts': 1, 'aux_loss_coeff': 0.01, 'bias_update_rate': 1e-3}
 CAPACITY = {**MOE, 'capacity_factor': 1.0, 'router': 'sigmoid'}
+RAGGED = {**MOE, 'exchange': 'ragged'}
 LLAMA = dict(**support.LLAMA_BLOCK, qk_norm=True)
 
 # A dense layer ahead of two MoE layers (its own stack, run with the embedding).
@@ -39,8 +40,9 @@ DENSE_FIRST = dict(num_layers=3, moe={**MOE, 'dense_layers': 1})
 # MoE layers) each appear (a covering set, not the product: each case compiles two steps)
 CASES = {
     'gpt-dropless-dense1-d2e2t2': (DENSE_FIRST, dict(data=2, expert=2, tensor=2)),
-    'llama-dropless-e2t2-sp': (
-        dict(**LLAMA, moe=MOE),
+    # the ragged exchange (the CPU's emulation: the offsets the GPU's collective takes)
+    'llama-dropless-ragged-e2t2-sp': (
+        dict(**LLAMA, moe=RAGGED),
         dict(expert=2, tensor=2, sequence_parallel=True),
     ),
     # each sequence over context ranks in the chunk order: capacity queues in sequence order
@@ -52,14 +54,14 @@ CASES = {
         dict(num_layers=5, **LLAMA, moe={**CAPACITY, 'dense_layers': 1}),
         dict(stage=2, expert=2, tensor=2, micro_steps=4, repeats=2, schedule='interleaved'),
     ),
-    'gpt-capacity-e8': (dict(moe=CAPACITY), dict(expert=8)),
+    'gpt-capacity-ragged-e8': (dict(moe={**CAPACITY, 'exchange': 'ragged'}), dict(expert=8)),
     # parallel folding (model.moe.fold_tensor): the experts over expert x tensor, whole
     'llama-capacity-fold-e2t2-sp': (  # selective: the exchanged rows kept, not recomputed
         dict(**LLAMA, moe={**CAPACITY, 'fold_tensor': True}),
         dict(expert=2, tensor=2, sequence_parallel=True, remat='selective'),
     ),
-    'gpt-dropless-fold-d2e2t2': (
-        dict(moe={**MOE, 'fold_tensor': True}),
+    'gpt-dropless-ragged-fold-d2e2t2': (
+        dict(moe={**RAGGED, 'fold_tensor': True}),
         dict(data=2, expert=2, tensor=2),
     ),
 }

@@ -121,3 +121,63 @@ def test_the_moe_layer_compiled_for_an_h100_runs_the_kernel_at_the_active_work()
     active = 9 * 2 * rows * cfg.moe.top_k * cfg.hidden * cfg.moe.ffn_hidden
     router = 3 * 2 * rows * cfg.hidden * cfg.moe.experts
     assert 1.0 <= (hlo_module.dot_flops(text) - router) / active < 1.10
+
+
+@pytest.mark.skipif(gpu_compile.missing() is not None, reason=str(gpu_compile.missing()))
+def test_the_ragged_exchange_compiled_for_h100s_is_ragged_all_to_all_both_ways():
+    """model.moe.exchange = 'ragged' over expert 2, compiled for two H100s with its gradient:
+    the rows travel by ragged-all-to-all (forward there and back, and the two transposes),
+    the only all-to-alls left carry int32 counts and offsets, and the
+    experts run the kernel on the receive buffer (XLA:CPU has no ragged-all-to-all: the CPU
+    tests check the offsets through their emulation, test_expert_parallel.py)."""
+    from flax import nnx
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from mtnlg_jax import config as config_lib
+    from mtnlg_jax.model import moe
+    from mtnlg_jax.parallel.rules import EXPERT_AXIS, MESH_AXES
+    from mtnlg_jax.plan import gpu_target, hlo_module
+
+    config = config_lib.load('configs/tiny_moe.py')
+    config.mesh.update({axis: 1 for axis in MESH_AXES} | {'expert': 2})
+    config.pipeline.repeats = 1
+    config.model.compute_dtype = 'bfloat16'
+    config.model.moe.exchange = 'ragged'
+    cfg = config_lib.resolve(config, 2).model
+    devices = gpu_target.devices('h100-80gb', 2)
+    shape = tuple(2 if axis == EXPERT_AXIS else 1 for axis in MESH_AXES)
+    mesh = Mesh(np.array(devices).reshape(shape), MESH_AXES)
+    layer = nnx.eval_shape(lambda: moe.MoE(cfg, nnx.Rngs(params=0), grouped='pallas'))
+    graphdef, state = nnx.split(layer)
+    experts = cfg.moe.experts
+    specs = jax.tree.map(
+        lambda a: PartitionSpec(EXPERT_AXIS) if a.ndim == 3 and a.shape[0] == experts else
+        PartitionSpec(), state)  # fmt: skip
+    rows = PartitionSpec(EXPERT_AXIS)
+
+    def step(state, x, cotangent):
+        def local(state, x, cotangent):
+            forward = lambda s, x: nnx.merge(graphdef, s)(x, 0)[0]  # noqa: E731
+            out, pull = jax.vjp(forward, state, x)
+            return out, pull(cotangent)
+
+        return jax.shard_map(
+            local, in_specs=(specs, rows, rows), out_specs=(rows, (specs, rows)),
+            axis_names={EXPERT_AXIS}, check_vma=False,
+        )(state, x, cotangent)  # fmt: skip
+
+    def struct(a, spec):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
+
+    shapes = jax.tree.map(struct, state, specs)
+    x = struct(jax.ShapeDtypeStruct((8, cfg.seq_len, cfg.hidden), jnp.bfloat16), rows)
+    with gpu_target.compiling_for(devices), jax.set_mesh(mesh):
+        text = jax.jit(step).lower(shapes, x, x).compile().as_text()
+    computations, _ = hlo_module.parse_module(text)
+    instructions = [i for c in computations.values() for i in c]
+    ragged = [i for i in instructions if 'ragged-all-to-all' in i.opcode]
+    padded = [i for i in instructions if i.opcode.startswith('all-to-all')]
+    assert len([i for i in ragged if not i.opcode.endswith('done')]) == 4
+    assert padded and all('s32' in i.type_text and 'bf16' not in i.type_text for i in padded)
+    kernels = {hlo_module.pallas_kernel(i) for i in instructions} - {None}
+    assert kernels == set(gm.KERNELS)

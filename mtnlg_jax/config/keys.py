@@ -227,6 +227,14 @@ KEYS = (
     ),
     Key('model.moe.z_loss_coeff', 0.0, 'num>=0', "the router's z-loss (metric moe_z_loss)"),
     Key(
+        'model.moe.exchange',
+        'padded',
+        ('padded', 'ragged'),
+        "expert parallelism's token exchange: all_to_all of buffers of each expert's most rows "
+        '(dropless: every row), or ragged_all_to_all of the chosen rows alone (the CPU runs '
+        "its offsets through a padded all_to_all: XLA:CPU has none)",
+    ),
+    Key(
         'model.moe.capacity_factor',
         0.0,
         'num>=0',

@@ -19,11 +19,12 @@ for every token, the tokens are sorted by expert and each expert multiplies only
       -> + the shared experts (one dense MLP of model.moe.shared_ffn_hidden, always on)
 
 Under expert parallelism (mesh.expert > 1, inside the train step's region manual over
-'expert') `exchange` takes dispatch's place: the rows go to their experts' ranks in
-capacity-padded buffers by all_to_all over 'expert', and come back the same way. Under
-parallel folding (model.moe.fold_tensor) the tensor ranks are more expert ranks: `folded`
-runs the exchange over expert x tensor, each tensor rank sending its 1/t share of every
-expert's slots, each expert whole on its rank (no tensor all-reduce in the experts).
+'expert') model/moe_exchange.py's exchange takes dispatch's place: the rows go to their
+experts' ranks and come back, in capacity-padded buffers by all_to_all or, as
+model.moe.exchange = 'ragged', the chosen rows alone by ragged_all_to_all. Under parallel
+folding (model.moe.fold_tensor) the tensor ranks are more expert ranks: the exchange runs over
+expert x tensor, each tensor rank sending its 1/t share of every expert's rows, each expert
+whole on its rank (no tensor all-reduce in the experts).
 
 The grouped matmul (`grouped_matmul_kind`): each group padded to whole tiles of rows
 (model/grouped_matmul.py's layout), every tile multiplied by its expert's weights: the work
@@ -75,19 +76,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from mtnlg_jax.config import moe_ffn_hidden, shared_ffn_hidden
-from mtnlg_jax.model import buffers, grouped_matmul
+from mtnlg_jax.model import buffers, grouped_matmul, moe_exchange
 from mtnlg_jax.model.layers import mlp, out_std, param, use
 from mtnlg_jax.parallel import context as context_lib
-from mtnlg_jax.parallel.rules import (
-    EXPERT_AXIS,
-    FOLDED_AXES,
-    TENSOR_AXIS,
-    constrain,
-    gather,
-    own,
-    shards,
-    total,
-)
+from mtnlg_jax.parallel.rules import EXPERT_AXIS, constrain, gather, own, shards, total
 from mtnlg_jax.parallel.stage_functions import SideValue
 
 AUX_LOSS, Z_LOSS, LOADS, DROPPED = 'moe_aux_loss', 'moe_z_loss', 'moe_loads', 'moe_dropped'
@@ -177,6 +169,8 @@ class MoE(nnx.Module):
         self.capacity_factor = moe.capacity_factor
         self.aux_loss_coeff, self.z_loss_coeff = moe.aux_loss_coeff, moe.z_loss_coeff
         self.grouped = grouped  # grouped_matmul_kind()
+        self.exchange_kind = moe.get('exchange', 'padded')  # moe_exchange.EXCHANGES
+        self.native_ragged = grouped != 'blocks'  # XLA:CPU has no ragged all-to-all
         self.dtype = cfg.compute_dtype
 
     def __call__(self, x, layer):
@@ -192,9 +186,9 @@ class MoE(nnx.Module):
         keep = self.kept(chosen)
         weights = jnp.where(keep, weights, 0.0)
         if folded:
-            out = self.folded(x, chosen, weights, keep)
+            out = moe_exchange.folded(self, x, chosen, weights, keep)
         elif over_experts and shards('experts') > 1:
-            out = self.exchange(whole, chosen, weights, keep)
+            out = moe_exchange.exchange(self, whole, chosen, weights, keep)
         else:
             out = self.dispatch(whole, chosen, weights, keep)
         out = constrain(out, ('batch', 'residual_seq', 'embed'))
@@ -251,76 +245,6 @@ class MoE(nnx.Module):
         out = out[back].reshape(b, s, k, embed)
         return jnp.einsum('bske,bsk->bse', out, weights.astype(out.dtype))
 
-    def exchange(self, x, chosen, weights, keep, kernels=None, share=(0, 1)):
-        """dispatch's output under expert parallelism, inside a region manual over 'expert'
-        (the train step's, over the replica axes): x holds this rank's rows, the expert
-        weights its own experts (experts / ranks of them). Each kept (token, choice) takes a
-        slot of its expert's buffer of C rows, C the most one expert can receive from these
-        rows (capacity: rows x its per-sequence slots; dropless: every row, as a token
-        chooses an expert once); one all-to-all over 'expert' sends each rank the buffers of
-        its experts from every rank, each expert multiplies its (ranks x C) rows as one
-        batched matmul, and a second all-to-all brings the rows back to their tokens.
-
-        share (index, pieces), folded: this tensor rank fills slots index x C/p .. (index +
-        1) x C/p of every expert's C (the same sort on every tensor rank), so the p ranks
-        together send each slot once, and its output is its share's part of the tokens'
-        sum (the caller sums it over tensor). kernels: the experts' weights in the compute
-        dtype, this rank's experts (default: the module's)."""
-        b, s, embed = x.shape
-        k, experts = self.top_k, self.experts
-        index, pieces = share
-        axes = FOLDED_AXES if pieces > 1 else EXPERT_AXIS
-        ranks = shards('folded_experts' if pieces > 1 else 'experts')
-        capacity = -(-b * (self.held_slots(s) if self.capacity_factor else s) // pieces)
-        ids = jnp.where(keep, chosen, experts).reshape(-1)
-        order = checkpoint_name(jnp.argsort(ids, stable=True), 'moe_route')
-        sizes = jnp.bincount(ids, length=experts + 1)
-        starts = jnp.cumsum(sizes) - sizes
-        sorted_ids = ids[order]
-        place = jnp.arange(ids.size) - starts[sorted_ids] - index * capacity  # in its share
-        mine = (sorted_ids < experts) & (place >= 0) & (place < capacity)
-        slot = jnp.where(mine, sorted_ids * capacity + place, experts * capacity)
-        buffers = Buffers(order, slot, weights, (b, s, k), experts * capacity, pieces > 1)
-        local = experts // ranks
-        buffer = buffers.fill(x).reshape(ranks, local * capacity, embed)
-        received = exchanged(jax.lax.all_to_all(buffer, axes, 0, 0), pieces)  # (source, ...)
-        received = received.reshape(ranks, local, capacity, embed).transpose(1, 0, 2, 3)
-        out = self.expert_mlp(
-            received.reshape(local, ranks * capacity, embed),
-            lambda a, w: jnp.einsum('xne,xef->xnf', a, w),
-            kernels,
-        )
-        out = out.reshape(local, ranks, capacity, embed).transpose(1, 0, 2, 3)
-        out = jax.lax.all_to_all(out.reshape(ranks, local * capacity, embed), axes, 0, 0)
-        out = exchanged(out, pieces)
-        return buffers.combine(out.reshape(experts * capacity, embed))
-
-    def folded(self, x, chosen, weights, keep):
-        """exchange's output under parallel folding (model.moe.fold_tensor), in a region
-        manual over tensor within the replicas' over 'expert': each tensor rank gathers
-        the sequences (its own 1/t of them is x's, along residual_seq), sends its share of
-        every expert's slots over expert x tensor to the ranks of whole experts, and the
-        tokens' sums are reduce-scattered back onto the sequence's 1/t slices (without
-        sequence parallelism XLA gathers them whole after). No tensor all-reduce in the
-        experts: each holds its expert whole."""
-        kernels = self.kernels()
-        split = jax.sharding.PartitionSpec(None, TENSOR_AXIS, None)
-        whole, mine = jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(TENSOR_AXIS)
-
-        def body(x, chosen, weights, keep, *kernels):
-            x = jax.lax.all_gather(x, TENSOR_AXIS, axis=1, tiled=True)
-            share = (jax.lax.axis_index(TENSOR_AXIS), jax.lax.axis_size(TENSOR_AXIS))
-            out = self.exchange(x, chosen, weights, keep, kernels, share)
-            return jax.lax.psum_scatter(out, TENSOR_AXIS, scatter_dimension=1, tiled=True)
-
-        return jax.shard_map(
-            body,
-            in_specs=(split, whole, whole, whole, *(mine,) * len(kernels)),
-            out_specs=split,
-            axis_names={TENSOR_AXIS},
-            check_vma=False,
-        )(x, chosen, weights, keep, *kernels)
-
     def slots(self, seq):
         """Each expert's slots in a sequence of `seq` tokens under capacity_factor."""
         return math.ceil(self.capacity_factor * seq * self.top_k / self.experts)
@@ -332,15 +256,16 @@ class MoE(nnx.Module):
         parts = shards('seq', manual=True)
         return self.slots(held) if parts == 1 else min(self.slots(held * parts), held)
 
-    def grouped_mlp(self, rows, group_sizes):
+    def grouped_mlp(self, rows, group_sizes, kernels=None):
         """The experts' MLP on rows (n, embed) sorted by expert, group g of group_sizes[g]
-        rows through expert g; rows past the groups come out 0."""
+        rows through expert g (kernels: expert_mlp's); rows past the groups come out 0."""
         if self.grouped == 'ragged':
             return self.expert_mlp(
-                rows, lambda a, w: jax.lax.ragged_dot(a, w, group_sizes, precision=None)
+                rows, lambda a, w: jax.lax.ragged_dot(a, w, group_sizes, precision=None), kernels
             )
         # the kernel has no tensor-parallel form yet: split experts take the batched path
-        kernel = self.grouped == 'pallas' and shards('expert_mlp') == 1
+        # (folded, each expert is whole whatever the rule table splits expert_mlp over)
+        kernel = self.grouped == 'pallas' and (self.fold or shards('expert_mlp') == 1)
         tile = block_rows(rows.shape[0], self.experts, kernel)
         layout = grouped_matmul.tile_layout(group_sizes, rows.shape[0], tile)
         if kernel:
@@ -352,7 +277,7 @@ class MoE(nnx.Module):
                 out = jnp.einsum('nbe,nef->nbf', tiles, w[layout.tile_expert])
                 return out.reshape(-1, w.shape[-1])
 
-        out = self.expert_mlp(grouped_matmul.to_tiles(rows, layout), matmul)
+        out = self.expert_mlp(grouped_matmul.to_tiles(rows, layout), matmul, kernels)
         return grouped_matmul.from_tiles(out, layout)
 
     def kernels(self):
@@ -393,52 +318,6 @@ class MoE(nnx.Module):
             LOADS: row[:, None] * counts.sum(0)[None, :],
             DROPPED: (~keep).sum().astype(jnp.float32),
         }
-
-
-class Buffers:
-    """The exchange's buffers of `size` slots and the tokens' rows: `fill` puts each slot's
-    row in, `combine` sums each token's k weighted rows out of them. By slot (`by_slot`,
-    folded): each slot's token and weight, so that only the buffers' rows are gathered and
-    scattered, never (b s k, embed) on every tensor rank. By row (unfolded): the (token,
-    choice) rows in sort order scattered in and gathered back; there XLA sums the tensor-
-    split experts' outputs on the buffers alone (by slot it added a (b, s, h) sum a layer
-    pass: docs/benchmarks.md, "Mixtral 8x22B on 256 H100s")."""
-
-    def __init__(self, order, slot, weights, shape, size, by_slot):
-        self.order, self.slot, self.weights, self.shape = order, slot, weights, shape
-        self.size, self.by_slot = size, by_slot
-        b, s, k = shape
-        if by_slot:  # b s past the last: an empty slot
-            self.token = jnp.full((size,), b * s).at[slot].set(order // k, mode='drop')
-            weight = jnp.zeros((size,), weights.dtype)
-            self.weight = weight.at[slot].set(weights.reshape(-1)[order], mode='drop')
-
-    def fill(self, x):
-        """(size, embed) of x (b, s, embed): each slot's row, 0 where empty."""
-        b, s, k = self.shape
-        rows = x.reshape(b * s, x.shape[-1])
-        if self.by_slot:
-            return rows.at[self.token].get(mode='fill', fill_value=0)
-        empty = jnp.zeros((self.size, x.shape[-1]), x.dtype)
-        return empty.at[self.slot].set(rows[self.order // k], mode='drop')
-
-    def combine(self, out):
-        """(b, s, embed): each token's rows of out (size, embed), weighted and summed."""
-        b, s, k = self.shape
-        if self.by_slot:
-            out = out * self.weight[:, None].astype(out.dtype)
-            out = jnp.zeros((b * s, out.shape[-1]), out.dtype).at[self.token].add(out, mode='drop')
-            return out.reshape(b, s, -1)
-        out = out.at[self.slot].get(mode='fill', fill_value=0)
-        back = jnp.zeros_like(self.order).at[self.order].set(jnp.arange(self.order.size))
-        out = out[back].reshape(b, s, k, -1)  # back in token order: back is order's inverse
-        return jnp.einsum('bske,bsk->bse', out, self.weights.astype(out.dtype))
-
-
-def exchanged(rows, pieces):
-    """An all-to-all's rows, named for selective recompute when folded (pieces > 1: 1/t of
-    the unfolded exchange's rows a rank, cheap to keep); unfolded, recomputed."""
-    return checkpoint_name(rows, 'moe_exchanged') if pieces > 1 else rows
 
 
 def block_rows(rows, experts, kernel=False):

@@ -175,6 +175,14 @@ def exchange_axes(config):
     return ('expert', 'tensor') if folded(config) else ('expert',)
 
 
+def exchange_kind(config):
+    """The collective that carries a mixture of experts' rows (model/moe_exchange.py):
+    'all-to-all' of the padded buffers, or 'ragged-all-to-all' (the plan counts it at the
+    same buffers: an upper bound on what it sends, as plan/hlo.py counts it)."""
+    ragged = config.model.get('moe', {}).get('exchange') == 'ragged'
+    return 'ragged-all-to-all' if ragged else 'all-to-all'
+
+
 def all_to_all_bytes(config, table=None):
     """Bytes one device sends per step by the all-to-alls over 'expert' (folded: expert x
     tensor, each tensor rank its 1/t of the rows) of a mixture of experts (the module
@@ -231,7 +239,8 @@ def comm_bytes_per_device(config):
         runs = edge_runs + (0 if sequence_parallel else layer_runs)
         add('all-reduce', 'tensor', runs * _ring('all-reduce', activation, mesh.tensor))
     if all_to_all_bytes(config, table):
-        add('all-to-all', axes_key(config, exchange_axes(config)), all_to_all_bytes(config, table))
+        axes = axes_key(config, exchange_axes(config))
+        add(exchange_kind(config), axes, all_to_all_bytes(config, table))
     engine = engine_lib.engine(config)
     compute, _ = local_param_counts(config)
     if engine.pipelined:

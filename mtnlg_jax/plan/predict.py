@@ -417,7 +417,7 @@ def step_time(config, cluster, figures=None, semantics='ours', overlap=None, cou
         semantics,
         exposed(tensor_kind, 'tensor'),
         accumulate,
-        exposed('all-to-all', comm.axes_key(config, comm.exchange_axes(config))),
+        exposed(comm.exchange_kind(config), comm.axes_key(config, comm.exchange_axes(config))),
         (exposed('all-gather', 'context'), exposed('reduce-scatter', 'context')),
     )
     handoff = 0.0
