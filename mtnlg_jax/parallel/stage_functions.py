@@ -12,8 +12,7 @@ holds.
     apply_blocks(chunk, hidden, batch,        (hidden, values): consecutive blocks scanned
                  first_layer, remat,          over hidden, layer first_layer first (dropout),
                  used=None, taps=None,        each under the policy `remat` names ('none':
-                 unroll=False)
-                                              none); values: {name: fp32 array} of every
+                 unroll=False)                none); values: {name: fp32 array} of every
                                               declared side value (below), combined over the
                                               chunk's layers by the model; taps: the kernel
                                               matmuls' zero taps (parallel/taps.py), stacked
