@@ -45,6 +45,9 @@ LAYOUTS = {
     # a mixture of experts (model/moe.py) on mesh.expert 1, as the layouts without it
     'moe': dict(data=2, tensor=2, moe=MOE),
     'moe_1f1b': dict(stage=2, tensor=2, micro_steps=4, moe=MOE),
+    # the split backward's schedules (B and W slots: zero_bubble.py, zero_bubble_v.py)
+    'zbh1': dict(stage=2, tensor=2, micro_steps=4, schedule='zbh1'),
+    'zbv': dict(stage=2, repeats=2, micro_steps=4, schedule='zbv'),
 }
 
 

@@ -25,8 +25,9 @@ Three tables (and a fourth on request), all from one run on the same 8 devices, 
     python bench/pipeline.py --tables schedule
 
    (arithmetic only) the tables' bubble against m at p = 4 and 16, each schedule beside its
-   formula: 1F1B's (p - 1) / (v m + p - 1), ZB-H1's (p - 1) / (3 m), and the most micro-batches
-   a stage holds (its memory in chunk residuals).
+   formula: 1F1B's (p - 1) / (v m + p - 1), ZB-H1's (p - 1) / (3 m), ZB-V's (p - 1) /
+   (6 m + p - 1) (its start-up), and the most micro-batches a stage holds (its memory in chunk
+   residuals: a zbv or interleaved chunk is half a stage).
 
     python bench/pipeline.py --tables inflight
 
@@ -65,12 +66,12 @@ if '--scale' in sys.argv:  # before JAX is imported (bench/common.py imports it)
 import numpy as np  # noqa: E402
 from common import CompiledStep, layout_config, print_table  # noqa: E402
 
-from mtnlg_jax.parallel import pipeline  # noqa: E402
+from mtnlg_jax.parallel import pipeline, zero_bubble_v  # noqa: E402
 
 LAYERS = 8  # divisible by p x v = 8
 
 
-SCHEDULES = [('gpipe', 1), ('gpipe', 2), ('1f1b', 1), ('interleaved', 2), ('zbh1', 1)]
+SCHEDULES = [('gpipe', 1), ('gpipe', 2), ('1f1b', 1), ('interleaved', 2), ('zbh1', 1), ('zbv', 2)]
 
 
 def step_time_table(path, steps):
@@ -176,6 +177,8 @@ def schedule_table():
                 formula = (stages - 1) / (repeats * micro + stages - 1)
                 if schedule == 'zbh1':
                     formula = (stages - 1) / (3 * micro)
+                if schedule == 'zbv':  # ZB-V's own count, its start-up included
+                    formula = zero_bubble_v.ideal_bubble(stages, micro)
                 bubble = table.bubble_fraction()
                 cells = (f'{bubble:.3f}', f'{formula:.3f}', table.in_flight().max(), table.ticks)
                 rows.append((schedule, stages, repeats, micro, *cells))

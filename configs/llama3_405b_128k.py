@@ -10,10 +10,10 @@ all-gather context parallelism; each device holds 131072 / 16 = 8192 tokens of a
 the 8K run's. Attention is the Pallas flash kernel, once per query chunk at its offset among
 the gathered keys (cuDNN's kernel takes no offset); documents are masked inside packed
 sequences (data.reset_attention_mask), Meta's reason for gathering keys and values.
-XLA:GPU compiles it to 72.3 GiB a GPU (fits 80 GB) at 0.87 x the model's FLOPs (the flash
-kernels by the score blocks they compute), 41 % of its compute waiting on communication,
-most of it the gradients' all-reduce over `context` inside the pipeline's loop; predicted
-12.6 s a step, 462 model TFLOP/s a GPU against Meta's 380 (docs/benchmarks.md, "Long
+XLA:GPU compiles it to 70.3 GiB a GPU (fits 80 GB) at 0.87 x the model's FLOPs (the flash
+kernels by the score blocks they compute), 15.4 % of its compute waiting on communication
+(the gradients summed over data x context once a step by ZeRO-1's reduce-scatter); predicted
+10.8 s a step, 537 model TFLOP/s a GPU against Meta's 380 (docs/benchmarks.md, "Long
 context", says what that assumes of the flash kernel's speed).
 
 What differs from Meta's run:

@@ -14,12 +14,13 @@ from flax import nnx
 import support
 import test_pipeline  # its eval step
 from mtnlg_jax import config as config_lib
+from mtnlg_jax.model import layers
 from mtnlg_jax.model.block import Attention
 from mtnlg_jax.parallel import context as context_lib
 from mtnlg_jax.parallel.mesh import make_mesh
 from mtnlg_jax.parallel.rules import constrain
 from mtnlg_jax.plan import compile as compile_lib
-from mtnlg_jax.plan import comm, hlo
+from mtnlg_jax.plan import arithmetic, comm, hlo
 
 EOD = 7
 PACKING = dict(reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
@@ -163,6 +164,24 @@ def test_no_attention_leaks_across_a_document_that_ends_in_its_chunks_mirror():
     assert np.abs(leaked[:, ~inside] - clean[:, ~inside]).max() > 1.0
 
 
+def test_context_ranks_draw_their_own_dropout_masks():
+    """In a region manual over 'context' (the train step's) each rank holds its own places of
+    a sequence: its hidden dropout mask is its own, not one mask drawn on every rank."""
+    mesh = make_mesh(context=2)
+    row_keys = jax.random.split(jax.random.key(0), 2)
+    ones = jnp.ones((2, 16, 8))
+
+    def per_rank(x):
+        return layers.dropout(x, 0.5, row_keys, site=3)
+
+    spec = jax.sharding.PartitionSpec(None, 'context')
+    with jax.set_mesh(mesh):
+        kept = jax.jit(jax.shard_map(per_rank, in_specs=spec, out_specs=spec))(ones)
+    kept = np.asarray(kept) > 0
+    assert 0.2 < kept.mean() < 0.8
+    assert (kept[:, :8] != kept[:, 8:]).any()
+
+
 @pytest.fixture(scope='module')
 def compiled_c4t2():
     """(config, collective inventory) of the compiled train step on context 4 x tensor 2,
@@ -187,6 +206,18 @@ def test_the_compiled_step_gathers_keys_and_values_over_context(compiled_c4t2):
     assert [e for e in over_context if e['kind'] in ('reduce-scatter', 'all-reduce')]
 
 
+def test_the_gradients_are_summed_over_context_once_a_step_by_zero1(compiled_c4t2):
+    """No all-reduce over 'context' runs in a loop (each context rank's gradients leave the
+    train step's region unsummed: rules.region_axes); ZeRO-1's reduce-scatter over it, after
+    the loops, carries every fp32 gradient this device computes, once."""
+    config, inventory = compiled_c4t2
+    over_context = [e for e in inventory if 'context' in e['axes']]
+    assert not [e for e in over_context if e['kind'] == 'all-reduce' and e['in_loop']]
+    zero = [e for e in over_context if e['kind'] == 'reduce-scatter' and not e['in_loop']]
+    compute, _ = arithmetic.local_param_counts(config)
+    assert sum(e['bytes'] * e['count'] for e in zero) == 4 * compute
+
+
 def test_the_plan_counts_the_key_value_gathers_of_the_compiled_step(compiled_c4t2):
     """plan/comm.py's all-gather bytes over 'context' a step are the compiled step's,
     ring-counted: the keys and values per layer and micro-step (forward and recompute), and
@@ -199,7 +230,13 @@ def test_the_plan_counts_the_key_value_gathers_of_the_compiled_step(compiled_c4t
     zero = [e for e in over_context if not e['in_loop']]
     assert key_values and zero
     compiled = sum(e['wire_bytes'] * e['count'] for e in key_values + zero)
-    assert comm.comm_bytes_per_device(config)['all-gather']['context'] == pytest.approx(compiled)
+    planned = comm.comm_bytes_per_device(config)
+    assert planned['all-gather']['context'] == pytest.approx(compiled)
+    # and the reduce-scatters: the keys' and values' gradients, ZeRO-1's once a step
+    scatters = [e for e in inventory if e['axes'] == ('context',) and e['kind'] == 'reduce-scatter']
+    compiled = sum(e['wire_bytes'] * e['count'] for e in scatters)
+    assert planned['reduce-scatter']['context'] == pytest.approx(compiled)
+    assert 'context' not in planned.get('all-reduce', {})
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,7 @@ import time
 import numpy as np
 import pytest
 
-from support import ROOT, SMALL_MODEL, TRAIN_ENV, launch_module, train_args
+from support import ROOT, SMALL_MODEL, TRAIN_ENV, launch_in_process, launch_module, train_args
 
 # SMALL_MODEL with 2 layers, a checkpoint at step 5 of 10, a 10 s heartbeat (later flags win).
 MODEL = [
@@ -119,7 +119,12 @@ def assert_rejected(result, *words):
         assert word in lines[0], lines[0]
 
 
-def test_bad_coordinator_or_process_count_is_one_error_line(tmp_path, token_data):
+def test_bad_coordinator_or_process_count_is_one_error_line(
+    tmp_path, token_data, capsys, monkeypatch
+):
+    """Each bad flag of one process's command line in this process (refused before JAX's
+    distributed start-up: a subprocess each cost a JAX start-up; the command line itself:
+    test_command_line_contract.py); then spawn's 3 processes at the command line."""
     workdir = tmp_path / 'run'
     for flags, words in (
         (['--coordinator=localhost', '--num_processes=2', '--process_id=1'], ['HOST:PORT']),
@@ -134,9 +139,12 @@ def test_bad_coordinator_or_process_count_is_one_error_line(tmp_path, token_data
         (['--num_processes=2'], ['--coordinator']),
     ):
         started = time.monotonic()
-        result = run(train_args(workdir, *MODEL, *flags, data=token_data), limit=60)
+        args = train_args(workdir, *MODEL, *flags, data=token_data)[2:]  # without the script
+        status, _, lines = launch_in_process('train', capsys, monkeypatch, *args)
         assert time.monotonic() - started < 30
-        assert_rejected(result, *words)
+        assert status == 2 and len(lines) == 1 and lines[0].startswith('error: '), lines
+        for word in words:
+            assert word in lines[0], lines[0]
     # 3 processes x 2 devices for a mesh of 8: every process says so, spawn adds nothing.
     command = train_args(workdir, *MODEL, *PIPELINED, data=token_data)[1:]
     spawn = [sys.executable, str(ROOT / 'launch/spawn.py'), '--processes', '3']

@@ -9,7 +9,7 @@ import pytest
 
 import support
 from mtnlg_jax.parallel import schedule as schedule_lib
-from mtnlg_jax.parallel import zero_bubble
+from mtnlg_jax.parallel import zero_bubble, zero_bubble_v
 from mtnlg_jax.plan import clusters, comm, predict, published
 
 A100 = clusters.CLUSTERS['a100-80gb']
@@ -170,3 +170,36 @@ def test_zbh1s_bubble_is_counted_from_its_table(monkeypatch, remat, b_units):
     assert bubble['zbh1'] == pytest.approx(units.max(axis=1).sum() / work - 1, rel=1e-6)
     # two thirds of 1F1B's without recompute; B's recompute leaves W less of the bubble to fill
     assert bubble['zbh1'] < (0.7 if remat == 'none' else 0.8) * bubble['1f1b']
+
+
+def test_zbvs_bubble_is_counted_from_its_table_with_the_loss_on_stage_0(monkeypatch):
+    """pipeline.schedule = 'zbv' priced as zbh1 above, from the ZB-V table (two chunks a stage,
+    the last, with the head, on stage 0): a unit a chunk's F, B and W, the bubble the table's,
+    below interleaved 1F1B's (v = 2) and zbh1's. The head made costly moves stage 0's ticks
+    only: the prediction finds the last chunk where the V put it."""
+    monkeypatch.setattr(predict, 'head_forward', lambda config, rates: (0.0, 0.0))
+    free = dataclasses.replace(A100, nvlink_bandwidth=1e30, internode_bandwidth=1e30)
+
+    def bubble(schedule, repeats):
+        config = support.small_config(
+            data=1, stage=4, tensor=2, micro_steps=8, repeats=repeats, schedule=schedule,
+            num_layers=8, vocab_size=8, remat='none',
+        )  # fmt: skip
+        step = predict.step_time(config, free, semantics='megatron')
+        return step['bubble_s'] / step['compute_s'], step
+
+    zbv, step = bubble('zbv', 2)
+    table = zero_bubble_v.build(4, 8)
+    busy = {k: (getattr(table, f'{k}_micro') != schedule_lib.IDLE) * 1 for k in ('fwd', 'bwd', 'w')}
+    units = busy['fwd'] + busy['bwd'] + busy['w']
+    assert zbv == pytest.approx(units.max(axis=1).sum() / (2 * 3 * 8) - 1, rel=1e-6)
+    assert zbv < bubble('interleaved', 2)[0] and zbv < bubble('zbh1', 1)[0]
+    unit = step['compute_s'] / (2 * 3 * 8)
+    monkeypatch.setattr(predict, 'head_forward', lambda config, rates: (unit, 0.0))
+    on_stage_0 = np.arange(4) == table.last_stage
+    head = busy['fwd'] * (table.fwd_repeat == 1) + 2 * busy['bwd'] * (table.bwd_repeat == 1)
+    ticks = unit * (units + head * on_stage_0)
+    expected = ticks.max(axis=1).sum() - ticks.sum(axis=0).max()
+    assert bubble('zbv', 2)[1]['bubble_s'] == pytest.approx(expected, rel=1e-6)
+    wrong = unit * (units + head * ~on_stage_0[::-1])  # the head on stage p - 1
+    assert wrong.max(axis=1).sum() - wrong.sum(axis=0).max() != pytest.approx(expected)

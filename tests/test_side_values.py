@@ -118,6 +118,7 @@ LAYOUTS = {
     ),
     'gpipe-d2s2v2': lambda: support.small_config(2, 2, 1, 4, 2, 'gpipe', num_layers=LAYERS),
     'zbh1-s4t2': lambda: support.small_config(1, 4, 2, 8, 1, 'zbh1', num_layers=LAYERS),
+    'zbv-s2t2': lambda: support.small_config(1, 2, 2, 4, 2, 'zbv', num_layers=LAYERS),
 }
 
 
@@ -133,7 +134,9 @@ def test_every_engine_carries_the_values_and_their_gradient_as_one_device(one_de
     to its scale) and values (combined over layers, chunks, micro-batches, stages and
     replicas) equal one device's. The 1f1b and zbh1 layouts are test_pipeline.py's
     d2s2t2v1m4-1f1b and d1s4t2v1m8-zbh1: these cases hold those engines to one device there;
-    the interleaved one runs the steady tick (pipeline.steady_tick)."""
+    the interleaved one runs the steady tick (pipeline.steady_tick); zbv's V (its hand-offs
+    both ways, the loss on stage 0) is held to it here by slot (with Llama's block over stages
+    of unequal depth and the steady tick: test_unequal_stages.py)."""
     config = LAYOUTS[layout]()
     params, loss, grads, values = support.gradients_and_values(config, one_device['batch'], step=5)
     support.assert_trees_close(params, one_device['params'], atol=0.0)

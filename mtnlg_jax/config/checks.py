@@ -317,7 +317,7 @@ def _check_stage_layers(config):
     _require(
         not dense or stages == 1 or pipeline.schedule != 'gpipe',
         'model.moe.dense_layers',
-        f'{model.num_layers - layers} dense layers run on the 1f1b, interleaved and zbh1 '
+        f'{model.num_layers - layers} dense layers run on the 1f1b, interleaved, zbh1 and zbv '
         f'schedules, not gpipe (its embedding runs on every micro-batch at once)',
     )
     if not (first or last) or stages == 1:
@@ -339,7 +339,7 @@ def _check_stage_layers(config):
     _require(
         pipeline.schedule != 'gpipe',
         key,
-        'stages of unequal depth run on the 1f1b, interleaved and zbh1 schedules, not gpipe',
+        'stages of unequal depth run on the 1f1b, interleaved, zbh1 and zbv schedules, not gpipe',
     )
 
 
@@ -414,6 +414,11 @@ def _check_pipeline(config, replica_batch):
         f'zbh1 runs one chunk a stage (pipeline.repeats = 1), got {repeats}',
     )
     _require(
+        schedule != 'zbv' or repeats == 2,
+        'pipeline.repeats',
+        f'zbv runs two chunks a stage in a V (pipeline.repeats = 2), got {repeats}',
+    )
+    _require(
         schedule != 'interleaved' or repeats > 1,
         'pipeline.schedule',
         'interleaved needs pipeline.repeats > 1 (chunks per stage); with 1 use 1f1b',
@@ -422,7 +427,8 @@ def _check_pipeline(config, replica_batch):
     _require(
         not in_flight or schedule != 'gpipe',
         'pipeline.max_in_flight',
-        'bounds the 1f1b, interleaved and zbh1 tables; gpipe holds every micro-batch by design',
+        'bounds the 1f1b, interleaved, zbh1 and zbv tables; gpipe holds every micro-batch by '
+        'design',
     )
     if schedule != 'gpipe':
         return

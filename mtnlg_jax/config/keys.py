@@ -71,24 +71,26 @@ KEYS = (
     Key(
         'pipeline.schedule',
         '1f1b',
-        ('1f1b', 'interleaved', 'gpipe', 'zbh1'),
+        ('1f1b', 'interleaved', 'gpipe', 'zbh1', 'zbv'),
         '1f1b (interleaved 1F1B when repeats > 1), interleaved (insists on repeats > 1), gpipe, '
         'zbh1 (ZB-H1: the backward split into input and weight gradients, the weights\' put off '
-        'into the bubble; repeats 1); checkpoints hold layer order, so a run resumes under any',
+        'into the bubble; repeats 1), zbv (ZB-V: as zbh1 with two chunks a stage in a V, stage s '
+        'holding chunks s and 2p - 1 - s, the loss on stage 0; repeats 2); checkpoints hold '
+        'layer order, so a run resumes under any',
     ),
     Key(
         'pipeline.max_in_flight',
         0,
         'int>=0',
         'at most this many stage inputs held per stage (repeats 1), or micro-batches in the '
-        'pipeline (repeats > 1: each holds up to v chunk inputs a stage); 0: as the lockstep '
-        'table needs (2 (p - s) - 1 with repeats 1)',
+        'pipeline (repeats > 1, zbv: each holds up to v chunk inputs a stage); 0: as the '
+        'lockstep table needs (2 (p - s) - 1 with repeats 1, 2p micro-batches with zbv)',
     ),
     Key(
         'pipeline.steady_tick',
         False,
         'bool',
-        "1f1b / interleaved / zbh1: a tick's forward and backward layer work in one "
+        "1f1b / interleaved / zbh1 / zbv: a tick's forward and backward layer work in one "
         'computation (one switch over the slot pairs the table holds) instead of a conditional '
         'each, so their collectives can hide under each other\'s matmuls; the same results',
     ),

@@ -33,7 +33,7 @@ from mtnlg_jax.model.layers import (
 from mtnlg_jax.model.pieces import join, split
 from mtnlg_jax.parallel import context as context_lib
 from mtnlg_jax.parallel import taps
-from mtnlg_jax.parallel.rules import constrain, gather_context, local_call, shards
+from mtnlg_jax.parallel.rules import constrain, gather, gather_context, local_call, shards
 
 # Names of the values `model.remat = 'selective'` keeps: every matmul output. The attention
 # core (scores, softmax, dropout) is recomputed in the backward pass, as in Megatron's
@@ -391,7 +391,7 @@ class Attention(nnx.Module):
         site = site_base + _ATTN_PROBS
         context = shards('seq')
         if context > 1:  # the flash kernel at each chunk's offset, else the plain path
-            chunk = q.shape[1] // (2 * context)
+            chunk = q.shape[1] * shards('seq', manual=True) // (2 * context)
             kernel = context_kernel(self.kernel, chunk, q.shape[-1], self.gpu_generation)
             if kernel.startswith('flash') and order is not None:
                 return self.context_flash(q, k, v, row_keys, site, segment_ids, kernel)
@@ -407,18 +407,20 @@ class Attention(nnx.Module):
     def context_parallel(self, q, k, v, row_keys, site, segment_ids, order):
         """context() with the sequence split over 'context' (parallel/context.py): each rank's
         queries (its two chunks) against every key and value, gathered over 'context' (an
-        all-gather; its transpose, a reduce-scatter of their gradients). A query sees a key
-        when the key's global position is not later and, with segment ids, in its segment:
-        the mask is made from the positions and ids that travel with the chunks."""
+        all-gather; its transpose, a reduce-scatter of their gradients: by the partitioner,
+        or written out where 'context' is manual, rules.gather). A query sees a key when the
+        key's global position is not later and, with segment ids, in its segment: the mask
+        is made from the positions and ids that travel with the chunks."""
         if order is None:
             order = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), q.shape[:2])
-        k, v = (constrain(a, KV_GATHERED_AXES) for a in (k, v))
-        query_pos, key_pos = constrain(order, SEGMENT_AXES), constrain(order, KV_SEGMENT_AXES)
+        k, v = (constrain(gather(a, KV_AXES, 1), KV_GATHERED_AXES) for a in (k, v))
+        query_pos = constrain(order, SEGMENT_AXES)
+        key_pos = constrain(gather(order, SEGMENT_AXES, 1), KV_SEGMENT_AXES)
         visible = key_pos[:, None, :] <= query_pos[:, :, None]
         if segment_ids is not None:
             ids, key_ids = (
                 constrain(segment_ids, SEGMENT_AXES),
-                constrain(segment_ids, KV_SEGMENT_AXES),
+                constrain(gather(segment_ids, SEGMENT_AXES, 1), KV_SEGMENT_AXES),
             )
             visible = visible & (key_ids[:, None, :] == ids[:, :, None])
         return self.attend(q, k, v, visible[:, None], row_keys, site)

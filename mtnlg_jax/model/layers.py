@@ -15,7 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mtnlg_jax.model import fp8_sites
 from mtnlg_jax.parallel import taps
-from mtnlg_jax.parallel.rules import constrain
+from mtnlg_jax.parallel.rules import constrain, piece_index
 
 
 def param(rngs, shape, logical_axes, std=None):
@@ -167,14 +167,20 @@ def dropout(x, rate, row_keys, site):
     `row_keys` holds one PRNG key per sequence (shape: x's leading batch dimensions), derived
     from the step's seed and the sequence's index in the global batch, so the masks are the
     same whatever the mesh layout, the split into micro-steps or the pipeline schedule. `site`
-    tells dropout sites of one forward apart. No-op when rate is 0 or row_keys is None.
+    tells dropout sites of one forward apart. Where each context rank holds its own places of
+    the sequence in a region manual over 'context' (the train step's), its rank is folded in
+    too: the ranks draw their own masks, not one mask each. No-op when rate is 0 or row_keys
+    is None.
     """
     if rate == 0.0 or row_keys is None:
         return x
     batch_shape, row_shape = x.shape[: row_keys.ndim], x.shape[row_keys.ndim :]
+    keys, rank = row_keys.reshape(-1), piece_index('seq')
+    if rank is not None:
+        keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, rank)
     keep = jax.vmap(
         lambda key: jax.random.bernoulli(jax.random.fold_in(key, site), 1.0 - rate, row_shape)
-    )(row_keys.reshape(-1))
+    )(keys)
     return jnp.where(keep.reshape(batch_shape + row_shape), x / (1.0 - rate), 0).astype(x.dtype)
 
 

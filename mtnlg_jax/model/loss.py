@@ -37,7 +37,7 @@ def _pieces(x, chunks):
     rank's shard, so a piece is split over the ranks as the sequence is and nothing moves
     (the loss is a sum: the order of its tokens does not matter)."""
     batch, seq = x.shape[:2]
-    context = shards('seq')
+    context = shards('seq', manual=False)
     if context == 1:
         x = x.reshape(batch, chunks, seq // chunks, *x.shape[2:])
         return jnp.moveaxis(x, 1, 0)
@@ -47,7 +47,7 @@ def _pieces(x, chunks):
 
 def _whole(x):
     """The inverse of _pieces."""
-    context = shards('seq')
+    context = shards('seq', manual=False)
     if context == 1:
         x = jnp.moveaxis(x, 0, 1)
         return x.reshape(x.shape[0], -1, *x.shape[3:])

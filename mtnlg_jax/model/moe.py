@@ -78,7 +78,16 @@ from mtnlg_jax.config import moe_ffn_hidden, shared_ffn_hidden
 from mtnlg_jax.model import buffers, grouped_matmul
 from mtnlg_jax.model.layers import mlp, out_std, param, use
 from mtnlg_jax.parallel import context as context_lib
-from mtnlg_jax.parallel.rules import EXPERT_AXIS, FOLDED_AXES, TENSOR_AXIS, constrain, shards
+from mtnlg_jax.parallel.rules import (
+    EXPERT_AXIS,
+    FOLDED_AXES,
+    TENSOR_AXIS,
+    constrain,
+    gather,
+    own,
+    shards,
+    total,
+)
 from mtnlg_jax.parallel.stage_functions import SideValue
 
 AUX_LOSS, Z_LOSS, LOADS, DROPPED = 'moe_aux_loss', 'moe_z_loss', 'moe_loads', 'moe_dropped'
@@ -215,6 +224,7 @@ class MoE(nnx.Module):
         choices. The one-hot here is (tokens x experts) of int32, no hidden dimension."""
         if not self.capacity_factor:
             return jnp.ones(chosen.shape, bool)
+        chosen = gather(chosen, ('batch', 'seq', None), 1)  # the whole sequence (manual)
         b, s, k = chosen.shape
         context = shards('seq')
         order = context_lib.chunk_order(s, context)
@@ -225,7 +235,7 @@ class MoE(nnx.Module):
         queue = queue.astype(jnp.int32)
         place = ((jnp.cumsum(queue, axis=1) - 1) * queue).sum(-1)  # within its expert's queue
         keep = (place < capacity).reshape(b, k, s).transpose(0, 2, 1)
-        return keep[:, order] if context > 1 else keep
+        return own(keep[:, order], 'seq', 1) if context > 1 else keep
 
     def dispatch(self, x, chosen, weights, keep):
         """The routed experts' output (batch, seq, embed): the (token, choice) rows sorted by
@@ -261,7 +271,7 @@ class MoE(nnx.Module):
         index, pieces = share
         axes = FOLDED_AXES if pieces > 1 else EXPERT_AXIS
         ranks = shards('folded_experts' if pieces > 1 else 'experts')
-        capacity = -(-b * (self.slots(s) if self.capacity_factor else s) // pieces)
+        capacity = -(-b * (self.held_slots(s) if self.capacity_factor else s) // pieces)
         ids = jnp.where(keep, chosen, experts).reshape(-1)
         order = checkpoint_name(jnp.argsort(ids, stable=True), 'moe_route')
         sizes = jnp.bincount(ids, length=experts + 1)
@@ -315,6 +325,13 @@ class MoE(nnx.Module):
         """Each expert's slots in a sequence of `seq` tokens under capacity_factor."""
         return math.ceil(self.capacity_factor * seq * self.top_k / self.experts)
 
+    def held_slots(self, held):
+        """slots() of the whole sequences of which `held` tokens each are here: where
+        'context' is manual a rank's places can hold all of an expert's slots (never more
+        than its own tokens)."""
+        parts = shards('seq', manual=True)
+        return self.slots(held) if parts == 1 else min(self.slots(held * parts), held)
+
     def grouped_mlp(self, rows, group_sizes):
         """The experts' MLP on rows (n, embed) sorted by expert, group g of group_sizes[g]
         rows through expert g; rows past the groups come out 0."""
@@ -356,11 +373,17 @@ class MoE(nnx.Module):
         return checkpoint_name(matmul(h, kernels[1]), 'moe_out')
 
     def values(self, logits, scores, chosen, keep, layer):
-        """The side values of this layer (the module docstring)."""
+        """The side values of this layer (the module docstring). Where 'context' is manual
+        (each rank holds its own places of every sequence) the load-balancing loss is of the
+        whole sequences' counts and mean scores, 1 / context of it on each rank: the step
+        sums the side values over 'context' (the transpose of the sum sums its gradient)."""
         b, s, k = chosen.shape
         counts = jax.nn.one_hot(chosen, self.experts, dtype=jnp.float32).sum(2).sum(1)  # (b, X)
-        fraction = counts / (s * k)
         probability = (scores / scores.sum(-1, keepdims=True)).mean(1)  # (b, X)
+        parts = shards('seq', manual=True)  # the places held here: s of s x parts
+        if parts > 1:
+            probability = total(probability, 'seq') / parts
+        fraction = total(counts, 'seq') / (s * parts * k)
         aux = self.experts * (fraction * probability).sum() * s
         z = jnp.square(jax.nn.logsumexp(logits, axis=-1)).sum()
         row = jax.nn.one_hot(layer, self.num_layers, dtype=jnp.float32)

@@ -22,7 +22,7 @@ def split(x, n, axes):
     the context) are cut the same way, so that their pieces line up with the stream's."""
     if n == 1:
         return [x]
-    t = shards('residual_seq')
+    t = shards('residual_seq', manual=False)
     b, s, rest = x.shape[0], x.shape[1], x.shape[2:]
     y = constrain(x.reshape(b, t, n, s // (t * n), *rest), _pieces_axes(axes))
     return [y[:, :, i].reshape(b, s // n, *rest) for i in range(n)]
@@ -32,7 +32,7 @@ def join(pieces, axes):
     """split()'s inverse: the pieces back in sequence order, laid out by `axes`."""
     if len(pieces) == 1:
         return pieces[0]
-    t = shards('residual_seq')
+    t = shards('residual_seq', manual=False)
     b, s, rest = pieces[0].shape[0], pieces[0].shape[1], pieces[0].shape[2:]
     y = jnp.stack([p.reshape(b, t, s // t, *rest) for p in pieces], axis=2)
     y = constrain(y, _pieces_axes(axes))

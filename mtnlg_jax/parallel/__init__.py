@@ -8,11 +8,12 @@ zero.py              the reduce-scatter / all-gather of ZeRO-1
 engine.py            engine(config): the sequential, 1F1B / interleaved or GPipe engine
 schedule.py          the 1F1B / interleaved schedule as a table
 zero_bubble.py       the ZB-H1 table: each backward split into B and W slots
+zero_bubble_v.py     the ZB-V table: the same, two chunks a stage in a V
 pipeline.py          the 1F1B / interleaved engine in shard_map
 stage.py             one stage's work per tick of that engine
 gpipe.py             the GPipe engine (autodiff through the forwards)
 stage_functions.py   the model's pieces an engine is handed, the micro-batch a chunk gets
-stage_order.py       blocks stored stage-major
+stage_order.py       blocks stored stage-major; which chunk a stage runs (the V's too)
 residuals.py         a VJP taken apart for the residual slots
 taps.py              the block matmuls' taps: ZB-H1's W from the x and dy that B stashes
 branches.py          slot kinds, the table's columns in groups, how often each branch runs

@@ -51,7 +51,7 @@ def slot_kinds(table):
 
     def kinds(micro, repeat):
         first = (stage == 0) & (repeat == 0)
-        last = (stage == table.stages - 1) & (repeat == table.repeats - 1)
+        last = (stage == table.last_stage) & (repeat == table.repeats - 1)
         kind = np.where(first, SLOT_FIRST, np.where(last, SLOT_LAST, SLOT_MIDDLE))
         return np.where(micro == IDLE, SLOT_IDLE, kind).astype(np.int32)
 
@@ -102,7 +102,8 @@ def branch_fractions(table):
         for path in [p for p in weights if p[0] == BACKWARD]:
             weights[(BACKWARD_INPUT, *path[1:])] = weights.pop(path)
         w_idle = share(w[0], SLOT_IDLE, slots)
-        weights[(WEIGHTS,)] = [1.0 - w_idle, w_idle]  # cond(idle, pass through, dW)
+        w_ran = (1.0 - w_idle) / v  # a cond(idle or another chunk's, pass through, dW) a chunk
+        weights[(WEIGHTS,)] = [w_ran, 1.0 - w_ran]
     # the conditionals inside a chunk's switch (interleaved): the same shares
     inner = [p for p in weights if p[0] in (FORWARD, BACKWARD) and len(p) > 1 and CHUNK not in p]
     for path in inner:
@@ -163,17 +164,19 @@ class Backward(NamedTuple):
 
 
 class Weights(NamedTuple):
-    """A split backward's W slot: its kind, the tap slot it reads and the tap slot the tick's
-    B writes (parallel/taps.py)."""
+    """A split backward's W slot: its kind, repeat (the stage's chunk), the tap slot it reads
+    and the tap slot the tick's B writes (parallel/taps.py)."""
 
     kind: Any
+    repeat: Any
     tap_slot: Any
     b_tap_slot: Any
 
 
 class Arrivals(NamedTuple):
     """What the tick's start receives: the stash slot an activation goes to and whether one
-    arrives (act), the same for a gradient."""
+    arrives (act), the same for a gradient; in the V a second Arrivals, of the way back
+    (schedule.Schedule.v_shape)."""
 
     act_slot: Any
     act: Any
@@ -210,19 +213,23 @@ class Columns:
     backward: Backward
     arrivals: Arrivals
     weights: Weights = None  # the W slot of a split backward (B in `backward`), or None
+    back: Arrivals = None  # the V's arrivals of the way back, or None
 
     def tree_flatten(self):
         leaves = [getattr(getattr(self, group), name) for group, name in _FLAT.values()]
-        return leaves + list(self.weights or ()), self.weights is not None
+        leaves += list(self.weights or ()) + list(self.back or ())
+        return leaves, (self.weights is not None, self.back is not None)
 
     @classmethod
-    def tree_unflatten(cls, split, leaves):
+    def tree_unflatten(cls, present, leaves):
         fields = {'forward': {}, 'backward': {}, 'arrivals': {}}
         for (group, name), leaf in zip(_FLAT.values(), leaves):
             fields[group][name] = leaf
-        w = Weights(*leaves[len(_FLAT) :]) if split else None
+        rest = leaves[len(_FLAT) :]
+        w = Weights(*rest[: len(Weights._fields)]) if present[0] else None
+        back = Arrivals(*rest[len(Weights._fields) if present[0] else 0 :]) if present[1] else None
         return cls(Forward(**fields['forward']), Backward(**fields['backward']),
-                   Arrivals(**fields['arrivals']), w)  # fmt: skip
+                   Arrivals(**fields['arrivals']), w, back)  # fmt: skip
 
 
 def columns(table):
@@ -230,20 +237,25 @@ def columns(table):
     fwd_kind, bwd_kind, *w_kind = slot_kinds(table)
     used = lambda a: np.maximum(a, 0)  # noqa: E731
     t = table
-    weights = None
+    weights = back = None
     if t.split:
-        weights = Weights(w_kind[0], *map(used, (t.w_tap_slot, t.bwd_tap_slot)))
+        weights = Weights(w_kind[0], *map(used, (t.w_repeat, t.w_tap_slot, t.bwd_tap_slot)))
+    if t.v_shape:
+        back = _arrivals(t.recv_act_back_slot, t.recv_grad_back_slot)
     return Columns(
         Forward(fwd_kind, *map(used, (t.fwd_micro, t.fwd_repeat, t.fwd_slot, t.fwd_resid_slot))),
         Backward(
             bwd_kind,
             *map(used, (t.bwd_micro, t.bwd_repeat, t.bwd_slot, t.bwd_resid_slot, t.bwd_grad_slot)),
         ),  # fmt: skip
-        Arrivals(
-            used(t.recv_act_slot),
-            t.recv_act_slot >= 0,
-            used(t.recv_grad_slot),
-            t.recv_grad_slot >= 0,
-        ),  # fmt: skip
+        _arrivals(t.recv_act_slot, t.recv_grad_slot),
         weights,
+        back,
+    )
+
+
+def _arrivals(act_slot, grad_slot):
+    """Arrivals of two recv columns: slots (IDLE indexing 0) and whether anything arrives."""
+    return Arrivals(
+        np.maximum(act_slot, 0), act_slot >= 0, np.maximum(grad_slot, 0), grad_slot >= 0
     )

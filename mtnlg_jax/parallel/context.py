@@ -20,7 +20,8 @@ each chunk (model/block.py), never from a token's place in the chunked order. Ro
 and learned positions are the global ones too (or the packed documents' own, which are
 permuted with their tokens). The loss and the token count are sums, which do not depend on the
 order; the gradients of every parameter, replicated over `context`, are summed over it as
-over `data`.
+over `data`: the train step's region is manual over both (rules.region_axes), and ZeRO-1's
+one reduce-scatter a step sums each rank's partial sums (parallel/zero.py).
 
 At c = 1 the order is the identity and nothing is permuted: the step compiles as before.
 """

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from mtnlg_jax.parallel import gpipe, taps, zero_bubble
+from mtnlg_jax.parallel import gpipe, taps, zero_bubble, zero_bubble_v
 from mtnlg_jax.parallel import stage_functions as side
 from mtnlg_jax.parallel import schedule as schedule_lib
 from mtnlg_jax.parallel.branches import columns as table_columns
@@ -44,7 +44,7 @@ from mtnlg_jax.parallel.rules import constrain
 from mtnlg_jax.parallel.stage import ACTIVATION_AXES, STAGE_AXIS, Stage
 from mtnlg_jax.parallel.stage_functions import MicroBatch, shared_params
 
-SCHEDULES = ('gpipe', '1f1b', 'interleaved', 'zbh1')
+SCHEDULES = ('gpipe', '1f1b', 'interleaved', 'zbh1', 'zbv')
 HANDOFF_AXES = ('batch', 'handoff_seq', 'embed')  # split over 'tensor' along the sequence
 
 
@@ -61,23 +61,27 @@ def options(config):
 
 
 def build_table(stages, repeats, micro_batches, max_in_flight=0, schedule='1f1b'):
-    """The 1f1b / interleaved table (schedule.build), or zbh1's (zero_bubble.build: one chunk
-    a stage); max_in_flight 0: no bound."""
+    """The 1f1b / interleaved table (schedule.build), zbh1's (zero_bubble.build: one chunk
+    a stage) or zbv's (zero_bubble_v.build: two chunks a stage in a V); max_in_flight 0: no
+    bound."""
     if schedule == 'zbh1':
         return zero_bubble.build(stages, micro_batches, max_in_flight or None)
+    if schedule == 'zbv':
+        return zero_bubble_v.build(stages, micro_batches, max_in_flight or None)
     return schedule_lib.build(stages, repeats, micro_batches, max_in_flight or None)
 
 
 @dataclasses.dataclass(frozen=True)
 class TableEngine:
     """1F1B (repeats 1) or interleaved 1F1B (repeats > 1) over p > 1 stages; schedule 'zbh1':
-    ZB-H1, the backward split into B and W slots (zero_bubble.py)."""
+    ZB-H1, the backward split into B and W slots (zero_bubble.py); 'zbv': ZB-V, the same with
+    two chunks a stage in a V (zero_bubble_v.py)."""
 
     stages: int
     repeats: int
     max_in_flight: int = 0
     stage_layers: Any = None  # stage_order.StageLayers of unequal stages (None: equal)
-    schedule: str = '1f1b'  # or 'interleaved' (the same), 'zbh1
+    schedule: str = '1f1b'  # or 'interleaved' (the same), 'zbh1', 'zbv'
     # the tick as one switch over its (forward, backward) pairs (stage.Stage.steady_tick)
     steady_tick: bool = False
     pipelined = True
@@ -90,7 +94,10 @@ class TableEngine:
     @property
     def name(self):
         name = 'interleaved 1F1B' if self.repeats > 1 else '1f1b'
-        name = 'zbh1 (ZB-H1: B and W slots)' if self.schedule == 'zbh1' else name
+        name = {
+            'zbh1': 'zbh1 (ZB-H1: B and W slots)',
+            'zbv': 'zbv (ZB-V: two chunks a stage in a V, B and W slots)',
+        }.get(self.schedule, name)
         if self.max_in_flight:
             held = 'micro-batches' if self.repeats > 1 else 'stage inputs'
             name += f' (at most {self.max_in_flight} {held} in flight)'
@@ -231,6 +238,7 @@ def run_table(
             handoff_axes=handoff_axes,
             stage_layers=stage_layers,
             split=table.split,
+            v_shape=table.v_shape,
             # the steady tick's layers unrolled: a while loop per chunk would keep the
             # forward's and the backward's collectives in computations of their own
             unroll=with_grads and steady_tick,
@@ -297,9 +305,11 @@ def scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index=None):
     def tap_buffer(a):  # a slot per micro-batch between its B and its W
         return jnp.full((table.tap_slots, stage.per_chunk, *a.shape), bubble_fill, a.dtype)
 
+    arrived = constrain(stage.fill, stage.handoff_axes)
+    arrived = (arrived, arrived) if table.v_shape else arrived  # the V: both ways
     init = (
-        constrain(stage.fill, stage.handoff_axes),
-        constrain(stage.fill, stage.handoff_axes),
+        arrived,
+        arrived,
         buffer(table.stash_slots),
         [residual_buffer(r) for r in kept_shapes],
         buffer(table.grad_slots),

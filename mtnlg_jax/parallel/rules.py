@@ -48,9 +48,13 @@ out of every ZeRO spec and collective, so the compiled steps are those of a mesh
 
 `context` splits the sequence, not the batch: never a replica axis. `seq` and the residual
 stream's `residual_seq` map to 'context' (parallel/context.py: each rank holds chunks r and
-2c - 1 - r); attention gathers keys and values over it (`kv_seq`). The gradients of what is
-replicated over it are summed over it by XLA; ZeRO-1's shards split over it after the
-replica axes (`zero_axes`), as Megatron's distributed optimizer's over data x context.
+2c - 1 - r); attention gathers keys and values over it (`kv_seq`). The train step's region
+is manual over it too (`region_axes`): each context rank's gradients of what is replicated
+over it leave the region as partial sums, and ZeRO-1's shards split over it after the
+replica axes (`zero_axes`), so one reduce-scatter over data x context sums them, as
+Megatron's distributed optimizer does. In such a region the model sees its own tokens only:
+`shards(name, manual=...)` tells the pieces it holds from those still split, and `gather`,
+`own` and `total` move a sequence between them where the whole one is needed.
 
 Sequence parallelism (Korthikanti et al. 2022; `model.sequence_parallel`): the residual
 stream, where layer norms, dropout and residual adds run, names its sequence dimension
@@ -70,6 +74,7 @@ dimension that still divides (`zero_spec`).
 
 import contextlib
 import contextvars
+import functools
 import math
 
 import jax
@@ -152,14 +157,76 @@ def logical_to_spec(logical_axes):
     return PartitionSpec(*mesh_axes)
 
 
-def shards(logical_name):
+def shards(logical_name, manual=None):
     """How many pieces the mesh and the active rules split a dimension named `logical_name`
-    into (1 without a mesh, or where the name maps to nothing)."""
+    into (1 without a mesh, or where the name maps to nothing). manual: True counts only the
+    mesh axes manual where it is called (the array here is one of those pieces already),
+    False only the others (the pieces the array here is still split into), None all."""
     mesh = jax.sharding.get_abstract_mesh()
     axes = logical_to_spec((logical_name,))[0]
     if mesh.empty or axes is None:
         return 1
-    return math.prod(mesh.shape[a] for a in _names(axes))
+    names = _names(axes)
+    if manual is not None:
+        names = [a for a in names if (a in mesh.manual_axes) == manual]
+    return math.prod(mesh.shape[a] for a in names)
+
+
+def region_axes():
+    """The mesh axes the train step's per-replica region is manual over (train/step.py): the
+    replica axes, and 'context' where above 1, so that each context rank's gradients (its
+    own tokens' partial sums) leave the region unsummed and ZeRO-1's reduce-scatter sums
+    them once a step over the replicas and 'context' together (parallel/zero.py), where the
+    partitioner would all-reduce them over 'context' after every backward pass."""
+    mesh = jax.sharding.get_abstract_mesh()
+    context = not mesh.empty and mesh.shape.get(CONTEXT_AXIS, 1) > 1
+    return REPLICA_AXES + ((CONTEXT_AXIS,) if context else ())
+
+
+def _manual_names(logical_name):
+    """The mesh axes a dimension named `logical_name` splits over that are manual here."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    axes = logical_to_spec((logical_name,))[0]
+    return tuple(a for a in _names(axes) if a in mesh.manual_axes)
+
+
+def gather(x, logical_axes, axis):
+    """x (laid out by `logical_axes`) whole along `axis`: an all-gather over the mesh axes its
+    name there splits over that are manual here (the pieces in rank order; its transpose
+    reduce-scatters), on each device's own shards of the others (local_call: XLA would
+    gather those first); x as it is where none are manual (the partitioner gathers what a
+    constraint asks for)."""
+    names = _manual_names(logical_axes[axis])
+    if not names:
+        return x
+    gathered = functools.partial(jax.lax.all_gather, axis_name=entry(names), axis=axis, tiled=True)
+    return local_call(gathered, (x,), logical_axes)
+
+
+def own(x, logical_name, axis):
+    """gather's inverse: this device's piece of x (whole along `axis`)."""
+    names = _manual_names(logical_name)
+    if not names:
+        return x
+    size = x.shape[axis] // math.prod(jax.lax.axis_size(a) for a in names)
+    start = jax.lax.axis_index(entry(names)) * size
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+
+
+def piece_index(logical_name):
+    """This device's index among the pieces of a dimension named `logical_name` over the mesh
+    axes manual here (a context rank's, where 'context' is), None where none are."""
+    names = _manual_names(logical_name)
+    return jax.lax.axis_index(entry(names)) if names else None
+
+
+def total(x, logical_name):
+    """x summed over the mesh axes a dimension named `logical_name` splits over that are
+    manual here (a sum over that dimension's pieces); x as it is where none are."""
+    names = _manual_names(logical_name)
+    return jax.lax.psum(x, entry(names)) if names else x
 
 
 def constrain(x, logical_axes):
@@ -260,9 +327,8 @@ def replica_axes(spec, mesh_shape):
 def zero_axes(spec, mesh_shape):
     """The mesh axes a leaf of `spec`'s ZeRO-1 shards split over: its replica axes, then
     'context' where above 1 (Megatron's distributed optimizer shards over data x context
-    too). The gradients arrive summed over 'context' (XLA sums what is replicated over it
-    inside the step): ZeRO-1 reduce-scatters them over the replica axes and each context
-    rank keeps its own piece (parallel/zero.py)."""
+    too). The gradients arrive as each context rank's partial sums (region_axes) and one
+    reduce-scatter over all of these axes sums them onto the shards (parallel/zero.py)."""
     context = (CONTEXT_AXIS,) if mesh_shape.get(CONTEXT_AXIS, 1) > 1 else ()
     return replica_axes(spec, mesh_shape) + context
 

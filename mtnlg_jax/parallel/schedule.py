@@ -45,6 +45,8 @@ import heapq
 
 import numpy as np
 
+from mtnlg_jax.parallel import stage_order
+
 IDLE = -1
 # The per-(tick, stage) arrays of a Schedule, in the engine's order.
 COLUMNS = (
@@ -60,8 +62,10 @@ COLUMNS = (
     'recv_act_slot',
     'recv_grad_slot',
 )
-# ... and those of a split backward's W slot (Schedule.split)
+# ... those of a split backward's W slot (Schedule.split)
 W_COLUMNS = ('w_micro', 'w_repeat', 'w_tap_slot', 'bwd_tap_slot')
+# ... and the V placement's way back (Schedule.v_shape)
+BACK_COLUMNS = ('recv_act_back_slot', 'recv_grad_back_slot')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +116,14 @@ class Schedule:
     w_tap_slot: np.ndarray = None
     bwd_tap_slot: np.ndarray = None
     tap_slots: int = 0
+    # The V placement (zero_bubble_v.py): stage s holds chunks s and 2p - 1 - s
+    # (stage_order.chunk_index), so the second chunk's hand-offs run the other way: its input
+    # arrives from stage s + 1 (on stage p - 1 from its own first chunk, the turn) into
+    # recv_act_back_slot, its output's gradient from stage s - 1 into recv_grad_back_slot;
+    # the first chunk's gradient on stage p - 1 comes from its own second chunk (the turn).
+    v_shape: bool = False
+    recv_act_back_slot: np.ndarray = None
+    recv_grad_back_slot: np.ndarray = None
 
     @property
     def ticks(self):
@@ -135,6 +147,11 @@ class Schedule:
                 count -= int(released[t, s] != IDLE)
         return held
 
+    @property
+    def last_stage(self):
+        """The stage of the last chunk (the head and the loss): p - 1, or 0 in the V."""
+        return 0 if self.v_shape else self.stages - 1
+
     def released(self):
         """The micro column of the slot that ends a micro-batch's stay: W where split, else B."""
         return self.w_micro if self.split else self.bwd_micro
@@ -144,7 +161,7 @@ class Schedule:
         forwards (3 with full recompute); where split, W a forward's matmuls again (dW =
         x^T dy) and B the rest; the last chunk's forward empty (its backward's tick runs it)."""
         last = self.fwd_repeat == self.repeats - 1
-        last &= np.arange(self.stages)[None, :] == self.stages - 1
+        last &= np.arange(self.stages)[None, :] == self.last_stage
         work = forward * ((self.fwd_micro != IDLE) & ~last)
         if self.split:
             work = work + (backward - forward) * (self.bwd_micro != IDLE)
@@ -247,28 +264,34 @@ def _pop_first(heap, allowed):
     return found
 
 
-def _with_slots(p, v, m, rows, act_ready, grad_ready):
+def _with_slots(p, v, m, rows, act_ready, grad_ready, v_shape=False):
     """Fill the table's arrays and give every stashed input and pending gradient a slot: the
     lowest one free from its arrival to the backward that reads it, and where a row holds
-    (forward, B, W) per stage (zero_bubble.py's split tables) B's taps one from B to W."""
+    (forward, B, W) per stage (zero_bubble.py's split tables) B's taps one from B to W.
+    v_shape: chunks placed in a V (zero_bubble_v.py), the second chunk's arrivals in the
+    BACK_COLUMNS."""
     ticks = len(rows)
     shape = (ticks, p)
     split = len(rows[0][0]) == 3
-    names = COLUMNS + (W_COLUMNS if split else ())
+    names = COLUMNS + (W_COLUMNS if split else ()) + (BACK_COLUMNS if v_shape else ())
     arrays = {name: np.full(shape, IDLE, np.int32) for name in names}
     at = [{op[k]: t for t, row in enumerate(rows) for op in row if op[k] is not None}
           for k in range(len(rows[0][0]))]  # fmt: skip
     fwd_at, end_at = at[0], at[1]
     last = p * v - 1
 
+    def stage(key):
+        return stage_order.stage_of(key[1], p, v_shape)
+
     def assign(start, end, skip, recv=None):
         """Slots for every key of `start` (first tick held) but `skip`'s, each held to its
-        `end` tick; returns ({key: slot}, slot count)."""
+        `end` tick; returns ({key: slot}, slot count). recv: the arrival column, and where
+        the V's second chunk arrives, that of the way back."""
         slot_of, free_at = {}, [[] for _ in range(p)]  # free_at[s][k]: first tick slot k free
         for key in sorted(start, key=lambda k: start[k]):
             if skip(key):
                 continue
-            s, first = key[1] % p, start[key]
+            s, first = stage(key), start[key]
             k = next((k for k, free in enumerate(free_at[s]) if free <= first), None)
             if k is None:
                 k = len(free_at[s])
@@ -276,7 +299,8 @@ def _with_slots(p, v, m, rows, act_ready, grad_ready):
             free_at[s][k] = end[key] + 1
             slot_of[key] = k
             if recv:
-                arrays[recv][first, s] = k
+                back = v_shape and key[1] >= p
+                arrays[recv.replace('_slot', '_back_slot') if back else recv][first, s] = k
         return slot_of, max((len(f) for f in free_at), default=0)
 
     # a stage input is read by its forward (the last chunk's by its backward, which runs it)
@@ -307,6 +331,7 @@ def _with_slots(p, v, m, rows, act_ready, grad_ready):
         stages=p,
         repeats=v,
         micro_batches=m,
+        v_shape=v_shape,
         stash_slots=max(stash_slots, 1),
         resid_slots=max(resid_slots, 1),
         grad_slots=max(grad_slots, 1),

@@ -20,7 +20,8 @@ this stage's row of them). Every stage runs the same program; `lax.cond` on each
              ones, are updated after them, in place, by a conditional that skips them unless
              the slot ran that chunk: a conditional that hands a buffer through its false
              branch has XLA:GPU copy it, through its true branch not)
-    y -> stage s + 1, dx -> stage s - 1 (rings), split over 'tensor' along the sequence
+    y -> stage s + 1, dx -> stage s - 1 (rings), split over 'tensor' along the sequence;
+    in the V (zero_bubble_v.py) both also the other way, the turn on stage p - 1 local
 
 A split backward (zero_bubble.py) runs B in the backward slot, the backward but for the
 kernels' weight gradients, whose taps (parallel/taps.py) go into tap_bufs[b_tap_slot], and W
@@ -31,11 +32,13 @@ The steady tick (pipeline.steady_tick, `steady_tick`): one `lax.switch` per tick
 (branches.steady_pairs), each branch running both slots' layer work, unrolled, in one
 computation, with no conditional around either: XLA's scheduler orders a computation on its
 own, so a forward's tensor collectives can then hide under the other micro-batch's backward
-matmuls. Idle slots are branches of their own; chunk 0's embedding stays a cond inside.
+matmuls. Idle slots are branches of their own; chunk 0's embedding stays a cond inside. The
+hand-offs and W are the tick by slot's (the V's both ways included).
 
-The carry of the scan: (act_in, grad_in, stash, resids, grad_buf, tap_bufs ([] unless split),
-sums), sums = (fp32 block accumulators, one tree (L / (p v), ...) a chunk, fp32 shared
-accumulators, loss, side values: {name: fp32 array}, empty when the model declares none).
+The carry of the scan: (act_in, grad_in (in the V pairs, each way's), stash, resids,
+grad_buf, tap_bufs ([] unless split), sums), sums = (fp32 block accumulators, one tree
+(L / (p v), ...) a chunk, fp32 shared accumulators, loss, side values: {name: fp32 array},
+empty when the model declares none).
 Chunks are separate trees, not one stacked (v, ...) array: slicing a chunk's weights and
 accumulators out of a stack by a traced index copies them every tick (XLA:GPU does not read a
 dynamic slice in place in a GEMM).
@@ -65,7 +68,7 @@ from mtnlg_jax.parallel.branches import (
     WEIGHTS,
 )
 from mtnlg_jax.parallel import stage_functions as side
-from mtnlg_jax.parallel import taps
+from mtnlg_jax.parallel import stage_order, taps
 from mtnlg_jax.parallel.residuals import join_vjp, split_vjp
 from mtnlg_jax.parallel.rules import STAGE_AXIS, constrain
 
@@ -93,6 +96,7 @@ class Stage:
     handoff_axes: tuple
     stage_layers: Any = None  # stage_order.StageLayers of unequal stages (None: equal)
     split: bool = False  # the table splits the backward into B and W (zero_bubble.py)
+    v_shape: bool = False  # two chunks a stage in a V (zero_bubble_v.py, stage_order.py)
     sites: Any = None  # split, with gradients: a layer's tapped matmuls (taps.probe's Sites)
     pairs: Any = None  # the steady tick's keys (branches.steady_pairs; None: the tick by slot)
     unroll: bool = False  # the steady tick: the chunk's layers unrolled (pipeline.run_table)
@@ -129,7 +133,8 @@ class Stage:
         """(model index of the chunk's first layer, its layers or None: every slot)."""
         layers = self.stage_layers
         if layers is None or not layers.padded:
-            return (repeat * self.stages + self.index) * self.per_chunk, None
+            chunk = stage_order.chunk_index(repeat, self.index, self.stages, self.v_shape)
+            return chunk * self.per_chunk, None
         firsts, sizes = (jnp.asarray(a, jnp.int32) for a in layers.tables())
         return firsts[repeat, self.index], sizes[repeat, self.index]
 
@@ -218,21 +223,43 @@ class Stage:
                 )
         if len(self.chunks) == 1:
             return self.backward_one_chunk(bwd, sums, h, g, kept)[:2]
-        # The conditional returns this tick's gradients, never the accumulators: handed
-        # through one, XLA:GPU copies every fp32 accumulator in both branches, every tick.
+        return self.backward_chunks(bwd, sums, h, g, kept)[:2]
+
+    def backward_chunks(self, bwd, sums, h, g, kept, scope=BACKWARD):
+        """Several chunks a stage: the conditional returns this tick's gradients, never the
+        accumulators (handed through one, XLA:GPU copies every fp32 accumulator in both
+        branches, every tick); each chunk's are added to after it, where the slot ran that
+        chunk. Split, the tapped kernels' gradients are W's: left out. Returns (sums, the
+        input's gradient, the taps: [] unless split)."""
+        with jax.named_scope(scope):
+            grads = jax.lax.cond(
+                bwd.kind == SLOT_IDLE,
+                lambda: self.without_taps(self.no_gradients()),
+                lambda: self.without_taps(self.pull_back(bwd, h, g, kept)),
+            )
+        return self.add_gradients(bwd, sums, grads)
+
+    def without_taps(self, grads):
+        """pull_back's tuple with None at the tapped kernels (split: W computes those), so a
+        conditional hands out no zeros of their size; as it was unless split."""
+        d_chunk, *rest = grads
+        return (d_chunk if self.sites is None else taps.untapped(d_chunk, self.sites)), *rest
+
+    def add_gradients(self, bwd, sums, grads):
+        """(sums + a backward slot's gradients (pull_back's tuple), the input's gradient, its
+        taps): each chunk's accumulators in place unless the slot ran another (split: all but
+        the tapped kernels', W's)."""
+        d_chunk, d_shared, value, values, dx, tapped = grads
         acc_blocks, acc_shared, loss, acc_values = sums
         idle = bwd.kind == SLOT_IDLE
-        with jax.named_scope(BACKWARD):
-            d_chunk, d_shared, value, values, dx, _ = jax.lax.cond(
-                idle, self.no_gradients, lambda: self.pull_back(bwd, h, g, kept)
-            )
         with jax.named_scope(ACCUMULATE):
             acc_blocks = tuple(
-                add_unless(idle | (bwd.repeat != k), acc, d_chunk)
+                add_unless(idle | (bwd.repeat != k), acc, d_chunk, self.add_chunk)
                 for k, acc in enumerate(acc_blocks)
             )
         acc_shared = self.add_shared(bwd, acc_shared, d_shared)
-        return (acc_blocks, acc_shared, loss + value, self.combine(acc_values, values)), dx
+        sums = (acc_blocks, acc_shared, loss + value, self.combine(acc_values, values))
+        return sums, dx, tapped
 
     def slot_inputs(self, bwd, stash, resids, grad_buf):
         """(the last chunk's stashed input, the output's gradient, the residuals) a backward
@@ -247,7 +274,8 @@ class Stage:
         sums, the chunk's taps (each kernel matmul's x and dy, taps.py) written into
         tap_bufs[slot] for W. Returns (sums, the input's gradient, tap_bufs)."""
         h, g, kept = self.slot_inputs(bwd, stash, resids, grad_buf)
-        sums, dx, tapped = self.backward_one_chunk(bwd, sums, h, g, kept, BACKWARD_INPUT)
+        chunks = self.backward_one_chunk if len(self.chunks) == 1 else self.backward_chunks
+        sums, dx, tapped = chunks(bwd, sums, h, g, kept, BACKWARD_INPUT)
         ran = bwd.kind != SLOT_IDLE
         tap_bufs = jax.tree.map(lambda b, t: write(b, slot, ran, t), tap_bufs, tapped)
         return sums, dx, tap_bufs
@@ -266,9 +294,15 @@ class Stage:
         def run(acc):
             return taps.add_weight_grads(acc, self.sites, stashed)
 
+        def skip(k):  # two chunks a stage (the V): where the slot ran another chunk too
+            idle = w.kind == SLOT_IDLE
+            return idle if len(acc_blocks) == 1 else idle | (w.repeat != k)
+
         with jax.named_scope(WEIGHTS):
-            acc = jax.lax.cond(w.kind == SLOT_IDLE, lambda acc: acc, run, acc_blocks[0])
-        return ((acc,), *rest)
+            acc_blocks = tuple(
+                jax.lax.cond(skip(k), lambda acc: acc, run, acc) for k, acc in enumerate(acc_blocks)
+            )
+        return (acc_blocks, *rest)
 
     def backward_one_chunk(self, bwd, sums, h, g, kept, scope=BACKWARD):
         """One chunk a stage: its accumulators are added to inside the backward's conditional,
@@ -293,6 +327,12 @@ class Stage:
             )
         acc_shared = self.add_shared(bwd, acc_shared, d_shared)
         return ((acc,), acc_shared, loss + value, self.combine(acc_values, values)), dx, tapped
+
+    def add_chunk(self, acc, d_chunk):
+        """A chunk's accumulators + its gradients (split: but the tapped kernels', W's)."""
+        if self.sites is None:
+            return add(acc, d_chunk)
+        return taps.add_untapped(acc, d_chunk, self.sites)
 
     def add_shared(self, bwd, acc_shared, d_shared):
         """The shared accumulators + d_shared, in place, where the slot touched them: only
@@ -373,8 +413,8 @@ class Stage:
     def pullback(self, chunk, kept, d_y, d_head, d_values):
         """(d_chunk, d_shared, d_h, taps) through the VJP the residuals `kept` rebuild.
         d_shared: the embedding's half of the tied gradient (zeros but for chunk 0) plus
-        d_head; exact in the compute dtype: chunk 0 and the last are on different stages, so
-        one of d_head and d_shared is zero."""
+        d_head; exact in the compute dtype: chunk 0 and the last are on different stages (in
+        the V different slots of stage 0), so one of d_head and d_shared is zero."""
         pullback = join_vjp(self.layout, kept, (chunk, self.shared))
         (d_chunk, d_shared), d_h, *tapped = pullback((d_y, d_values))
         d_shared = jax.tree.map(jnp.add, d_head, d_shared)
@@ -390,7 +430,7 @@ class Stage:
             return self.steady_tick(carry, *columns)
         act_in, grad_in, stash, resids, grad_buf, tap_bufs, sums = carry
         row = jax.tree.map(lambda a: a[self.index], columns)
-        stash, grad_buf = self.arrive(row.arrivals, act_in, grad_in, stash, grad_buf)
+        stash, grad_buf = self.receive(row, act_in, grad_in, stash, grad_buf)
         y, resids, values = self.forward(row.forward, stash, resids)
         sums = (*sums[:3], self.combine(sums[3], values))  # the forward's side values
         if row.weights is None or not self.with_grads:
@@ -401,21 +441,37 @@ class Stage:
                 row.backward, slot, sums, stash, resids, grad_buf, tap_bufs
             )
             sums = self.weights(row.weights, sums, tap_bufs)
-        act_in, grad_in = self.handoffs(y, dx)
+        act_in, grad_in = self.send(y, dx)
         return (act_in, grad_in, stash, resids, grad_buf, tap_bufs, sums), None
 
-    def arrive(self, arrivals, act_in, grad_in, stash, grad_buf):
-        """(stash, grad_buf) with last tick's hand-offs written where the table says."""
-        stash = write(stash, arrivals.act_slot, arrivals.act, act_in)
-        grad_buf = write(grad_buf, arrivals.grad_slot, arrivals.grad, grad_in)
+    def receive(self, row, act_in, grad_in, stash, grad_buf):
+        """Last tick's hand-offs into the slots the table gives them (in the V, act_in and
+        grad_in are pairs: the way down's and the way back's)."""
+        if row.back is None:
+            ways = [(row.arrivals, act_in, grad_in)]
+        else:
+            ways = zip((row.arrivals, row.back), act_in, grad_in)
+        for arrivals, act, grad in ways:
+            stash = write(stash, arrivals.act_slot, arrivals.act, act)
+            grad_buf = write(grad_buf, arrivals.grad_slot, arrivals.grad, grad)
         return stash, grad_buf
 
-    def handoffs(self, y, dx):
-        """y to the next stage, dx to the one before (rings)."""
+    def send(self, y, dx):
+        """(act_in, grad_in) of the next tick: y to stage s + 1, dx to s - 1 (rings). In the
+        V both go both ways: y down for the first chunk and back up for the second, dx the
+        opposite; on stage p - 1 the way back starts with its own y and dx (the turn)."""
         p = self.stages
-        act_in = self.handoff(y, [(i, (i + 1) % p) for i in range(p)])
-        grad_in = self.handoff(dx, [(i, (i - 1) % p) for i in range(p)])
-        return act_in, grad_in
+        if not self.v_shape:
+            act_in = self.handoff(y, [(i, (i + 1) % p) for i in range(p)])
+            grad_in = self.handoff(dx, [(i, (i - 1) % p) for i in range(p)])
+            return act_in, grad_in
+        down, up = [(i, i + 1) for i in range(p - 1)], [(i + 1, i) for i in range(p - 1)]
+        turn = self.index == p - 1
+
+        def turned(x):
+            return jnp.where(turn, constrain(x, self.handoff_axes), self.handoff(x, up))
+
+        return (self.handoff(y, down), turned(y)), (turned(dx), self.handoff(dx, down))
 
     def steady_tick(self, carry, columns, pairs):
         """The tick of pipeline.steady_tick (with gradients): one `lax.switch` over the pairs
@@ -427,7 +483,7 @@ class Stage:
         return is written and added outside the switch, as the tick by slot does."""
         act_in, grad_in, stash, resids, grad_buf, tap_bufs, sums = carry
         row = jax.tree.map(lambda a: a[self.index], columns)
-        stash, grad_buf = self.arrive(row.arrivals, act_in, grad_in, stash, grad_buf)
+        stash, grad_buf = self.receive(row, act_in, grad_in, stash, grad_buf)
         fwd, bwd = row.forward, row.backward
         x = read(stash, fwd.slot)
         h, g, kept = self.slot_inputs(bwd, stash, resids, grad_buf)
@@ -445,7 +501,7 @@ class Stage:
             slot = row.weights.b_tap_slot
             tap_bufs = jax.tree.map(lambda b, t: write(b, slot, ran, t), tap_bufs, tapped)
             sums = self.weights(row.weights, sums, tap_bufs)
-        act_in, grad_in = self.handoffs(y, dx)
+        act_in, grad_in = self.send(y, dx)
         return (act_in, grad_in, stash, resids, grad_buf, tap_bufs, sums), None
 
     def pair(self, key, fwd, bwd, x, h, g, kept, resids):
@@ -453,29 +509,15 @@ class Stage:
         key's forward (chunk f, -1: idle) and backward (chunk b, the head's when `last`)."""
         f, b, last = key
         out = self.idle_forward(resids) if f < 0 else self.forward_chunk(self.chunks[f], f, fwd, x)
-        if b < 0:
-            return (*out, self.no_gradients())
         d_values = side.cotangents(self.fns.values)
-        if not last:
-            return (*out, self.stashed_gradients(self.chunks[b], g, kept, d_values))
-        with jax.named_scope(LAST):
-            return (*out, self.head_gradients(self.chunks[b], b, bwd, h, d_values))
-
-    def add_gradients(self, bwd, sums, grads):
-        """(sums + a backward slot's gradients, loss and side values, the input's gradient,
-        its taps): each chunk's accumulators in place unless the slot ran another (split:
-        all but the tapped kernels', W's)."""
-        d_chunk, d_shared, value, values, dx, tapped = grads
-        acc_blocks, acc_shared, loss, acc_values = sums
-        idle = bwd.kind == SLOT_IDLE
-        add_chunk = add if self.sites is None else functools.partial(untapped, self.sites)
-        with jax.named_scope(ACCUMULATE):
-            acc_blocks = tuple(
-                add_unless(idle | (bwd.repeat != k), acc, d_chunk, add_chunk)
-                for k, acc in enumerate(acc_blocks)
-            )
-        acc_shared = self.add_shared(bwd, acc_shared, d_shared)
-        return (acc_blocks, acc_shared, loss + value, self.combine(acc_values, values)), dx, tapped
+        if b < 0:
+            grads = self.no_gradients()
+        elif not last:
+            grads = self.stashed_gradients(self.chunks[b], g, kept, d_values)
+        else:
+            with jax.named_scope(LAST):
+                grads = self.head_gradients(self.chunks[b], b, bwd, h, d_values)
+        return (*out, self.without_taps(grads))
 
 
 def read(buffer, slot):
@@ -496,12 +538,8 @@ def add(acc, grads):
     return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
 
 
-def untapped(sites, acc, grads):
-    return taps.add_untapped(acc, grads, sites)
-
-
-def add_unless(skip, acc, grads, add_fn=add):
-    """add_fn(acc, grads) (acc + grads in fp32), or acc as it was where `skip`: in place
+def add_unless(skip, acc, grads, plus=None):
+    """acc + grads in fp32 (or plus(acc, grads)), or acc as it was where `skip`: in place
     either way. The pass-through is the conditional's true branch: XLA:GPU copies one that is
     its false."""
-    return jax.lax.cond(skip, lambda a, _: a, add_fn, acc, grads)
+    return jax.lax.cond(skip, lambda a, _: a, plus or add, acc, grads)

@@ -112,7 +112,9 @@ class MicroBatch:
 
     @property
     def seq(self):
-        return self.windows.shape[-1] - 1
+        """The places held here: the order's under context parallelism (in a region manual
+        over 'context', this rank's; the windows are whole), else the windows' less one."""
+        return self.windows.shape[-1] - 1 if self.order is None else self.order.shape[-1]
 
 
 class Picked:

@@ -16,6 +16,12 @@ places for 126 layers. A padding slot's parameters are zeros; the engine runs it
 drops the result (apply_blocks' `used`: a tick lasts as long as the deepest chunk, so skipping
 saves no time), so it gets no gradient and stays zero under Adam and weight decay.
 
+The V placement (`pipeline.schedule = 'zbv'`, v = 2, parallel/zero_bubble_v.py) is one more
+mapping: stage s holds chunk s and chunk 2p - 1 - s (`chunk_index`), so the forward runs down
+the stages and back up, and stage 0 holds the embedding's chunk and the head's. The stored
+order above is unchanged but for which chunk sits in (s, r): layer first_layer(c) + j of
+c = chunk_index(r, s).
+
 Checkpoints hold the L layers in plain layer order (`to_layer_order` before saving, padding
 dropped; `to_schedule_order` after restoring, padding zeros), so any (stage, repeats, first,
 last, schedule) restores any other.
@@ -31,16 +37,33 @@ import numpy as np
 from mtnlg_jax.config import block_stack_layers, stage_layers
 
 
+def chunk_index(repeat, stage, stages, v_shape=False):
+    """The chunk (in the model's order) that stage `stage` runs as its chunk `repeat`:
+    repeat p + stage, or in the V (v = 2) stage on the way down and 2p - 1 - stage on the
+    way back. Integers or arrays (numpy or traced)."""
+    if not v_shape:
+        return repeat * stages + stage
+    return repeat * stages + stage + repeat * (stages - 1 - 2 * stage)
+
+
+def stage_of(chunk, stages, v_shape=False):
+    """The stage chunk `chunk` runs on (chunk_index's inverse, for ints)."""
+    if not v_shape:
+        return chunk % stages
+    return chunk if chunk < stages else 2 * stages - 1 - chunk
+
+
 @dataclasses.dataclass(frozen=True)
 class StageLayers:
     """How L layers sit on p stages of v chunks; first / last: layers on the first / last
-    stage (0: the even share)."""
+    stage (0: the even share); v_shape: chunks placed in a V (chunk_index)."""
 
     num_layers: int
     stages: int
     repeats: int = 1
     first: int = 0
     last: int = 0
+    v_shape: bool = False
 
     @functools.cached_property
     def per_stage(self):
@@ -51,7 +74,8 @@ class StageLayers:
 
     @functools.cached_property
     def chunk_sizes(self):
-        """(v, p) int: layers in chunk r p + s. A stage's layers split as evenly as they go;
+        """(v, p) int: layers in stage s's chunk r (chunk_index(r, s)). A stage's layers
+        split as evenly as they go;
         the chunks that hold the embedding (chunk 0 of stage 0) and the head (the last chunk of
         the last stage) are the last to get an extra layer: 405 B interleaved x 2 runs stage 0
         as 3 + 4 layers and stage 15 as 4 + 3."""
@@ -79,9 +103,13 @@ class StageLayers:
 
     @functools.cached_property
     def first_layers(self):
-        """(v, p) int: the model's index of chunk r p + s's first layer."""
-        sizes = self.chunk_sizes.reshape(-1)
-        return (np.cumsum(sizes) - sizes).reshape(self.chunk_sizes.shape)
+        """(v, p) int: the model's index of the first layer of stage s's chunk r."""
+        v, p = self.chunk_sizes.shape
+        repeat, stage = np.meshgrid(np.arange(v), np.arange(p), indexing='ij')
+        chunk = chunk_index(repeat, stage, p, self.v_shape)
+        sizes = np.zeros(v * p, np.int64)
+        sizes[chunk] = self.chunk_sizes  # in the model's order
+        return (np.cumsum(sizes) - sizes)[chunk]
 
     def tables(self):
         """(first layers, chunk sizes), each (v, p): what an engine indexes by (repeat,
@@ -109,12 +137,13 @@ def of_config(config):
         pipeline.repeats,
         pipeline.get('first_stage_layers', 0),
         pipeline.get('last_stage_layers', 0),
+        v_shape=pipeline.get('schedule') == 'zbv' and config.mesh.stage > 1,
     )
 
 
-def schedule_order(num_layers, stages, repeats):
+def schedule_order(num_layers, stages, repeats, v_shape=False):
     """Layer held at each storage index of the stage-major order (equal stages)."""
-    return StageLayers(num_layers, stages, repeats).storage()
+    return StageLayers(num_layers, stages, repeats, v_shape=v_shape).storage()
 
 
 def _map_blocks(tree, fn):

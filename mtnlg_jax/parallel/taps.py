@@ -20,6 +20,7 @@ matmuls off the einsum path (FP8 sites, an MoE's router and routed experts, the 
                                     body); kernels: {id(kernel variable): its path}
     add_weight_grads(acc, sites, stashed)   acc + each kernel's dW from B's (x, dy) taps
     add_untapped(acc, grads, sites)         acc + grads but at the tapped kernels (B's add)
+    untapped(grads, sites)                  grads with None at the tapped kernels
 """
 
 import contextlib
@@ -153,13 +154,23 @@ def add_weight_grads(acc, sites, stashed):
 
 
 def add_untapped(acc, grads, sites):
-    """acc + grads in fp32 at every leaf but the tapped kernels' (their gradient is W's)."""
+    """acc + grads in fp32 at every leaf but the tapped kernels' (their gradient is W's;
+    grads may hold None there, as `untapped` leaves it)."""
     tapped = {site.path for site in sites}
 
     def add(path, a, g):
         return a if _keys(path) in tapped else a + g.astype(jnp.float32)
 
     return jax.tree_util.tree_map_with_path(add, acc, grads)
+
+
+def untapped(grads, sites):
+    """grads with None at the tapped kernels: what a conditional hands out of B where W
+    computes those (no zeros of the kernels' size)."""
+    tapped = {site.path for site in sites}
+    return jax.tree_util.tree_map_with_path(
+        lambda path, g: None if _keys(path) in tapped else g, grads
+    )
 
 
 def _keys(path):

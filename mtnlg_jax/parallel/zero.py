@@ -5,9 +5,10 @@ written out rather than left to the partitioner.
     fp32 gradient sums of each replica --reduce-scatter over data--> fp32 gradient shard
 
 Under context parallelism the shards split over 'context' after the replica axes too
-(rules.zero_axes): the gradients arrive summed over 'context', so the reduce-scatter runs over
-the replica axes and each context rank keeps its own piece of the result; the all-gather runs
-over both.
+(rules.zero_axes): the gradients arrive as each context rank's partial sums over its own
+tokens, stacked over 'context' as over the replicas (the train step's region is manual over
+both: rules.region_axes), and one reduce-scatter over both sums and shards them, as
+Megatron's distributed optimizer does over data x context; the all-gather runs over both.
 
 Each runs once per step in a `shard_map` manual over every mesh axis (XLA replicates the
 automatic axes of a collective's operand in a partly manual region, which would gather every
@@ -42,13 +43,12 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from mtnlg_jax.parallel.rules import (
-    CONTEXT_AXIS,
     REPLICA_AXES,
     STAGE_AXIS,
     constrain_spec,
     entry,
     is_stage_zero,
-    replica_axes,
+    zero_axes,
 )
 
 
@@ -57,7 +57,8 @@ class ShardLayout:
     """One leaf's ZeRO spec and where its 'data' split is: dimension `dim` (None: none),
     viewed as (groups, data, rest) with `before` the mesh axes that split `groups`; `axes`
     the leaf's replica axes (rules.replica_axes: its gradients are summed over them), which
-    its ZeRO split is over, with 'stage' first for what every stage holds."""
+    its ZeRO split is over ('context' last where it splits: rules.zero_axes), with 'stage'
+    first for what every stage holds."""
 
     spec: tuple
     dim: int | None
@@ -67,25 +68,9 @@ class ShardLayout:
     axes: tuple = REPLICA_AXES[:1]
 
     @property
-    def summed(self):
-        """The ZeRO axes its gradients are summed over here: all but 'context' (summed by XLA
-        inside the step: rules.zero_axes)."""
-        return tuple(a for a in self.axes if a != CONTEXT_AXIS)
-
-    @property
     def stacked(self):
         """The mesh axes the train step stacks this leaf's per-replica gradients over."""
-        return self.summed[1:] if is_stage_zero(self.axes) else self.summed
-
-    def own_context_piece(self, x):
-        """x, summed and scattered over `summed` (its view's data dimension holding every
-        context rank's piece), cut to this context rank's: ZeRO's split over 'context' moves
-        nothing."""
-        if CONTEXT_AXIS not in self.axes:
-            return x
-        size = x.shape[self.dim + 1] // jax.lax.axis_size(CONTEXT_AXIS)
-        start = jax.lax.axis_index(CONTEXT_AXIS) * size
-        return jax.lax.dynamic_slice_in_dim(x, start, size, axis=self.dim + 1)
+        return self.axes[1:] if is_stage_zero(self.axes) else self.axes
 
     def view(self, x, offset=0):
         """x (with `offset` leading axes before the leaf's own) with dimension `dim` reshaped
@@ -127,7 +112,7 @@ def layouts(zero_shardings):
                 groups = math.prod(sizes[axis] for axis in before)
                 data = math.prod(sizes[axis] for axis in zero)
                 return ShardLayout(spec, dim, before, groups, data, zero)
-        return ShardLayout(spec, None, axes=replica_axes(spec, sizes))
+        return ShardLayout(spec, None, axes=zero_axes(spec, sizes))
 
     return jax.tree.map(layout, zero_shardings)
 
@@ -177,16 +162,14 @@ def reduce_scatter(per_replica, layout_tree, by_stage=None):
         if is_stage_zero(lay.axes):
             if not stacked:  # whole on every stage: one stage's copy enters the sum
                 x = jnp.where(jax.lax.axis_index(STAGE_AXIS) == 0, x, jnp.zeros_like(x))
-            x = jax.lax.psum_scatter(x, lay.summed, scatter_dimension=lay.dim + 1, tiled=True)
-            return lay.own_context_piece(x)
+            return jax.lax.psum_scatter(x, lay.axes, scatter_dimension=lay.dim + 1, tiled=True)
         if lay.dim is None:
             x = psum(x, lay.axes)
         elif lay.data > 1:
-            if math.prod(jax.lax.axis_size(a) for a in lay.summed) > 1:
+            if math.prod(jax.lax.axis_size(a) for a in lay.axes) > 1:
                 x = jax.lax.psum_scatter(
-                    x, entry(lay.summed), scatter_dimension=lay.dim + 1, tiled=True
+                    x, entry(lay.axes), scatter_dimension=lay.dim + 1, tiled=True
                 )
-            x = lay.own_context_piece(x)
         # the stages' shares summed on the ZeRO shard: 1 / d of the bytes of a sum before it
         return jax.lax.psum(x, STAGE_AXIS) if stacked else x
 

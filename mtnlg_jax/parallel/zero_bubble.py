@@ -142,13 +142,20 @@ class _State:
 
 
 def diagram(table):
-    """The table as text: a line per stage, a column per tick of its F, B and W."""
+    """The table as text: a line per stage, a column per tick of its F, B and W (lower case
+    f, b, w: the stage's second chunk, two chunks a stage)."""
     cells = []
+    columns = [(table.fwd_micro, table.fwd_repeat), (table.bwd_micro, table.bwd_repeat)]
+    columns.append((table.w_micro, table.w_repeat))
     for s in range(table.stages):
         line = []
         for t in range(table.ticks):
-            ops = zip('FBW', (table.fwd_micro, table.bwd_micro, table.w_micro))
-            line.append(''.join(f'{k}{a[t, s]}' for k, a in ops if a[t, s] != schedule.IDLE))
+            ops = [
+                (kind.lower() if repeat[t, s] else kind) + str(micro[t, s])
+                for kind, (micro, repeat) in zip('FBW', columns)
+                if micro[t, s] != schedule.IDLE
+            ]
+            line.append(''.join(ops))
         cells.append(line)
     width = max(len(c) for line in cells for c in line) + 1
     header = ['tick'.ljust(9)] + [str(t).ljust(width) for t in range(table.ticks)]

@@ -341,7 +341,8 @@ def activation_bytes(config, fused_attention=False):
         and the output gradients waiting for their backward (its stash and gradient slots)
         and the two hand-offs in flight, each split over tensor along the sequence, one
         layer recomputed (remat full / selective), the loss's on the last stage; zbh1 (the
-        residuals held to B) adds B's taps held to W (tap slots x tap_bytes a layer)
+        residuals held to B) adds B's taps held to W (tap slots x tap_bytes a layer), zbv
+        the same with two more hand-offs in flight (its V sends both ways)
     pipeline, gpipe (parallel/gpipe.py, differentiated as one program): each stage keeps
         what every one of its v m + p - 1 iterations saved (the chunk input under full
         recompute), one chunk recomputed, the (m, b, s, h) embedded inputs, recirculating and
@@ -381,10 +382,11 @@ def activation_bytes(config, fused_attention=False):
         handoff = boundary // tensor if model.seq_len % tensor == 0 else boundary
         chunk = layers(chunk_layers) + dense  # expected, not measured: see docs/models.md
         tapped = table.tap_slots * chunk_layers * tap_bytes(model, rows, tensor, context)
+        in_flight = 4 if table.v_shape else 2  # hand-offs: both ways in the V
         return dict(
             layers=table.resid_slots * chunk,
             recomputed=full_layer if model.remat != 'none' else 0,
-            pipeline_buffers=(table.stash_slots + table.grad_slots + 2) * handoff + tapped,
+            pipeline_buffers=(table.stash_slots + table.grad_slots + in_flight) * handoff + tapped,
             logits=logits,
         )
     iterations = engine_lib.engine(config).ticks(micro)

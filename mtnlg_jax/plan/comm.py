@@ -16,7 +16,8 @@ formulas of the literature (ring algorithms: an all-reduce of S bytes over n dev
                  layer) and its backward v m times (2 per layer, 4 with remat = full, which
                  recomputes each layer's forward, less the dead one of a single-layer chunk);
                  the embedding's all-reduce runs m / p times, the head's input gradient m / p;
-                 two hand-offs per tick of the table, split over tensor along the sequence
+                 two hand-offs per tick of the table (four in zbv's V: output and gradient
+                 each sent both ways, parallel/stage.py), split over tensor along the sequence
                  (when it divides), each gathered where it is used: by the forward of every
                  chunk but the first, and by the backward of every chunk but the last (its
                  gradient) and of the last (its input: its forward runs in that tick);
@@ -27,8 +28,8 @@ formulas of the literature (ring algorithms: an all-reduce of S bytes over n dev
                  gathered whole) forward, again where the backward recomputes the layer, and
                  one reduce-scatter of their gradients backward; the activations the other
                  axes move are 1 / c of a sequence. The gradients of what is replicated over
-                 'context' are summed over it by XLA (compute dtype, an all-reduce a
-                 micro-step) before ZeRO-1's reduce-scatter over 'data'
+                 'context' leave the train step's region as each rank's partial sums
+                 (rules.region_axes): ZeRO-1's reduce-scatter sums them (below)
     data    (d)  ZeRO-1 / distributed optimizer: one reduce-scatter of the fp32 gradients onto
                  the ZeRO shards and one all-gather of the compute-dtype parameters per step,
                  independent of the micro-batch count, over each parameter's replica axes
@@ -37,8 +38,9 @@ formulas of the literature (ring algorithms: an all-reduce of S bytes over n dev
                  parameter; with 'stage' too (d x p devices) for the parameters every stage
                  holds, which sums the stages' shares too (without replicas: one all-reduce
                  over stage of them, in fp32). Under context parallelism the shards split
-                 over 'context' too, so each all-gather is over its replica axes and
-                 'context' (e.g. 'data+context'). Keys name the axes as the compiled
+                 over 'context' too, so each reduce-scatter and all-gather is over its
+                 replica axes and 'context' (e.g. 'data+context'), once a step as Megatron's
+                 distributed optimizer's over data x context. Keys name the axes as the compiled
                  inventory does (hlo.axes_key: mesh order, axes of size 1 left out), e.g.
                  'data+expert'
 
@@ -240,14 +242,15 @@ def comm_bytes_per_device(config):
         if table is not None and rest:
             size = 4 * rest / (mesh.data * mesh.expert)  # fp32, on its ZeRO shard
             add('all-reduce', 'stage', _ring('all-reduce', size, mesh.stage))
-        add('collective-permute', 'stage', 2 * iterations * handoff)
+        sent = 4 if table is not None and table.v_shape else 2  # the V sends both ways
+        add('collective-permute', 'stage', sent * iterations * handoff)
     if context > 1:
-        _add_context(add, config, compute, e)
+        _add_context(add, config, e)
     for axes, count in zero_groups(config, compute):
-        # ZeRO-1's shards split over 'context' too (rules.zero_axes): the gradients arrive
-        # summed over it, so the reduce-scatter is over the replicas, the all-gather over both
-        gathered = (*axes, 'context') if context > 1 else axes
-        for kind, size, over in zip(ZERO_KINDS, (4 * count, e * count), (axes, gathered)):
+        # ZeRO-1's shards split over 'context' too (rules.zero_axes): the reduce-scatter
+        # sums each context rank's partial gradients, the all-gather runs over both
+        over = (*axes, 'context') if context > 1 else axes
+        for kind, size in zip(ZERO_KINDS, (4 * count, e * count)):
             group = math.prod(mesh_sizes(config)[a] for a in over)
             if group > 1:
                 add(kind, axes_key(config, over), _ring(kind, size, group))
@@ -302,7 +305,7 @@ def zero_bytes(comm):
     ]
 
 
-def _add_context(add, config, compute, e):
+def _add_context(add, config, e):
     """comm_bytes_per_device's 'context' traffic (the module docstring)."""
     model, context = config.model, config.mesh.context
     heads, kv_heads, head_dim = attention_dims(model)
@@ -312,8 +315,6 @@ def _add_context(add, config, compute, e):
     gathers = passes * (2 if model.remat != 'none' else 1)
     add('all-gather', 'context', gathers * _ring('all-gather', kv, context))
     add('reduce-scatter', 'context', passes * _ring('reduce-scatter', kv, context))
-    micro = config.train.micro_steps
-    add('all-reduce', 'context', micro * _ring('all-reduce', e * compute, context))
 
 
 def by_axis(comm):

@@ -16,8 +16,8 @@ tensor t, compute dtype of e bytes):
                 tokens of queries (their keys still s), and the keys' and values' all-gather
                 over 'context' (b s 2 kv_heads d / t, ring bytes over the network) is waited
                 for forward and where the backward recomputes, their gradients'
-                reduce-scatter backward, and once a step the gradients' sum over 'context'
-                (plan/comm.py's bytes)
+                reduce-scatter backward; the gradients' sum over 'context' is ZeRO-1's
+                reduce-scatter over the replicas and 'context', once a step (plan/comm.py)
     elementwise layer norms, bias + dropout + residual adds: (10 e + 2) b s h bytes, split
                 over t with sequence parallelism; bias + GeLU: 2 e b s f / t
     tensor      2 all-reduces of the (b, s, h) activation (sequence parallelism: 2
@@ -353,7 +353,7 @@ def _timeline(config, forward, backward, handoff):
         per = sum(forward[k][1] + backward[k][1] for k in COMPONENTS if k != 'flops')
         return work, iterations * per + iterations * 2 * handoff, work['flops']
     stage = np.arange(table.stages)[None, :]
-    last = stage == table.stages - 1
+    last = stage == table.last_stage  # the head's (stage 0 in zbv's V)
     fwd_last = (table.fwd_repeat == table.repeats - 1) & last
     bwd_last = (table.bwd_repeat == table.repeats - 1) & last
     fwd_busy, bwd_busy = table.fwd_micro != IDLE, table.bwd_micro != IDLE
@@ -427,7 +427,9 @@ def step_time(config, cluster, figures=None, semantics='ours', overlap=None, cou
     if engine.pipelined:
         activation = train.micro_batch * model.seq_len // context * model.hidden * e
         split = mesh.tensor if model.seq_len % mesh.tensor == 0 else 1
-        handoff = rates.link(activation / split, replica) + rates.link(
+        table = engine.table(train.micro_steps)
+        ways = 2 if table is not None and table.v_shape else 1  # zbv's V: each link twice
+        handoff = ways * rates.link(activation / split, replica) + rates.link(
             _ring('all-gather', activation, split), split
         )
         handoff *= exposed('collective-permute', 'stage')
@@ -445,14 +447,12 @@ def step_time(config, cluster, figures=None, semantics='ours', overlap=None, cou
         for kind, key, size in comm.zero_bytes(counts['comm'])
     )
     stage_s = per_step('stage', ('all-reduce',), replica)
-    # the gradients of what is replicated over 'context', summed over it (plan/comm.py)
-    context_s = per_step('context', ('all-reduce',), context * mesh.tensor)
     optimizer_s = rates.bytes(ADAM_BYTES_PER_PARAM * counts['zero'] + 4 * counts['compute'])
     busy = sum(v for k, v in work.items() if k != 'flops')
     handoffs = pipeline_s - busy if engine.pipelined else 0.0
     table = engine.table(train.micro_steps)
     pipeline_comm_s = handoff * (table.ticks if table is not None else 0)
-    total = pipeline_s + data_s + stage_s + context_s + optimizer_s
+    total = pipeline_s + data_s + stage_s + optimizer_s
     peak = cluster.peak_tflops[model.compute_dtype] * 1e12
     model_flops = arithmetic.model_flops_per_step(config) / devices
     return dict(
@@ -461,7 +461,7 @@ def step_time(config, cluster, figures=None, semantics='ours', overlap=None, cou
         recompute_s=work['recompute'],
         tensor_comm_s=work['tensor'],
         expert_comm_s=work['expert'],
-        context_comm_s=work['context'] + context_s,
+        context_comm_s=work['context'],
         expert_padding=arithmetic.expert_padding(config) if experts_of(model) else None,
         accumulate_s=work['accumulate'],
         pipeline_comm_s=pipeline_comm_s,

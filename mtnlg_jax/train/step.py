@@ -29,6 +29,13 @@
 parallelism the region holds each rank's own experts (their weights split over 'expert'),
 the MoE layers exchange tokens by all-to-all over 'expert' inside it (model/moe.py), and the
 experts' gradients leave it per expert rank, summed over 'data' alone (parallel/zero.py).
+Under context parallelism (mesh.context > 1) the region is manual over 'context' too
+(rules.region_axes): each context rank holds its own places of every sequence (the windows
+come whole; _micro_batches takes the rank's places), attention gathers keys and values over
+'context' explicitly, and each rank's gradients, partial sums over its own tokens, leave the
+region unsummed: ZeRO-1's one reduce-scatter sums them over data x context, as Megatron's
+distributed optimizer does, where the partitioner would all-reduce them over 'context' after
+every backward pass. The loss, token count and side values are summed over 'context' too.
 Gradients are summed in fp32 across micro-steps, pipeline iterations and replicas. The
 global batch arrives as (micro_steps, global_batch / micro_steps, seq + 1) with the second
 axis split over 'data': each replica sees micro_batch sequences per micro-step.
@@ -107,8 +114,8 @@ def gradients_and_values(config, setup, params, tokens, row_ids, step, buffers=N
                     config, stage_fns, model_params, tokens, row_ids, step
                 )
         grads = buffers_lib.without(grads, model_state[1])
-        totals = zero.psum(jnp.stack([loss_sum, token_count]))
-        values = side.over_axis(declared, values, rules.REPLICAS)
+        totals = zero.psum(jnp.stack([loss_sum, token_count]), rules.region_axes())
+        values = side.over_axis(declared, values, rules.entry(rules.region_axes()))
         grads = rules.constrain_tree(grads, grad_axes)
         return totals, values, jax.tree.map(lambda g: g[None], grads)  # stacked over replicas
 
@@ -180,10 +187,10 @@ def _stacked_spec(layout, stacked, logical_axes):
 
 def _over_replicas(per_replica, out_specs, model_state, tokens, *per_row, model_specs=None):
     """per_replica(model_state, tokens, *per_row) in a region manual over the replica axes
-    (rules.REPLICA_AXES; a context axis would stay automatic: it splits the sequence): each
-    replica its own rows of tokens (micro_steps, rows, seq + 1) and of per_row (micro_steps,
-    rows), model_state (the compute copy and the buffers) as `model_specs` splits it (None:
-    whole)."""
+    and 'context' where it splits the sequence (rules.region_axes): each replica its own rows
+    of tokens (micro_steps, rows, seq + 1), whole along the sequence (each context rank
+    takes its own places: _micro_batches), and of per_row (micro_steps, rows), model_state
+    (the compute copy and the buffers) as `model_specs` splits it (None: whole)."""
     batch_spec = rules.logical_to_spec(BATCH_AXES)
     row_spec = PartitionSpec(*batch_spec[:2])
     model_specs = PartitionSpec() if model_specs is None else model_specs
@@ -191,7 +198,7 @@ def _over_replicas(per_replica, out_specs, model_state, tokens, *per_row, model_
         per_replica,
         in_specs=(model_specs, batch_spec) + (row_spec,) * len(per_row),
         out_specs=out_specs,
-        axis_names=set(rules.REPLICA_AXES),
+        axis_names=set(rules.region_axes()),
         check_vma=False,  # gradients stay per replica: no implicit psum in the transpose
     )(model_state, tokens, *per_row)
 
@@ -209,14 +216,17 @@ def _micro_batches(config, tokens, row_keys=None):
     documents' positions, segment ids and loss mask where data.* asks for them
     (data/packing.py, None otherwise), one dropout key per row or None. Under context
     parallelism (mesh.context > 1) every field is in the chunk order (parallel/context.py),
-    and the positions are the global ones where packing does not reset them."""
+    and the positions are the global ones where packing does not reset them; in a region
+    manual over 'context' each rank's fields are its own places (the windows whole: the
+    tokens and labels are read through the order)."""
     pack = packing.of_config(config)
     packed = packing.UNPACKED if pack is None else pack(tokens[..., :-1])
     if config.mesh.context == 1:
         return MicroBatch(tokens, *packed, row_keys=row_keys)
     seq = tokens.shape[-1] - 1
     order = jnp.asarray(context.chunk_order(seq, config.mesh.context))
-    order = jnp.broadcast_to(order, tokens.shape[:-1] + (seq,))
+    order = rules.own(order, 'seq', 0)  # this rank's places where 'context' is manual here
+    order = jnp.broadcast_to(order, tokens.shape[:-1] + order.shape)
     packed = packing.Packed(*(None if a is None else side.in_order(a, order) for a in packed))
     if packed.positions is None:
         packed = packed._replace(positions=order)
@@ -315,7 +325,7 @@ def make_eval_step(config, setup):
         every stage, inside the first chunk's conditional, which only the first stage takes:
         XLA:CPU waits for the other stages' devices forever."""
         loss, count = _loss_sum(model_state, _micro_batches(config, tokens))
-        return zero.psum(jnp.stack([loss, count]))
+        return zero.psum(jnp.stack([loss, count]), rules.region_axes())
 
     def _loss_sum(model_state, batch):
         model_params = buffers_lib.beside(*model_state)
