@@ -73,6 +73,18 @@ def test_no_copy_over_a_mib_inside_the_loops_of_zbh1():
     assert_no_copy_in_a_loop(config)
 
 
+def test_no_copy_over_a_mib_inside_the_loops_of_the_steady_tick():
+    """pipeline.steady_tick (interleaved, the big configs' schedule): one switch over the
+    tick's slot pairs returns both slots' results, written and added outside it, in place.
+    Hidden 512, fp32."""
+    config = support.small_config(
+        stage=2, repeats=2, schedule='interleaved', micro_steps=4, num_layers=4, hidden=512,
+        compute_dtype='float32', remat='selective',
+    )  # fmt: skip
+    config.pipeline.steady_tick = True
+    assert_no_copy_in_a_loop(config)
+
+
 def assert_no_copy_in_a_loop(config):
     """The step's HLO text, after checking it copies no buffer of 1 MiB or more in a loop (a
     zero fill copied from a broadcast is a write, not a copy: plan/loop_copies.py)."""

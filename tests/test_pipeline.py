@@ -30,8 +30,10 @@ D2S2T2_GPIPE = (2, 2, 2, 2, 4, 'gpipe', {})
 # (test_side_values.py, the same configs, initial parameters included); d2s2t2v2m4-interleaved
 # below with sequence parallelism and packed with Llama's block (test_packing.py);
 # d2s2t2v2m4-gpipe packed (test_packing.py) and over data 2 x stage 2 (test_side_values.py).
+STEADY = dict(steady_tick=True)  # pipeline.steady_tick: the tick as one switch over slot pairs
 LAYOUTS = [
-    (1, 4, 2, 1, 2, '1f1b', DROPOUT),  # m < p, m not a multiple of p, dropout on
+    # m < p, m not a multiple of p, dropout on; the steady tick (its edges: most of the table)
+    (1, 4, 2, 1, 2, '1f1b', {**DROPOUT, **STEADY}),
     (1, 2, 4, 2, 2, 'interleaved', {}),  # m = p with v > 1; tensor 4 splits the hand-offs
     (2, 2, 2, 2, 4, 'interleaved', dict(sequence_parallel=True)),
     (2, 2, 2, 1, 4, 'zbh1', DROPOUT),  # the last chunk's B runs its forward: same masks
@@ -43,17 +45,23 @@ LAYOUTS = [
 
 def _name(layout):
     data, stage, tensor, repeats, micro, schedule, model = layout
-    extra = ('-dropout' if 'hidden_dropout' in model else '') + (
-        '-sequence_parallel' if 'sequence_parallel' in model else ''
+    extra = (
+        ('-dropout' if 'hidden_dropout' in model else '')
+        + ('-sequence_parallel' if 'sequence_parallel' in model else '')
+        + ('-steady' if model.get('steady_tick') else '')
     )
     return f'd{data}s{stage}t{tensor}v{repeats}m{micro}-{schedule}{extra}'
 
 
 def _config(layout, **more):
     data, stage, tensor, repeats, micro, schedule, model = layout
-    return support.small_config(
+    model = dict(model)
+    steady = model.pop('steady_tick', False)
+    config = support.small_config(
         data, stage, tensor, micro, repeats, schedule, num_layers=LAYERS, **model, **more
     )
+    config.pipeline.steady_tick = steady
+    return config
 
 
 def relative_error(grads, reference):

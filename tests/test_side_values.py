@@ -54,7 +54,9 @@ def with_toy_values(stage_functions):
     def build(graphdef, param_axes=None):
         fns = stage_functions(graphdef, param_axes)
 
-        def apply_blocks(chunk, hidden, batch, first_layer, remat, used=None, taps=None):
+        def apply_blocks(
+            chunk, hidden, batch, first_layer, remat, used=None, taps=None, unroll=False
+        ):
             def one_layer(carry, slot_and_layer):
                 hidden, values = carry
                 i, layer, *layer_taps = slot_and_layer  # taps: zbh1's (parallel/taps.py)
@@ -70,7 +72,7 @@ def with_toy_values(stage_functions):
             slots = jnp.arange(jax.tree.leaves(chunk)[0].shape[0])
             init = (hidden, side.identities(DECLARED))
             more = () if taps is None else (taps,)
-            return jax.lax.scan(one_layer, init, (slots, chunk, *more))[0]
+            return jax.lax.scan(one_layer, init, (slots, chunk, *more), unroll=unroll)[0]
 
         return dataclasses.replace(fns, apply_blocks=apply_blocks, values=DECLARED)
 
@@ -111,13 +113,19 @@ def test_the_one_device_values_are_the_toys_and_the_penalty_moves_the_gradients(
 
 LAYOUTS = {
     '1f1b-d2s2t2': lambda: support.small_config(2, 2, 2, 4, num_layers=LAYERS),
-    'interleaved-s2t2v2': lambda: support.small_config(
-        1, 2, 2, 4, 2, 'interleaved', num_layers=LAYERS
+    'interleaved-s2t2v2-steady': lambda: steady(
+        support.small_config(1, 2, 2, 4, 2, 'interleaved', num_layers=LAYERS)
     ),
     'gpipe-d2s2v2': lambda: support.small_config(2, 2, 1, 4, 2, 'gpipe', num_layers=LAYERS),
     'zbh1-s4t2': lambda: support.small_config(1, 4, 2, 8, 1, 'zbh1', num_layers=LAYERS),
     'zbv-s2t2': lambda: support.small_config(1, 2, 2, 4, 2, 'zbv', num_layers=LAYERS),
 }
+
+
+def steady(config):
+    """config under pipeline.steady_tick (the tick as one switch over its slot pairs)."""
+    config.pipeline.steady_tick = True
+    return config
 
 
 @pytest.mark.parametrize('layout', LAYOUTS)
@@ -126,8 +134,9 @@ def test_every_engine_carries_the_values_and_their_gradient_as_one_device(one_de
     to its scale) and values (combined over layers, chunks, micro-batches, stages and
     replicas) equal one device's. The 1f1b and zbh1 layouts are test_pipeline.py's
     d2s2t2v1m4-1f1b and d1s4t2v1m8-zbh1: these cases hold those engines to one device there;
-    zbv's V (its hand-offs both ways, the loss on stage 0) is held to it here alone (with
-    Llama's block over stages of unequal depth: test_unequal_stages.py)."""
+    the interleaved one runs the steady tick (pipeline.steady_tick); zbv's V (its hand-offs
+    both ways, the loss on stage 0) is held to it here by slot (with Llama's block over stages
+    of unequal depth and the steady tick: test_unequal_stages.py)."""
     config = LAYOUTS[layout]()
     params, loss, grads, values = support.gradients_and_values(config, one_device['batch'], step=5)
     support.assert_trees_close(params, one_device['params'], atol=0.0)
@@ -156,7 +165,8 @@ def test_idle_slots_filled_with_nan_reach_no_value_and_eval_carries_them(one_dev
     """The table engine (interleaved, with idle slots) with its empty slots NaN: the values,
     with gradients and without (evaluation), are the clean run's and one device's; the loss
     and gradients are finite and the clean run's, bit for bit (test_pipeline.py's NaN check
-    of the interleaved table, carried by this compile)."""
+    of the interleaved table, carried by this compile); with gradients under the steady tick
+    too, whose idle slots are branches of their own."""
     config = support.small_config(stage=2, repeats=2, micro_steps=4, num_layers=LAYERS)
     mesh, setup = support.layout(config)
     tokens = jnp.asarray(one_device['batch'].reshape(4, 4, -1), jnp.int32)
@@ -165,11 +175,11 @@ def test_idle_slots_filled_with_nan_reach_no_value_and_eval_carries_them(one_dev
     stage_fns = gpt.stage_functions(setup.graphdef)
     assert stage_fns.values == DECLARED  # the toy's, patched in by the fixture
 
-    def runs(with_grads):
+    def runs(with_grads, steady):
         """(loss, _, gradients, values) of the clean run and of the poisoned one."""
         run = jax.jit(
             lambda params, fill: pipeline.run_schedule(
-                stage_fns, params, tokens, None, table, with_grads, bubble_fill=fill
+                stage_fns, params, tokens, None, table, with_grads, fill, steady_tick=steady
             )
         )
         with jax.set_mesh(mesh):
@@ -178,8 +188,8 @@ def test_idle_slots_filled_with_nan_reach_no_value_and_eval_carries_them(one_dev
 
     expected = dict(one_device['values'])
     expected['penalty'] = expected['penalty'] * tokens[..., 1:].size  # a sum, not per token
-    for with_grads in (True, False):
-        clean, poisoned = runs(with_grads)
+    for with_grads, steady in ((True, False), (True, True), (False, False)):
+        clean, poisoned = runs(with_grads, steady)
         support.assert_trees_close(poisoned[3], clean[3], atol=0.0)
         assert_values_close(poisoned[3], expected)
         if with_grads:

@@ -45,15 +45,19 @@ def test_the_stored_order_round_trips_and_pads_with_zeros():
     np.testing.assert_array_equal(back['blocks'], tree['blocks'])
 
 
-def _config(stage, repeats=1, schedule='1f1b', first=1, last=1, micro_steps=4, tensor=1, **model):
+def _config(
+    stage, repeats=1, schedule='1f1b', first=1, last=1, micro_steps=4, tensor=1, steady=False,
+    **model,
+):  # fmt: skip
     config = support.small_config(
         tensor=tensor, micro_steps=micro_steps, num_layers=LAYERS, **model
     )
     config = config_lib.inputs_of(config)
     config.mesh.stage = stage
     config.pipeline.update(
-        repeats=repeats, schedule=schedule, first_stage_layers=first, last_stage_layers=last
-    )
+        repeats=repeats, schedule=schedule, first_stage_layers=first, last_stage_layers=last,
+        steady_tick=steady,
+    )  # fmt: skip
     return config_lib.resolve(config, stage * tensor)
 
 
@@ -61,7 +65,9 @@ BLOCKS = {'gpt': {}, 'llama': support.LLAMA_BLOCK}
 # test_llama_block.py's ZB-H1 case, carried by the ZB-H1 layout here (one compile for both):
 # tensor 2 (2 of the 4 key/value heads a rank), sequence parallel, full recompute, the block
 # on two pieces of each sequence; the one-device reference runs none of them. ZB-V's Llama
-# case too: its V of 1 + 1 and 2 + 2 layers (padding slots on stage 0).
+# case too: its V of 1 + 1 and 2 + 2 layers (padding slots on stage 0). It, ZB-H1's and the
+# uneven chunks run the steady tick (pipeline.steady_tick: the tick as one switch over slot
+# pairs; zbv's hand-offs both ways); test_side_values.py holds zbv by slot to one device.
 LLAMA_TENSOR = dict(tensor=2, sequence_parallel=True, remat='full', sequence_pieces=2)
 
 
@@ -84,16 +90,17 @@ def one_device():
     [
         (4, 1, '1f1b', 1, 1, 'llama', {}),  # Llama 3 405B's shape in small
         (2, 2, 'interleaved', 2, 4, 'gpt', {}),
-        (2, 2, 'interleaved', 3, 3, 'gpt', {}),
-        (4, 1, 'zbh1', 1, 1, 'llama', LLAMA_TENSOR),
-        (2, 2, 'zbv', 2, 4, 'llama', LLAMA_TENSOR),  # the V: chunks 0 and 3 on stage 0
+        (2, 2, 'interleaved', 3, 3, 'gpt', dict(steady=True)),
+        (4, 1, 'zbh1', 1, 1, 'llama', dict(LLAMA_TENSOR, steady=True)),
+        # the V: chunks 0 and 3 on stage 0
+        (2, 2, 'zbv', 2, 4, 'llama', dict(LLAMA_TENSOR, steady=True)),
     ],
     ids=[
         '1f1b-1-2-2-1-llama',
         'interleaved-2-4',
-        'interleaved-3-3-uneven-chunks',
-        'zbh1-llama-t2-sp-pieces',
-        'zbv-llama-2-4-t2-sp-pieces',
+        'interleaved-3-3-uneven-chunks-steady',
+        'zbh1-llama-t2-sp-pieces-steady',
+        'zbv-llama-2-4-t2-sp-pieces-steady',
     ],
 )
 def test_an_unequal_layout_equals_one_device(

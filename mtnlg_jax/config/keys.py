@@ -87,6 +87,14 @@ KEYS = (
         'lockstep table needs (2 (p - s) - 1 with repeats 1, 2p micro-batches with zbv)',
     ),
     Key(
+        'pipeline.steady_tick',
+        False,
+        'bool',
+        "1f1b / interleaved / zbh1 / zbv: a tick's forward and backward layer work in one "
+        'computation (one switch over the slot pairs the table holds) instead of a conditional '
+        'each, so their collectives can hide under each other\'s matmuls; the same results',
+    ),
+    Key(
         'pipeline.first_stage_layers',
         0,
         'int>=0',

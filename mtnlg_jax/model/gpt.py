@@ -212,6 +212,7 @@ def apply_block_stack(
     declared=None,
     order=None,
     taps=None,
+    unroll=False,
 ):
     """(x, side values): blocks whose parameters are stacked on a leading axis run over x
     with lax.scan, the values each emits combined over the blocks (declared: {name:
@@ -222,7 +223,8 @@ def apply_block_stack(
     seq) packed documents' ids, or None; used: how many of the stacked blocks are layers (a
     traced int; the rest are a short pipeline stage's padding slots, parallel/stage_order.py),
     or None for all; order: (batch, seq) the tokens' global positions under context
-    parallelism (parallel/context.py), None: 0 .. seq - 1.
+    parallelism (parallel/context.py), None: 0 .. seq - 1; unroll: the scan unrolled (the
+    pipeline's steady tick: its forward's and backward's layers in one computation).
 
     A padding slot runs its block (zero parameters) and drops the result: x passes through
     and the slot's parameters get zero gradients. Skipping it (lax.cond) would save no time,
@@ -253,7 +255,7 @@ def apply_block_stack(
     init = (x, side.identities(declared))
     weights = fp8_sites.stack_weights(num_layers)  # FP8 weights quantized once a step, or None
     xs = (slots, first_layer + slots, stacked, weights) + (() if taps is None else (taps,))
-    (x, values), _ = jax.lax.scan(one_block, init, xs)
+    (x, values), _ = jax.lax.scan(one_block, init, xs, unroll=unroll)
     return x, values
 
 
@@ -336,7 +338,7 @@ def stage_functions(graphdef, param_axes=None):
         fields = (batch.row_keys, batch.positions, batch.segment_ids, batch.order)
         return model.lead_in(batch.tokens, *fields)
 
-    def apply_blocks(chunk, hidden, batch, first_layer, remat, used=None, taps=None):
+    def apply_blocks(chunk, hidden, batch, first_layer, remat, used=None, taps=None, unroll=False):
         keys, positions, segment_ids = batch.row_keys, batch.positions, batch.segment_ids
         if skeleton.dense_layers:  # the block stack's layers follow the dense ones
             first_layer = first_layer + skeleton.dense_layers
@@ -353,6 +355,7 @@ def stage_functions(graphdef, param_axes=None):
             declared=declared,
             order=batch.order,
             taps=taps,
+            unroll=unroll,
         )
 
     def head_loss_sum(shared, hidden, batch):

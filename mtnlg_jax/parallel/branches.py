@@ -11,6 +11,10 @@ Named scopes wrap those conditionals. XLA keeps them in each conditional's op_na
 plan's HLO inventory (plan/hlo_module.py) weighs a branch by how often the table takes it
 (`branch_fractions`) instead of counting every branch as taken.
 
+Under pipeline.steady_tick (stage.py) one switch, scope STEADY, replaces the slots'
+conditionals: a branch per (forward chunk, backward chunk, last?) pair the table holds
+(`steady_pairs`), weighted by its share of the slots.
+
 `columns(table)` groups the table's per-(tick, stage) arrays as the engine's tick reads them:
 Columns(forward: Forward, backward: Backward, arrivals: Arrivals, weights: Weights of the W
 slot or None). Where the table splits the backward (zero_bubble.py), the backward slot is B,
@@ -36,6 +40,8 @@ BACKWARD_INPUT, WEIGHTS = 'pipeline_backward_input', 'pipeline_weights'
 CHUNK, ACCUMULATE, ACCUMULATE_SHARED = (
     'pipeline_chunk', 'pipeline_accumulate', 'pipeline_accumulate_shared'
 )  # fmt: skip
+# the steady tick's one switch over the (forward, backward) pairs a table holds (steady_pairs)
+STEADY = 'pipeline_steady'
 
 
 def slot_kinds(table):
@@ -91,6 +97,7 @@ def branch_fractions(table):
         (ACCUMULATE,): [add, 1.0 - add],  # cond(skip, pass through, add): [add, skip]
         (ACCUMULATE_SHARED,): [touched, 1.0 - touched],
     }
+    weights.update(steady_fractions(table, first_f))
     if w:  # B runs the backward's conditionals (the whole backward but the taps' kernels)
         for path in [p for p in weights if p[0] == BACKWARD]:
             weights[(BACKWARD_INPUT, *path[1:])] = weights.pop(path)
@@ -102,6 +109,35 @@ def branch_fractions(table):
     for path in inner:
         weights[(path[0], CHUNK, *path[1:])] = weights[path]
     return weights
+
+
+def steady_pairs(table):
+    """(keys, index): the steady tick's switch (pipeline.steady_tick, stage.py) has a branch
+    per key (forward repeat, backward repeat, backward is the last chunk's), a repeat -1
+    where the slot is idle, for each pair some (tick, stage) of the table holds; index
+    (ticks, stages) says which. The layer work of a branch's two slots runs unconditionally,
+    one computation, so XLA's scheduler can hide one slot's collectives under the other's
+    matmuls; only the embedding's input (chunk 0) stays a conditional inside."""
+    fwd, bwd, *_ = slot_kinds(table)
+    f = np.where(fwd == SLOT_IDLE, -1, table.fwd_repeat)
+    b = np.where(bwd == SLOT_IDLE, -1, table.bwd_repeat)
+    pairs = np.stack([f, b, (bwd == SLOT_LAST).astype(np.int64)], axis=-1)
+    keys, index = np.unique(pairs.reshape(-1, 3), axis=0, return_inverse=True)
+    keys = tuple(tuple(int(k) for k in key) for key in keys)
+    return keys, index.reshape(fwd.shape).astype(np.int32)
+
+
+def steady_fractions(table, first_f):
+    """The steady tick's conditionals' weights: each pair's share of the slots, and the
+    embedding's cond inside (chunk 0's input: FIRST where the forward is stage 0's chunk 0;
+    never in the last chunk's head path)."""
+    keys, index = steady_pairs(table)
+    shares = [float((index == k).mean()) for k in range(len(keys))]
+    return {
+        (STEADY,): shares,
+        (STEADY, FIRST): [1.0 - first_f, first_f],
+        (STEADY, LAST, FIRST): [1.0, 0.0],
+    }
 
 
 class Forward(NamedTuple):

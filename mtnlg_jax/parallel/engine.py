@@ -118,11 +118,13 @@ def _constrain(grads, stage_fns):
     return rules.constrain_tree(grads, stage_fns.param_axes)
 
 
-def for_layout(stages, repeats=1, schedule='1f1b', max_in_flight=0, stage_layers=None):
+def for_layout(
+    stages, repeats=1, schedule='1f1b', max_in_flight=0, stage_layers=None, steady_tick=False
+):
     """The engine of a layout: Sequential without stages, else pipeline.engine_for's."""
     if stages == 1:
         return Sequential()
-    return pipeline.engine_for(stages, repeats, schedule, max_in_flight, stage_layers)
+    return pipeline.engine_for(stages, repeats, schedule, max_in_flight, stage_layers, steady_tick)
 
 
 def engine(config):

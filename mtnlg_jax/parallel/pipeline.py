@@ -38,6 +38,7 @@ from mtnlg_jax.parallel import gpipe, taps, zero_bubble, zero_bubble_v
 from mtnlg_jax.parallel import stage_functions as side
 from mtnlg_jax.parallel import schedule as schedule_lib
 from mtnlg_jax.parallel.branches import columns as table_columns
+from mtnlg_jax.parallel.branches import steady_pairs
 from mtnlg_jax.parallel.residuals import probe_layout
 from mtnlg_jax.parallel.rules import constrain
 from mtnlg_jax.parallel.stage import ACTIVATION_AXES, STAGE_AXIS, Stage
@@ -48,13 +49,14 @@ HANDOFF_AXES = ('batch', 'handoff_seq', 'embed')  # split over 'tensor' along th
 
 
 def options(config):
-    """The keywords of a config's pipeline: stages, repeats, schedule, max_in_flight (a run
-    saved before pipeline.schedule existed is GPipe)."""
+    """The keywords of a config's pipeline: stages, repeats, schedule, max_in_flight,
+    steady_tick (a run saved before pipeline.schedule existed is GPipe)."""
     return dict(
         stages=config.mesh.stage,
         repeats=config.pipeline.repeats,
         schedule=config.pipeline.get('schedule', 'gpipe'),
         max_in_flight=config.pipeline.get('max_in_flight', 0),
+        steady_tick=config.pipeline.get('steady_tick', False),
     )
 
 
@@ -80,6 +82,8 @@ class TableEngine:
     max_in_flight: int = 0
     stage_layers: Any = None  # stage_order.StageLayers of unequal stages (None: equal)
     schedule: str = '1f1b'  # or 'interleaved' (the same), 'zbh1', 'zbv'
+    # the tick as one switch over its (forward, backward) pairs (stage.Stage.steady_tick)
+    steady_tick: bool = False
     pipelined = True
     shared_grads_by_stage = True  # each stage's own share, stacked (scan_ticks)
 
@@ -97,7 +101,7 @@ class TableEngine:
         if self.max_in_flight:
             held = 'micro-batches' if self.repeats > 1 else 'stage inputs'
             name += f' (at most {self.max_in_flight} {held} in flight)'
-        return name
+        return name + (', steady tick' if self.steady_tick else '')
 
     def table(self, micro_batches):
         return build_table(
@@ -119,7 +123,15 @@ class TableEngine:
         over 'data' (one replica's rows); at top level with both 'data' and 'tensor' larger
         than 1, XLA's SPMD partitioner aborts on the embedding's scatter-add."""
         table = self.table(batch.micro_batches)
-        return run_table(stage_fns, params, batch, table, True, stage_layers=self.stage_layers)
+        return run_table(
+            stage_fns,
+            params,
+            batch,
+            table,
+            True,
+            stage_layers=self.stage_layers,
+            steady_tick=self.steady_tick,
+        )
 
     def loss_sum(self, stage_fns, params, batch):
         """(loss sum, token count, side values), pipelined, no gradients."""
@@ -130,11 +142,13 @@ class TableEngine:
         return loss, count, values
 
 
-def engine_for(stages, repeats, schedule='1f1b', max_in_flight=0, stage_layers=None):
+def engine_for(
+    stages, repeats, schedule='1f1b', max_in_flight=0, stage_layers=None, steady_tick=False
+):
     """The engine of a pipelined layout (stages > 1): GPipe's or the table's."""
     if schedule == 'gpipe':
         return gpipe.GPipeEngine(stages, repeats)
-    return TableEngine(stages, repeats, max_in_flight, stage_layers, schedule)
+    return TableEngine(stages, repeats, max_in_flight, stage_layers, schedule, steady_tick)
 
 
 def num_ticks(stages, repeats, micro_batches, schedule='1f1b', max_in_flight=0):
@@ -151,7 +165,8 @@ def bubble_fraction(stages, repeats, micro_batches, schedule='1f1b', max_in_flig
 
 def loss_and_grads(stage_fns, params, tokens, row_keys, **layout):
     """(loss sum, token count, fp32 gradients, side values) of tokens (m, rows, seq + 1),
-    row_keys (m, rows) or None, under layout (stages, repeats, schedule, max_in_flight)."""
+    row_keys (m, rows) or None, under layout (stages, repeats, schedule, max_in_flight,
+    steady_tick)."""
     batch = MicroBatch(tokens, row_keys=row_keys)
     return engine_for(**layout).loss_and_grads(stage_fns, params, batch)
 
@@ -163,18 +178,38 @@ def loss_sum(stage_fns, params, tokens, **layout):
 
 
 def run_schedule(
-    stage_fns, params, tokens, row_keys, table, with_grads, bubble_fill=0.0, stage_layers=None
+    stage_fns,
+    params,
+    tokens,
+    row_keys,
+    table,
+    with_grads,
+    bubble_fill=0.0,
+    stage_layers=None,
+    steady_tick=False,
 ):
     """run_table of token windows (m, rows, seq + 1) and their dropout keys (or None)."""
     batch = MicroBatch(tokens, row_keys=row_keys)
-    return run_table(stage_fns, params, batch, table, with_grads, bubble_fill, stage_layers)
+    return run_table(
+        stage_fns, params, batch, table, with_grads, bubble_fill, stage_layers, steady_tick
+    )
 
 
-def run_table(stage_fns, params, batch, table, with_grads, bubble_fill=0.0, stage_layers=None):
+def run_table(
+    stage_fns,
+    params,
+    batch,
+    table,
+    with_grads,
+    bubble_fill=0.0,
+    stage_layers=None,
+    steady_tick=False,
+):
     """Run `table` (schedule.Schedule) over batch (MicroBatch); returns (loss sum, token count,
     fp32 grads or None, side values: stage_fns.values combined over chunks, micro-batches and
     stages). bubble_fill: what empty slots and idle outputs hold (tests fill NaN:
-    it never leaks); stage_layers: a StageLayers of stages of unequal depth (None: equal)."""
+    it never leaks); stage_layers: a StageLayers of stages of unequal depth (None: equal);
+    steady_tick: with gradients, the tick as one switch over its slot pairs (stage.py)."""
     shared = shared_params(params)
     p, v = table.stages, table.repeats
     num_layers = jax.tree.leaves(params['blocks'])[0].shape[0]
@@ -204,6 +239,9 @@ def run_table(stage_fns, params, batch, table, with_grads, bubble_fill=0.0, stag
             stage_layers=stage_layers,
             split=table.split,
             v_shape=table.v_shape,
+            # the steady tick's layers unrolled: a while loop per chunk would keep the
+            # forward's and the backward's collectives in computations of their own
+            unroll=with_grads and steady_tick,
         )
         kept_shapes = []
         if with_grads:  # the layout of a forward's residuals: every forward has the same
@@ -215,7 +253,11 @@ def run_table(stage_fns, params, batch, table, with_grads, bubble_fill=0.0, stag
                 stage.forward_with_residuals, chunks[0], zero, stage.fill, zero, 0
             )
             stage = dataclasses.replace(stage, layout=layout)
-        return scan_ticks(stage, table, kept_shapes, bubble_fill)
+        pair_index = None
+        if with_grads and steady_tick:
+            keys, pair_index = steady_pairs(table)
+            stage = dataclasses.replace(stage, pairs=keys)
+        return scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index)
 
     stage_spec = jax.tree.map(lambda _: PartitionSpec(STAGE_AXIS), params['blocks'])
     shared_spec = jax.tree.map(lambda _: PartitionSpec(), shared)
@@ -237,11 +279,12 @@ def run_table(stage_fns, params, batch, table, with_grads, bubble_fill=0.0, stag
     return loss, count, {**shared_grads, 'blocks': block_grads}, values
 
 
-def scan_ticks(stage, table, kept_shapes, bubble_fill):
+def scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index=None):
     """The scan over the table's ticks on one stage; (loss, side values) or (loss, side
     values, fp32 block grads in stored form, fp32 shared grads), the loss and the values
     combined over 'stage', the shared grads this stage's own share (stacked over 'stage'
-    outside: zero.reduce_scatter sums them)."""
+    outside: zero.reduce_scatter sums them). pair_index: the steady tick's (ticks, stages)
+    branch of each slot pair (branches.steady_pairs), or None."""
     rows, seq, hidden = stage.fill.shape
 
     def buffer(slots):
@@ -274,6 +317,8 @@ def scan_ticks(stage, table, kept_shapes, bubble_fill):
         sums,
     )
     xs = jax.tree.map(jnp.asarray, table_columns(table))
+    if pair_index is not None:
+        xs = (xs, jnp.asarray(pair_index))
     (*_, (acc_blocks, acc_shared, loss, values)), _ = jax.lax.scan(stage.tick, init, xs)
     loss = jax.lax.psum(loss, STAGE_AXIS)
     values = side.over_axis(declared, values, STAGE_AXIS)

@@ -27,6 +27,14 @@ A split backward (zero_bubble.py) runs B in the backward slot, the backward but 
 kernels' weight gradients, whose taps (parallel/taps.py) go into tap_bufs[b_tap_slot], and W
 in a slot of its own: dW = x^T dy from tap_bufs[tap_slot], added to the accumulators.
 
+The steady tick (pipeline.steady_tick, `steady_tick`): one `lax.switch` per tick over the
+(forward chunk, backward chunk, last chunk's backward) pairs the table holds
+(branches.steady_pairs), each branch running both slots' layer work, unrolled, in one
+computation, with no conditional around either: XLA's scheduler orders a computation on its
+own, so a forward's tensor collectives can then hide under the other micro-batch's backward
+matmuls. Idle slots are branches of their own; chunk 0's embedding stays a cond inside. The
+hand-offs and W are the tick by slot's (the V's both ways included).
+
 The carry of the scan: (act_in, grad_in (in the V pairs, each way's), stash, resids,
 grad_buf, tap_bufs ([] unless split), sums), sums = (fp32 block accumulators, one tree
 (L / (p v), ...) a chunk, fp32 shared accumulators, loss, side values: {name: fp32 array},
@@ -56,6 +64,7 @@ from mtnlg_jax.parallel.branches import (
     SLOT_FIRST,
     SLOT_IDLE,
     SLOT_LAST,
+    STEADY,
     WEIGHTS,
 )
 from mtnlg_jax.parallel import stage_functions as side
@@ -89,6 +98,8 @@ class Stage:
     split: bool = False  # the table splits the backward into B and W (zero_bubble.py)
     v_shape: bool = False  # two chunks a stage in a V (zero_bubble_v.py, stage_order.py)
     sites: Any = None  # split, with gradients: a layer's tapped matmuls (taps.probe's Sites)
+    pairs: Any = None  # the steady tick's keys (branches.steady_pairs; None: the tick by slot)
+    unroll: bool = False  # the steady tick: the chunk's layers unrolled (pipeline.run_table)
 
     @property
     def with_grads(self):
@@ -111,6 +122,8 @@ class Stage:
         first_layer, used = self.chunk_layers(repeat)
         batch = self.batch.at(micro)
         more = {'taps': tapped[0]} if tapped else {}
+        if self.unroll:
+            more['unroll'] = True
         y, values = self.fns.apply_blocks(
             chunk, h, batch, first_layer, self.fns.remat, used=used, **more
         )
@@ -168,26 +181,33 @@ class Stage:
         is idle, as the last chunk's is: its backward slot runs it)."""
 
         def run_chunk(chunk, repeat):
-            x = stash[fwd.slot]
-            if not self.with_grads:
-                params = (chunk, self.shared)
-                return self.chunk_fn(fwd.kind, fwd.micro, repeat)(params, x), []
-            out, kept, layout = self.forward_with_residuals(chunk, fwd.kind, x, fwd.micro, repeat)
-            # the same program as the probe's: the same parameters in the same places
-            assert layout[1] == self.layout[1], 'a forward kept another layout'
-            return out, kept
+            return self.forward_chunk(chunk, repeat, fwd, stash[fwd.slot])
 
         def run():
             return self.on_chunk(fwd.repeat, run_chunk)
 
-        def idle():
-            no_values = side.identities(self.fns.values)
-            return (self.fill, no_values), [jnp.zeros(b.shape[1:], b.dtype) for b in resids]
-
         with jax.named_scope(FORWARD):
-            (y, values), kept = jax.lax.cond(fwd.kind == SLOT_IDLE, idle, run)
+            (y, values), kept = jax.lax.cond(
+                fwd.kind == SLOT_IDLE, lambda: self.idle_forward(resids), run
+            )
         ran = (fwd.kind != SLOT_IDLE) & (fwd.kind != SLOT_LAST)
         return y, [write(b, fwd.resid_slot, ran, r) for b, r in zip(resids, kept)], values
+
+    def forward_chunk(self, chunk, repeat, fwd, x):
+        """((y, side values), the residuals its backward needs: [] without gradients) of
+        chunk `repeat` (static) over its stashed input x."""
+        if not self.with_grads:
+            params = (chunk, self.shared)
+            return self.chunk_fn(fwd.kind, fwd.micro, repeat)(params, x), []
+        out, kept, layout = self.forward_with_residuals(chunk, fwd.kind, x, fwd.micro, repeat)
+        # the same program as the probe's: the same parameters in the same places
+        assert layout[1] == self.layout[1], 'a forward kept another layout'
+        return out, kept
+
+    def idle_forward(self, resids):
+        """An idle forward's ((the fill, the identities), zero residuals)."""
+        no_values = side.identities(self.fns.values)
+        return (self.fill, no_values), [jnp.zeros(b.shape[1:], b.dtype) for b in resids]
 
     def backward(self, bwd, sums, stash, resids, grad_buf):
         """One chunk's backward (branches.Backward) through the VJP its forward kept; the last
@@ -211,18 +231,27 @@ class Stage:
         branches, every tick); each chunk's are added to after it, where the slot ran that
         chunk. Split, the tapped kernels' gradients are W's: left out. Returns (sums, the
         input's gradient, the taps: [] unless split)."""
+        with jax.named_scope(scope):
+            grads = jax.lax.cond(
+                bwd.kind == SLOT_IDLE,
+                lambda: self.without_taps(self.no_gradients()),
+                lambda: self.without_taps(self.pull_back(bwd, h, g, kept)),
+            )
+        return self.add_gradients(bwd, sums, grads)
+
+    def without_taps(self, grads):
+        """pull_back's tuple with None at the tapped kernels (split: W computes those), so a
+        conditional hands out no zeros of their size; as it was unless split."""
+        d_chunk, *rest = grads
+        return (d_chunk if self.sites is None else taps.untapped(d_chunk, self.sites)), *rest
+
+    def add_gradients(self, bwd, sums, grads):
+        """(sums + a backward slot's gradients (pull_back's tuple), the input's gradient, its
+        taps): each chunk's accumulators in place unless the slot ran another (split: all but
+        the tapped kernels', W's)."""
+        d_chunk, d_shared, value, values, dx, tapped = grads
         acc_blocks, acc_shared, loss, acc_values = sums
         idle = bwd.kind == SLOT_IDLE
-
-        def untapped(d_chunk, *rest):
-            return (d_chunk if self.sites is None else taps.untapped(d_chunk, self.sites)), *rest
-
-        with jax.named_scope(scope):
-            d_chunk, d_shared, value, values, dx, tapped = jax.lax.cond(
-                idle,
-                lambda: untapped(*self.no_gradients()),
-                lambda: untapped(*self.pull_back(bwd, h, g, kept)),
-            )
         with jax.named_scope(ACCUMULATE):
             acc_blocks = tuple(
                 add_unless(idle | (bwd.repeat != k), acc, d_chunk, self.add_chunk)
@@ -348,43 +377,57 @@ class Stage:
         d_values = side.cotangents(self.fns.values)
 
         def on(chunk, repeat):
-            params = (chunk, self.shared)
+            def head():
+                return self.head_gradients(chunk, repeat, bwd, h, d_values)
 
-            def pullback(kept, d_y, d_head):
-                # d_shared: the embedding's half of the tied gradient (zeros but for chunk 0);
-                # exact in the compute dtype: chunk 0 and the last are on different stages (in
-                # the V different slots of stage 0), so one of d_head and d_shared is zero
-                pullback = join_vjp(self.layout, kept, params)
-                (d_chunk, d_shared), d_h, *tapped = pullback((d_y, d_values))
-                d_shared = jax.tree.map(jnp.add, d_head, d_shared)
-                return d_chunk, d_shared, d_h, tapped[0] if tapped else []
-
-            def head():  # the last chunk: its forward, the loss and the loss's gradient
-                (y, values), kept, _ = self.forward_with_residuals(
-                    chunk, bwd.kind, h, bwd.micro, repeat
-                )
-                value, (d_shared, d_y) = jax.value_and_grad(self.token_loss, argnums=(0, 1))(
-                    self.shared, y, bwd.micro
-                )
-                d_chunk, d_shared, d_h, tapped = pullback(kept, d_y.astype(y.dtype), d_shared)
-                return d_chunk, d_shared, value, values, d_h, tapped
-
-            def stashed():  # the forward ran in an earlier tick: its residuals, the gradient
-                d_y = constrain(g, ACTIVATION_AXES)
-                d_chunk, d_shared, d_h, tapped = pullback(kept_earlier, d_y, zeros(self.shared))
-                no_values = side.identities(self.fns.values)
-                return d_chunk, d_shared, jnp.zeros((), jnp.float32), no_values, d_h, tapped
+            def stashed():
+                return self.stashed_gradients(chunk, g, kept_earlier, d_values)
 
             with jax.named_scope(LAST):
                 return jax.lax.cond(bwd.kind == SLOT_LAST, head, stashed)
 
         return self.on_chunk(bwd.repeat, on)
 
+    def head_gradients(self, chunk, repeat, bwd, h, d_values):
+        """pull_back's tuple for the last chunk (repeat static): its forward over its stashed
+        input h, the loss and the loss's gradient, back through the chunk."""
+        (y, values), kept, _ = self.forward_with_residuals(chunk, bwd.kind, h, bwd.micro, repeat)
+        value, (d_shared, d_y) = jax.value_and_grad(self.token_loss, argnums=(0, 1))(
+            self.shared, y, bwd.micro
+        )
+        d_chunk, d_shared, d_h, tapped = self.pullback(
+            chunk, kept, d_y.astype(y.dtype), d_shared, d_values
+        )
+        return d_chunk, d_shared, value, values, d_h, tapped
+
+    def stashed_gradients(self, chunk, g, kept, d_values):
+        """pull_back's tuple for a chunk whose forward ran in an earlier tick: its residuals
+        kept, g its output's gradient."""
+        d_y = constrain(g, ACTIVATION_AXES)
+        d_chunk, d_shared, d_h, tapped = self.pullback(
+            chunk, kept, d_y, zeros(self.shared), d_values
+        )
+        no_values = side.identities(self.fns.values)
+        return d_chunk, d_shared, jnp.zeros((), jnp.float32), no_values, d_h, tapped
+
+    def pullback(self, chunk, kept, d_y, d_head, d_values):
+        """(d_chunk, d_shared, d_h, taps) through the VJP the residuals `kept` rebuild.
+        d_shared: the embedding's half of the tied gradient (zeros but for chunk 0) plus
+        d_head; exact in the compute dtype: chunk 0 and the last are on different stages (in
+        the V different slots of stage 0), so one of d_head and d_shared is zero."""
+        pullback = join_vjp(self.layout, kept, (chunk, self.shared))
+        (d_chunk, d_shared), d_h, *tapped = pullback((d_y, d_values))
+        d_shared = jax.tree.map(jnp.add, d_head, d_shared)
+        return d_chunk, d_shared, d_h, tapped[0] if tapped else []
+
     def handoff(self, x, ring):
         return jax.lax.ppermute(constrain(x, self.handoff_axes), STAGE_AXIS, ring)
 
     def tick(self, carry, columns):
-        """The scan's body: one tick of the table (branches.Columns, every stage's row)."""
+        """The scan's body: one tick of the table (branches.Columns, every stage's row; and
+        the steady tick's pair index, (ticks, stages), where self.pairs is set)."""
+        if self.pairs is not None:
+            return self.steady_tick(carry, *columns)
         act_in, grad_in, stash, resids, grad_buf, tap_bufs, sums = carry
         row = jax.tree.map(lambda a: a[self.index], columns)
         stash, grad_buf = self.receive(row, act_in, grad_in, stash, grad_buf)
@@ -429,6 +472,52 @@ class Stage:
             return jnp.where(turn, constrain(x, self.handoff_axes), self.handoff(x, up))
 
         return (self.handoff(y, down), turned(y)), (turned(dx), self.handoff(dx, down))
+
+    def steady_tick(self, carry, columns, pairs):
+        """The tick of pipeline.steady_tick (with gradients): one `lax.switch` over the pairs
+        of (forward chunk, backward chunk, last chunk's backward) the table holds
+        (branches.steady_pairs); a branch runs both slots' layer work in one computation,
+        unconditionally, so the scheduler may hide the forward's tensor collectives under the
+        backward's matmuls and back. Idle slots are branches of their own (the schedule's
+        edges); the embedding's input stays a cond inside (Stage.input). What the slots
+        return is written and added outside the switch, as the tick by slot does."""
+        act_in, grad_in, stash, resids, grad_buf, tap_bufs, sums = carry
+        row = jax.tree.map(lambda a: a[self.index], columns)
+        stash, grad_buf = self.receive(row, act_in, grad_in, stash, grad_buf)
+        fwd, bwd = row.forward, row.backward
+        x = read(stash, fwd.slot)
+        h, g, kept = self.slot_inputs(bwd, stash, resids, grad_buf)
+        branches = [
+            functools.partial(self.pair, key, fwd, bwd, x, h, g, kept, resids) for key in self.pairs
+        ]
+        with jax.named_scope(STEADY):
+            (y, values), kept_f, grads = jax.lax.switch(pairs[self.index], branches)
+        ran = (fwd.kind != SLOT_IDLE) & (fwd.kind != SLOT_LAST)
+        resids = [write(b, fwd.resid_slot, ran, r) for b, r in zip(resids, kept_f)]
+        sums = (*sums[:3], self.combine(sums[3], values))  # the forward's side values
+        sums, dx, tapped = self.add_gradients(bwd, sums, grads)
+        if row.weights is not None:  # B wrote the taps; W (its own cond) reads them
+            ran = bwd.kind != SLOT_IDLE
+            slot = row.weights.b_tap_slot
+            tap_bufs = jax.tree.map(lambda b, t: write(b, slot, ran, t), tap_bufs, tapped)
+            sums = self.weights(row.weights, sums, tap_bufs)
+        act_in, grad_in = self.send(y, dx)
+        return (act_in, grad_in, stash, resids, grad_buf, tap_bufs, sums), None
+
+    def pair(self, key, fwd, bwd, x, h, g, kept, resids):
+        """A steady branch: ((y, side values), the forward's residuals, pull_back's tuple) of
+        key's forward (chunk f, -1: idle) and backward (chunk b, the head's when `last`)."""
+        f, b, last = key
+        out = self.idle_forward(resids) if f < 0 else self.forward_chunk(self.chunks[f], f, fwd, x)
+        d_values = side.cotangents(self.fns.values)
+        if b < 0:
+            grads = self.no_gradients()
+        elif not last:
+            grads = self.stashed_gradients(self.chunks[b], g, kept, d_values)
+        else:
+            with jax.named_scope(LAST):
+                grads = self.head_gradients(self.chunks[b], b, bwd, h, d_values)
+        return (*out, self.without_taps(grads))
 
 
 def read(buffer, slot):

@@ -11,12 +11,13 @@ holds.
                                               embed): token (+ position) embeddings, dropout
     apply_blocks(chunk, hidden, batch,        (hidden, values): consecutive blocks scanned
                  first_layer, remat,          over hidden, layer first_layer first (dropout),
-                 used=None, taps=None)        each under the policy `remat` names ('none':
-                                              none); values: {name: fp32 array} of every
+                 used=None, taps=None,        each under the policy `remat` names ('none':
+                 unroll=False)                none); values: {name: fp32 array} of every
                                               declared side value (below), combined over the
                                               chunk's layers by the model; taps: the kernel
                                               matmuls' zero taps (parallel/taps.py), stacked
-                                              over the chunk's layers, [] to probe them
+                                              over the chunk's layers, [] to probe them;
+                                              unroll: the scan unrolled (one computation)
     head_loss_sum(shared, hidden, batch)      summed loss of batch.labels under hidden (rows,
                                               seq, embed), each weighted by batch.loss_mask:
                                               final norm, tied head and cross-entropy fused
