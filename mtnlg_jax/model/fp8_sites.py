@@ -165,23 +165,32 @@ def _quantized_stack(w, contract, margin, past=None):
     return q, jnp.moveaxis(q, 1, -1), scale, amax
 
 
-@contextlib.contextmanager
-def weights_once(setting, blocks, layers):
-    """While a step's engine traces: the tensorwise or delayed sites of `blocks` (the compute
-    copy's block stack beside its buffers, a plain dict stacked over `layers`) quantized once
-    (the module docstring), for the stack's scan (stack_weights); nothing under blockwise or
-    blocks None."""
-    if setting is None or setting[0] not in ('tensorwise', 'delayed') or blocks is None:
-        yield
-        return
+def quantized_weights(setting, blocks):
+    """The tensorwise or delayed sites of `blocks` (block parameters beside their buffers, a
+    plain dict stacked over layers: a whole stack or a pipeline's chunk) quantized layer by
+    layer (the module docstring), {site: stacked} for the blocks' scan (apply_block_stack's
+    weights); None under blockwise or without FP8."""
+    if setting is None or setting[0] not in ('tensorwise', 'delayed'):
+        return None
     margin, history = setting[1], blocks.get('fp8_history')
     past = None if history is None else jax.lax.stop_gradient(jnp.max(history[:, :, 1], -1))
-    stack = {
+    return {
         s: _quantized_stack(
             jax.lax.stop_gradient(w), c, margin, None if past is None else past[:, SITES.index(s)]
         )
         for s, (w, c) in _site_kernels(blocks).items()
     }
+
+
+@contextlib.contextmanager
+def weights_once(setting, blocks, layers):
+    """While a step's engine traces: the sites of `blocks` (the compute copy's block stack
+    beside its buffers, stacked over `layers`) quantized once (quantized_weights), for the
+    stack's scan (stack_weights); nothing under blockwise or blocks None."""
+    stack = None if blocks is None else quantized_weights(setting, blocks)
+    if stack is None:
+        yield
+        return
     token = _STACK.set((layers, stack))
     try:
         yield

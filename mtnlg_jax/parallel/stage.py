@@ -86,6 +86,7 @@ class Stage:
     stage_layers: Any = None  # stage_order.StageLayers of unequal stages (None: equal)
     split: bool = False  # the table splits the backward into B and W (zero_bubble.py)
     sites: Any = None  # split, with gradients: a layer's tapped matmuls (taps.probe's Sites)
+    prepared: Any = None  # fns.prepare of each chunk, made once a step (None: no prepare)
 
     @property
     def with_grads(self):
@@ -100,14 +101,16 @@ class Stage:
         with jax.named_scope(CHUNK):
             return jax.lax.switch(repeat, branches)
 
-    def apply(self, chunk, h, micro, repeat, *tapped):
+    def apply(self, chunk, h, micro, repeat, *tapped, prepared=None):
         """(the chunk's blocks over h, gathered over 'tensor' on arrival, their side values:
         fp32, those not differentiable cut from autodiff); tapped: (the blocks' taps,) of a
-        split backward (taps.py), else ()."""
+        split backward (taps.py), else (); prepared: fns.prepare's of the chunk, or None."""
         h = constrain(h, ACTIVATION_AXES)
         first_layer, used = self.chunk_layers(repeat)
         batch = self.batch.at(micro)
         more = {'taps': tapped[0]} if tapped else {}
+        if prepared is not None:
+            more['prepared'] = prepared
         y, values = self.fns.apply_blocks(
             chunk, h, batch, first_layer, self.fns.remat, used=used, **more
         )
@@ -141,22 +144,30 @@ class Stage:
             )
 
     def chunk_fn(self, kind, micro, repeat):
-        """The chunk as a function of its parameters, the shared ones (the embedding's, for
-        chunk 0) and its stashed input, returning (output, side values): what a forward
-        differentiates."""
+        """The chunk as a function of its parameters (params_of), the shared ones (the
+        embedding's, for chunk 0) and its stashed input, returning (output, side values): what
+        a forward differentiates."""
 
         def run(params, x, *tapped):
-            chunk, shared = params
-            return self.apply(chunk, self.input(kind, shared, x, micro), micro, repeat, *tapped)
+            chunk, shared, prepared = params
+            h = self.input(kind, shared, x, micro)
+            return self.apply(chunk, h, micro, repeat, *tapped, prepared=prepared)
 
         return run
+
+    def params_of(self, chunk, k):
+        """(chunk k's parameters, the shared ones, what fns.prepare made of the chunk once a
+        step or None): what its VJP takes as parameters, so none is among the residuals a
+        forward stashes (residuals.split_vjp); the prepared part gets no gradient."""
+        return chunk, self.shared, None if self.prepared is None else self.prepared[k]
 
     def forward_with_residuals(self, chunk, kind, x, micro, repeat):
         """((y, side values), what the chunk's backward needs under fns.remat, its layout):
         the VJP's residuals without the parameters (residuals.split_vjp), kept instead of
         recomputed; a split backward's VJP also of the chunk's zero taps (taps.py)."""
         tapped = () if self.sites is None else (taps.zeros(self.sites, self.per_chunk),)
-        return split_vjp(self.chunk_fn(kind, micro, repeat), (chunk, self.shared), x, *tapped)
+        params = self.params_of(chunk, repeat)
+        return split_vjp(self.chunk_fn(kind, micro, repeat), params, x, *tapped)
 
     def forward(self, fwd, stash, resids):
         """One chunk's forward (branches.Forward): (y to the next stage, resids with its
@@ -166,7 +177,7 @@ class Stage:
         def run_chunk(chunk, repeat):
             x = stash[fwd.slot]
             if not self.with_grads:
-                params = (chunk, self.shared)
+                params = self.params_of(chunk, repeat)
                 return self.chunk_fn(fwd.kind, fwd.micro, repeat)(params, x), []
             out, kept, layout = self.forward_with_residuals(chunk, fwd.kind, x, fwd.micro, repeat)
             # the same program as the probe's: the same parameters in the same places
@@ -300,7 +311,9 @@ class Stage:
         acc_blocks, acc_shared, loss, acc_values = sums
 
         def last_chunk(chunk, repeat):
-            x, values = self.apply(chunk, constrain(h, ACTIVATION_AXES), bwd.micro, repeat)
+            prepared = self.params_of(chunk, repeat)[2]
+            h_in = constrain(h, ACTIVATION_AXES)
+            x, values = self.apply(chunk, h_in, bwd.micro, repeat, prepared=prepared)
             return self.token_loss(self.shared, x, bwd.micro), values
 
         value, values = self.on_chunk(bwd.repeat, last_chunk)
@@ -318,14 +331,14 @@ class Stage:
         d_values = side.cotangents(self.fns.values)
 
         def on(chunk, repeat):
-            params = (chunk, self.shared)
+            params = self.params_of(chunk, repeat)
 
             def pullback(kept, d_y, d_head):
                 # d_shared: the embedding's half of the tied gradient (zeros but for chunk 0);
                 # exact in the compute dtype: chunk 0 and the last are on different stages, so
                 # one of d_head and d_shared is zero
                 pullback = join_vjp(self.layout, kept, params)
-                (d_chunk, d_shared), d_h, *tapped = pullback((d_y, d_values))
+                (d_chunk, d_shared, _), d_h, *tapped = pullback((d_y, d_values))
                 d_shared = jax.tree.map(jnp.add, d_head, d_shared)
                 return d_chunk, d_shared, d_h, tapped[0] if tapped else []
 
