@@ -124,9 +124,8 @@ ONCE_LAYOUTS = {
 
 @pytest.mark.parametrize(
     'recipe, layout',
-    [('tensorwise', 'unpipelined'), ('delayed', 'unpipelined'), ('tensorwise', 'interleaved'),
-     ('delayed', 'interleaved')],
-)  # fmt: skip
+    [('tensorwise', 'unpipelined'), ('delayed', 'unpipelined'), ('delayed', 'interleaved')],
+)
 def test_weights_quantized_once_a_step_give_the_same_step(monkeypatch, recipe, layout):
     """The train step quantizes each weight once (model/fp8_sites.py quantized_weights, under
     data x tensor with sequence parallelism, unpipelined or pipelined): the loss, every

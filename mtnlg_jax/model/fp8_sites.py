@@ -57,6 +57,10 @@ RULE = 'fp8_amax_history'
 _RECORDING = contextvars.ContextVar('mtnlg_jax_fp8_recording', default=None)
 _STACK = contextvars.ContextVar('mtnlg_jax_fp8_stack', default=None)  # {site: stacked}
 _LAYER = contextvars.ContextVar('mtnlg_jax_fp8_layer', default=None)  # {site: one layer's}
+_GATHER = contextvars.ContextVar('mtnlg_jax_fp8_gather', default=None)  # gathering()'s
+# The sites whose x the block hands whole along the sequence (gathered over `tensor` under
+# sequence parallelism): tensorwise and delayed gather it quantized instead (gathering).
+GATHERED_SITES = ('qkv', 'q', 'kv', 'mlp_up')
 
 
 def settings(cfg):
@@ -123,7 +127,8 @@ def project(setting, site, x, w, contract=1):
         else:
             scales = recording.scales(site, now, margin)
             recording.record(site, now)
-    out = fp8.matmul(x2, w2, recipe, scales, margin, quantized)
+    gather = _GATHER.get() if site in GATHERED_SITES and recipe != 'blockwise' else None
+    out = fp8.matmul(x2, w2, recipe, scales, margin, quantized, gather)
     return out.reshape(*lead, *n_shape)
 
 
@@ -217,6 +222,24 @@ def layer_weights(weights):
         yield
     finally:
         _LAYER.reset(token)
+
+
+def gathers_quantized(setting):
+    """Whether the products of GATHERED_SITES gather their x quantized (tensorwise and
+    delayed: gathering), so that the block hands them x as it lies."""
+    return setting is not None and setting[0] in ('tensorwise', 'delayed')
+
+
+@contextlib.contextmanager
+def gathering(gather):
+    """While a block runs: the products of GATHERED_SITES take x as it lies (a sequence-
+    parallel shard) and gather it once quantized with `gather` (fp8.matmul's gather: the
+    all-gather in FP8, the x kept for the backward a shard); gather None: x as it comes."""
+    token = _GATHER.set(gather)
+    try:
+        yield
+    finally:
+        _GATHER.reset(token)
 
 
 class Recording:
