@@ -21,15 +21,27 @@ model.sequence_pieces); w's over the whole weight, whatever its layout: under SP
 a weight split over `tensor` is the global max (tests/test_fp8_model.py). Blockwise scales
 are local to a 1 x 128 tile (128 x 128 for weights), so no layout changes them.
 
-Tensorwise and delayed quantize each weight once a step (weights_once, for a step that runs
-its block stack as one scan over all layers: no pipeline, no dense layers ahead of experts):
-from the compute copy, outside the micro-step loop, each site's kernel stacked over the
-layers is quantized layer by layer (its scale the layer's amax over the whole kernel, as
-project's; delayed's from the layer's history, this amax recorded for it as each micro-step
-did), kept as it is (the input gradient's GEMM operand) and with K last (the forward's), and
-the block stack's scan hands each layer its slice (layer_weights); the weight's gradient goes
-to the bf16 kernel as ever. The same values as quantizing in every micro-step, without the
-amax reductions, quantizations and transposes of every micro-step.
+Tensorwise and delayed quantize each weight once a step (quantized_weights): from the compute
+copy, outside the micro-step loop, each site's kernel stacked over the layers is quantized
+layer by layer (its scale the layer's amax over the whole kernel, as project's; delayed's
+from the layer's history, this amax recorded for it as each micro-step did), kept as it is
+(the input gradient's GEMM operand) and with K last (the forward's), and the block stack's
+scan hands each layer its slice (layer_weights); the weight's gradient goes to the bf16
+kernel as ever. The same values as quantizing in every micro-step, without the amax
+reductions, quantizations and transposes of every micro-step. Unpipelined, the train step
+quantizes the whole stack (weights_once, stack_weights); pipelined, each stage its chunks
+before the tick loop (the model's StageFunctions.prepare, parallel/stage_functions.py), a
+loop-invariant input of the ticks and of each chunk's VJP, so no micro-batch in flight
+stashes a quantized copy. Not yet: the dense layers ahead of experts (their own stack, run
+with the embedding) and an MoE block's shared experts quantize in every micro-step.
+
+Tensorwise and delayed also gather x quantized (gathering): where the block hands a site of
+GATHERED_SITES x whole along the sequence (all-gathered over `tensor` under sequence
+parallelism), the block hands it x as it lies and the product quantizes the shard (x's scale
+still its whole tensor's amax, a max over the shards), then gathers it: the all-gather in FP8,
+half the bytes, and the quantized x that the backward keeps (model.remat = selective's
+fp8_input, a pipeline's stash per micro-batch in flight) a shard, 1 / tensor of it. The same
+values as quantizing the gathered x.
 
 delayed: every block holds a buffer (model/buffers.py), `fp8_history` (sites, 2 [x, w],
 model.fp8_amax_history), the amax values of earlier steps. A site's scale is
