@@ -170,10 +170,10 @@ def _quantized_stack(w, contract, margin, past=None):
     slots = w if isinstance(w, tuple) else (w,)
     layers, k = slots[0].shape[0], math.prod(slots[0].shape[1 : 1 + contract])
     folded = [v.reshape(layers, k, *v.shape[1 + contract :]) for v in slots]
-    amax = functools.reduce(
-        jnp.maximum, [jnp.max(jnp.abs(v).reshape(layers, -1), 1) for v in folded]
-    )
-    amax = amax.astype(jnp.float32)
+    # each layer's amax reduced over its own axes, not over a (layers, -1) reshape: that
+    # merges the dimensions split over `tensor`, and XLA all-gathers the whole kernel for it
+    every = [jnp.max(jnp.abs(v), axis=tuple(range(1, v.ndim))) for v in folded]
+    amax = functools.reduce(jnp.maximum, every).astype(jnp.float32)
     scale = fp8.scale_of(
         amax if past is None else jnp.where(past > 0, past, amax), fp8.E4M3, margin
     )
