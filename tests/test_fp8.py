@@ -145,6 +145,52 @@ def test_compiled_for_h100s_the_products_are_fp8_gemms_reduced_in_bf16(recipe, g
     assert gathered and set(gathered) == {'f8e4m3fn' if gather else 'bf16'}
 
 
+@pytest.mark.skipif(gpu_compile.missing() is not None, reason=str(gpu_compile.missing()))
+def test_compiled_for_h100s_a_row_parallel_products_gradient_is_gathered_in_fp8():
+    """On 2 H100s, the model's row-parallel shape: x split by columns, w by rows, the product
+    reduce-scattered by rows (sequence parallel) in bf16, so its gradient dy arrives split by
+    rows: with gather_dy it is quantized as it lies and gathered so (the gather is handed the
+    e5m2 dy), all-gathered in e5m2, and all three products are cuBLASLt FP8 GEMMs."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from mtnlg_jax.plan import gpu_target
+
+    devices = gpu_target.devices('h100-80gb', 2)
+    mesh = Mesh(devices, ('tensor',))
+    by_rows, by_columns = (
+        NamedSharding(mesh, PartitionSpec(*s)) for s in (('tensor',), (None, 'tensor'))
+    )
+
+    handed = []
+
+    def step(x, w):
+        def whole(a):
+            handed.append(a.dtype)
+            return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, PartitionSpec()))
+
+        def product(a, b):
+            out = fp8.matmul(a, b, 'tensorwise', gather_dy=whole)
+            return jax.lax.with_sharding_constraint(out, by_rows)
+
+        out, pull = jax.vjp(product, x, w)
+        return pull(out)
+
+    args = [
+        jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16, sharding=by_columns),
+        jax.ShapeDtypeStruct((512, 768), jnp.bfloat16, sharding=by_rows),
+    ]
+    with gpu_target.compiling_for(devices):
+        jitted = jax.jit(step, out_shardings=(by_columns, by_rows),
+                         compiler_options=fp8.compiler_options('tensorwise'))  # fmt: skip
+        text = jitted.lower(*args).compile().as_text()
+    assert handed == [jnp.float8_e5m2]
+    assert text.count('custom_call_target="__cublas$lt$matmul$f8"') == 3
+    gathered = re.findall(r'= \(*\(?(\w+)\[[\d,]*\][^=]*? all-gather(?:-start)?\(', text)
+    assert gathered and set(gathered) == {'f8e5m2'}
+    scattered = re.findall(r'= \(*\(?(\w+)\[[\d,]*\][^=]*? reduce-scatter(?:-start)?\(', text)
+    assert scattered == ['bf16']
+
+
 # The three ways a compiled FP8 product can appear (hand-written after XLA:GPU's forms): a
 # cuBLASLt FP8 GEMM call (jax 0.11.2 on an H200: its result f32 or bf16, its operands FP8), a
 # GEMM fusion whose dot reads its FP8 parameters through a transpose and a bitcast (jax

@@ -40,8 +40,10 @@ GATHERED_SITES x whole along the sequence (all-gathered over `tensor` under sequ
 parallelism), the block hands it x as it lies and the product quantizes the shard (x's scale
 still its whole tensor's amax, a max over the shards), then gathers it: the all-gather in FP8,
 half the bytes, and the quantized x that the backward keeps (model.remat = selective's
-fp8_input, a pipeline's stash per micro-batch in flight) a shard, 1 / tensor of it. The same
-values as quantizing the gathered x.
+fp8_input, a pipeline's stash per micro-batch in flight) a shard, 1 / tensor of it. Likewise
+the gradient dy of SCATTERED_SITES (row parallel: their output reduce-scattered, so dy arrives
+a shard) is quantized as it lies and gathered in e5m2 for the input and weight gradients. The
+same values as quantizing the gathered x and dy.
 
 delayed: every block holds a buffer (model/buffers.py), `fp8_history` (sites, 2 [x, w],
 model.fp8_amax_history), the amax values of earlier steps. A site's scale is
@@ -73,6 +75,9 @@ _GATHER = contextvars.ContextVar('mtnlg_jax_fp8_gather', default=None)  # gather
 # The sites whose x the block hands whole along the sequence (gathered over `tensor` under
 # sequence parallelism): tensorwise and delayed gather it quantized instead (gathering).
 GATHERED_SITES = ('qkv', 'q', 'kv', 'mlp_up')
+# The row-parallel sites, whose output is reduce-scattered along the sequence: their gradient
+# dy arrives a sequence shard, and tensorwise and delayed gather it quantized (gathering).
+SCATTERED_SITES = ('attn_out', 'mlp_out')
 
 
 def settings(cfg):
@@ -139,8 +144,9 @@ def project(setting, site, x, w, contract=1):
         else:
             scales = recording.scales(site, now, margin)
             recording.record(site, now)
-    gather = _GATHER.get() if site in GATHERED_SITES and recipe != 'blockwise' else None
-    out = fp8.matmul(x2, w2, recipe, scales, margin, quantized, gather)
+    gather = _GATHER.get() if recipe != 'blockwise' else None
+    gathers = [gather if site in sites else None for sites in (GATHERED_SITES, SCATTERED_SITES)]
+    out = fp8.matmul(x2, w2, recipe, scales, margin, quantized, *gathers)
     return out.reshape(*lead, *n_shape)
 
 
@@ -246,7 +252,8 @@ def gathers_quantized(setting):
 def gathering(gather):
     """While a block runs: the products of GATHERED_SITES take x as it lies (a sequence-
     parallel shard) and gather it once quantized with `gather` (fp8.matmul's gather: the
-    all-gather in FP8, the x kept for the backward a shard); gather None: x as it comes."""
+    all-gather in FP8, the x kept for the backward a shard), those of SCATTERED_SITES their
+    gradient dy (gather_dy); gather None: x and dy as they come."""
     token = _GATHER.set(gather)
     try:
         yield
