@@ -90,12 +90,16 @@ def test_slots_are_the_product_of_their_stack_and_their_gradients_its_slices(rec
 
 
 @pytest.mark.skipif(gpu_compile.missing() is not None, reason=str(gpu_compile.missing()))
-@pytest.mark.parametrize('recipe', ['tensorwise', 'delayed'])
-def test_compiled_for_h100s_the_products_are_fp8_gemms_reduced_in_bf16(recipe):
+@pytest.mark.parametrize(
+    'recipe, gather', [('tensorwise', False), ('delayed', False), ('tensorwise', True)]
+)
+def test_compiled_for_h100s_the_products_are_fp8_gemms_reduced_in_bf16(recipe, gather):
     """On 2 H100s, the model's column-parallel shape: x split by rows (sequence parallel) and
     gathered, w split by columns over `tensor`. The forward and both gradients are cuBLASLt FP8
     GEMMs (the scales their operands), and the input gradient's partial sums over `tensor`
-    are reduce-scattered in bf16: the dot's result is the scaled product (model/fp8.py)."""
+    are reduce-scattered in bf16: the dot's result is the scaled product (model/fp8.py). x is
+    all-gathered in bf16 before the product, or with `gather` handed as its shard and gathered
+    once quantized (fp8.matmul's gather): the all-gather in FP8."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from mtnlg_jax.plan import gpu_target, hlo_module
@@ -109,8 +113,12 @@ def test_compiled_for_h100s_the_products_are_fp8_gemms_reduced_in_bf16(recipe):
 
     def step(x, w):
         scales = (jnp.float32(2.0), jnp.float32(4.0)) if recipe == 'delayed' else None
-        whole = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec()))
-        out, pull = jax.vjp(lambda a, b: fp8.matmul(a, b, recipe, scales), whole, w)
+
+        def whole(a):
+            return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, PartitionSpec()))
+
+        x, gathers = (x, whole) if gather else (whole(x), None)
+        out, pull = jax.vjp(lambda a, b: fp8.matmul(a, b, recipe, scales, gather=gathers), x, w)
         return pull(out)
 
     args = [
@@ -131,7 +139,56 @@ def test_compiled_for_h100s_the_products_are_fp8_gemms_reduced_in_bf16(recipe):
     reduced = re.findall(
         r'= \(*\(?(\w+)\[([\d,]*)\][^=]*? (all-reduce|reduce-scatter)(?:-start)?\(', text
     )
-    assert [(dtype, op) for dtype, dims, op in reduced if dims] == [('bf16', 'reduce-scatter')]
+    partial_sums = [(dtype, op) for dtype, dims, op in reduced if dims not in ('', '1', '2')]
+    assert partial_sums == [('bf16', 'reduce-scatter')]  # not the amax values' (x's shards')
+    gathered = re.findall(r'= \(*\(?(\w+)\[[\d,]*\][^=]*? all-gather(?:-start)?\(', text)
+    assert gathered and set(gathered) == {'f8e4m3fn' if gather else 'bf16'}
+
+
+@pytest.mark.skipif(gpu_compile.missing() is not None, reason=str(gpu_compile.missing()))
+def test_compiled_for_h100s_a_row_parallel_products_gradient_is_gathered_in_fp8():
+    """On 2 H100s, the model's row-parallel shape: x split by columns, w by rows, the product
+    reduce-scattered by rows (sequence parallel) in bf16, so its gradient dy arrives split by
+    rows: with gather_dy it is quantized as it lies and gathered so (the gather is handed the
+    e5m2 dy), all-gathered in e5m2, and all three products are cuBLASLt FP8 GEMMs."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from mtnlg_jax.plan import gpu_target
+
+    devices = gpu_target.devices('h100-80gb', 2)
+    mesh = Mesh(devices, ('tensor',))
+    by_rows, by_columns = (
+        NamedSharding(mesh, PartitionSpec(*s)) for s in (('tensor',), (None, 'tensor'))
+    )
+
+    handed = []
+
+    def step(x, w):
+        def whole(a):
+            handed.append(a.dtype)
+            return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, PartitionSpec()))
+
+        def product(a, b):
+            out = fp8.matmul(a, b, 'tensorwise', gather_dy=whole)
+            return jax.lax.with_sharding_constraint(out, by_rows)
+
+        out, pull = jax.vjp(product, x, w)
+        return pull(out)
+
+    args = [
+        jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16, sharding=by_columns),
+        jax.ShapeDtypeStruct((512, 768), jnp.bfloat16, sharding=by_rows),
+    ]
+    with gpu_target.compiling_for(devices):
+        jitted = jax.jit(step, out_shardings=(by_columns, by_rows),
+                         compiler_options=fp8.compiler_options('tensorwise'))  # fmt: skip
+        text = jitted.lower(*args).compile().as_text()
+    assert handed == [jnp.float8_e5m2]
+    assert text.count('custom_call_target="__cublas$lt$matmul$f8"') == 3
+    gathered = re.findall(r'= \(*\(?(\w+)\[[\d,]*\][^=]*? all-gather(?:-start)?\(', text)
+    assert gathered and set(gathered) == {'f8e5m2'}
+    scattered = re.findall(r'= \(*\(?(\w+)\[[\d,]*\][^=]*? reduce-scatter(?:-start)?\(', text)
+    assert scattered == ['bf16']
 
 
 # The three ways a compiled FP8 product can appear (hand-written after XLA:GPU's forms): a

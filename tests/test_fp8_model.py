@@ -3,8 +3,6 @@ block matmul and nothing else is an FP8 product; a weight's scale is its whole t
 tensor parallelism; delayed's scales come from its history, and the history resumes exactly
 through a checkpoint. The quantised values and scales of each recipe against NumPy."""
 
-import contextlib
-
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -17,8 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.checkpoint import store as checkpoint_lib
 from mtnlg_jax.model import fp8, fp8_sites, gpt
+from mtnlg_jax.parallel import pipeline
 from mtnlg_jax.train import resume
-from mtnlg_jax.train import step as step_lib
 from support import (
     LLAMA_BLOCK,
     TRAIN_ENV,
@@ -116,31 +114,75 @@ def test_a_weights_scale_is_its_whole_tensors_under_tensor_parallelism():
     assert not np.allclose(local, product, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize('recipe', ['tensorwise', 'delayed'])
-def test_weights_quantized_once_a_step_give_the_same_step(monkeypatch, recipe):
-    """The train step quantizes each weight once (model/fp8_sites.py weights_once, under data
-    x tensor with 2 micro-steps): the loss, every gradient and delayed's amax values bit for
-    bit those of quantizing in every micro-step, and the block stack's scan was handed the
-    quantized weights. Delayed starts from a history holding w's amax and not x's, so its
-    weights are scaled by the history and its inputs by this step's amax."""
+# The layouts a step quantizes its weights once in: one scan over the layers; an interleaved
+# 1F1B pipeline (2 stages x 2 chunks a stage), each stage's chunks quantized before its ticks.
+ONCE_LAYOUTS = {
+    'unpipelined': dict(data=2, tensor=2, micro_steps=2),
+    'interleaved': dict(data=2, stage=2, tensor=2, repeats=2, num_layers=4, micro_steps=4),
+}
+
+
+@pytest.mark.parametrize(
+    'recipe, layout',
+    [('tensorwise', 'unpipelined'), ('delayed', 'unpipelined'), ('delayed', 'interleaved')],
+)
+def test_weights_quantized_once_a_step_give_the_same_step(monkeypatch, recipe, layout):
+    """The train step quantizes each weight once (model/fp8_sites.py quantized_weights, under
+    data x tensor with sequence parallelism, unpipelined or pipelined): the loss, every
+    gradient and delayed's amax values bit for bit those of quantizing in every micro-step,
+    and every layer of the block scan was handed its quantized weights. Pipelined, no FP8
+    weight is among the residuals a forward stashes per micro-batch (where quantizing in every
+    micro-step stashes them). Delayed starts from a history holding w's amax and not x's, so
+    its weights are scaled by the history and its inputs by this step's amax."""
     if recipe == 'delayed':
         monkeypatch.setattr(fp8_sites, 'history_buffer', _history_of_weights)
-    config = _config(recipe, data=2, tensor=2, micro_steps=2, sequence_parallel=True)
+    config = _config(recipe, sequence_parallel=True, **ONCE_LAYOUTS[layout])
     batch = random_batches(1)[0]
-    handed, stack_weights = [], fp8_sites.stack_weights
-
-    def spy(layers):
-        handed.append(stack_weights(layers))
-        return handed[-1]
-
-    monkeypatch.setattr(fp8_sites, 'stack_weights', spy)
+    handed, stashed = _spy(monkeypatch, fp8_sites, 'layer_weights'), _stashed_fp8(monkeypatch)
+    made = _spy(monkeypatch, fp8_sites, 'quantized_weights', returned=True)
     _, once_loss, once, once_values = gradients_and_values(config, batch)
-    assert handed and sorted(handed[0]) == ['attn_out', 'kv', 'mlp_out', 'mlp_up', 'q']
-    monkeypatch.setattr(step_lib, '_fp8_weights_once', lambda *_: contextlib.nullcontext())
+    assert handed and all(w is not None and sorted(w) == LLAMA_SITE_NAMES for w in handed)
+    weights = {q.shape for stack in made for q, q_k_last, *_ in stack.values()}
+    weights |= {q_k_last.shape for stack in made for q, q_k_last, *_ in stack.values()}
+    assert weights and not weights & set(stashed)
+    each_stashed = _stashed_fp8(monkeypatch)
+    monkeypatch.setattr(fp8_sites, 'quantized_weights', lambda *_: None)
     _, each_loss, each, each_values = gradients_and_values(config, batch)
     assert once_loss == each_loss
     assert_trees_close(once, each, atol=0)
     assert_trees_close(once_values, each_values, atol=0)
+    assert layout == 'unpipelined' or weights & set(each_stashed)  # what the check would see
+
+
+LLAMA_SITE_NAMES = ['attn_out', 'kv', 'mlp_out', 'mlp_up', 'q']
+
+
+def _spy(monkeypatch, module, name, returned=False):
+    """A list of every argument (returned: every result) of module.name, called as before."""
+    calls, original = [], getattr(module, name)
+
+    def spy(*args):
+        result = original(*args)
+        calls.append(result if returned else args[0])
+        return result
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+def _stashed_fp8(monkeypatch):
+    """The shapes of the FP8 residuals a pipelined forward keeps per micro-batch in flight
+    (pipeline.probe_layout's), filled in as the engine probes them."""
+    shapes, probe = [], pipeline.probe_layout
+
+    def spy(*args):
+        kept, layout = probe(*args)
+        shapes.extend(r.shape for r in kept if jnp.issubdtype(r.dtype, jnp.floating)
+                      and jnp.finfo(r.dtype).bits == 8)  # fmt: skip
+        return kept, layout
+
+    monkeypatch.setattr(pipeline, 'probe_layout', spy)
+    return shapes
 
 
 def _history_of_weights(cfg):

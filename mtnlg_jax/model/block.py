@@ -572,9 +572,17 @@ class Block(nnx.Module):
 
     def layers(self, x, row_keys, layer, positions=None, segment_ids=None, order=None):
         """__call__'s attention and MLP halves, its side values but FP8's."""
-        site = layer * SITES_PER_BLOCK
+        site, more = layer * SITES_PER_BLOCK, (positions, segment_ids, order)
+        if fp8_sites.gathers_quantized(self.attention.fp8):  # its products gather x quantized
+            with fp8_sites.gathering(gathered):
+                return self.layers_on(x, lambda h: h, row_keys, site, layer, *more)
+        return self.layers_on(x, gathered, row_keys, site, layer, *more)
+
+    def layers_on(self, x, whole, row_keys, site, layer, positions, segment_ids, order):
+        """layers' body, `whole` making a normalised input whole along the sequence for the
+        projections that read it (gathered, or as it lies where FP8 gathers it quantized)."""
         attention, n = self.attention, self.pieces
-        qkv = [attention.projections(gathered(self.ln_attn(p))) for p in split(x, n, RESIDUAL)]
+        qkv = [attention.projections(whole(self.ln_attn(p))) for p in split(x, n, RESIDUAL)]
         q, k, v = (join(parts, axes) for parts, axes in zip(zip(*qkv), (Q_AXES, KV_AXES, KV_AXES)))
         context = attention.context(
             *attention.rotated(q, k, v, positions), row_keys, site, segment_ids, order
@@ -585,7 +593,7 @@ class Block(nnx.Module):
         if hasattr(self, 'moe'):  # whole sequences: capacity counts a sequence's choices
             h, values = self.moe(self.ln_mlp(x), layer)  # it gathers what it needs
         else:
-            h = join([self.mlp(gathered(self.ln_mlp(p))) for p in split(x, n, RESIDUAL)], RESIDUAL)
+            h = join([self.mlp(whole(self.ln_mlp(p))) for p in split(x, n, RESIDUAL)], RESIDUAL)
         x = x + dropout(h, self.hidden_dropout, row_keys, site + _MLP_RESIDUAL)
         return constrain(x, ('batch', 'residual_seq', 'embed')), values
 

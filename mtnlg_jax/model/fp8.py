@@ -79,7 +79,9 @@ def amax(v):
     return jnp.max(jnp.abs(v)).astype(jnp.float32)
 
 
-def matmul(x, w, recipe='tensorwise', scales=None, margin=0, quantized=None):
+def matmul(
+    x, w, recipe='tensorwise', scales=None, margin=0, quantized=None, gather=None, gather_dy=None
+):
     """x (..., K) @ w (K, *N) in FP8 under `recipe` (RECIPES), in x's dtype: (..., *N). scales:
     delayed's (x scale, w scale), from earlier steps' amax values (scale_of). N may be several
     dimensions (a fused kernel's slots, heads, head_dim), left unfolded: one product, one
@@ -89,7 +91,13 @@ def matmul(x, w, recipe='tensorwise', scales=None, margin=0, quantized=None):
     (the stack written in FP8, inside the quantization's kernel); their gradients a tuple.
     quantized: w already quantized (tensorwise and delayed, once a step: model/fp8_sites.py),
     (q (K, *N) as the slots stack it, the same with K last (*N, K), the forward GEMM's
-    operand, its scale); w then only says the gradient's type, which goes to w as without it."""
+    operand, its scale); w then only says the gradient's type, which goes to w as without it.
+    gather (tensorwise and delayed): a function applied to the quantized x before each product
+    that takes it (the forward's, the weight gradient's): x may come split along its rows (a
+    sequence-parallel shard) and be gathered in FP8, half the bytes of the compute dtype, the
+    quantized x kept for the backward then the shard; None: x's products take it as it comes.
+    gather_dy: the same for the product's gradient dy, quantized (e5m2) before its gradients'
+    products take it (a row-parallel product's dy arrives a sequence shard)."""
     if isinstance(w, list):
         w = tuple(w)
     if isinstance(w, tuple) and recipe == 'blockwise':
@@ -103,24 +111,29 @@ def matmul(x, w, recipe='tensorwise', scales=None, margin=0, quantized=None):
     if recipe == 'blockwise' and w.ndim != 2:
         raise ValueError(f'blockwise FP8 multiplies a (K, N) weight, got {w.shape}')
     scales = (jnp.float32(1.0), jnp.float32(1.0)) if scales is None else scales
+    if (gather, gather_dy) != (None, None) and recipe == 'blockwise':
+        raise ValueError('blockwise FP8 takes x and dy whole: no gather')
+    gathers = (gather, gather_dy)
     if recipe != 'blockwise':  # x's leading dimensions kept: their shardings reach the dots
-        return _matmul(x, w, scales, quantized, recipe, margin)
+        return _matmul(x, w, scales, quantized, recipe, margin, gathers)
     flat = x.reshape(-1, x.shape[-1])
-    return _matmul(flat, w, scales, None, recipe, margin).reshape(*x.shape[:-1], w.shape[-1])
+    out = _matmul(flat, w, scales, None, recipe, margin, (None, None))
+    return out.reshape(*x.shape[:-1], w.shape[-1])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _matmul(x, w, scales, quantized, recipe, margin):
-    return _forward(x, w, scales, quantized, recipe, margin)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _matmul(x, w, scales, quantized, recipe, margin, gathers):
+    return _forward(x, w, scales, quantized, recipe, margin, gathers[0])[0]
 
 
-def _forward(x, w, scales, quantized, recipe, margin):
+def _forward(x, w, scales, quantized, recipe, margin, gather=None):
     if recipe == 'blockwise':
         qx, sx = _tiles(x, E4M3, margin)
         qw, sw = _blocks(w, margin)
         return _blockwise_product(qx, sx, qw, sw, x.dtype), (qx, sx, qw, sw)
     if quantized is not None:
-        return _forward_quantized(x, quantized, scales[0] if recipe == 'delayed' else None, margin)
+        sx = scales[0] if recipe == 'delayed' else None
+        return _forward_quantized(x, quantized, sx, margin, gather)
     if recipe == 'delayed':
         sx, sw = scales
     else:
@@ -132,10 +145,11 @@ def _forward(x, w, scales, quantized, recipe, margin):
         qw = quantize(w, E4M3, sw)
     names = SAVED_NAMES[0], SAVED_NAMES[0], SAVED_NAMES[1], SAVED_NAMES[0]
     saved = tuple(map(checkpoint_name, (qx, sx, qw, sw), names))
-    return _product(qx, sx, qw, sw, x.dtype, ((qx.ndim - 1,), (0,))), saved
+    product = _product(_gathered(gather, qx), sx, qw, sw, x.dtype, ((qx.ndim - 1,), (0,)))
+    return product, saved
 
 
-def _forward_quantized(x, quantized, sx, margin):
+def _forward_quantized(x, quantized, sx, margin, gather=None):
     """_forward's product with w quantized ahead: x quantized (by sx, delayed's; None: its
     amax), times w's copy with K last (cuBLASLt's FP8 GEMM wants both operands' contracted
     dimension innermost)."""
@@ -144,16 +158,22 @@ def _forward_quantized(x, quantized, sx, margin):
     qx = checkpoint_name(quantize(x, E4M3, sx), SAVED_NAMES[0])
     sx = checkpoint_name(sx, SAVED_NAMES[0])
     contract = ((qx.ndim - 1,), (qw_k_last.ndim - 1,))
-    return _product(qx, sx, qw_k_last, sw, x.dtype, contract), (qx, sx, qw, sw)
+    product = _product(_gathered(gather, qx), sx, qw_k_last, sw, x.dtype, contract)
+    return product, (qx, sx, qw, sw)
 
 
-def _matmul_fwd(x, w, scales, quantized, recipe, margin):
-    out, saved = _forward(x, w, scales, quantized, recipe, margin)
+def _gathered(gather, q):
+    """A quantized x or dy as its products take it (matmul's gather, gather_dy)."""
+    return q if gather is None else gather(q)
+
+
+def _matmul_fwd(x, w, scales, quantized, recipe, margin, gathers):
+    out, saved = _forward(x, w, scales, quantized, recipe, margin, gathers[0])
     like = jax.tree.map(lambda v: jnp.zeros((0,), v.dtype), (x, w))  # the gradients' types
     return out, (saved, scales, quantized, like)
 
 
-def _matmul_bwd(recipe, margin, residuals, dy):
+def _matmul_bwd(recipe, margin, gathers, residuals, dy):
     (qx, sx, qw, sw), scales, quantized, (x_like, w_like) = residuals
     slots = len(w_like) if isinstance(w_like, tuple) else 0
     x_dtype, w_dtype = x_like.dtype, jax.tree.leaves(w_like)[0].dtype
@@ -165,10 +185,11 @@ def _matmul_bwd(recipe, margin, residuals, dy):
         dw = _blockwise_weights_gradient(qx, sx, qdy, sdy, w_dtype)
         return dx, dw, zero_scales, None
     sdy = scale_of(amax(dy), E5M2, margin)
-    qdy = quantize(dy, E5M2, sdy)
+    qdy = _gathered(gathers[1], quantize(dy, E5M2, sdy))
     n, lead = qw.ndim - 1, tuple(range(qx.ndim - 1))
     n_of_dy = tuple(range(qdy.ndim - n, qdy.ndim))
     dx = _product(qdy, sdy, qw, sw, x_dtype, (n_of_dy, tuple(range(1, qw.ndim))))  # input's
+    qx = _gathered(gathers[0], qx)  # kept as it came (a shard), gathered again for dW
     dw = _product(qx, sx, qdy, sdy, w_dtype, (lead, lead))  # the weights' gradient, apart
     if slots:
         dw = tuple(dw[:, i] for i in range(slots))

@@ -21,15 +21,29 @@ model.sequence_pieces); w's over the whole weight, whatever its layout: under SP
 a weight split over `tensor` is the global max (tests/test_fp8_model.py). Blockwise scales
 are local to a 1 x 128 tile (128 x 128 for weights), so no layout changes them.
 
-Tensorwise and delayed quantize each weight once a step (weights_once, for a step that runs
-its block stack as one scan over all layers: no pipeline, no dense layers ahead of experts):
-from the compute copy, outside the micro-step loop, each site's kernel stacked over the
-layers is quantized layer by layer (its scale the layer's amax over the whole kernel, as
-project's; delayed's from the layer's history, this amax recorded for it as each micro-step
-did), kept as it is (the input gradient's GEMM operand) and with K last (the forward's), and
-the block stack's scan hands each layer its slice (layer_weights); the weight's gradient goes
-to the bf16 kernel as ever. The same values as quantizing in every micro-step, without the
-amax reductions, quantizations and transposes of every micro-step.
+Tensorwise and delayed quantize each weight once a step (quantized_weights): from the compute
+copy, outside the micro-step loop, each site's kernel stacked over the layers is quantized
+layer by layer (its scale the layer's amax over the whole kernel, as project's; delayed's
+from the layer's history, this amax recorded for it as each micro-step did), kept as it is
+(the input gradient's GEMM operand) and with K last (the forward's), and the block stack's
+scan hands each layer its slice (layer_weights); the weight's gradient goes to the bf16
+kernel as ever. The same values as quantizing in every micro-step, without the amax
+reductions, quantizations and transposes of every micro-step. Unpipelined, the train step
+quantizes the whole stack (weights_once, stack_weights); pipelined, each stage its chunks
+before the tick loop (the model's StageFunctions.prepare, parallel/stage_functions.py), a
+loop-invariant input of the ticks and of each chunk's VJP, so no micro-batch in flight
+stashes a quantized copy. Not yet: the dense layers ahead of experts (their own stack, run
+with the embedding) and an MoE block's shared experts quantize in every micro-step.
+
+Tensorwise and delayed also gather x quantized (gathering): where the block hands a site of
+GATHERED_SITES x whole along the sequence (all-gathered over `tensor` under sequence
+parallelism), the block hands it x as it lies and the product quantizes the shard (x's scale
+still its whole tensor's amax, a max over the shards), then gathers it: the all-gather in FP8,
+half the bytes, and the quantized x that the backward keeps (model.remat = selective's
+fp8_input, a pipeline's stash per micro-batch in flight) a shard, 1 / tensor of it. Likewise
+the gradient dy of SCATTERED_SITES (row parallel: their output reduce-scattered, so dy arrives
+a shard) is quantized as it lies and gathered in e5m2 for the input and weight gradients. The
+same values as quantizing the gathered x and dy.
 
 delayed: every block holds a buffer (model/buffers.py), `fp8_history` (sites, 2 [x, w],
 model.fp8_amax_history), the amax values of earlier steps. A site's scale is
@@ -57,6 +71,13 @@ RULE = 'fp8_amax_history'
 _RECORDING = contextvars.ContextVar('mtnlg_jax_fp8_recording', default=None)
 _STACK = contextvars.ContextVar('mtnlg_jax_fp8_stack', default=None)  # {site: stacked}
 _LAYER = contextvars.ContextVar('mtnlg_jax_fp8_layer', default=None)  # {site: one layer's}
+_GATHER = contextvars.ContextVar('mtnlg_jax_fp8_gather', default=None)  # gathering()'s
+# The sites whose x the block hands whole along the sequence (gathered over `tensor` under
+# sequence parallelism): tensorwise and delayed gather it quantized instead (gathering).
+GATHERED_SITES = ('qkv', 'q', 'kv', 'mlp_up')
+# The row-parallel sites, whose output is reduce-scattered along the sequence: their gradient
+# dy arrives a sequence shard, and tensorwise and delayed gather it quantized (gathering).
+SCATTERED_SITES = ('attn_out', 'mlp_out')
 
 
 def settings(cfg):
@@ -123,7 +144,9 @@ def project(setting, site, x, w, contract=1):
         else:
             scales = recording.scales(site, now, margin)
             recording.record(site, now)
-    out = fp8.matmul(x2, w2, recipe, scales, margin, quantized)
+    gather = _GATHER.get() if recipe != 'blockwise' else None
+    gathers = [gather if site in sites else None for sites in (GATHERED_SITES, SCATTERED_SITES)]
+    out = fp8.matmul(x2, w2, recipe, scales, margin, quantized, *gathers)
     return out.reshape(*lead, *n_shape)
 
 
@@ -153,10 +176,10 @@ def _quantized_stack(w, contract, margin, past=None):
     slots = w if isinstance(w, tuple) else (w,)
     layers, k = slots[0].shape[0], math.prod(slots[0].shape[1 : 1 + contract])
     folded = [v.reshape(layers, k, *v.shape[1 + contract :]) for v in slots]
-    amax = functools.reduce(
-        jnp.maximum, [jnp.max(jnp.abs(v).reshape(layers, -1), 1) for v in folded]
-    )
-    amax = amax.astype(jnp.float32)
+    # each layer's amax reduced over its own axes, not over a (layers, -1) reshape: that
+    # merges the dimensions split over `tensor`, and XLA all-gathers the whole kernel for it
+    every = [jnp.max(jnp.abs(v), axis=tuple(range(1, v.ndim))) for v in folded]
+    amax = functools.reduce(jnp.maximum, every).astype(jnp.float32)
     scale = fp8.scale_of(
         amax if past is None else jnp.where(past > 0, past, amax), fp8.E4M3, margin
     )
@@ -165,23 +188,32 @@ def _quantized_stack(w, contract, margin, past=None):
     return q, jnp.moveaxis(q, 1, -1), scale, amax
 
 
-@contextlib.contextmanager
-def weights_once(setting, blocks, layers):
-    """While a step's engine traces: the tensorwise or delayed sites of `blocks` (the compute
-    copy's block stack beside its buffers, a plain dict stacked over `layers`) quantized once
-    (the module docstring), for the stack's scan (stack_weights); nothing under blockwise or
-    blocks None."""
-    if setting is None or setting[0] not in ('tensorwise', 'delayed') or blocks is None:
-        yield
-        return
+def quantized_weights(setting, blocks):
+    """The tensorwise or delayed sites of `blocks` (block parameters beside their buffers, a
+    plain dict stacked over layers: a whole stack or a pipeline's chunk) quantized layer by
+    layer (the module docstring), {site: stacked} for the blocks' scan (apply_block_stack's
+    weights); None under blockwise or without FP8."""
+    if setting is None or setting[0] not in ('tensorwise', 'delayed'):
+        return None
     margin, history = setting[1], blocks.get('fp8_history')
     past = None if history is None else jax.lax.stop_gradient(jnp.max(history[:, :, 1], -1))
-    stack = {
+    return {
         s: _quantized_stack(
             jax.lax.stop_gradient(w), c, margin, None if past is None else past[:, SITES.index(s)]
         )
         for s, (w, c) in _site_kernels(blocks).items()
     }
+
+
+@contextlib.contextmanager
+def weights_once(setting, blocks, layers):
+    """While a step's engine traces: the sites of `blocks` (the compute copy's block stack
+    beside its buffers, stacked over `layers`) quantized once (quantized_weights), for the
+    stack's scan (stack_weights); nothing under blockwise or blocks None."""
+    stack = None if blocks is None else quantized_weights(setting, blocks)
+    if stack is None:
+        yield
+        return
     token = _STACK.set((layers, stack))
     try:
         yield
@@ -208,6 +240,25 @@ def layer_weights(weights):
         yield
     finally:
         _LAYER.reset(token)
+
+
+def gathers_quantized(setting):
+    """Whether the products of GATHERED_SITES gather their x quantized (tensorwise and
+    delayed: gathering), so that the block hands them x as it lies."""
+    return setting is not None and setting[0] in ('tensorwise', 'delayed')
+
+
+@contextlib.contextmanager
+def gathering(gather):
+    """While a block runs: the products of GATHERED_SITES take x as it lies (a sequence-
+    parallel shard) and gather it once quantized with `gather` (fp8.matmul's gather: the
+    all-gather in FP8, the x kept for the backward a shard), those of SCATTERED_SITES their
+    gradient dy (gather_dy); gather None: x and dy as they come."""
+    token = _GATHER.set(gather)
+    try:
+        yield
+    finally:
+        _GATHER.reset(token)
 
 
 class Recording:

@@ -125,6 +125,7 @@ class GPT(nnx.Module):
         self.loss_chunks = cfg.loss_chunks
         self.dtype = cfg.compute_dtype
         self.fp8 = cfg.get('fp8', 'none')
+        self.fp8_setting = fp8_sites.settings(cfg)
 
     def __call__(self, tokens, row_keys=None, positions=None, segment_ids=None):
         """Final hidden states (batch, seq, embed). row_keys: one PRNG key per sequence, or
@@ -213,6 +214,7 @@ def apply_block_stack(
     order=None,
     taps=None,
     unroll=False,
+    weights=None,
 ):
     """(x, side values): blocks whose parameters are stacked on a leading axis run over x
     with lax.scan, the values each emits combined over the blocks (declared: {name:
@@ -224,7 +226,10 @@ def apply_block_stack(
     traced int; the rest are a short pipeline stage's padding slots, parallel/stage_order.py),
     or None for all; order: (batch, seq) the tokens' global positions under context
     parallelism (parallel/context.py), None: 0 .. seq - 1; unroll: the scan unrolled (the
-    pipeline's steady tick: its forward's and backward's layers in one computation).
+    pipeline's steady tick: its forward's and backward's layers in one computation); weights:
+    the blocks' FP8 weights quantized once a step (fp8_sites.quantized_weights, a pipeline
+    chunk's), None: the step's stack (fp8_sites.stack_weights) if any, else each layer
+    quantizes its own.
 
     A padding slot runs its block (zero parameters) and drops the result: x passes through
     and the slot's parameters get zero gradients. Skipping it (lax.cond) would save no time,
@@ -253,7 +258,8 @@ def apply_block_stack(
         one_block = jax.checkpoint(one_block, policy=REMAT_POLICIES[remat], prevent_cse=False)
     slots = jnp.arange(num_layers)
     init = (x, side.identities(declared))
-    weights = fp8_sites.stack_weights(num_layers)  # FP8 weights quantized once a step, or None
+    if weights is None:  # FP8 weights quantized once a step, or None
+        weights = fp8_sites.stack_weights(num_layers)
     xs = (slots, first_layer + slots, stacked, weights) + (() if taps is None else (taps,))
     (x, values), _ = jax.lax.scan(one_block, init, xs, unroll=unroll)
     return x, values
@@ -321,7 +327,8 @@ def stage_functions(graphdef, param_axes=None):
     every array. The embedding, final norm and head run on a view of the caller's shared
     parameters whose blocks are those placeholders, which they never read. A micro-batch's
     positions, segment ids and loss mask (packed documents) reach the embedding, the blocks
-    and the loss."""
+    and the loss. Under tensorwise or delayed FP8, prepare quantizes a chunk's block weights
+    (fp8_sites.quantized_weights), which apply_blocks takes as `prepared`."""
     placeholder = jax.ShapeDtypeStruct((), jnp.float32)
     skeleton = nnx.merge(graphdef, [placeholder] * graphdef.num_leaves)
     block_graphdef, placeholder_blocks = nnx.split(skeleton.blocks)
@@ -338,7 +345,10 @@ def stage_functions(graphdef, param_axes=None):
         fields = (batch.row_keys, batch.positions, batch.segment_ids, batch.order)
         return model.lead_in(batch.tokens, *fields)
 
-    def apply_blocks(chunk, hidden, batch, first_layer, remat, used=None, taps=None, unroll=False):
+    def apply_blocks(
+        chunk, hidden, batch, first_layer, remat, used=None, taps=None, unroll=False,
+        prepared=None,
+    ):  # fmt: skip
         keys, positions, segment_ids = batch.row_keys, batch.positions, batch.segment_ids
         if skeleton.dense_layers:  # the block stack's layers follow the dense ones
             first_layer = first_layer + skeleton.dense_layers
@@ -356,6 +366,7 @@ def stage_functions(graphdef, param_axes=None):
             order=batch.order,
             taps=taps,
             unroll=unroll,
+            weights=prepared,
         )
 
     def head_loss_sum(shared, hidden, batch):
@@ -367,6 +378,10 @@ def stage_functions(graphdef, param_axes=None):
         losses = cross_entropy(model.logits(model.final_norm(hidden)), batch.labels)
         return (losses if batch.loss_mask is None else losses * batch.loss_mask).sum()
 
+    def prepare(chunk):  # FP8's weights of a chunk, quantized once a step
+        return fp8_sites.quantized_weights(skeleton.fp8_setting, chunk)
+
+    once = skeleton.fp8 in ('tensorwise', 'delayed')
     return StageFunctions(
         embed=embed,
         apply_blocks=apply_blocks,
@@ -377,4 +392,5 @@ def stage_functions(graphdef, param_axes=None):
         dtype=jnp.dtype(skeleton.dtype),
         param_axes=param_axes,
         values=declared,
+        prepare=prepare if once else None,
     )

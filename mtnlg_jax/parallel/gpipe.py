@@ -107,8 +107,9 @@ def run_pipeline(stage_fns, stacked, x, batch, *, stages, repeats, bubble_fill=0
 
     declared = stage_fns.values
 
-    def apply_chunk(chunk, h, micro_batch, first_layer):  # recomputed as a whole chunk (below)
-        y, values = stage_fns.apply_blocks(chunk, h, micro_batch, first_layer, 'none')
+    def apply_chunk(chunk, h, micro_batch, first_layer, prepared):  # recomputed as a whole
+        more = {} if prepared is None else {'prepared': prepared}  # chunk (below)
+        y, values = stage_fns.apply_blocks(chunk, h, micro_batch, first_layer, 'none', **more)
         return y, side.detach(declared, values)
 
     if stage_fns.remat != 'none':
@@ -116,8 +117,15 @@ def run_pipeline(stage_fns, stacked, x, batch, *, stages, repeats, bubble_fill=0
 
     def per_stage(local, x, batch):
         stage = jax.lax.axis_index(STAGE_AXIS)
+
         # This stage's chunks, repeat-major: (v, L / (p v), ...).
-        chunks = jax.tree.map(lambda a: a.reshape(repeats, per_chunk, *a.shape[1:]), local)
+        def by_repeat(tree):
+            return jax.tree.map(lambda a: a.reshape(repeats, per_chunk, *a.shape[1:]), tree)
+
+        chunks = by_repeat(local)
+        # what the model prepares of the blocks once a step (FP8's quantized weights), each
+        # iteration picking its chunk's as it picks the chunk's weights
+        prepared = None if stage_fns.prepare is None else by_repeat(stage_fns.prepare(local))
         fill = jnp.full(x.shape[1:], bubble_fill, x.dtype)
         recirculating = jnp.full(x.shape, bubble_fill, x.dtype)  # stage 0: waiting for repeat
         outputs = jnp.zeros_like(x)  # last stage: finished micro-batches
@@ -137,7 +145,7 @@ def run_pipeline(stage_fns, stacked, x, batch, *, stages, repeats, bubble_fill=0
             first_input = jnp.where(repeat == 0, x[micro], recirculating[micro])
             h = jnp.where(stage == 0, first_input, received)
             h = jnp.where(valid, h, jnp.zeros_like(h))  # the bubble computes on zeros
-            chunk = jax.tree.map(lambda a: a[repeat], chunks)
+            chunk, chunk_prepared = jax.tree.map(lambda a: a[repeat], (chunks, prepared))
             picked = batch.at(micro)
             inputs = Inputs(
                 positions=picked.positions,
@@ -146,7 +154,7 @@ def run_pipeline(stage_fns, stacked, x, batch, *, stages, repeats, bubble_fill=0
                 order=picked.order,
             )
             first_layer = (repeat * stages + stage) * per_chunk
-            y, values = apply_chunk(chunk, h, inputs, first_layer)
+            y, values = apply_chunk(chunk, h, inputs, first_layer, chunk_prepared)
             values_sum = side.combine(declared, values_sum, side.where_ran(declared, valid, values))
             done = valid & (stage == stages - 1) & (repeat == repeats - 1)
             outputs = jnp.where(done, outputs.at[micro].set(y), outputs)

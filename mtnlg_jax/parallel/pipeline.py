@@ -13,7 +13,9 @@ A forward keeps what its chunk's backward needs, the residuals of its VJP under
 selective, each layer's input with full), in a slot per micro-batch in flight; the backward
 applies that VJP, so no chunk runs its forward twice and a pipelined step does the matmul
 FLOPs of the same model unpipelined. The parameters inside a VJP are not stashed: the
-backward puts the current chunk's back (parallel/residuals.py). The residuals' layout is
+backward puts the current chunk's back (parallel/residuals.py), and so what the model
+prepares of a chunk once a step, before the scan (stage_functions.StageFunctions.prepare:
+FP8's quantized weights), a loop-invariant input of every tick. The residuals' layout is
 probed once, before the scan. The embedding runs on the first stage, the final norm, head and
 loss on the last, one micro-batch a tick; only the loss is summed over 'stage', and the
 gradients of the parameters outside the block stack (each stage holds them all) are summed
@@ -28,6 +30,7 @@ planner ask `engine.engine(config)`.
 """
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -242,6 +245,7 @@ def run_table(
             # the steady tick's layers unrolled: a while loop per chunk would keep the
             # forward's and the backward's collectives in computations of their own
             unroll=with_grads and steady_tick,
+            prepared=None if stage_fns.prepare is None else tuple(map(stage_fns.prepare, chunks)),
         )
         kept_shapes = []
         if with_grads:  # the layout of a forward's residuals: every forward has the same
@@ -249,9 +253,8 @@ def run_table(
             if table.split:  # B hands W each kernel matmul's taps (taps.py)
                 sites = taps.probe(stage.apply, chunks[0], stage.fill, zero, 0, [])
                 stage = dataclasses.replace(stage, sites=sites)
-            kept_shapes, layout = probe_layout(
-                stage.forward_with_residuals, chunks[0], zero, stage.fill, zero, 0
-            )
+            first = functools.partial(stage.forward_with_residuals, repeat=0)  # chunk 0, static
+            kept_shapes, layout = probe_layout(first, chunks[0], zero, stage.fill, zero)
             stage = dataclasses.replace(stage, layout=layout)
         pair_index = None
         if with_grads and steady_tick:

@@ -100,6 +100,7 @@ class Stage:
     sites: Any = None  # split, with gradients: a layer's tapped matmuls (taps.probe's Sites)
     pairs: Any = None  # the steady tick's keys (branches.steady_pairs; None: the tick by slot)
     unroll: bool = False  # the steady tick: the chunk's layers unrolled (pipeline.run_table)
+    prepared: Any = None  # fns.prepare of each chunk, made once a step (None: no prepare)
 
     @property
     def with_grads(self):
@@ -114,16 +115,18 @@ class Stage:
         with jax.named_scope(CHUNK):
             return jax.lax.switch(repeat, branches)
 
-    def apply(self, chunk, h, micro, repeat, *tapped):
+    def apply(self, chunk, h, micro, repeat, *tapped, prepared=None):
         """(the chunk's blocks over h, gathered over 'tensor' on arrival, their side values:
         fp32, those not differentiable cut from autodiff); tapped: (the blocks' taps,) of a
-        split backward (taps.py), else ()."""
+        split backward (taps.py), else (); prepared: fns.prepare's of the chunk, or None."""
         h = constrain(h, ACTIVATION_AXES)
         first_layer, used = self.chunk_layers(repeat)
         batch = self.batch.at(micro)
         more = {'taps': tapped[0]} if tapped else {}
         if self.unroll:
             more['unroll'] = True
+        if prepared is not None:
+            more['prepared'] = prepared
         y, values = self.fns.apply_blocks(
             chunk, h, batch, first_layer, self.fns.remat, used=used, **more
         )
@@ -158,22 +161,30 @@ class Stage:
             )
 
     def chunk_fn(self, kind, micro, repeat):
-        """The chunk as a function of its parameters, the shared ones (the embedding's, for
-        chunk 0) and its stashed input, returning (output, side values): what a forward
-        differentiates."""
+        """The chunk as a function of its parameters (params_of), the shared ones (the
+        embedding's, for chunk 0) and its stashed input, returning (output, side values): what
+        a forward differentiates."""
 
         def run(params, x, *tapped):
-            chunk, shared = params
-            return self.apply(chunk, self.input(kind, shared, x, micro), micro, repeat, *tapped)
+            chunk, shared, prepared = params
+            h = self.input(kind, shared, x, micro)
+            return self.apply(chunk, h, micro, repeat, *tapped, prepared=prepared)
 
         return run
+
+    def params_of(self, chunk, k):
+        """(chunk k's parameters, the shared ones, what fns.prepare made of the chunk once a
+        step or None): what its VJP takes as parameters, so none is among the residuals a
+        forward stashes (residuals.split_vjp); the prepared part gets no gradient."""
+        return chunk, self.shared, None if self.prepared is None else self.prepared[k]
 
     def forward_with_residuals(self, chunk, kind, x, micro, repeat):
         """((y, side values), what the chunk's backward needs under fns.remat, its layout):
         the VJP's residuals without the parameters (residuals.split_vjp), kept instead of
         recomputed; a split backward's VJP also of the chunk's zero taps (taps.py)."""
         tapped = () if self.sites is None else (taps.zeros(self.sites, self.per_chunk),)
-        return split_vjp(self.chunk_fn(kind, micro, repeat), (chunk, self.shared), x, *tapped)
+        params = self.params_of(chunk, repeat)
+        return split_vjp(self.chunk_fn(kind, micro, repeat), params, x, *tapped)
 
     def forward(self, fwd, stash, resids):
         """One chunk's forward (branches.Forward): (y to the next stage, resids with its
@@ -197,7 +208,7 @@ class Stage:
         """((y, side values), the residuals its backward needs: [] without gradients) of
         chunk `repeat` (static) over its stashed input x."""
         if not self.with_grads:
-            params = (chunk, self.shared)
+            params = self.params_of(chunk, repeat)
             return self.chunk_fn(fwd.kind, fwd.micro, repeat)(params, x), []
         out, kept, layout = self.forward_with_residuals(chunk, fwd.kind, x, fwd.micro, repeat)
         # the same program as the probe's: the same parameters in the same places
@@ -359,7 +370,9 @@ class Stage:
         acc_blocks, acc_shared, loss, acc_values = sums
 
         def last_chunk(chunk, repeat):
-            x, values = self.apply(chunk, constrain(h, ACTIVATION_AXES), bwd.micro, repeat)
+            prepared = self.params_of(chunk, repeat)[2]
+            h_in = constrain(h, ACTIVATION_AXES)
+            x, values = self.apply(chunk, h_in, bwd.micro, repeat, prepared=prepared)
             return self.token_loss(self.shared, x, bwd.micro), values
 
         value, values = self.on_chunk(bwd.repeat, last_chunk)
@@ -381,7 +394,7 @@ class Stage:
                 return self.head_gradients(chunk, repeat, bwd, h, d_values)
 
             def stashed():
-                return self.stashed_gradients(chunk, g, kept_earlier, d_values)
+                return self.stashed_gradients(chunk, repeat, g, kept_earlier, d_values)
 
             with jax.named_scope(LAST):
                 return jax.lax.cond(bwd.kind == SLOT_LAST, head, stashed)
@@ -396,27 +409,27 @@ class Stage:
             self.shared, y, bwd.micro
         )
         d_chunk, d_shared, d_h, tapped = self.pullback(
-            chunk, kept, d_y.astype(y.dtype), d_shared, d_values
+            chunk, repeat, kept, d_y.astype(y.dtype), d_shared, d_values
         )
         return d_chunk, d_shared, value, values, d_h, tapped
 
-    def stashed_gradients(self, chunk, g, kept, d_values):
+    def stashed_gradients(self, chunk, repeat, g, kept, d_values):
         """pull_back's tuple for a chunk whose forward ran in an earlier tick: its residuals
         kept, g its output's gradient."""
         d_y = constrain(g, ACTIVATION_AXES)
         d_chunk, d_shared, d_h, tapped = self.pullback(
-            chunk, kept, d_y, zeros(self.shared), d_values
+            chunk, repeat, kept, d_y, zeros(self.shared), d_values
         )
         no_values = side.identities(self.fns.values)
         return d_chunk, d_shared, jnp.zeros((), jnp.float32), no_values, d_h, tapped
 
-    def pullback(self, chunk, kept, d_y, d_head, d_values):
+    def pullback(self, chunk, repeat, kept, d_y, d_head, d_values):
         """(d_chunk, d_shared, d_h, taps) through the VJP the residuals `kept` rebuild.
         d_shared: the embedding's half of the tied gradient (zeros but for chunk 0) plus
         d_head; exact in the compute dtype: chunk 0 and the last are on different stages (in
         the V different slots of stage 0), so one of d_head and d_shared is zero."""
-        pullback = join_vjp(self.layout, kept, (chunk, self.shared))
-        (d_chunk, d_shared), d_h, *tapped = pullback((d_y, d_values))
+        pullback = join_vjp(self.layout, kept, self.params_of(chunk, repeat))
+        (d_chunk, d_shared, _), d_h, *tapped = pullback((d_y, d_values))
         d_shared = jax.tree.map(jnp.add, d_head, d_shared)
         return d_chunk, d_shared, d_h, tapped[0] if tapped else []
 
@@ -513,7 +526,7 @@ class Stage:
         if b < 0:
             grads = self.no_gradients()
         elif not last:
-            grads = self.stashed_gradients(self.chunks[b], g, kept, d_values)
+            grads = self.stashed_gradients(self.chunks[b], b, g, kept, d_values)
         else:
             with jax.named_scope(LAST):
                 grads = self.head_gradients(self.chunks[b], b, bwd, h, d_values)

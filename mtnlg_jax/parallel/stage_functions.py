@@ -12,12 +12,19 @@ holds.
     apply_blocks(chunk, hidden, batch,        (hidden, values): consecutive blocks scanned
                  first_layer, remat,          over hidden, layer first_layer first (dropout),
                  used=None, taps=None,        each under the policy `remat` names ('none':
-                 unroll=False)                none); values: {name: fp32 array} of every
+                 unroll=False,                none); values: {name: fp32 array} of every
+                 [prepared=])
                                               declared side value (below), combined over the
                                               chunk's layers by the model; taps: the kernel
                                               matmuls' zero taps (parallel/taps.py), stacked
                                               over the chunk's layers, [] to probe them;
-                                              unroll: the scan unrolled (one computation)
+                                              unroll: the scan unrolled (one computation);
+                                              prepared: prepare(chunk), given only where
+                                              the model has prepare (below)
+    prepare(chunk)                            or None: what apply_blocks reads of a chunk
+                                              beside it, made once a step before the loop
+                                              (FP8's quantized weights); an engine hands it
+                                              in as a loop-invariant input, never stashed
     head_loss_sum(shared, hidden, batch)      summed loss of batch.labels under hidden (rows,
                                               seq, embed), each weighted by batch.loss_mask:
                                               final norm, tied head and cross-entropy fused
@@ -251,6 +258,10 @@ class StageFunctions:
     dtype: Any  # the compute dtype of the activations
     param_axes: Any = None  # logical axis names of every parameter (the accumulators' layout)
     values: Any = dataclasses.field(default_factory=dict)  # {name: SideValue} apply_blocks emits
+    # prepare(chunk): what apply_blocks reads of a chunk's parameters beside them, made once a
+    # step outside an engine's loop and handed to it as apply_blocks(..., prepared=): FP8's
+    # quantized weights (model/fp8_sites.py); None: nothing (each call works from the chunk)
+    prepare: Any = None
 
 
 def shared_params(params):
