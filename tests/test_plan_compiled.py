@@ -480,3 +480,31 @@ def test_a_loops_bound_inside_a_fused_compare_is_its_trip_count():
     (loop,) = [i for i in computations[entry] if i.opcode == 'while']
     assert hlo_module.trip_count(loop, computations) == 127
     assert hlo_module.dot_flops(FUSED_CONDITION) == 127 * 2 * 4 * 8 * 8
+
+
+def test_zero_bubble_taps_in_the_compiled_loop_are_the_plans():
+    """ZB-V's tap buffers (parallel/taps.py) in the compiled tick loop, per device: tap slots x
+    a chunk's layers x arithmetic.tap_bytes. Llama's block (Q and KV read one x, SwiGLU's in
+    and gate another), tensor 2, sequence parallel, two pieces a sequence: the residual-stream
+    taps held as their sequence shard, the others split by heads or MLP width."""
+    config = support.small_config(
+        1, 2, 2, 4, 2, 'zbv', num_layers=4, hidden=128, ffn_hidden=384, remat='full',
+        sequence_parallel=True, sequence_pieces=2, **support.LLAMA_BLOCK,
+    )  # fmt: skip
+    compiled, _, _ = compile_lib.compile_train_step(config)
+    table = pipeline.build_table(2, 2, 4, schedule='zbv')
+    assert table.tap_slots != table.resid_slots  # a tap buffer's leading axes are its own
+    computations, _ = hlo_module.parse_module(compiled.as_text())
+    loops = [i.type_text for c in computations.values() for i in c if i.opcode == 'while']
+    taps = [
+        [(dtype, dims) for dtype, dims in hlo_module.ARRAY.findall(state) if dims.count(',') >= 4]
+        for state in loops
+    ]
+    tapped = max(
+        ([(d, s) for d, s in state if s.startswith(f'{table.tap_slots},1,')] for state in taps),
+        key=len,
+    )
+    assert len(tapped) == 2 * 10  # two pieces: Q, attention-out, gate, MLP-out (x, dy); KV, in
+    held = sum(hlo_module.shape_bytes(f'{d}[{s}]') for d, s in tapped)
+    rows = config.train.micro_batch
+    assert held == table.tap_slots * arithmetic.tap_bytes(config.model, rows, config.mesh.tensor)

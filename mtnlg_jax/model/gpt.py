@@ -220,7 +220,7 @@ def apply_block_stack(
     with lax.scan, the values each emits combined over the blocks (declared: {name:
     SideValue}, None: none). graphdef: one Block's graph; first_layer: the global index of
     the first (for dropout); taps: None, or the zero taps of the blocks' kernel matmuls
-    (parallel/taps.py: [(x, y)] stacked over the blocks; [] while probing them);
+    (parallel/taps.py: per site (x, y) or (y,), stacked over the blocks; [] while probing them);
     positions: the tokens' positions for rope (None: 0 .. seq - 1); segment_ids: (batch,
     seq) packed documents' ids, or None; used: how many of the stacked blocks are layers (a
     traced int; the rest are a short pipeline stage's padding slots, parallel/stage_order.py),

@@ -308,6 +308,7 @@ def scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index=None):
     def tap_buffer(a):  # a slot per micro-batch between its B and its W
         return jnp.full((table.tap_slots, stage.per_chunk, *a.shape), bubble_fill, a.dtype)
 
+    sites = stage.sites or ()
     arrived = constrain(stage.fill, stage.handoff_axes)
     arrived = (arrived, arrived) if table.v_shape else arrived  # the V: both ways
     init = (
@@ -316,7 +317,7 @@ def scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index=None):
         buffer(table.stash_slots),
         [residual_buffer(r) for r in kept_shapes],
         buffer(table.grad_slots),
-        [(tap_buffer(site.x), tap_buffer(site.y)) for site in stage.sites or ()],
+        taps.hold([tuple(map(tap_buffer, s.arrays())) for s in sites], sites),
         sums,
     )
     xs = jax.tree.map(jnp.asarray, table_columns(table))

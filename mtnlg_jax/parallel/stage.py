@@ -289,6 +289,7 @@ class Stage:
         sums, dx, tapped = chunks(bwd, sums, h, g, kept, BACKWARD_INPUT)
         ran = bwd.kind != SLOT_IDLE
         tap_bufs = jax.tree.map(lambda b, t: write(b, slot, ran, t), tap_bufs, tapped)
+        tap_bufs = taps.hold(tap_bufs, self.sites)  # a stream tap as its sequence shard
         return sums, dx, tap_bufs
 
     def weights(self, w, sums, tap_bufs):
@@ -298,9 +299,8 @@ class Stage:
         acc_blocks, *rest = sums
         # behind a barrier: without it XLA:GPU gave two tap buffers the dW matmuls' operand
         # layout and copied each every tick (tests/test_loop_copies.py)
-        stashed = [read(b, w.tap_slot) for b in jax.tree.leaves(tap_bufs)]
-        stashed = jax.lax.optimization_barrier(stashed)
-        stashed = list(zip(stashed[::2], stashed[1::2]))  # [(x, dy)] per site
+        stashed = jax.tree.map(lambda b: read(b, w.tap_slot), tap_bufs)
+        stashed = jax.lax.optimization_barrier(stashed)  # [(x, dy) or (dy,)] per site
 
         def run(acc):
             return taps.add_weight_grads(acc, self.sites, stashed)

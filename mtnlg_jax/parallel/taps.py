@@ -12,10 +12,18 @@ tokens, dW = x^T dy per site (`weight_grads`), the only matmuls the weights' gra
 Everything else keeps its gradient in B: norms and biases (elementwise reductions), and the
 matmuls off the einsum path (FP8 sites, an MoE's router and routed experts, the head).
 
+What is held from B to W is each layer's minimum of these: a site that reads the same x as an
+earlier one (Q and KV, SwiGLU's in and gate) takes only its dy, and a residual-stream value
+(the x of QKV and MLP-in, the dy of attention-out and MLP-out) is held as its sequence-
+parallel shard and gathered again in W, as Megatron's backward gathers a layer's input again
+for the weights' gradient (Site.axes): Llama 3 405B's at tensor 8, 0.50 GiB a layer from 1.87
+(plan/arithmetic.py's tap_bytes, tests/test_plan_compiled.py against the compiled loop).
+
     sites = probe(fn, *args)        Site (kernel path, spec, x and y shapes) of every tapped
                                     call fn makes in one layer, in call order
-    zeros(sites, layers)            the zero taps a stack of `layers` layers takes: [(x, y)]
-                                    stacked on a leading layer axis
+    zeros(sites, layers)            the zero taps a stack of `layers` layers takes: per site
+                                    (x, y), or (y,) where it shares an x, on a layer axis
+    hold(buffers, sites)            tap buffers laid out as held (the stream's shard)
     with tapping(kernels, taps):    a layer's calls take its taps in order (the model's scan
                                     body); kernels: {id(kernel variable): its path}
     add_weight_grads(acc, sites, stashed)   acc + each kernel's dW from B's (x, dy) taps
@@ -31,39 +39,77 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from mtnlg_jax.parallel import rules
+
 _TAPPING = contextvars.ContextVar('mtnlg_jax_tapping', default=None)
 _RECORDER = contextvars.ContextVar('mtnlg_jax_tap_recorder', default=None)
 
 
 class Site(NamedTuple):
     """A tapped matmul of one layer: the kernel's path in the block's parameters, the einsum's
-    spec, its input x and output y (jax.ShapeDtypeStruct, no layer axis)."""
+    spec, its input x and output y (jax.ShapeDtypeStruct, no layer axis); shares: the index
+    of an earlier site of the layer with the same input (QKV's Q and KV, the MLP's in and
+    gate), whose x tap serves both, else None; axes: x's and y's logical axes as held from B
+    to W (`_axes`): a residual-stream value (batch, seq, embed) as its sequence-parallel
+    shard, gathered again in W, as Megatron gathers a layer's input again for the weights'
+    gradient; every other as the matmul reads or writes it (heads, mlp split over tensor)."""
 
     path: tuple
     spec: str
     x: jax.ShapeDtypeStruct
     y: jax.ShapeDtypeStruct
+    shares: int = None
+    axes: tuple = (None, None)
+
+    def held(self):
+        """The logical axes of each of arrays() as held from B to W."""
+        return self.axes[-len(self.arrays()) :]
+
+    def arrays(self):
+        """What the site's taps hold: (x, y), or (y,) where it shares an earlier site's x."""
+        return (self.y,) if self.shares is not None else (self.x, self.y)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _tapped(spec, x, w, x_tap, y_tap):
-    del x_tap, y_tap  # zeros: only their cotangents matter
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _tapped(spec, layout, x, w, x_tap, y_tap):
+    del x_tap, y_tap  # zeros (x_tap None where an earlier site's serves): only cotangents matter
     return jnp.einsum(spec, x, w)
 
 
-def _tapped_fwd(spec, x, w, x_tap, y_tap):
+def _tapped_fwd(spec, layout, x, w, x_tap, y_tap):
     return jnp.einsum(spec, x, w), (x, w)
 
 
-def _tapped_bwd(spec, residuals, dy):
+def _tapped_bwd(spec, layout, residuals, dy):
     """(x's gradient, no gradient for w, x and dy through the taps): the weight's gradient
-    is left to whoever reads the taps."""
-    x, w = residuals
+    is left to whoever reads the taps, each tap laid out as held. layout: (x's and y's
+    logical axes as held, whether x_tap is None)."""
+    (axes, shared), (x, w) = layout, residuals
     _, pullback = jax.vjp(lambda x: jnp.einsum(spec, x, w), x)
-    return pullback(dy)[0], None, x, dy
+    x_tap, y_tap = map(rules.constrain, (x, dy), axes)
+    return pullback(dy)[0], None, None if shared else x_tap, y_tap
 
 
 _tapped.defvjp(_tapped_fwd, _tapped_bwd)
+
+
+def _axes(kernel, spec):
+    """The logical axes of x and y of `spec` with a kernel of these logical axes: the
+    kernel's names where they share a letter, then batch and seq; a residual-stream
+    value (three dimensions, the last the kernel's embed: QKV's and MLP-in's x, attention-
+    out's and MLP-out's y) with its sequence as the stream's (split under sequence
+    parallelism), else the sequence whole (the matmul's)."""
+    inputs, out = spec.split('->')
+    x_spec, w_spec = inputs.split(',')
+    names = getattr(kernel, 'logical_axes', ())  # a stacked kernel's: 'layers' ahead
+    names = dict(zip(w_spec, names[len(names) - len(w_spec) :]))
+
+    def of(letters):
+        stream = len(letters) == 3 and names.get(letters[-1]) == 'embed'
+        seq = 'residual_seq' if stream else 'seq'
+        return tuple(names.get(c, 'batch' if i == 0 else seq) for i, c in enumerate(letters))
+
+    return of(x_spec), of(out)
 
 
 class _Layer:
@@ -72,18 +118,21 @@ class _Layer:
 
     def __init__(self, kernels, layer_taps, recorder):
         self.kernels, self.taps, self.recorder = kernels, list(layer_taps), recorder
+        self.inputs = []  # while probing: each recorded site's x, to find a shared one
         if recorder is not None:
             recorder.clear()  # the sites of the layer traced last: a body traced twice is one
 
     def matmul(self, kernel, spec, x, w):
         path = self.kernels.get(id(kernel))
         if path is not None and self.taps:
-            x_tap, y_tap = self.taps.pop(0)
-            return _tapped(spec, x, w, x_tap, y_tap)
+            x_tap, y_tap = (None, *self.taps.pop(0))[-2:]  # (y,): x is an earlier site's
+            return _tapped(spec, (_axes(kernel, spec), x_tap is None), x, w, x_tap, y_tap)
         y = jnp.einsum(spec, x, w)
         if path is not None and self.recorder is not None:  # probing: no taps given
+            shares = next((i for i, seen in enumerate(self.inputs) if seen is x), None)
+            self.inputs.append(x)
             shapes = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, y))
-            self.recorder.append(Site(path, spec, *shapes))
+            self.recorder.append(Site(path, spec, *shapes, shares, _axes(kernel, spec)))
         return y
 
 
@@ -122,18 +171,25 @@ def probe(fn, *args):
 
 
 def zeros(sites, layers):
-    """The zero taps of a stack of `layers` layers: [(x, y)] per site, stacked."""
-    return [
-        tuple(jnp.zeros((layers, *a.shape), a.dtype) for a in (site.x, site.y)) for site in sites
-    ]
+    """The zero taps of a stack of `layers` layers: site.arrays() per site, stacked."""
+    return [tuple(jnp.zeros((layers, *a.shape), a.dtype) for a in site.arrays()) for site in sites]
+
+
+def hold(buffers, sites):
+    """Tap buffers [site.arrays() per site, behind leading slot and layer axes] laid out as
+    each site holds its taps (Site.axes): the sequence shard of a residual-stream value."""
+    return [tuple(map(rules.constrain, b, site.held())) for b, site in zip(buffers, sites)]
 
 
 def weight_grads(sites, stashed):
     """{kernel path: dW (layers, ...)}: per site x and dy contracted over every axis but the
-    kernel's, summed over the calls of a kernel (sequence pieces); stashed: [(x, dy)] as
-    zeros(sites, ...) lays them out."""
+    kernel's, summed over the calls of a kernel (sequence pieces); stashed: the taps as
+    zeros(sites, ...) lays them out. A stream tap is gathered over the sequence first."""
     grads = {}
-    for site, (x, dy) in zip(sites, stashed):
+    for site, taps in zip(sites, stashed):
+        x = taps[0] if site.shares is None else stashed[site.shares][0]
+        read = (tuple(a.replace('residual_seq', 'seq') for a in axes) for axes in site.axes)
+        x, dy = map(rules.constrain, (x, taps[-1]), read)  # a stream tap gathered again
         inputs, out = site.spec.split('->')
         x_spec, w_spec = inputs.split(',')
         layer = next(c for c in 'lzyxw' if c not in site.spec)

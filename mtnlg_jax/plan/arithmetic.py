@@ -302,9 +302,12 @@ def loss_bytes(model, rows, tensor, context=1):
 
 def tap_bytes(model_cfg, rows, tensor, context=1):
     """Bytes of one layer's taps (parallel/taps.py), per micro-batch of `rows` sequences: each
-    kernel matmul's input x and output gradient dy, a row-parallel one's x and a
-    column-parallel one's dy split over tensor, the others whole (the blocks' dense
-    matmuls; of an MoE only the shared experts' MLP, not the routed experts')."""
+    kernel matmul's input x and output gradient dy, split over tensor by heads or MLP width
+    (attention-out's and MLP-out's x, the others' dy), and the residual-stream ones (the
+    inputs of QKV and MLP-in, one a block whichever kernels read it, the output gradients of
+    attention-out and MLP-out) as their sequence shard under sequence parallelism, else whole
+    (the blocks' dense matmuls; of an MoE only the shared experts' MLP, not the routed
+    experts')."""
     heads, kv_heads, head_dim = attention_dims(model_cfg)
     h, t = model_cfg.hidden, tensor
     f = (
@@ -313,14 +316,11 @@ def tap_bytes(model_cfg, rows, tensor, context=1):
         else mlp_width(model_cfg)
     )
     mlps = (2 if model_cfg.get('mlp', 'gelu') == 'swiglu' else 1) if f else 0  # in (and gate)
-    projections = 1 if kv_heads == heads else 2  # fused QKV, or Q and KV
-    # whole: the inputs of QKV and MLP-in (and gate), the output gradients of attention-out
-    # and MLP-out; split over tensor: attention-out's and MLP-out's inputs, the others' dy
-    whole = (projections + mlps + 1) * h + (h if f else 0)
+    residual = t if model_cfg.get('sequence_parallel', False) else 1  # as layer_activation_bytes
+    stream = (2 if f else 1) * 2 * h / residual  # x in, dy out: attention's, the MLP's
     split = (heads * head_dim + f + (heads + 2 * kv_heads) * head_dim + mlps * f) / t
-    per_token = whole + split
     tokens = model_cfg.seq_len // context * rows
-    return tokens * per_token * itemsize(model_cfg.compute_dtype)
+    return tokens * (stream + split) * itemsize(model_cfg.compute_dtype)
 
 
 def activation_bytes(config, fused_attention=False):
