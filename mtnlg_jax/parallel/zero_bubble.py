@@ -45,11 +45,7 @@ from mtnlg_jax.parallel import schedule
 @functools.lru_cache(maxsize=64)
 def build(stages, micro_batches, max_in_flight=None):
     """The ZB-H1 table (schedule.Schedule with W columns) of one chunk a stage."""
-    p, m = stages, micro_batches
-    if min(p, m) < 1:
-        raise ValueError(f'stages, micro_batches must be >= 1, got {p}, {m}')
-    if max_in_flight is not None and max_in_flight < 1:
-        raise ValueError(f'max_in_flight must be >= 1, got {max_in_flight}')
+    p, m = check_sizes(stages, micro_batches, max_in_flight)
     bound = max_in_flight or int(schedule.build(p, 1, m).in_flight().max())
     state = _State(p, m, bound)
     while state.weights_done < p * m:
@@ -57,6 +53,15 @@ def build(stages, micro_batches, max_in_flight=None):
             raise RuntimeError('schedule simulation made no progress')  # a bug, not bad input
         state.tick()
     return schedule._with_slots(p, 1, m, state.rows, state.act_ready, state.grad_ready)
+
+
+def check_sizes(stages, micro_batches, max_in_flight):
+    """(stages, micro_batches) of a zero-bubble table, each >= 1 as the bound is (ValueError)."""
+    if min(stages, micro_batches) < 1:
+        raise ValueError(f'stages, micro_batches must be >= 1, got {stages}, {micro_batches}')
+    if max_in_flight is not None and max_in_flight < 1:
+        raise ValueError(f'max_in_flight must be >= 1, got {max_in_flight}')
+    return stages, micro_batches
 
 
 class _State:

@@ -55,11 +55,7 @@ FORWARD, B, W = 0, 1, 2
 @functools.lru_cache(maxsize=64)
 def build(stages, micro_batches, max_in_flight=None):
     """The ZB-V table (schedule.Schedule, split, v_shape, two chunks a stage)."""
-    p, m = stages, micro_batches
-    if min(p, m) < 1:
-        raise ValueError(f'stages, micro_batches must be >= 1, got {p}, {m}')
-    if max_in_flight is not None and max_in_flight < 1:
-        raise ValueError(f'max_in_flight must be >= 1, got {max_in_flight}')
+    p, m = zero_bubble.check_sizes(stages, micro_batches, max_in_flight)
     state = _State(p, m, max_in_flight or 2 * p)
     while state.weights_done < 2 * p * m:
         if len(state.rows) > 8 * p * (m + p):
