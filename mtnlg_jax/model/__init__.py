@@ -19,4 +19,6 @@ counts.py            parameter and model-FLOP counts
 buffers.py           state outside the gradient: buffers a module declares, their update rules
 moe.py               the mixture of experts in the MLP's place: fp32 router, tokens sorted by
                      expert through grouped matmuls, capacity, shared experts, its side values
+moe_exchange.py      expert parallelism's token exchange: padded all_to_all or the chosen rows
+                     by ragged_all_to_all, and parallel folding's region over tensor
 """
