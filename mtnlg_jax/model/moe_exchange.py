@@ -43,11 +43,8 @@ def exchange(moe, x, chosen, weights, keep, kernels=None, share=(0, 1)):
     rank's (experts / ranks of them, `kernels` in the compute dtype; default the module's)."""
     index, pieces = share
     route = Route(moe, chosen, keep, index, pieces)
-    if moe.exchange_kind == 'ragged':
-        out = ragged(moe, x, route, weights, kernels)
-    else:
-        out = padded(moe, x, route, weights, kernels)
-    return out
+    way = ragged if moe.exchange_kind == 'ragged' else padded
+    return way(moe, x, route, weights, kernels)
 
 
 class Route:
