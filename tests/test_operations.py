@@ -91,7 +91,9 @@ def _process_pid(root, index):
 
 def spawned(workdir, *overrides, data, slowed=None):
     """launch/spawn.py, 2 processes x 4 devices; slowed: the process stopped and continued
-    at half duty (0.25 s each) from its first step on. Process 0's output lines."""
+    at half duty (0.25 s each) from its first step on. The `straggler` lines of process 0's
+    output, found anywhere in a line: the progress bar (stderr) ends without a newline and
+    a line on stdout may follow it on the same line of the merged output."""
     spawn = [sys.executable, str(ROOT / 'launch/spawn.py'), '--processes', '2']
     spawn += ['--devices_per_process', '4', '--grace_s', '30', '--']
     command = train_args(workdir, *RUN, *overrides, data=data)[1:]
@@ -112,7 +114,7 @@ def spawned(workdir, *overrides, data, slowed=None):
     process.wait()
     text = b''.join(output).decode(errors='replace')
     assert process.returncode == 0, text[-3000:]
-    return re.split(r'[\r\n]+', text)
+    return re.findall(r'straggler    [^\r\n]*', text)
 
 
 def _half_duty(pid, spawn):
@@ -129,20 +131,22 @@ def _half_duty(pid, spawn):
 @pytest.mark.serial
 def test_a_process_slowed_from_outside_is_named_within_3_intervals(tmp_path, token_data):
     """Process 1 stopped half the time (SIGSTOP / SIGCONT): named by process 0 in a line
-    starting `straggler` at one of the first 3 comparisons; metrics.jsonl holds its speed."""
-    lines = spawned(
+    starting `straggler` at one of the first 3 comparisons; metrics.jsonl holds both speeds,
+    with a comparison where process 1's is under 0.7 and process 0's above the threshold
+    (1 / 1.5). Process 0 may be named too: on a 2-core host the stopped process's catch-up
+    competes with process 0's probe."""
+    named = spawned(
         tmp_path / 'run',
         '--config.train.steps=15',
         '--config.train.straggler_every=5',
         data=token_data,
         slowed=1,
     )
-    named = [line for line in lines if line.startswith('straggler')]
     assert named and named[0].startswith('straggler    process 1 on '), named
     assert re.search(r'at steps \d+-(5|10|15):', named[0]), named[0]
     records = [json.loads(r) for r in (tmp_path / 'run/metrics.jsonl').read_text().splitlines()]
     speeds = [r['relative_speed'] for r in records if 'relative_speed' in r]
-    assert speeds and min(s[1] for s in speeds) < 0.7 and all(s[0] == 1.0 for s in speeds)
+    assert any(s[1] < 0.7 and s[0] > 1 / 1.5 for s in speeds), speeds
 
 
 @pytest.mark.serial
@@ -151,10 +155,10 @@ def test_a_healthy_run_names_no_straggler(tmp_path, token_data):
     default ratio measured in docs/benchmarks.md: the lowest relative speed 0.72 against the
     threshold's 0.67 on a shared 2-core VM: a thin margin; 20 here at ratio 2, run alone
     after the rest of the suite, as the drill above is)."""
-    lines = spawned(
+    named = spawned(
         tmp_path / 'run', '--config.train.steps=20', '--config.train.straggler_every=5',
         '--config.train.straggler_ratio=2.0', data=token_data,
     )  # fmt: skip
-    assert not [line for line in lines if line.startswith('straggler')], lines[-20:]
+    assert not named, named
     records = [json.loads(r) for r in (tmp_path / 'run/metrics.jsonl').read_text().splitlines()]
     assert any('relative_speed' in r for r in records)

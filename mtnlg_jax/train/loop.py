@@ -163,11 +163,13 @@ def train(config, workdir, identity=None):
                         if due(train_cfg.log_every, step, train_cfg.steps) or stopping:
                             position = guard.settle(position)
                             report.log(position, batch, step_metrics)
+                    # before the save: its asynchronous writing would share the host with
+                    # the comparison's probe
+                    stragglers.maybe_compare(step, position.state)
+                    report.relative_speed = stragglers.speeds, stragglers.cost_s
                     with profile.phase('save'):
                         position = saver.maybe_save(step, position, force=stopping)
                 profile.stepped(step, position.state)
-                stragglers.maybe_compare(step)
-                report.relative_speed = stragglers.speeds, stragglers.cost_s
                 if guard.error or saver.error:
                     break
                 if stopping:

@@ -7,7 +7,7 @@ train.straggler_every steps the processes compare.
              1 / (1 - share)
     batch    seconds per step this process spent reading its rows of the batches
     device   seconds of a fixed probe (a small matmul, no collective) on each of this
-             process's own devices, the best of 3
+             process's own devices, the best of 5 rounds
 
 No measurement waits for another process. At the comparison one all-gather of these few floats
 (jax's multihost_utils) reaches every process; process 0 names a process whose measure is
@@ -27,6 +27,7 @@ import numpy as np
 
 TICK_S = 0.01
 PROBE_SIZE = 256
+PROBE_ROUNDS = 5
 KINDS = ('host', 'batch', 'device')
 # Below these a measure is noise, never named: the batch a process reads in under 5 ms a step,
 # a probe under 1 ms, a host stalled under 5 % of the time.
@@ -95,14 +96,15 @@ class Stragglers:
             self._batch_s += seconds
 
     def _device_s(self):
-        best = []
-        for probe in self._probes:
-            times = []
-            for _ in range(3):
+        """The slowest device's best of PROBE_ROUNDS probes, the devices taken in turn each
+        round: a burst of other work on the host lands on one round, not on every probe of
+        one device."""
+        best = [float('inf')] * len(self._probes)
+        for _ in range(PROBE_ROUNDS):
+            for i, probe in enumerate(self._probes):
                 start = time.perf_counter()
                 probe()
-                times.append(time.perf_counter() - start)
-            best.append(min(times))
+                best[i] = min(best[i], time.perf_counter() - start)
         return max(best)
 
     def _measures(self, step):
@@ -111,12 +113,15 @@ class Stragglers:
         steps = max(1, step - self._since)
         return np.array([1 / (1 - share), self._batch_s / steps, self._device_s()], np.float64)
 
-    def maybe_compare(self, step):
-        """At every `every`-th step, on every process: the comparison (one all-gather)."""
+    def maybe_compare(self, step, state):
+        """At every `every`-th step, on every process: the comparison (one all-gather). The
+        step still in flight (`state`, dispatched asynchronously) is waited for first: a probe
+        queued behind it would time the step, not the device."""
         if not (self.on and step % self.every == 0):
             return
         from jax.experimental import multihost_utils
 
+        jax.block_until_ready(state)
         start = time.perf_counter()
         mine = self._measures(step)
         hosts = np.frombuffer(socket.gethostname().encode()[:32].ljust(32), np.uint8)
