@@ -139,3 +139,19 @@ def test_bf16_pipelined_gradients_are_summed_in_fp32():
     unpipelined, pipelined = error(1), error(2)
     assert 0 < unpipelined < 0.05
     assert pipelined <= 1.1 * unpipelined, (pipelined, unpipelined)
+
+
+def test_a_bf16_gpipe_step_runs_on_a_cpu_mesh_and_equals_one_devices():
+    """GPipe in bf16, Llama blocks, 2 stages: XLA:CPU aborts on a bf16 all-reduce inside the
+    engine's shard_map, so on a CPU mesh the input's cotangent and the outputs cross `stage`
+    in fp32 (gpipe.summed_dtype). Loss and every gradient leaf as one device's bf16 step
+    within bf16's noise (both about 0.5 % of each leaf's largest entry, as 1F1B's)."""
+    batch = support.random_batches(1)[0]
+
+    def run(**layout):
+        config = support.small_config(**support.LLAMA_BLOCK, compute_dtype='bfloat16', **layout)
+        return support.gradients(config, batch)[1:]
+
+    (loss, grads), (one_loss, one_grads) = run(stage=2, schedule='gpipe'), run()
+    assert loss == pytest.approx(one_loss, rel=1e-3)
+    support.assert_within_leaf_scale(grads, one_grads, 0.015, what='gradient')

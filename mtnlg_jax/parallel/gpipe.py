@@ -85,6 +85,25 @@ class GPipeEngine:
         )
 
 
+def summed_dtype(dtype):
+    """The dtype x and the outputs cross `stage` in (the input's cotangent and the outputs are
+    summed over it): fp32 for a 16-bit dtype on a CPU mesh, whose all-reduce-promotion pass
+    aborts on a 16-bit all-reduce inside this partly manual shard_map ("Invalid binary
+    instruction opcode copy": the reduction Shardy leaves ends in a copy); on GPUs the dtype's
+    own. Only one stage's share of either sum is not zero, so fp32 changes no value."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    on_cpu = device is not None and device.platform == 'cpu'
+    return jnp.float32 if on_cpu and jnp.dtype(dtype).itemsize < 4 else dtype
+
+
+def from_last_stage(outputs, last):
+    """Only the last stage holds the results: a sum over `stage` of them and zeros hands them
+    to every stage."""
+    kept = jnp.where(last, outputs, jnp.zeros_like(outputs))
+    summed = jax.lax.psum(kept.astype(summed_dtype(kept.dtype)), STAGE_AXIS)
+    return summed.astype(kept.dtype)
+
+
 def run_pipeline(stage_fns, stacked, x, batch, *, stages, repeats, bubble_fill=0.0):
     """(the block stack over micro-batches x (m, rows, seq, embed), pipelined over 'stage',
     its side values combined over chunks, micro-batches and stages: a bubble iteration's are
@@ -115,7 +134,10 @@ def run_pipeline(stage_fns, stacked, x, batch, *, stages, repeats, bubble_fill=0
     if stage_fns.remat != 'none':
         apply_chunk = jax.checkpoint(apply_chunk, policy=stage_fns.remat_policy, prevent_cse=False)
 
+    dtype = x.dtype
+
     def per_stage(local, x, batch):
+        x = x.astype(dtype)
         stage = jax.lax.axis_index(STAGE_AXIS)
 
         # This stage's chunks, repeat-major: (v, L / (p v), ...).
@@ -165,9 +187,7 @@ def run_pipeline(stage_fns, stacked, x, batch, *, stages, repeats, bubble_fill=0
         steps = jnp.arange(num_iterations(stages, repeats, micro_batches))
         init = (fill, recirculating, outputs, side.identities(declared))
         (_, _, outputs, values), _ = jax.lax.scan(iteration, init, steps)
-        # Only the last stage holds results; the sum hands them to every stage.
-        last = stage == stages - 1
-        outputs = jax.lax.psum(jnp.where(last, outputs, jnp.zeros_like(outputs)), STAGE_AXIS)
+        outputs = from_last_stage(outputs, stage == stages - 1)
         return outputs, side.over_axis(declared, values, STAGE_AXIS)
 
     run = jax.shard_map(
@@ -177,7 +197,7 @@ def run_pipeline(stage_fns, stacked, x, batch, *, stages, repeats, bubble_fill=0
         axis_names={STAGE_AXIS},
         check_vma=False,
     )
-    return run(stacked, x, batch)
+    return run(stacked, x.astype(summed_dtype(dtype)), batch)
 
 
 def pipelined_loss_sum(stage_fns, params, batch, *, stages, repeats):
