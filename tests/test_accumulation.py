@@ -1,5 +1,7 @@
 """k accumulated micro-steps compute what one step on the whole batch computes."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -7,15 +9,24 @@ import pytest
 import support
 
 
+@functools.cache
+def _whole_batch_step():
+    """(loss, gradients) of one device's step on the whole batch in one micro-step."""
+    whole = support.small_config(micro_steps=1)
+    assert whole.train.micro_steps == 1
+    return support.gradients(whole, support.random_batches(1)[0])[1:]
+
+
 @pytest.mark.parametrize('data,tensor,sp', [(1, 1, False), (4, 2, True)])
 def test_accumulated_micro_steps_equal_one_whole_batch_step(data, tensor, sp):
+    """4 micro-steps on one device and over data 4 x tensor 2 (sequence parallel): one
+    device's whole-batch step (one reference for both)."""
     batch = support.random_batches(1)[0]
-    whole = support.small_config(data=data, tensor=tensor, micro_steps=1, sequence_parallel=sp)
     accumulated = support.small_config(
         data=data, tensor=tensor, micro_steps=4, sequence_parallel=sp
     )
-    assert (whole.train.micro_steps, accumulated.train.micro_steps) == (1, 4)
-    _, loss_whole, grads_whole = support.gradients(whole, batch)
+    assert accumulated.train.micro_steps == 4
+    loss_whole, grads_whole = _whole_batch_step()
     _, loss_accumulated, grads_accumulated = support.gradients(accumulated, batch)
     np.testing.assert_allclose(loss_accumulated, loss_whole, rtol=1e-6)
     support.assert_gradients_close(grads_accumulated, grads_whole)

@@ -85,11 +85,17 @@ def _config(name, steps=3):
     return config
 
 
+_STEPS = {}  # id(config) -> (config, mesh, setup, its train step): one compile a config
+
+
 def _run(config, batches, state=None, first=0):
     """(losses, final state) of train steps over `batches` from `state` (None: the initial
-    one) at step `first`."""
-    mesh, setup = layout(config)
-    train_step = step_lib.make_train_step(config, setup)
+    one) at step `first`. A config run again (the halves of a resumed run; not changed in
+    between) reuses its compiled step."""
+    if id(config) not in _STEPS:  # the config held in the value: its id is not reused
+        mesh, setup = layout(config)
+        _STEPS[id(config)] = config, mesh, setup, step_lib.make_train_step(config, setup)
+    _, mesh, setup, train_step = _STEPS[id(config)]
     losses = []
     with jax.set_mesh(mesh):
         state = state_lib.init_state(config, setup) if state is None else state

@@ -29,7 +29,8 @@ LAYOUTS = {  # (data, context, tensor, sequence_parallel)
     'c4t2': (1, 4, 2, False),
     'c8': (1, 8, 1, False),
 }
-BLOCKS = {'gpt': {}, 'llama': support.LLAMA_BLOCK}
+# GPT in 4 layers: the pipelined layout's (a layer a chunk), so one device's reference serves it
+BLOCKS = {'gpt': dict(num_layers=4), 'llama': support.LLAMA_BLOCK}
 
 
 def context_config(
@@ -85,16 +86,14 @@ def test_a_packed_context_layout_equals_one_device(one_device, layout, block):
 
 
 @pytest.mark.parametrize('block', ['gpt'])
-def test_a_pipelined_context_layout_equals_one_device(block):
+def test_a_pipelined_context_layout_equals_one_device(one_device, block):
     """Stage 2 x context 2 x tensor 2, interleaved 1F1B (2 chunks a stage, 4 micro-batches, 4
     layers): every chunk gets its micro-batch's global positions with its tokens."""
-    model = dict(BLOCKS[block], num_layers=4)
-    batch = packed_batch()
-    _, loss_one, grads_one = support.gradients(context_config(micro_steps=1, **model), batch)
+    loss_one, grads_one = one_device[block]
     config = context_config(
-        1, 2, 2, micro_steps=4, stage=2, repeats=2, schedule='interleaved', **model
+        1, 2, 2, micro_steps=4, stage=2, repeats=2, schedule='interleaved', **BLOCKS[block]
     )
-    _, loss, grads = support.gradients(config, batch)
+    _, loss, grads = support.gradients(config, packed_batch())
     np.testing.assert_allclose(loss, loss_one, rtol=1e-6)
     support.assert_gradients_close(grads, grads_one)
 
@@ -103,7 +102,7 @@ def test_the_eval_step_on_context_parallel_layouts_counts_one_devices_loss(one_d
     """The eval step (no gradients) on context 2 x tensor 2 x data 2 with sequence
     parallelism: one device's loss, summed over the tokens the loss mask keeps."""
     batch = packed_batch()
-    loss_sum, count = test_pipeline.eval_sums(context_config(2, 2, 2, True), batch)
+    loss_sum, count = test_pipeline.eval_sums(context_config(2, 2, 2, True, **BLOCKS['gpt']), batch)
     assert count == batch[:, :-1].size - (batch[:, :-1] == EOD).sum()
     np.testing.assert_allclose(loss_sum / count, one_device['gpt'][0], rtol=1e-6)
 

@@ -35,9 +35,13 @@ LLAMA = dict(**support.LLAMA_BLOCK, qk_norm=True)
 # A dense layer ahead of two MoE layers (its own stack, run with the embedding).
 DENSE_FIRST = dict(num_layers=3, moe={**MOE, 'dense_layers': 1})
 
+# Llama's: a dense layer ahead of four MoE layers (pipelined: two stages of two chunks).
+LLAMA_DENSE_FIRST = dict(num_layers=5, **LLAMA, moe={**CAPACITY, 'dense_layers': 1})
+
 # (model keys, layout keys): every layout, GPT and Llama, dropless and capacity 1.0, a dense
 # layer ahead of the experts unpipelined and pipelined (the first stage runs it beside its
-# MoE layers) each appear (a covering set, not the product: each case compiles two steps)
+# MoE layers) each appear (a covering set, not the product: each case compiles its step; the
+# folded cases share the unfolded ones' models, so one device's reference is computed once)
 CASES = {
     'gpt-dropless-dense1-d2e2t2': (DENSE_FIRST, dict(data=2, expert=2, tensor=2)),
     # the ragged exchange (the CPU's emulation: the offsets the GPU's collective takes)
@@ -51,17 +55,18 @@ CASES = {
         dict(context=2, expert=2, tensor=2, sequence_parallel=True),
     ),
     'llama-capacity-dense1-s2e2t2v2': (
-        dict(num_layers=5, **LLAMA, moe={**CAPACITY, 'dense_layers': 1}),
+        LLAMA_DENSE_FIRST,
         dict(stage=2, expert=2, tensor=2, micro_steps=4, repeats=2, schedule='interleaved'),
     ),
     'gpt-capacity-ragged-e8': (dict(moe={**CAPACITY, 'exchange': 'ragged'}), dict(expert=8)),
     # parallel folding (model.moe.fold_tensor): the experts over expert x tensor, whole
-    'llama-capacity-fold-e2t2-sp': (  # selective: the exchanged rows kept, not recomputed
-        dict(**LLAMA, moe={**CAPACITY, 'fold_tensor': True}),
+    'llama-capacity-fold-dense1-e2t2-sp': (  # selective: the exchanged rows kept
+        dict(LLAMA_DENSE_FIRST, moe={**LLAMA_DENSE_FIRST['moe'], 'fold_tensor': True}),
         dict(expert=2, tensor=2, sequence_parallel=True, remat='selective'),
     ),
-    'gpt-dropless-ragged-fold-d2e2t2': (
-        dict(moe={**RAGGED, 'fold_tensor': True}),
+    # DENSE_FIRST folded: one device's reference is the first case's
+    'gpt-dropless-ragged-fold-dense1-d2e2t2': (
+        dict(DENSE_FIRST, moe={**DENSE_FIRST['moe'], **RAGGED, 'fold_tensor': True}),
         dict(data=2, expert=2, tensor=2),
     ),
 }

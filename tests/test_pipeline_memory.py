@@ -39,9 +39,11 @@ def temp_bytes(schedule, repeats, micro):
 
 
 @pytest.mark.parametrize(
-    'schedule,repeats,micro_counts', [('1f1b', 1, (4, 8, 16, 32)), ('interleaved', 2, (4, 32))]
+    'schedule,repeats,micro_counts', [('1f1b', 1, (4, 32)), ('interleaved', 2, (4, 32))]
 )
 def test_temporaries_flat_in_micro_batches(schedule, repeats, micro_counts):
+    # m = 4 (the steady state already reached at p = 2) and 8 x as many: anything held per
+    # micro-batch grows 8-fold between the two (GPipe's below: more than 2 x)
     temps = [temp_bytes(schedule, repeats, m) for m in micro_counts]
     assert max(temps) / min(temps) <= 1.15, temps
 
