@@ -101,52 +101,16 @@ def concatenated(folder):
     return b''.join((folder / s['file']).read_bytes() for s in manifest['shards'])
 
 
-def test_a_joined_cluster_ends_a_hung_run_in_one_line_and_its_rerun_writes_the_golden_shards(
-    cluster, tmp_path
-):
-    """Token authentication on, 2 workers, pieces of 16 kB (10 shards), partitions of 7
-    documents. --drill stall: piece 0's worker hangs in pass 1; with --stall_timeout_s 10 the
-    run ends with status 3 and one `error:` line naming the stage, no output placed, the work
-    folder (its scan and state) kept. The same command again, with piece 0's worker killed in
-    pass 1 (--drill signatures), resumes there: the shards concatenate to the golden curated
-    file, and their tokens (one .bin/.idx per shard, and the merged prefix) to the golden
-    tokens. Until the worker hangs the test touches the heartbeat itself, from the scan on: on
-    CI's loaded cores a Ray worker's start can take longer than any bound a test can wait, and
-    a watch that fires then (the failure it is also for) is not this drill's. (The hung
-    worker's CPU comes back when Ray ends the departed driver's job.)"""
+def test_a_cluster_joined_with_its_token_writes_the_golden_shards_and_tokens(cluster, tmp_path):
+    """2 workers, pieces of 16 kB (10 shards), partitions of 7 documents, a worker killed
+    in pass 1: the shards concatenate to the golden curated file, and their tokens (one
+    .bin/.idx per shard, and the merged prefix) to the golden tokens."""
     address, env = cluster
-    out, work = tmp_path / 'curated', tmp_path / 'curated.work'
-    curate = ('--input', GOLDEN / 'planted.raw.jsonl', '--output', f'{out}/', '--workers', 2,
-              '--ray_address', address, '--shard_mb', 1 / 64, '--part_documents', 7,
-              *PLANTED)  # fmt: skip
-    work.mkdir()  # the watch reads its heartbeat from the scan on (curate takes the folder)
-
-    def until_the_worker_hangs(stopped):
-        while not (work / 'drill.stall').exists() and not stopped.wait(1.0):
-            (work / '.heartbeat').touch()
-
-    started = time.monotonic()
-    hung = tool('curate.py', *curate, '--drill', 'stall', '--stall_timeout_s', 10, env=env,
-                beside=until_the_worker_hangs)  # fmt: skip
-    assert hung.returncode == 3, hung.stderr[-3000:]
-    assert time.monotonic() - started < 300
-    lines = hung.stderr.strip().splitlines()
-    assert lines[-1].startswith('error: curate: no progress for ') and 'signatures' in lines[-1]
-    assert [line for line in lines if line.startswith('error:')] == lines[-1:]
-    assert (work / 'drill.stall').exists()  # piece 0's worker did hang (not fail otherwise)
-    assert not out.exists() and (work / 'state.json').exists()
-    assert not (work / 'signatures-00000.json').exists()  # piece 0's pass 1 is left to do
-    killed = threading.Event()
-
-    def until_the_worker_is_killed(stopped):  # the work folder goes once the run is done
-        while not killed.is_set() and not stopped.wait(0.1):
-            if (work / 'drill.signatures').exists():
-                killed.set()
-
-    done = tool('curate.py', *curate, '--drill', 'signatures', env=env,
-                beside=until_the_worker_is_killed)  # fmt: skip
+    out = tmp_path / 'curated'
+    done = tool('curate.py', '--input', GOLDEN / 'planted.raw.jsonl', '--output', f'{out}/',
+                '--workers', 2, '--ray_address', address, '--shard_mb', 1 / 64,
+                '--part_documents', 7, '--drill', 'signatures', *PLANTED, env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert killed.is_set()  # piece 0's worker exited in pass 1, and its task ran again
     manifest = json.loads((out / 'manifest.json').read_text())
     assert len(manifest['shards']) >= 8 and manifest['inputs'][0]['sha256']
     assert concatenated(out) == (GOLDEN / 'planted.jsonl').read_bytes()
@@ -154,7 +118,7 @@ def test_a_joined_cluster_ends_a_hung_run_in_one_line_and_its_rerun_writes_the_g
     assert golden.comparable(json.loads((out / 'report.json').read_text())) == golden.comparable(
         json.loads((GOLDEN / 'planted.report.json').read_text())
     )
-    assert not work.exists()
+    assert not (tmp_path / 'curated.work').exists()
     prefix = tmp_path / 'tokens'
     done = tool('preprocess.py', '--input', out, '--tokenizer-model',
                 GOLDEN / 'planted.tokenizer.model', '--output-prefix', prefix, '--append-eod',
@@ -499,3 +463,35 @@ def test_sharded_partitioned_survivors_equal_the_one_process_rule(planted_pairs_
     shuffled, kept, report, _, _, threshold = planted_pairs_run
     assert report['workers'] == 2 and report['shards'] >= 5
     assert kept == one_process_survivors(shuffled, threshold)  # the same, in input order
+
+
+def test_a_hung_worker_ends_the_run_with_one_line_and_keeps_the_work(cluster, tmp_path):
+    """--drill stall: piece 0's worker hangs in pass 1; with --stall_timeout_s 10 the run ends
+    with status 3 and one `error:` line naming the stage, no output placed, the work folder
+    (its scan and state) kept for a rerun. Until the worker hangs the test touches the
+    heartbeat itself, from the scan on: on CI's loaded cores a Ray worker's start can take
+    longer than any bound a test can wait, and a watch that fires then (the failure it is
+    also for) is not this drill's. Last in the module: the hung worker holds a CPU of the
+    cluster until Ray ends the departed driver's job."""
+    address, env = cluster
+    out = tmp_path / 'curated.jsonl'
+    work = tmp_path / 'curated.jsonl.work'
+
+    work.mkdir()  # the watch reads its heartbeat from the scan on (curate takes the folder)
+
+    def until_the_worker_hangs(stopped):
+        while not (work / 'drill.stall').exists() and not stopped.wait(1.0):
+            (work / '.heartbeat').touch()
+
+    started = time.monotonic()
+    done = tool('curate.py', '--input', GOLDEN / 'planted.raw.jsonl', '--output', out,
+                '--workers', 2, '--ray_address', address, '--shard_mb', 1 / 64,
+                '--drill', 'stall', '--stall_timeout_s', 10, *PLANTED, env=env,
+                beside=until_the_worker_hangs)  # fmt: skip
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert time.monotonic() - started < 300
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1].startswith('error: curate: no progress for ') and 'signatures' in lines[-1]
+    assert [line for line in lines if line.startswith('error:')] == lines[-1:]
+    assert (work / 'drill.stall').exists()  # piece 0's worker did hang (not fail otherwise)
+    assert not out.exists() and (work / 'state.json').exists()
