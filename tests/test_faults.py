@@ -4,6 +4,9 @@ line that names the array and both shapes, and nothing is deleted."""
 
 import json
 import os
+import shutil
+
+import pytest
 
 from support import SMALL_MODEL, run_train
 
@@ -20,11 +23,11 @@ def records(workdir):
     return {r['step']: r for r in map(json.loads, lines) if not r.get('eval')}
 
 
-def test_injected_nan_steps_are_skipped_counted_and_past_the_limit_stop_the_run(
-    tmp_path,
-    token_data,
-):
-    workdir = tmp_path / 'run'
+@pytest.fixture(scope='module')
+def nan_run(tmp_path_factory, token_data):
+    """Non-finite steps 3 and 4 past a limit of 2 (a checkpoint every 2 steps): (result,
+    workdir)."""
+    workdir = tmp_path_factory.mktemp('nan') / 'run'
     result = run_train(
         workdir,
         *FAST,
@@ -35,6 +38,11 @@ def test_injected_nan_steps_are_skipped_counted_and_past_the_limit_stop_the_run(
         '--config.train.max_consecutive_skips=2',
         data=token_data,
     )
+    return result, workdir
+
+
+def test_injected_nan_steps_are_skipped_counted_and_past_the_limit_stop_the_run(nan_run):
+    result, workdir = nan_run
     assert result.returncode == 1, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1].startswith('error: 2 consecutive steps')
     logged = records(workdir)
@@ -46,12 +54,15 @@ def test_injected_nan_steps_are_skipped_counted_and_past_the_limit_stop_the_run(
 
 
 def test_a_checkpoint_of_another_model_is_one_error_line_and_nothing_is_deleted(
+    nan_run,
     tmp_path,
     token_data,
 ):
+    """A copy of the NaN drill's workdir (its step-2 checkpoint of SMALL_MODEL: a train run
+    fewer than a run of its own) resumed with twice the hidden size."""
     workdir = tmp_path / 'run'
-    first = run_train(workdir, *FAST, '--config.train.steps=2', data=token_data)
-    assert first.returncode == 0, first.stderr[-3000:]
+    shutil.copytree(nan_run[1], workdir)
+    assert sorted(os.listdir(workdir / 'checkpoints')) == ['2']
     # A workdir that records its run (identity.json) refuses another model before the
     # checkpoint is read (test_identity.py); one that does not (an import, an older run) is
     # held by the checkpoint's own shapes.

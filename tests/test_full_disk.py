@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from mtnlg_jax.run import storage
-from support import ROOT, SMALL_MODEL, TRAIN_ENV, run_launch, run_train, train_args
+from support import ROOT, SMALL_MODEL, TRAIN_ENV, launch_in_process, run_train, train_args
 
 RUN = [
     *SMALL_MODEL,
@@ -199,10 +199,23 @@ def _documents(path, count=3000):
     return path
 
 
+@pytest.fixture(scope='module')
+def embedded():
+    """One embedded Ray for the two tools' drills (each tool's own start costs 10 to 30 s)."""
+    from mtnlg_jax.data import ray_engine
+
+    with ray_engine.started(2, object_store_mb=80) as ray:
+        yield ray
+
+
 @pytest.mark.parametrize('tool', ['preprocess', 'curate'])
-def test_a_full_disk_under_curation_or_preprocessing_output_is_one_line(small_disk, tmp_path, tool):
+def test_a_full_disk_under_curation_or_preprocessing_output_is_one_line(
+    embedded, small_disk, tmp_path, capfd, monkeypatch, tool
+):
     """Ray's workers meet a full 256 kB tmpfs: status 1, one error line naming the output and
-    the cause, none of Ray Data's logs of the failed task."""
+    the cause, none of Ray Data's logs of the failed task. Each tool's main(argv) in this
+    process on the module's embedded Ray (the command lines: test_command_line_contract.py);
+    capfd reads the process's own file descriptors, where Ray's log handlers write."""
     disk = small_disk('256k')
     documents = _documents(tmp_path / 'docs.jsonl')
     if tool == 'preprocess':
@@ -214,7 +227,7 @@ def test_a_full_disk_under_curation_or_preprocessing_output_is_one_line(small_di
         output = disk.path / 'curated.jsonl'
         args = ['--input', documents, '--output', output]
         expected = f'error: --output {output}: not written: No space left on device (ENOSPC)'
-    result = run_launch(f'{tool}.py', *args)
-    assert result.returncode == 1, result.stderr[-3000:]
-    assert_one_error_line(result.stderr, expected)
-    assert 'ERROR' not in result.stdout and 'Traceback' not in result.stdout
+    status, printed, errors = launch_in_process(tool, capfd, monkeypatch, *args)
+    assert status == 1, errors[-30:]
+    assert_one_error_line('\n'.join(errors), expected)
+    assert 'ERROR' not in printed and 'Traceback' not in printed

@@ -5,13 +5,11 @@ import json
 import pathlib
 import shutil
 
-import numpy as np
 import pytest
 import tokenizers
 from test_preprocess import preprocess
 
 from mtnlg_jax.data import tokenizer as tokenizer_lib
-from mtnlg_jax.data.indexed import IndexedDataset
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOKENIZER_JSON = ROOT / 'tests/fixtures/hf_llama/llama/tokenizer.json'
@@ -53,17 +51,6 @@ def test_bad_tokenizer_json_files_are_one_error_naming_the_file(tmp_path):
     with pytest.raises(tokenizer_lib.TokenizerError, match='no end-of-document token') as error:
         tokenizer_lib.load(str(tmp_path / 'no_eod.json'))
     assert str(tmp_path / 'no_eod.json') in str(error.value)
-
-
-def test_preprocess_with_a_tokenizer_json_writes_documents_that_start_with_bos(tmp_path):
-    docs = [TEXT, 'And the earth was without form.', 'x = 1\n']
-    (tmp_path / 'in.jsonl').write_text(''.join(json.dumps({'text': d}) + '\n' for d in docs))
-    assert preprocess('--input', tmp_path / 'in.jsonl', '--tokenizer-model', TOKENIZER_JSON,
-                      '--output-prefix', tmp_path / 'out', '--append-eod') == 0  # fmt: skip
-    dataset = IndexedDataset(str(tmp_path / 'out'))
-    tok = tokenizer_lib.load(str(TOKENIZER_JSON))
-    for i, doc in enumerate(docs):
-        np.testing.assert_array_equal(dataset[i], tok.encode_document(doc))
 
 
 def test_preprocess_refuses_to_train_a_tokenizer_json(tmp_path, capsys):

@@ -68,6 +68,22 @@ def test_every_document_comes_back_in_order_with_an_eod_token(corpus, tokenizer,
     assert int((dataset.tokens == tokenizer.eod_id).sum()) == len(docs)
 
 
+def test_a_tokenizer_json_writes_documents_that_start_with_bos(tmp_path):
+    """A Hugging Face tokenizer.json (Llama 3's kind, test_hf_tokenizer.py's): each document
+    is its encode_document, BOS first and EOD last (here, on the module's embedded Ray)."""
+    from test_hf_tokenizer import TEXT, TOKENIZER_JSON
+
+    docs = [TEXT, 'And the earth was without form.', 'x = 1\n']
+    (tmp_path / 'in.jsonl').write_text(''.join(json.dumps({'text': d}) + '\n' for d in docs))
+    assert preprocess('--input', tmp_path / 'in.jsonl', '--tokenizer-model', TOKENIZER_JSON,
+                      '--output-prefix', tmp_path / 'out', '--append-eod') == 0  # fmt: skip
+    dataset = IndexedDataset(str(tmp_path / 'out'))
+    tok = load_tokenizer(str(TOKENIZER_JSON))
+    assert tok.bos_id == 318 and tok.eod_id == 319
+    for i, doc in enumerate(docs):
+        np.testing.assert_array_equal(dataset[i], tok.encode_document(doc))
+
+
 def test_gpt2_bpe_with_megatrons_flags_one_dataset_per_json_key(tmp_path):
     """A byte-level BPE trained by `tokenizers`, saved as vocab.json/merges.txt, then
     Megatron's command line: every document of each key decodes back to its text."""

@@ -124,42 +124,15 @@ def incomplete_saves(checkpoints):
     return list(checkpoints.glob(f'*{TMP_MARKER}*'))
 
 
-# SIGINT takes the same handler (faults.StopSignals); one signal keeps the suite's time down.
-@pytest.mark.parametrize('signum', [signal.SIGTERM], ids=['SIGTERM'])
-def test_a_signal_finishes_the_step_saves_exits_0_and_the_run_resumes_exactly(
-    tmp_path,
-    runs,
-    token_data,
-    signum,
-):
-    """A run stopped by a signal resumes with the uninterrupted losses, bit for bit, saying
-    what changed (train.steps); the same command once more has nothing to do and leaves
-    config.json as it was. (A run that ended at its train.steps and went on with more: the
-    same resume, step for step; its save of the last step: the failed-save test's.)"""
-    workdir = tmp_path / 'run'
-    process = start_train(workdir, '--config.train.steps=1000', data=token_data)
-    wait_until(lambda: logged_steps(workdir) >= 3, process)
-    process.send_signal(signum)
-    assert process.wait(timeout=120) == 0, (tmp_path / 'stderr.txt').read_text()[-3000:]
-    stopped = re.search(r'stopped +at step (\d+)', (tmp_path / 'stdout.txt').read_text())
-    stopped_at = int(stopped.group(1))
-    assert 3 <= stopped_at < STEPS
-    assert (workdir / 'checkpoints' / str(stopped_at)).is_dir()
-    resumed = train_ok(workdir, f'--config.train.steps={STEPS}', data=token_data)
-    assert f'resumed      from step {stopped_at}' in resumed.stdout
-    assert 'changed: train.steps: 1000 -> 10' in resumed.stdout
-    assert losses(workdir) == losses(runs.uninterrupted())  # every step, bit for bit
-    config = (workdir / 'config.json').read_text()
-    again = train_ok(workdir, f'--config.train.steps={STEPS}', data=token_data)
-    assert again.stdout.startswith(f'nothing to do: {workdir} is at step {STEPS}')
-    assert (workdir / 'config.json').read_text() == config
-
-
-def test_a_run_killed_during_an_async_save_resumes_from_the_newest_complete_checkpoint(
-    tmp_path,
-    runs,
-    token_data,
-):
+def test_a_kill_in_a_save_and_then_a_signal_each_resume_the_run_exactly(tmp_path, runs, token_data):
+    """A run killed during an async save (checkpoint.every 1) resumes from the newest complete
+    checkpoint, naming the incomplete save it ignores. That run (checkpoint.every 0: no save
+    of its own before its end) stopped by SIGTERM finishes the step, saves it and exits 0
+    (SIGINT takes the same handler, faults.StopSignals). The same command with train.steps 10
+    resumes from there, saying what changed, and ends with the uninterrupted losses bit for
+    bit; once more it has nothing to do and leaves config.json as it was. (A run that ended
+    at its train.steps and went on with more: the same resume, step for step; its save of the
+    last step: the failed-save test's.)"""
     workdir = tmp_path / 'run'
     checkpoints = workdir / 'checkpoints'
     for _ in range(3):  # a kill that lands just after a save completes leaves nothing to test
@@ -174,11 +147,25 @@ def test_a_run_killed_during_an_async_save_resumes_from_the_newest_complete_chec
     incomplete = incomplete_saves(checkpoints)
     assert incomplete, 'no kill landed during a save'
     complete = max(complete_steps(checkpoints))
-    assert complete < STEPS
+    process = start_train(workdir, '--config.train.steps=1000', data=token_data)
+    logged = logged_steps(workdir)
+    wait_until(lambda: logged_steps(workdir) >= logged + 2, process)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 0, (tmp_path / 'stderr.txt').read_text()[-3000:]
+    printed = (tmp_path / 'stdout.txt').read_text()
+    assert f'resumed      from step {complete}' in printed
+    assert 'ignored incomplete save(s)' in printed and incomplete[0].name in printed
+    stopped_at = int(re.search(r'stopped +at step (\d+)', printed).group(1))
+    assert complete < stopped_at < STEPS
+    assert (checkpoints / str(stopped_at)).is_dir()
     resumed = train_ok(workdir, f'--config.train.steps={STEPS}', data=token_data)
-    assert f'resumed      from step {complete}' in resumed.stdout
-    assert 'ignored incomplete save(s)' in resumed.stdout and incomplete[0].name in resumed.stdout
-    assert losses(workdir) == losses(runs.uninterrupted())
+    assert f'resumed      from step {stopped_at}' in resumed.stdout
+    assert 'changed: train.steps: 1000 -> 10' in resumed.stdout
+    assert losses(workdir) == losses(runs.uninterrupted())  # every step, bit for bit
+    config = (workdir / 'config.json').read_text()
+    again = train_ok(workdir, f'--config.train.steps={STEPS}', data=token_data)
+    assert again.stdout.startswith(f'nothing to do: {workdir} is at step {STEPS}')
+    assert (workdir / 'config.json').read_text() == config
 
 
 @pytest.mark.parametrize(

@@ -115,7 +115,10 @@ def run_plan(*args):
     )  # fmt: skip
 
 
-def test_the_command_line_searches_and_refuses_bad_input(tmp_path):
+def test_the_command_line_searches_and_refuses_bad_input(tmp_path, capsys, monkeypatch):
+    """The search at the command line; each bad flag through plan.py's main(argv) in this
+    process (a subprocess each cost a JAX start-up; the command line's own refusals:
+    test_command_line_contract.py)."""
     out = tmp_path / 'best.json'
     result = run_plan(
         '--config', 'configs/tiny.py', '--search', '--cluster', 'a100-80gb', '--devices', '8',
@@ -124,12 +127,14 @@ def test_the_command_line_searches_and_refuses_bad_input(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert 'fixed: model.remat' in result.stdout and out.exists()
     assert 'predicting layouts' in result.stderr  # progress while it works
+    config = support.ROOT / 'configs/tiny.py'
     for args, flag in (
         (['--cluster', 'nope', '--devices', '8'], '--cluster'),
         (['--cluster', 'a100-80gb', '--devices', '7'], '--devices 7'),
         (['--cluster', 'a100-80gb'], '--devices N or --nodes N'),
     ):
-        bad = run_plan('--config', 'configs/tiny.py', '--search', *args)
-        assert bad.returncode == 2, bad.stderr
-        lines = bad.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith('error:') and flag in lines[0]
+        status, _, lines = support.launch_in_process(
+            'plan', capsys, monkeypatch, '--config', config, '--search', *args
+        )
+        assert status == 2, lines
+        assert len(lines) == 1 and lines[0].startswith('error:') and flag in lines[0], lines
