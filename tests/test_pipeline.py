@@ -133,8 +133,8 @@ def bf16_error(one_device):
 @pytest.mark.parametrize('schedule', ['1f1b', 'zbh1'])
 def test_bf16_gradient_error_no_worse_than_unpipelined(one_device, bf16_error, schedule):
     """Against the fp32 gradients: the pipeline sums in fp32 accumulators, so its bf16 error
-    is that of the unpipelined step's (within 10 %); zbh1's W contracts B's bf16 taps as
-    autodiff contracts the same x and dy."""
+    is that of the unpipelined step's (within 10 %); the kernels' dW (zbh1's W, the others'
+    backward) contracts bf16 taps x and dy into fp32, into the accumulator."""
     batch = support.random_batches(1)[0]
     config = support.small_config(stage=2, micro_steps=8, schedule=schedule, **BF16)
     _, _, piped = support.gradients(config, batch, step=5)

@@ -250,9 +250,12 @@ def run_table(
         kept_shapes = []
         if with_grads:  # the layout of a forward's residuals: every forward has the same
             zero = jnp.zeros((), jnp.int32)
-            if table.split:  # B hands W each kernel matmul's taps (taps.py)
-                sites = taps.probe(stage.apply, chunks[0], stage.fill, zero, 0, [])
-                stage = dataclasses.replace(stage, sites=sites)
+            # B hands W each kernel matmul's taps (taps.py); not split, B's own branch or
+            # the accumulators' add contracts them (Stage.fused), held as the matmuls had them
+            sites = taps.probe(stage.apply, chunks[0], stage.fill, zero, 0, [])
+            fused = not table.split
+            sites = taps.as_read(sites) if fused else sites
+            stage = dataclasses.replace(stage, sites=sites, fused=fused)
             first = functools.partial(stage.forward_with_residuals, repeat=0)  # chunk 0, static
             kept_shapes, layout = probe_layout(first, chunks[0], zero, stage.fill, zero)
             stage = dataclasses.replace(stage, layout=layout)
@@ -308,7 +311,7 @@ def scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index=None):
     def tap_buffer(a):  # a slot per micro-batch between its B and its W
         return jnp.full((table.tap_slots, stage.per_chunk, *a.shape), bubble_fill, a.dtype)
 
-    sites = stage.sites or ()
+    sites = () if stage.fused else stage.sites or ()  # fused: no buffers, W in B's tick
     arrived = constrain(stage.fill, stage.handoff_axes)
     arrived = (arrived, arrived) if table.v_shape else arrived  # the V: both ways
     init = (

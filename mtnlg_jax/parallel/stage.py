@@ -19,7 +19,9 @@ this stage's row of them). Every stage runs the same program; `lax.cond` on each
              (the conditionals return gradients; each chunk's accumulators, and the shared
              ones, are updated after them, in place, by a conditional that skips them unless
              the slot ran that chunk: a conditional that hands a buffer through its false
-             branch has XLA:GPU copy it, through its true branch not)
+             branch has XLA:GPU copy it, through its true branch not); the kernels'
+             gradients leave the VJP as their taps (taps.py: x, dy) and are contracted in
+             fp32 in that add, so the add is the dW GEMM's epilogue (Stage.fused)
     y -> stage s + 1, dx -> stage s - 1 (rings), split over 'tensor' along the sequence;
     in the V (zero_bubble_v.py) both also the other way, the turn on stage p - 1 local
 
@@ -97,7 +99,12 @@ class Stage:
     stage_layers: Any = None  # stage_order.StageLayers of unequal stages (None: equal)
     split: bool = False  # the table splits the backward into B and W (zero_bubble.py)
     v_shape: bool = False  # two chunks a stage in a V (zero_bubble_v.py, stage_order.py)
-    sites: Any = None  # split, with gradients: a layer's tapped matmuls (taps.probe's Sites)
+    sites: Any = None  # with gradients: a layer's tapped matmuls (taps.probe's Sites)
+    # not split, with gradients: each backward's kernel gradients contracted in fp32 from its
+    # taps inside the accumulators' add, which XLA:GPU then fuses into the GEMM (cuBLAS or
+    # Triton's epilogue, as Megatron's gradient_accumulation_fusion) instead of an fp32 add
+    # of the kernel's size each backward
+    fused: bool = False
     pairs: Any = None  # the steady tick's keys (branches.steady_pairs; None: the tick by slot)
     unroll: bool = False  # the steady tick: the chunk's layers unrolled (pipeline.run_table)
     prepared: Any = None  # fns.prepare of each chunk, made once a step (None: no prepare)
@@ -150,7 +157,7 @@ class Stage:
 
         def first():
             x = constrain(self.fns.embed(shared, self.batch.at(micro)), ACTIVATION_AXES)
-            if self.split:  # h's gradient, zero here, laid out as the other branch's: B
+            if self.split or self.fused:  # h's gradient, zero here, as the other branch's: B
                 # hands it off (unused), and XLA insists on one layout (sequence parallel)
                 x = jnp.where(kind == SLOT_FIRST, x, constrain(h, ACTIVATION_AXES))
             return x
@@ -263,6 +270,7 @@ class Stage:
         d_chunk, d_shared, value, values, dx, tapped = grads
         acc_blocks, acc_shared, loss, acc_values = sums
         idle = bwd.kind == SLOT_IDLE
+        d_chunk, tapped = ((d_chunk, tapped), []) if self.fused else (d_chunk, tapped)
         with jax.named_scope(ACCUMULATE):
             acc_blocks = tuple(
                 add_unless(idle | (bwd.repeat != k), acc, d_chunk, self.add_chunk)
@@ -324,13 +332,14 @@ class Stage:
         acc_blocks, acc_shared, loss, acc_values = sums
 
         def idle(acc):
-            return acc, *self.no_gradients()[1:]
+            *rest, tapped = self.no_gradients()[1:]
+            return acc, *rest, [] if self.fused else tapped
 
         def run(acc):
-            d_chunk, *rest = self.pull_back(bwd, h, g, kept)
-            if self.sites is None:
-                return add(acc, d_chunk), *rest
-            return taps.add_untapped(acc, d_chunk, self.sites), *rest
+            d_chunk, *rest, tapped = self.pull_back(bwd, h, g, kept)
+            if self.fused:  # the taps used here, in B's branch
+                return self.add_chunk(acc, (d_chunk, tapped)), *rest, []
+            return self.add_chunk(acc, d_chunk), *rest, tapped
 
         with jax.named_scope(scope):
             acc, d_shared, value, values, dx, tapped = jax.lax.cond(
@@ -340,10 +349,15 @@ class Stage:
         return ((acc,), acc_shared, loss + value, self.combine(acc_values, values)), dx, tapped
 
     def add_chunk(self, acc, d_chunk):
-        """A chunk's accumulators + its gradients (split: but the tapped kernels', W's)."""
+        """A chunk's accumulators + its gradients (split: but the tapped kernels', W's;
+        fused: d_chunk is (the gradients, the taps), the kernels' contracted here)."""
         if self.sites is None:
             return add(acc, d_chunk)
-        return taps.add_untapped(acc, d_chunk, self.sites)
+        if not self.fused:
+            return taps.add_untapped(acc, d_chunk, self.sites)
+        d_chunk, tapped = d_chunk
+        acc = taps.add_untapped(acc, d_chunk, self.sites)
+        return taps.add_weight_grads(acc, self.sites, tapped)
 
     def add_shared(self, bwd, acc_shared, d_shared):
         """The shared accumulators + d_shared, in place, where the slot touched them: only

@@ -27,6 +27,9 @@ for the weights' gradient (Site.axes): Llama 3 405B's at tensor 8, 0.50 GiB a la
     with tapping(kernels, taps):    a layer's calls take its taps in order (the model's scan
                                     body); kernels: {id(kernel variable): its path}
     add_weight_grads(acc, sites, stashed)   acc + each kernel's dW from B's (x, dy) taps
+                                            (an fp32 GEMM: the add fuses into it)
+    as_read(sites)                  sites whose taps are held as the matmuls have them (a W
+                                    in B's own tick: the engine's fused accumulation)
     add_untapped(acc, grads, sites)         acc + grads but at the tapped kernels (B's add)
     untapped(grads, sites)                  grads with None at the tapped kernels
 """
@@ -181,32 +184,42 @@ def hold(buffers, sites):
     return [tuple(map(rules.constrain, b, site.held())) for b, site in zip(buffers, sites)]
 
 
-def weight_grads(sites, stashed):
-    """{kernel path: dW (layers, ...)}: per site x and dy contracted over every axis but the
-    kernel's, summed over the calls of a kernel (sequence pieces); stashed: the taps as
-    zeros(sites, ...) lays them out. A stream tap is gathered over the sequence first."""
-    grads = {}
+def weight_grads(sites, stashed, acc=None):
+    """{kernel path: dW (layers, ...), fp32}: per site x and dy contracted over every axis but
+    the kernel's, summed over the calls of a kernel (sequence pieces); stashed: the taps as
+    zeros(sites, ...) lays them out. A stream tap is gathered over the sequence first. acc:
+    {kernel path: fp32 accumulator} the sums start from (each GEMM's output added to it
+    directly: XLA:GPU fuses that add into the GEMM), or None."""
+    grads = dict(acc or {})
     for site, taps in zip(sites, stashed):
         x = taps[0] if site.shares is None else stashed[site.shares][0]
-        read = (tuple(a.replace('residual_seq', 'seq') for a in axes) for axes in site.axes)
-        x, dy = map(rules.constrain, (x, taps[-1]), read)  # a stream tap gathered again
-        inputs, out = site.spec.split('->')
+        x, dy = map(rules.constrain, (x, taps[-1]), map(_read, site.axes))  # a stream tap
+        inputs, out = site.spec.split('->')  # gathered again
         x_spec, w_spec = inputs.split(',')
         layer = next(c for c in 'lzyxw' if c not in site.spec)
-        d = jnp.einsum(f'{layer}{x_spec},{layer}{out}->{layer}{w_spec}', x, dy)
+        spec = f'{layer}{x_spec},{layer}{out}->{layer}{w_spec}'
+        d = jnp.einsum(spec, x, dy, preferred_element_type=jnp.float32)
         grads[site.path] = d if site.path not in grads else grads[site.path] + d
     return grads
 
 
 def add_weight_grads(acc, sites, stashed):
     """acc (fp32, the chunk's tree) plus each tapped kernel's gradient (weight_grads)."""
-    grads = weight_grads(sites, stashed)
+    leaves = {_keys(path): a for path, a in jax.tree_util.tree_leaves_with_path(acc)}
+    tapped = {site.path for site in sites}
+    grads = weight_grads(sites, stashed, {k: a for k, a in leaves.items() if k in tapped})
+    return jax.tree_util.tree_map_with_path(lambda path, a: grads.get(_keys(path), a), acc)
 
-    def add(path, a):
-        g = grads.get(_keys(path))
-        return a if g is None else a + g.astype(jnp.float32)
 
-    return jax.tree_util.tree_map_with_path(add, acc)
+def _read(axes):
+    """Logical axes as the matmul reads or writes them: a stream value's sequence whole."""
+    return tuple(a.replace('residual_seq', 'seq') for a in axes)
+
+
+def as_read(sites):
+    """The sites with their taps held as the matmuls read and write them (a stream value
+    gathered): for a W in B's own tick, where B has them so, nothing to gather again."""
+    return tuple(site._replace(axes=tuple(map(_read, site.axes))) for site in sites)
 
 
 def add_untapped(acc, grads, sites):
