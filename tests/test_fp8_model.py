@@ -170,6 +170,30 @@ def assert_amax_combined_by_max(split, batch):
     np.testing.assert_allclose(split[fp8_sites.AMAX], want, rtol=0.1)
 
 
+def test_selective_recompute_keeps_a_row_parallel_products_scale_and_requantizes_its_x():
+    """model.remat = selective (gpt.REMAT_POLICIES) keeps a gathered site's quantized x and
+    its scale, but of a row-parallel site (fp8_sites.SCATTERED_SITES: its x whole along the
+    sequence, recomputed by the backward anyway) the scale alone: the backward quantizes x
+    again by it. The gradients are those of keeping everything, bit for bit, in both recipes
+    (delayed scaled from a history, so its kept scale is not x's amax)."""
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    x = jax.random.normal(keys[0], (64, 256), jnp.bfloat16)
+    w = jax.random.normal(keys[1], (256, 128), jnp.bfloat16) * 0.05
+    dy = jax.random.normal(keys[2], (64, 128), jnp.float32)
+    history = jnp.zeros((len(fp8_sites.SITES), 2, 4)).at[:, 0, 0].set(3.0)
+    for recipe, site in [(r, s) for r in ('tensorwise', 'delayed') for s in ('mlp_up', 'mlp_out')]:
+
+        def f(x, w):
+            with fp8_sites.recording(history if recipe == 'delayed' else None):
+                out = fp8_sites.project((recipe, 0), site, jnp.sin(x), w)  # x from an op
+            return (out.astype(jnp.float32) * dy).sum()
+
+        selective = jax.checkpoint(f, policy=gpt.REMAT_POLICIES['selective'])
+        kept = [r for r in jax.tree.leaves(jax.vjp(selective, x, w)[1]) if r.dtype.itemsize == 1]
+        assert [r.shape for r in kept] == ([] if site == 'mlp_out' else [(64, 256)]), site
+        assert_trees_close(jax.grad(selective, (0, 1))(x, w), jax.grad(f, (0, 1))(x, w), atol=0)
+
+
 LLAMA_SITE_NAMES = ['attn_out', 'kv', 'mlp_out', 'mlp_up', 'q']
 
 

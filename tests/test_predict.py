@@ -203,3 +203,23 @@ def test_zbvs_bubble_is_counted_from_its_table_with_the_loss_on_stage_0(monkeypa
     assert bubble('zbv', 2)[1]['bubble_s'] == pytest.approx(expected, rel=1e-6)
     wrong = unit * (units + head * ~on_stage_0[::-1])  # the head on stage p - 1
     assert wrong.max(axis=1).sum() - wrong.sum(axis=0).max() != pytest.approx(expected)
+
+
+def test_fp8_block_matmuls_are_priced_at_the_fp8_peak():
+    """model.fp8 on an H100: the block's matmuls (here all 12 h^2 of a dense GPT's layer) at
+    1,979 TFLOP/s where bf16's run at 989, forward and both gradients for tensorwise, the
+    forward alone for blockwise (its gradients bf16); the head and attention as bf16's.
+    Unpipelined without recompute, the busiest (only) stage's compute falls by exactly that."""
+    h100 = clusters.CLUSTERS['h100-80gb']
+
+    def compute(fp8):
+        config = support.small_config(compute_dtype='bfloat16', remat='none', fp8=fp8)
+        return config, predict.step_time(config, h100)['compute_s']
+
+    config, bf16 = compute('none')
+    model, micro = config.model, config.train.micro_steps
+    block_flops = 2 * config.train.micro_batch * model.seq_len * 12 * model.hidden**2
+    rate = predict.FIGURES['h100-80gb'].matmul_efficiency * 1e12
+    saved = block_flops / rate * (1 / 989.0 - 1 / 1979.0) * micro * model.num_layers
+    assert bf16 - compute('tensorwise')[1] == pytest.approx(3 * saved, rel=1e-6)
+    assert bf16 - compute('blockwise')[1] == pytest.approx(saved, rel=1e-6)

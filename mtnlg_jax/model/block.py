@@ -44,7 +44,8 @@ from mtnlg_jax.parallel.rules import constrain, gather, gather_context, local_ca
 # of a mixture of experts, the router's choice (the backward never routes again) and the
 # grouped matmuls' outputs (model/moe.py). Under model.fp8 the products' quantized inputs and
 # scales (model/fp8.py): the backward does not take x's amax and quantize it again (the
-# quantized weights are not kept: they would cost more memory than requantizing saves time).
+# quantized weights are not kept: they would cost more memory than requantizing saves time;
+# a row-parallel product keeps its scale alone and requantizes its recomputed x: fp8_sites).
 SELECTIVE_SAVED = (
     'qkv', 'context', 'attn_out', 'mlp_in', 'mlp_out',
     *flash_attention.SAVED_NAMES, *moe.SAVED_NAMES, fp8.SAVED_NAMES[0],

@@ -67,6 +67,18 @@ def layer_matmul_params(model_cfg, active=True, dense=False):
     return attention + mlp_matmul_params(model_cfg, active, dense)
 
 
+def fp8_matmul_params(model_cfg):
+    """One block's matmul weights that model.fp8 multiplies in FP8 (model/fp8_sites.py's
+    sites): attention's Q, K, V and out, the dense MLP's or a mixture of experts' shared
+    experts'; the router and the routed experts stay in the compute dtype. 0 without FP8."""
+    if model_cfg.get('fp8', 'none') == 'none':
+        return 0
+    experts = experts_of(model_cfg)
+    mlp_width = shared_ffn_hidden(model_cfg) if experts else model_cfg.ffn_hidden
+    mlp = mlp_matrices(model_cfg) * model_cfg.hidden * mlp_width
+    return layer_matmul_params(model_cfg) - mlp_matmul_params(model_cfg) + mlp
+
+
 def mlp_biases(model_cfg, width):
     """The biases of a dense MLP of `width` (model.bias): its inner ones and the output's."""
     return (mlp_matrices(model_cfg) - 1) * width + model_cfg.hidden

@@ -40,8 +40,9 @@ E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 RECIPES = ('tensorwise', 'delayed', 'blockwise')
 BLOCK = 128  # blockwise: columns of an activation tile, the side of a weight block
 # What a product keeps for its backward, by name (model.remat = selective keeps the first):
-# the quantized input and both scales; the quantized weight.
-SAVED_NAMES = ('fp8_input', 'fp8_weight')
+# the quantized input and both scales; the quantized weight; the quantized input of a product
+# whose x the backward recomputes anyway (matmul's keep_input=False: requantized from it).
+SAVED_NAMES = ('fp8_input', 'fp8_weight', 'fp8_input_again')
 # XLA options of a program with tensorwise or delayed FP8 products (jax.jit's
 # compiler_options; XLA:CPU ignores them): GEMMs through cuBLASLt, where the FP8 rewrite is
 # (the module docstring). Blockwise's products are not of that form: none.
@@ -80,8 +81,9 @@ def amax(v):
 
 
 def matmul(
-    x, w, recipe='tensorwise', scales=None, margin=0, quantized=None, gather=None, gather_dy=None
-):
+    x, w, recipe='tensorwise', scales=None, margin=0, quantized=None, gather=None, gather_dy=None,
+    keep_input=True,
+):  # fmt: skip
     """x (..., K) @ w (K, *N) in FP8 under `recipe` (RECIPES), in x's dtype: (..., *N). scales:
     delayed's (x scale, w scale), from earlier steps' amax values (scale_of). N may be several
     dimensions (a fused kernel's slots, heads, head_dim), left unfolded: one product, one
@@ -97,7 +99,10 @@ def matmul(
     sequence-parallel shard) and be gathered in FP8, half the bytes of the compute dtype, the
     quantized x kept for the backward then the shard; None: x's products take it as it comes.
     gather_dy: the same for the product's gradient dy, quantized (e5m2) before its gradients'
-    products take it (a row-parallel product's dy arrives a sequence shard)."""
+    products take it (a row-parallel product's dy arrives a sequence shard). keep_input False:
+    the quantized x is named SAVED_NAMES[2], which selective recompute does not keep (its
+    scale it keeps), so the backward quantizes x again from x recomputed: for a product whose
+    x the backward recomputes anyway (a row-parallel site's, whole along the sequence)."""
     if isinstance(w, list):
         w = tuple(w)
     if isinstance(w, tuple) and recipe == 'blockwise':
@@ -113,27 +118,27 @@ def matmul(
     scales = (jnp.float32(1.0), jnp.float32(1.0)) if scales is None else scales
     if (gather, gather_dy) != (None, None) and recipe == 'blockwise':
         raise ValueError('blockwise FP8 takes x and dy whole: no gather')
-    gathers = (gather, gather_dy)
+    gathers = (gather, gather_dy, SAVED_NAMES[0 if keep_input else 2])
     if recipe != 'blockwise':  # x's leading dimensions kept: their shardings reach the dots
         return _matmul(x, w, scales, quantized, recipe, margin, gathers)
     flat = x.reshape(-1, x.shape[-1])
-    out = _matmul(flat, w, scales, None, recipe, margin, (None, None))
+    out = _matmul(flat, w, scales, None, recipe, margin, (None, None, gathers[2]))
     return out.reshape(*x.shape[:-1], w.shape[-1])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _matmul(x, w, scales, quantized, recipe, margin, gathers):
-    return _forward(x, w, scales, quantized, recipe, margin, gathers[0])[0]
+    return _forward(x, w, scales, quantized, recipe, margin, *gathers[::2])[0]
 
 
-def _forward(x, w, scales, quantized, recipe, margin, gather=None):
+def _forward(x, w, scales, quantized, recipe, margin, gather=None, x_name=SAVED_NAMES[0]):
     if recipe == 'blockwise':
         qx, sx = _tiles(x, E4M3, margin)
         qw, sw = _blocks(w, margin)
         return _blockwise_product(qx, sx, qw, sw, x.dtype), (qx, sx, qw, sw)
     if quantized is not None:
         sx = scales[0] if recipe == 'delayed' else None
-        return _forward_quantized(x, quantized, sx, margin, gather)
+        return _forward_quantized(x, quantized, sx, margin, gather, x_name)
     if recipe == 'delayed':
         sx, sw = scales
     else:
@@ -143,19 +148,19 @@ def _forward(x, w, scales, quantized, recipe, margin, gather=None):
         qw = jnp.stack([quantize(slot, E4M3, sw) for slot in w], 1)
     else:
         qw = quantize(w, E4M3, sw)
-    names = SAVED_NAMES[0], SAVED_NAMES[0], SAVED_NAMES[1], SAVED_NAMES[0]
+    names = x_name, SAVED_NAMES[0], SAVED_NAMES[1], SAVED_NAMES[0]
     saved = tuple(map(checkpoint_name, (qx, sx, qw, sw), names))
     product = _product(_gathered(gather, qx), sx, qw, sw, x.dtype, ((qx.ndim - 1,), (0,)))
     return product, saved
 
 
-def _forward_quantized(x, quantized, sx, margin, gather=None):
+def _forward_quantized(x, quantized, sx, margin, gather=None, x_name=SAVED_NAMES[0]):
     """_forward's product with w quantized ahead: x quantized (by sx, delayed's; None: its
     amax), times w's copy with K last (cuBLASLt's FP8 GEMM wants both operands' contracted
     dimension innermost)."""
     qw, qw_k_last, sw = quantized
     sx = scale_of(amax(x), E4M3, margin) if sx is None else sx
-    qx = checkpoint_name(quantize(x, E4M3, sx), SAVED_NAMES[0])
+    qx = checkpoint_name(quantize(x, E4M3, sx), x_name)
     sx = checkpoint_name(sx, SAVED_NAMES[0])
     contract = ((qx.ndim - 1,), (qw_k_last.ndim - 1,))
     product = _product(_gathered(gather, qx), sx, qw_k_last, sw, x.dtype, contract)
@@ -168,7 +173,7 @@ def _gathered(gather, q):
 
 
 def _matmul_fwd(x, w, scales, quantized, recipe, margin, gathers):
-    out, saved = _forward(x, w, scales, quantized, recipe, margin, gathers[0])
+    out, saved = _forward(x, w, scales, quantized, recipe, margin, *gathers[::2])
     like = jax.tree.map(lambda v: jnp.zeros((0,), v.dtype), (x, w))  # the gradients' types
     return out, (saved, scales, quantized, like)
 

@@ -45,6 +45,13 @@ the gradient dy of SCATTERED_SITES (row parallel: their output reduce-scattered,
 a shard) is quantized as it lies and gathered in e5m2 for the input and weight gradients. The
 same values as quantizing the gathered x and dy.
 
+What selective recompute keeps of a product (model/block.py's SELECTIVE_SAVED): x quantized
+and its scale (fp8_input), but for SCATTERED_SITES only the scale: their x (attention's
+context, SwiGLU's product) is whole along the sequence, t times a gathered site's shard, and
+the backward recomputes it from kept matmul outputs as the bf16 step does, so it quantizes it
+again by the kept scale (fp8.matmul's keep_input): the same values, without a stash of them
+per micro-batch in flight (6.5 + 2 GiB of the 405B's 16 micro-batches x 4 chunks).
+
 delayed: every block holds a buffer (model/buffers.py), `fp8_history` (sites, 2 [x, w],
 model.fp8_amax_history), the amax values of earlier steps. A site's scale is
 scale_of(the largest amax in its history); while the history is all zeros (the first step)
@@ -146,7 +153,8 @@ def project(setting, site, x, w, contract=1):
             recording.record(site, now)
     gather = _GATHER.get() if recipe != 'blockwise' else None
     gathers = [gather if site in sites else None for sites in (GATHERED_SITES, SCATTERED_SITES)]
-    out = fp8.matmul(x2, w2, recipe, scales, margin, quantized, *gathers)
+    keep = site not in SCATTERED_SITES  # their x: requantized in the backward (the docstring)
+    out = fp8.matmul(x2, w2, recipe, scales, margin, quantized, *gathers, keep_input=keep)
     return out.reshape(*lead, *n_shape)
 
 

@@ -4,7 +4,10 @@ communication it waits for, the pipeline's bubble from the engine's own table, t
 One forward of one layer, on one device (b sequences of s tokens, hidden h, MLP f, heads a,
 tensor t, compute dtype of e bytes):
 
-    matmuls     2 b s h (4 h + 2 f) / t FLOPs at peak x matmul(h / t)
+    matmuls     2 b s h (4 h + 2 f) / t FLOPs at peak x matmul(h / t); with model.fp8 the
+                block's FP8 sites (counts.fp8_matmul_params: all but a mixture of experts'
+                router and routed experts) at the FP8 peak where the GPU has one, forward
+                and both gradients (blockwise: its gradients at the compute dtype's)
     attention   4 b s^2 h / t FLOPs (Q K^T and the weighted sum, the whole square) at
                 peak x matmul(h / a), and its softmax, mask and dropout: (6 e + 1) a b s^2 / t
                 bytes of memory traffic, none where our engine runs a fused kernel on this
@@ -165,13 +168,17 @@ class _Rates:
 
     def __init__(self, cluster, figures, dtype):
         self.peak = cluster.peak_tflops[dtype] * 1e12
+        # FP8 by FP8 at the GPU's FP8 peak where it has FP8 tensor cores (as the replay's
+        # plan/overlap.py prices them), else at the compute dtype's
+        self.fp8_peak = cluster.peak_tflops.get('float8', 0.0) * 1e12 or self.peak
         self.figures = figures
         self.memory = cluster.hbm_bandwidth * figures.memory_efficiency
         self.cluster = cluster
 
-    def matmul(self, flops, width):
+    def matmul(self, flops, width, fp8=False):
         f = self.figures
-        return flops / (self.peak * f.matmul_efficiency * width / (width + f.matmul_knee))
+        peak = self.fp8_peak if fp8 else self.peak
+        return flops / (peak * f.matmul_efficiency * width / (width + f.matmul_knee))
 
     def bytes(self, size):
         return size / self.memory
@@ -204,6 +211,7 @@ def layer_forward(
     tokens = b * s // c  # of a micro-batch, on one device
     split = t if model.sequence_parallel else 1
     matmul_flops = 2 * tokens * counts.layer_matmul_params(model) / t
+    fp8_flops = 2 * tokens * counts.fp8_matmul_params(model) / t  # 0 without model.fp8
     experts = 0.0
     group = arithmetic.exchange_ranks(config)
     if experts_of(model) and group > 1:
@@ -226,8 +234,16 @@ def layer_forward(
     mlp_tensors = counts.mlp_matrices(model)  # (s, b, f) tensors read and written: 2 or 3
     elementwise = rates.bytes((10 * e + 2) * tokens * h / split + mlp_tensors * e * tokens * f / t)
     gathered = rates.link(_ring('all-gather', b * s * 2 * kv_heads * head_dim * e / t, c), c * t)
+    width = min(tokens, h / t)
+    fp8 = rates.matmul(fp8_flops, width, fp8=True)
+    matmuls = rates.matmul(matmul_flops - fp8_flops, width) + fp8
+    # tensorwise and delayed multiply both gradients in FP8 too; blockwise's stay in the
+    # compute dtype (model/fp8.py): the backward's block matmuls beyond twice the forward's
+    blockwise = model.get('fp8', 'none') == 'blockwise'
+    fp8_backward = 2 * (rates.matmul(fp8_flops, width) - fp8) if blockwise else 0.0
     return dict(
-        compute=rates.matmul(matmul_flops, min(tokens, h / t)) + attention + elementwise,
+        compute=matmuls + attention + elementwise,
+        fp8_backward=fp8_backward,
         attention=attention,
         attention_backward=attention_backward,
         tensor=(
@@ -296,6 +312,7 @@ def slot_costs(
         k: n * (layer[f'attention_backward{x}'] - 2 * layer[f'attention{x}'])
         for k, x in (('compute', ''), ('flops', '_flops'))
     }
+    extra['compute'] += n * layer['fp8_backward']  # blockwise's gradients in the compute dtype
     head, head_flops = head_forward(config, rates)
     run = {k: n * layer[k] for k in ('compute', 'tensor', 'expert', 'context', 'flops')}
     forward = dict(run, recompute=0.0, accumulate=0.0)
