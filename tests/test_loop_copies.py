@@ -75,13 +75,15 @@ def test_no_copy_over_a_mib_inside_the_loops_of_zbh1():
 
 def test_no_copy_over_a_mib_inside_the_loops_of_the_steady_tick():
     """pipeline.steady_tick (interleaved, the big configs' schedule): one switch over the
-    tick's slot pairs returns both slots' results, written and added outside it, in place.
+    tick's slot pairs returns both slots' results, written and added outside it, in place;
+    with pipeline.fused_accumulation, no fp32 add of a kernel's size beside the GEMMs.
     Hidden 512, fp32."""
     config = support.small_config(
         stage=2, repeats=2, schedule='interleaved', micro_steps=4, num_layers=4, hidden=512,
         compute_dtype='float32', remat='selective',
     )  # fmt: skip
     config.pipeline.steady_tick = True
+    config.pipeline.fused_accumulation = True
     assert_accumulation_in_the_gemms(assert_no_copy_in_a_loop(config))
 
 

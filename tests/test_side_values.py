@@ -112,9 +112,9 @@ def test_the_one_device_values_are_the_toys_and_the_penalty_moves_the_gradients(
 
 
 LAYOUTS = {
-    '1f1b-d2s2t2': lambda: support.small_config(2, 2, 2, 4, num_layers=LAYERS),
-    'interleaved-s2t2v2-steady': lambda: steady(
-        support.small_config(1, 2, 2, 4, 2, 'interleaved', num_layers=LAYERS)
+    '1f1b-d2s2t2-fused': lambda: fused(support.small_config(2, 2, 2, 4, num_layers=LAYERS)),
+    'interleaved-s2t2v2-steady-fused': lambda: fused(
+        steady(support.small_config(1, 2, 2, 4, 2, 'interleaved', num_layers=LAYERS))
     ),
     'gpipe-d2s2v2': lambda: support.small_config(2, 2, 1, 4, 2, 'gpipe', num_layers=LAYERS),
     'zbh1-s4t2': lambda: support.small_config(1, 4, 2, 8, 1, 'zbh1', num_layers=LAYERS),
@@ -128,13 +128,22 @@ def steady(config):
     return config
 
 
+def fused(config):
+    """config under pipeline.fused_accumulation (the kernels' gradients contracted in their
+    accumulators' add: in B's own branch with one chunk a stage, in each chunk's add with
+    more)."""
+    config.pipeline.fused_accumulation = True
+    return config
+
+
 @pytest.mark.parametrize('layout', LAYOUTS)
 def test_every_engine_carries_the_values_and_their_gradient_as_one_device(one_device, layout):
     """The train step's initial parameters (bit for bit), loss, gradients (per leaf, relative
     to its scale) and values (combined over layers, chunks, micro-batches, stages and
     replicas) equal one device's. The 1f1b and zbh1 layouts are test_pipeline.py's
     d2s2t2v1m4-1f1b and d1s4t2v1m8-zbh1: these cases hold those engines to one device there;
-    the interleaved one runs the steady tick (pipeline.steady_tick); zbv's V (its hand-offs
+    the 1f1b and interleaved ones here run pipeline.fused_accumulation (the interleaved one
+    under the steady tick too); zbv's V (its hand-offs
     both ways, the loss on stage 0) is held to it here by slot (with Llama's block over stages
     of unequal depth and the steady tick: test_unequal_stages.py)."""
     config = LAYOUTS[layout]()

@@ -95,6 +95,14 @@ KEYS = (
         'each, so their collectives can hide under each other\'s matmuls; the same results',
     ),
     Key(
+        'pipeline.fused_accumulation',
+        False,
+        'bool',
+        '1f1b / interleaved: each kernel\'s weight gradient contracted in fp32 inside the add '
+        'into its accumulator, which XLA:GPU fuses into the dW GEMM (no fp32 add pass a '
+        'micro-batch); the same results to fp32 rounding',
+    ),
+    Key(
         'pipeline.first_stage_layers',
         0,
         'int>=0',

@@ -118,13 +118,12 @@ def _constrain(grads, stage_fns):
     return rules.constrain_tree(grads, stage_fns.param_axes)
 
 
-def for_layout(
-    stages, repeats=1, schedule='1f1b', max_in_flight=0, stage_layers=None, steady_tick=False
-):
-    """The engine of a layout: Sequential without stages, else pipeline.engine_for's."""
+def for_layout(stages, repeats=1, schedule='1f1b', max_in_flight=0, stage_layers=None, **ticks):
+    """The engine of a layout: Sequential without stages, else pipeline.engine_for's (ticks:
+    steady_tick, fused_accumulation)."""
     if stages == 1:
         return Sequential()
-    return pipeline.engine_for(stages, repeats, schedule, max_in_flight, stage_layers, steady_tick)
+    return pipeline.engine_for(stages, repeats, schedule, max_in_flight, stage_layers, **ticks)
 
 
 def engine(config):

@@ -53,13 +53,14 @@ HANDOFF_AXES = ('batch', 'handoff_seq', 'embed')  # split over 'tensor' along th
 
 def options(config):
     """The keywords of a config's pipeline: stages, repeats, schedule, max_in_flight,
-    steady_tick (a run saved before pipeline.schedule existed is GPipe)."""
+    steady_tick, fused_accumulation (a run saved before pipeline.schedule existed is GPipe)."""
     return dict(
         stages=config.mesh.stage,
         repeats=config.pipeline.repeats,
         schedule=config.pipeline.get('schedule', 'gpipe'),
         max_in_flight=config.pipeline.get('max_in_flight', 0),
         steady_tick=config.pipeline.get('steady_tick', False),
+        fused_accumulation=config.pipeline.get('fused_accumulation', False),
     )
 
 
@@ -87,6 +88,8 @@ class TableEngine:
     schedule: str = '1f1b'  # or 'interleaved' (the same), 'zbh1', 'zbv'
     # the tick as one switch over its (forward, backward) pairs (stage.Stage.steady_tick)
     steady_tick: bool = False
+    # the weight gradients contracted in the accumulators' add (stage.Stage.fused)
+    fused_accumulation: bool = False
     pipelined = True
     shared_grads_by_stage = True  # each stage's own share, stacked (scan_ticks)
 
@@ -134,6 +137,7 @@ class TableEngine:
             True,
             stage_layers=self.stage_layers,
             steady_tick=self.steady_tick,
+            fused_accumulation=self.fused_accumulation,
         )
 
     def loss_sum(self, stage_fns, params, batch):
@@ -145,13 +149,12 @@ class TableEngine:
         return loss, count, values
 
 
-def engine_for(
-    stages, repeats, schedule='1f1b', max_in_flight=0, stage_layers=None, steady_tick=False
-):
-    """The engine of a pipelined layout (stages > 1): GPipe's or the table's."""
+def engine_for(stages, repeats, schedule='1f1b', max_in_flight=0, stage_layers=None, **ticks):
+    """The engine of a pipelined layout (stages > 1): GPipe's or the table's (ticks:
+    steady_tick, fused_accumulation)."""
     if schedule == 'gpipe':
         return gpipe.GPipeEngine(stages, repeats)
-    return TableEngine(stages, repeats, max_in_flight, stage_layers, schedule, steady_tick)
+    return TableEngine(stages, repeats, max_in_flight, stage_layers, schedule, **ticks)
 
 
 def num_ticks(stages, repeats, micro_batches, schedule='1f1b', max_in_flight=0):
@@ -207,12 +210,14 @@ def run_table(
     bubble_fill=0.0,
     stage_layers=None,
     steady_tick=False,
+    fused_accumulation=False,
 ):
     """Run `table` (schedule.Schedule) over batch (MicroBatch); returns (loss sum, token count,
     fp32 grads or None, side values: stage_fns.values combined over chunks, micro-batches and
     stages). bubble_fill: what empty slots and idle outputs hold (tests fill NaN:
     it never leaks); stage_layers: a StageLayers of stages of unequal depth (None: equal);
-    steady_tick: with gradients, the tick as one switch over its slot pairs (stage.py)."""
+    steady_tick: with gradients, the tick as one switch over its slot pairs (stage.py);
+    fused_accumulation: unsplit, the weight gradients contracted in the accumulators' add."""
     shared = shared_params(params)
     p, v = table.stages, table.repeats
     num_layers = jax.tree.leaves(params['blocks'])[0].shape[0]
@@ -252,10 +257,11 @@ def run_table(
             zero = jnp.zeros((), jnp.int32)
             # B hands W each kernel matmul's taps (taps.py); not split, B's own branch or
             # the accumulators' add contracts them (Stage.fused), held as the matmuls had them
-            sites = taps.probe(stage.apply, chunks[0], stage.fill, zero, 0, [])
-            fused = not table.split
-            sites = taps.as_read(sites) if fused else sites
-            stage = dataclasses.replace(stage, sites=sites, fused=fused)
+            fused = fused_accumulation and not table.split
+            if table.split or fused:
+                sites = taps.probe(stage.apply, chunks[0], stage.fill, zero, 0, [])
+                sites = taps.as_read(sites) if fused else sites
+                stage = dataclasses.replace(stage, sites=sites, fused=fused)
             first = functools.partial(stage.forward_with_residuals, repeat=0)  # chunk 0, static
             kept_shapes, layout = probe_layout(first, chunks[0], zero, stage.fill, zero)
             stage = dataclasses.replace(stage, layout=layout)
