@@ -19,9 +19,10 @@ this stage's row of them). Every stage runs the same program; `lax.cond` on each
              (the conditionals return gradients; each chunk's accumulators, and the shared
              ones, are updated after them, in place, by a conditional that skips them unless
              the slot ran that chunk: a conditional that hands a buffer through its false
-             branch has XLA:GPU copy it, through its true branch not); the kernels'
-             gradients leave the VJP as their taps (taps.py: x, dy) and are contracted in
-             fp32 in that add, so the add is the dW GEMM's epilogue (Stage.fused)
+             branch has XLA:GPU copy it, through its true branch not); under
+             pipeline.fused_accumulation the kernels' gradients leave the VJP as their taps
+             (taps.py: x, dy), contracted in fp32 in that add: the dW GEMM's epilogue
+             (Stage.fused)
     y -> stage s + 1, dx -> stage s - 1 (rings), split over 'tensor' along the sequence;
     in the V (zero_bubble_v.py) both also the other way, the turn on stage p - 1 local
 
