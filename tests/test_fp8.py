@@ -50,6 +50,31 @@ def test_each_recipe_is_the_fp32_product_within_fp8s_error_gradients_included(re
         assert 0.005 < error < bound  # quantized, and within the format's error
 
 
+@pytest.mark.parametrize('recipe', fp8.RECIPES)
+def test_in_bf16_no_dot_asks_for_an_fp32_result_from_16_bit_operands(recipe):
+    """XLA:CPU's runtime cannot run a bf16 x bf16 = f32 dot left outside a fusion ("Unsupported
+    element type for DotThunk", a one-device blockwise run's first step): bf16 compute's products
+    and gradients ask for bf16 (a GEMM accumulates in fp32 either way), and still run."""
+    x, w = (v.astype(jnp.bfloat16) for v in _inputs())
+    scales = _delayed_scales(x, w) if recipe == 'delayed' else None
+    cotangent = jax.random.normal(jax.random.key(2), (M, N), jnp.bfloat16)
+
+    def product_and_gradients(x, w, dy):
+        out, pull = jax.vjp(lambda a, b: fp8.matmul(a, b, recipe, scales), x, w)
+        return out, *pull(dy)
+
+    jaxpr = jax.make_jaxpr(product_and_gradients)(x, w, cotangent)
+    dots = [e for e in jaxpr.eqns if e.primitive.name == 'dot_general']
+    assert len(dots) >= 3
+    for dot in dots:
+        if all(v.aval.dtype.itemsize == 2 for v in dot.invars):
+            assert dot.outvars[0].aval.dtype == jnp.bfloat16, dot
+    got = jax.jit(product_and_gradients)(x, w, cotangent)[1:]
+    for g, e in zip(got, jax.vjp(lambda a, b: a @ b, x, w)[1](cotangent)):
+        assert g.dtype == jnp.bfloat16
+        assert _rms_error(g.astype(jnp.float32), e.astype(jnp.float32)) < 0.08
+
+
 def test_blockwise_keeps_an_outlier_to_its_tile():
     x, w = _inputs(outlier=1e6)  # one scale for the tensor flushes the rest below e4m3's range
     want = x @ w

@@ -255,19 +255,18 @@ def _blockwise_product(qx, sx, qw, sw, dtype):
 
 
 def _blockwise_rows_gradient(qdy, sdy, qw, sw, dtype):
-    """dx (M, K) = dy (M, N) @ w^T, dy by 1 x B tiles over N, w by its blocks."""
-    dy = qdy.astype(jnp.float32) / sdy  # (M, Nb, B)
-    w = qw.astype(jnp.float32) / sw  # (Kb, B, Nb, B)
-    per_block = jnp.einsum('mnc,kbnc->nmkb', dy.astype(dtype), w.astype(dtype),
-                           preferred_element_type=jnp.float32)  # fmt: skip
-    out = per_block.sum(0)
-    return out.reshape(out.shape[0], -1).astype(dtype)
+    """dx (M, K) = dy (M, N) @ w^T, dy by 1 x B tiles over N, w by its blocks: both scaled
+    back before one GEMM over all of N in `dtype` (its accumulation fp32 on every backend: a
+    16-bit dot with an fp32 result is one XLA:CPU's runtime cannot run outside a fusion)."""
+    dy = (qdy.astype(jnp.float32) / sdy).astype(dtype)  # (M, Nb, B)
+    w = (qw.astype(jnp.float32) / sw).astype(dtype)  # (Kb, B, Nb, B)
+    out = jnp.einsum('mnc,kbnc->mkb', dy, w, preferred_element_type=dtype)
+    return out.reshape(out.shape[0], -1)
 
 
 def _blockwise_weights_gradient(qx, sx, qdy, sdy, dtype):
-    """dw (K, N) = x^T @ dy, both by their 1 x B tiles (their rows are the contracted ones)."""
-    x = (qx.astype(jnp.float32) / sx).reshape(qx.shape[0], -1)
-    dy = (qdy.astype(jnp.float32) / sdy).reshape(qdy.shape[0], -1)
-    return jnp.dot(x.T.astype(dtype), dy.astype(dtype), preferred_element_type=jnp.float32).astype(
-        dtype
-    )
+    """dw (K, N) = x^T @ dy, both by their 1 x B tiles (their rows are the contracted ones),
+    scaled back before one GEMM in `dtype` as _blockwise_rows_gradient's."""
+    x = (qx.astype(jnp.float32) / sx).reshape(qx.shape[0], -1).astype(dtype)
+    dy = (qdy.astype(jnp.float32) / sdy).reshape(qdy.shape[0], -1).astype(dtype)
+    return jnp.dot(x.T, dy, preferred_element_type=dtype)
