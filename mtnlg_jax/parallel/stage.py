@@ -192,7 +192,8 @@ class Stage:
         recomputed; a split backward's VJP also of the chunk's zero taps (taps.py)."""
         tapped = () if self.sites is None else (taps.zeros(self.sites, self.per_chunk),)
         params = self.params_of(chunk, repeat)
-        return split_vjp(self.chunk_fn(kind, micro, repeat), params, x, *tapped)
+        with taps.handed_out_as_read(self.fused):  # fused: gathered in B, beside its GEMMs
+            return split_vjp(self.chunk_fn(kind, micro, repeat), params, x, *tapped)
 
     def forward(self, fwd, stash, resids):
         """One chunk's forward (branches.Forward): (y to the next stage, resids with its
@@ -228,33 +229,42 @@ class Stage:
         no_values = side.identities(self.fns.values)
         return (self.fill, no_values), [jnp.zeros(b.shape[1:], b.dtype) for b in resids]
 
-    def backward(self, bwd, sums, stash, resids, grad_buf):
+    def backward(self, bwd, sums, stash, resids, grad_buf, tap_bufs):
         """One chunk's backward (branches.Backward) through the VJP its forward kept; the last
         chunk runs its forward here, then final norm, head and loss, whose gradient starts the
-        VJP. Without gradients: the last chunk's loss only."""
+        VJP. Without gradients: the last chunk's loss only. Returns (sums, dx, tap_bufs)."""
         h, g, kept = self.slot_inputs(bwd, stash, resids, grad_buf)
         if not self.with_grads:
             with jax.named_scope(EVAL), jax.named_scope(LAST):
-                return jax.lax.cond(
+                return *jax.lax.cond(
                     bwd.kind == SLOT_LAST,
                     lambda: self.loss_only(bwd, sums, h),
                     lambda: (sums, self.fill),
-                )
+                ), tap_bufs
         if len(self.chunks) == 1:
-            return self.backward_one_chunk(bwd, sums, h, g, kept)[:2]
-        return self.backward_chunks(bwd, sums, h, g, kept)[:2]
+            return *self.backward_one_chunk(bwd, sums, h, g, kept)[:2], tap_bufs
+        scratch = tap_bufs if self.fused else None
+        return self.backward_chunks(bwd, sums, h, g, kept, scratch=scratch)
 
-    def backward_chunks(self, bwd, sums, h, g, kept, scope=BACKWARD):
+    def backward_chunks(self, bwd, sums, h, g, kept, scope=BACKWARD, scratch=None):
         """Several chunks a stage: the conditional returns this tick's gradients, never the
         accumulators (handed through one, XLA:GPU copies every fp32 accumulator in both
         branches, every tick); each chunk's are added to after it, where the slot ran that
-        chunk. Split, the tapped kernels' gradients are W's: left out. Returns (sums, the
-        input's gradient, the taps: [] unless split)."""
+        chunk. Split, the tapped kernels' gradients are W's: left out. scratch (fused): the
+        last backward's taps, what an idle slot hands out as its own (its true branch hands
+        them through, in place: no zero taps written; the add skips them). Returns (sums,
+        the input's gradient, the taps: [] unless split or fused)."""
+
+        def idle(scratch):
+            grads = self.without_taps(self.no_gradients())
+            return grads if scratch is None else (*grads[:-1], scratch)
+
         with jax.named_scope(scope):
             grads = jax.lax.cond(
                 bwd.kind == SLOT_IDLE,
-                lambda: self.without_taps(self.no_gradients()),
-                lambda: self.without_taps(self.pull_back(bwd, h, g, kept)),
+                idle,
+                lambda _: self.without_taps(self.pull_back(bwd, h, g, kept)),
+                scratch,
             )
         return self.add_gradients(bwd, sums, grads)
 
@@ -271,7 +281,9 @@ class Stage:
         d_chunk, d_shared, value, values, dx, tapped = grads
         acc_blocks, acc_shared, loss, acc_values = sums
         idle = bwd.kind == SLOT_IDLE
-        d_chunk, tapped = ((d_chunk, tapped), []) if self.fused else (d_chunk, tapped)
+        if self.fused:  # the taps as B gathered them: no accumulator's conditional holds a
+            # collective (XLA:GPU then hides the hand-offs behind the dW GEMMs)
+            d_chunk = (d_chunk, taps.hold(tapped, self.sites))
         with jax.named_scope(ACCUMULATE):
             acc_blocks = tuple(
                 add_unless(idle | (bwd.repeat != k), acc, d_chunk, self.add_chunk)
@@ -462,7 +474,9 @@ class Stage:
         y, resids, values = self.forward(row.forward, stash, resids)
         sums = (*sums[:3], self.combine(sums[3], values))  # the forward's side values
         if row.weights is None or not self.with_grads:
-            sums, dx = self.backward(row.backward, sums, stash, resids, grad_buf)
+            sums, dx, tap_bufs = self.backward(
+                row.backward, sums, stash, resids, grad_buf, tap_bufs
+            )
         else:  # a split backward: B, then W (which may be another micro-batch's)
             slot = row.weights.b_tap_slot
             sums, dx, tap_bufs = self.backward_input(
