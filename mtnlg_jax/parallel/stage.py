@@ -73,6 +73,7 @@ from mtnlg_jax.parallel.branches import (
 from mtnlg_jax.parallel import stage_functions as side
 from mtnlg_jax.parallel import stage_order, taps
 from mtnlg_jax.parallel.residuals import join_vjp, split_vjp
+from mtnlg_jax.parallel.slots import add, add_unless, read, write, zeros
 from mtnlg_jax.parallel.rules import STAGE_AXIS, constrain
 
 ACTIVATION_AXES = ('batch', 'residual_seq', 'embed')  # gathered, unless sequence parallel
@@ -560,28 +561,3 @@ class Stage:
             with jax.named_scope(LAST):
                 grads = self.head_gradients(self.chunks[b], b, bwd, h, d_values)
         return (*out, self.without_taps(grads))
-
-
-def read(buffer, slot):
-    return jax.lax.dynamic_index_in_dim(buffer, slot, 0, False)
-
-
-def write(buffer, slot, arrived, value):
-    """buffer[slot] = value where `arrived`, else as it was."""
-    kept = jnp.where(arrived, value, jax.lax.dynamic_index_in_dim(buffer, slot, 0, False))
-    return jax.lax.dynamic_update_index_in_dim(buffer, kept, slot, 0)
-
-
-def zeros(tree):
-    return jax.tree.map(jnp.zeros_like, tree)
-
-
-def add(acc, grads):
-    return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
-
-
-def add_unless(skip, acc, grads, plus=None):
-    """acc + grads in fp32 (or plus(acc, grads)), or acc as it was where `skip`: in place
-    either way. The pass-through is the conditional's true branch: XLA:GPU copies one that is
-    its false."""
-    return jax.lax.cond(skip, lambda a, _: a, plus or add, acc, grads)
