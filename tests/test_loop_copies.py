@@ -86,10 +86,10 @@ def test_an_idle_backward_writes_no_taps_and_the_accumulators_hold_no_collective
     """The 530 B's engine in small (interleaved by slot, bf16, sequence parallel, selective
     recompute, pipeline.fused_accumulation): an idle backward hands on the last backward's
     taps in place (its conditional's true branch) instead of writing zero taps (the 530 B's
-    11.6 GiB of zero fills a step); the stream taps are gathered before the accumulators'
+    11.6 GiB of zero fills a step); the stream taps leave B gathered, before the accumulators'
     conditionals, which then hold no collective, so XLA:GPU's scheduler may run the stage
-    hand-offs beside their dW GEMMs (a conditional holding collectives does not overlap
-    another: the 530 B's hand-offs 1 % overlapped with the gathers inside)."""
+    hand-offs beside their dW GEMMs (the 530 B's started only after accumulators holding
+    four all-gathers each: 1 % overlapped; docs/benchmarks.md)."""
     config = support.small_config(
         stage=2, tensor=2, repeats=2, schedule='interleaved', micro_steps=4, num_layers=4,
         hidden=256, compute_dtype='bfloat16', remat='selective', sequence_parallel=True,

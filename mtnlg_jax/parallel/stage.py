@@ -21,8 +21,8 @@ this stage's row of them). Every stage runs the same program; `lax.cond` on each
              the slot ran that chunk: a conditional that hands a buffer through its false
              branch has XLA:GPU copy it, through its true branch not); under
              pipeline.fused_accumulation the kernels' gradients leave the VJP as their taps
-             (taps.py: x, dy), contracted in fp32 in that add: the dW GEMM's epilogue
-             (Stage.fused)
+             (taps.py: x, dy, gathered in B), contracted in fp32 in that add: the dW
+             GEMM's epilogue (Stage.fused); an idle slot hands on the last ones, in place
     y -> stage s + 1, dx -> stage s - 1 (rings), split over 'tensor' along the sequence;
     in the V (zero_bubble_v.py) both also the other way, the turn on stage p - 1 local
 
@@ -39,9 +39,10 @@ matmuls. Idle slots are branches of their own; chunk 0's embedding stays a cond 
 hand-offs and W are the tick by slot's (the V's both ways included).
 
 The carry of the scan: (act_in, grad_in (in the V pairs, each way's), stash, resids,
-grad_buf, tap_bufs ([] unless split), sums), sums = (fp32 block accumulators, one tree
-(L / (p v), ...) a chunk, fp32 shared accumulators, loss, side values: {name: fp32 array},
-empty when the model declares none).
+grad_buf, tap_bufs ([] unless split; fused, several chunks, by slot: the last backward's
+taps), sums), sums = (fp32 block accumulators, one tree (L / (p v), ...) a chunk, fp32
+shared accumulators, loss, side values: {name: fp32 array}, empty when the model declares
+none).
 Chunks are separate trees, not one stacked (v, ...) array: slicing a chunk's weights and
 accumulators out of a stack by a traced index copies them every tick (XLA:GPU does not read a
 dynamic slice in place in a GEMM).
