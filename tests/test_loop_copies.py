@@ -10,12 +10,13 @@ from mtnlg_jax import config as config_lib
 from mtnlg_jax.xla import gpu_compile
 from mtnlg_jax.parallel import branches
 from mtnlg_jax.plan import gpu_target, hlo_module
-from mtnlg_jax.plan.loop_copies import loop_copies
+from mtnlg_jax.plan.loop_copies import loop_copies, loop_fills
 
 pytestmark = pytest.mark.skipif(
     gpu_compile.missing() is not None, reason=str(gpu_compile.missing())
 )
 MIB = 1 << 20
+COLLECTIVES = ('all-gather', 'reduce-scatter', 'all-reduce', 'collective-permute', 'all-to-all')
 
 
 def test_no_copy_over_a_mib_inside_the_loops_of_gpipe():
@@ -43,13 +44,7 @@ def test_no_copy_inside_a_loop_of_a_llama_with_stages_of_unequal_depth():
     config = config_lib.resolve(config, 3)
     text = assert_no_copy_in_a_loop(config)
     computations, _ = hlo_module.parse_module(text)
-    idle = [
-        dict(instruction.callees())['true_computation']
-        for instructions in computations.values()
-        for instruction in instructions
-        if instruction.opcode == 'conditional'
-        and instruction.op_name().endswith(f'{branches.BACKWARD}/cond')
-    ]
+    idle = branches_of(computations, f'{branches.BACKWARD}/cond', 'true_computation')
     assert idle
     written = {
         hlo_module.ARRAY.match(i.type_text).group(2)
@@ -85,6 +80,49 @@ def test_no_copy_over_a_mib_inside_the_loops_of_the_steady_tick():
     config.pipeline.steady_tick = True
     config.pipeline.fused_accumulation = True
     assert_accumulation_in_the_gemms(assert_no_copy_in_a_loop(config))
+
+
+def test_an_idle_backward_writes_no_taps_and_the_accumulators_hold_no_collective():
+    """The 530 B's engine in small (interleaved by slot, bf16, sequence parallel, selective
+    recompute, pipeline.fused_accumulation): an idle backward hands on the last backward's
+    taps in place (its conditional's true branch) instead of writing zero taps (the 530 B's
+    11.6 GiB of zero fills a step); the stream taps leave B gathered, before the accumulators'
+    conditionals, which then hold no collective, so XLA:GPU's scheduler may run the stage
+    hand-offs beside their dW GEMMs (the 530 B's started only after accumulators holding
+    four all-gathers each: 1 % overlapped; docs/benchmarks.md)."""
+    config = support.small_config(
+        stage=2, tensor=2, repeats=2, schedule='interleaved', micro_steps=4, num_layers=4,
+        hidden=256, compute_dtype='bfloat16', remat='selective', sequence_parallel=True,
+    )  # fmt: skip
+    config.pipeline.fused_accumulation = True
+    text = assert_no_copy_in_a_loop(config)
+    assert_accumulation_in_the_gemms(text)
+    computations, _ = hlo_module.parse_module(text)
+    idle = set(branches_of(computations, f'{branches.BACKWARD}/cond', 'true_computation'))
+    tap = support.SEQ_LEN // 2 * 256 * 2  # bytes of a row's stream tap, the smallest
+    filled = [f['type'] for f in loop_fills(text, min_bytes=tap) if f['computation'] in idle]
+    assert idle and not filled, filled  # left: norms' and biases' zero gradients
+    accumulators = branches_of(computations, f'{branches.ACCUMULATE}/cond')
+    held = [
+        i.opcode
+        for name in accumulators
+        for i in computations[name]
+        if i.opcode.startswith(COLLECTIVES)
+    ]
+    assert accumulators and not held, held
+
+
+def branches_of(computations, scope, which=None):
+    """The branch computations (`which`: 'true_computation' etc., None: every one) of the
+    conditionals whose op name ends with `scope`."""
+    return [
+        callee
+        for instructions in computations.values()
+        for i in instructions
+        if i.opcode == 'conditional' and i.op_name().endswith(scope)
+        for attr, callee in i.callees()
+        if which in (None, attr)
+    ]
 
 
 def assert_accumulation_in_the_gemms(text):

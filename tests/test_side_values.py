@@ -116,6 +116,9 @@ LAYOUTS = {
     'interleaved-s2t2v2-steady-fused': lambda: fused(
         steady(support.small_config(1, 2, 2, 4, 2, 'interleaved', num_layers=LAYERS))
     ),
+    'interleaved-s2t2v2-fused': lambda: fused(
+        support.small_config(1, 2, 2, 4, 2, 'interleaved', num_layers=LAYERS)
+    ),
     'gpipe-d2s2v2': lambda: support.small_config(2, 2, 1, 4, 2, 'gpipe', num_layers=LAYERS),
     'zbh1-s4t2': lambda: support.small_config(1, 4, 2, 8, 1, 'zbh1', num_layers=LAYERS),
     'zbv-s2t2': lambda: support.small_config(1, 2, 2, 4, 2, 'zbv', num_layers=LAYERS),
@@ -143,7 +146,8 @@ def test_every_engine_carries_the_values_and_their_gradient_as_one_device(one_de
     replicas) equal one device's. The 1f1b and zbh1 layouts are test_pipeline.py's
     d2s2t2v1m4-1f1b and d1s4t2v1m8-zbh1: these cases hold those engines to one device there;
     the 1f1b and interleaved ones here run pipeline.fused_accumulation (the interleaved one
-    under the steady tick too); zbv's V (its hand-offs
+    by slot, where an idle backward hands on the last one's taps, and under the steady
+    tick); zbv's V (its hand-offs
     both ways, the loss on stage 0) is held to it here by slot (with Llama's block over stages
     of unequal depth and the steady tick: test_unequal_stages.py)."""
     config = LAYOUTS[layout]()

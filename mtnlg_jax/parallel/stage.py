@@ -21,8 +21,8 @@ this stage's row of them). Every stage runs the same program; `lax.cond` on each
              the slot ran that chunk: a conditional that hands a buffer through its false
              branch has XLA:GPU copy it, through its true branch not); under
              pipeline.fused_accumulation the kernels' gradients leave the VJP as their taps
-             (taps.py: x, dy), contracted in fp32 in that add: the dW GEMM's epilogue
-             (Stage.fused)
+             (taps.py: x, dy, gathered in B), contracted in fp32 in that add: the dW
+             GEMM's epilogue (Stage.fused); an idle slot hands on the last ones, in place
     y -> stage s + 1, dx -> stage s - 1 (rings), split over 'tensor' along the sequence;
     in the V (zero_bubble_v.py) both also the other way, the turn on stage p - 1 local
 
@@ -39,9 +39,10 @@ matmuls. Idle slots are branches of their own; chunk 0's embedding stays a cond 
 hand-offs and W are the tick by slot's (the V's both ways included).
 
 The carry of the scan: (act_in, grad_in (in the V pairs, each way's), stash, resids,
-grad_buf, tap_bufs ([] unless split), sums), sums = (fp32 block accumulators, one tree
-(L / (p v), ...) a chunk, fp32 shared accumulators, loss, side values: {name: fp32 array},
-empty when the model declares none).
+grad_buf, tap_bufs ([] unless split; fused, several chunks, by slot: the last backward's
+taps), sums), sums = (fp32 block accumulators, one tree (L / (p v), ...) a chunk, fp32
+shared accumulators, loss, side values: {name: fp32 array}, empty when the model declares
+none).
 Chunks are separate trees, not one stacked (v, ...) array: slicing a chunk's weights and
 accumulators out of a stack by a traced index copies them every tick (XLA:GPU does not read a
 dynamic slice in place in a GEMM).
@@ -73,6 +74,7 @@ from mtnlg_jax.parallel.branches import (
 from mtnlg_jax.parallel import stage_functions as side
 from mtnlg_jax.parallel import stage_order, taps
 from mtnlg_jax.parallel.residuals import join_vjp, split_vjp
+from mtnlg_jax.parallel.slots import add, add_unless, read, write, zeros
 from mtnlg_jax.parallel.rules import STAGE_AXIS, constrain
 
 ACTIVATION_AXES = ('batch', 'residual_seq', 'embed')  # gathered, unless sequence parallel
@@ -192,7 +194,8 @@ class Stage:
         recomputed; a split backward's VJP also of the chunk's zero taps (taps.py)."""
         tapped = () if self.sites is None else (taps.zeros(self.sites, self.per_chunk),)
         params = self.params_of(chunk, repeat)
-        return split_vjp(self.chunk_fn(kind, micro, repeat), params, x, *tapped)
+        with taps.handed_out_as_read(self.fused):  # fused: gathered in B, beside its GEMMs
+            return split_vjp(self.chunk_fn(kind, micro, repeat), params, x, *tapped)
 
     def forward(self, fwd, stash, resids):
         """One chunk's forward (branches.Forward): (y to the next stage, resids with its
@@ -228,33 +231,42 @@ class Stage:
         no_values = side.identities(self.fns.values)
         return (self.fill, no_values), [jnp.zeros(b.shape[1:], b.dtype) for b in resids]
 
-    def backward(self, bwd, sums, stash, resids, grad_buf):
+    def backward(self, bwd, sums, stash, resids, grad_buf, tap_bufs):
         """One chunk's backward (branches.Backward) through the VJP its forward kept; the last
         chunk runs its forward here, then final norm, head and loss, whose gradient starts the
-        VJP. Without gradients: the last chunk's loss only."""
+        VJP. Without gradients: the last chunk's loss only. Returns (sums, dx, tap_bufs)."""
         h, g, kept = self.slot_inputs(bwd, stash, resids, grad_buf)
         if not self.with_grads:
             with jax.named_scope(EVAL), jax.named_scope(LAST):
-                return jax.lax.cond(
+                return *jax.lax.cond(
                     bwd.kind == SLOT_LAST,
                     lambda: self.loss_only(bwd, sums, h),
                     lambda: (sums, self.fill),
-                )
+                ), tap_bufs
         if len(self.chunks) == 1:
-            return self.backward_one_chunk(bwd, sums, h, g, kept)[:2]
-        return self.backward_chunks(bwd, sums, h, g, kept)[:2]
+            return *self.backward_one_chunk(bwd, sums, h, g, kept)[:2], tap_bufs
+        scratch = tap_bufs if self.fused else None
+        return self.backward_chunks(bwd, sums, h, g, kept, scratch=scratch)
 
-    def backward_chunks(self, bwd, sums, h, g, kept, scope=BACKWARD):
+    def backward_chunks(self, bwd, sums, h, g, kept, scope=BACKWARD, scratch=None):
         """Several chunks a stage: the conditional returns this tick's gradients, never the
         accumulators (handed through one, XLA:GPU copies every fp32 accumulator in both
         branches, every tick); each chunk's are added to after it, where the slot ran that
-        chunk. Split, the tapped kernels' gradients are W's: left out. Returns (sums, the
-        input's gradient, the taps: [] unless split)."""
+        chunk. Split, the tapped kernels' gradients are W's: left out. scratch (fused): the
+        last backward's taps, what an idle slot hands out as its own (its true branch hands
+        them through, in place: no zero taps written; the add skips them). Returns (sums,
+        the input's gradient, the taps: [] unless split or fused)."""
+
+        def idle(scratch):
+            grads = self.without_taps(self.no_gradients())
+            return grads if scratch is None else (*grads[:-1], scratch)
+
         with jax.named_scope(scope):
             grads = jax.lax.cond(
                 bwd.kind == SLOT_IDLE,
-                lambda: self.without_taps(self.no_gradients()),
-                lambda: self.without_taps(self.pull_back(bwd, h, g, kept)),
+                idle,
+                lambda _: self.without_taps(self.pull_back(bwd, h, g, kept)),
+                scratch,
             )
         return self.add_gradients(bwd, sums, grads)
 
@@ -271,7 +283,9 @@ class Stage:
         d_chunk, d_shared, value, values, dx, tapped = grads
         acc_blocks, acc_shared, loss, acc_values = sums
         idle = bwd.kind == SLOT_IDLE
-        d_chunk, tapped = ((d_chunk, tapped), []) if self.fused else (d_chunk, tapped)
+        if self.fused:  # the taps as B gathered them: no accumulator's conditional holds a
+            # collective (XLA:GPU then hides the hand-offs behind the dW GEMMs)
+            d_chunk = (d_chunk, taps.hold(tapped, self.sites))
         with jax.named_scope(ACCUMULATE):
             acc_blocks = tuple(
                 add_unless(idle | (bwd.repeat != k), acc, d_chunk, self.add_chunk)
@@ -462,7 +476,9 @@ class Stage:
         y, resids, values = self.forward(row.forward, stash, resids)
         sums = (*sums[:3], self.combine(sums[3], values))  # the forward's side values
         if row.weights is None or not self.with_grads:
-            sums, dx = self.backward(row.backward, sums, stash, resids, grad_buf)
+            sums, dx, tap_bufs = self.backward(
+                row.backward, sums, stash, resids, grad_buf, tap_bufs
+            )
         else:  # a split backward: B, then W (which may be another micro-batch's)
             slot = row.weights.b_tap_slot
             sums, dx, tap_bufs = self.backward_input(
@@ -546,28 +562,3 @@ class Stage:
             with jax.named_scope(LAST):
                 grads = self.head_gradients(self.chunks[b], b, bwd, h, d_values)
         return (*out, self.without_taps(grads))
-
-
-def read(buffer, slot):
-    return jax.lax.dynamic_index_in_dim(buffer, slot, 0, False)
-
-
-def write(buffer, slot, arrived, value):
-    """buffer[slot] = value where `arrived`, else as it was."""
-    kept = jnp.where(arrived, value, jax.lax.dynamic_index_in_dim(buffer, slot, 0, False))
-    return jax.lax.dynamic_update_index_in_dim(buffer, kept, slot, 0)
-
-
-def zeros(tree):
-    return jax.tree.map(jnp.zeros_like, tree)
-
-
-def add(acc, grads):
-    return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
-
-
-def add_unless(skip, acc, grads, plus=None):
-    """acc + grads in fp32 (or plus(acc, grads)), or acc as it was where `skip`: in place
-    either way. The pass-through is the conditional's true branch: XLA:GPU copies one that is
-    its false."""
-    return jax.lax.cond(skip, lambda a, _: a, plus or add, acc, grads)

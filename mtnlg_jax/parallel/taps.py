@@ -30,6 +30,7 @@ for the weights' gradient (Site.axes): Llama 3 405B's at tensor 8, 0.50 GiB a la
                                             (an fp32 GEMM: the add fuses into it)
     as_read(sites)                  sites whose taps are held as the matmuls have them (a W
                                     in B's own tick: the engine's fused accumulation)
+    with handed_out_as_read():      a VJP traced inside hands its taps out so (as_read's)
     add_untapped(acc, grads, sites)         acc + grads but at the tapped kernels (B's add)
     untapped(grads, sites)                  grads with None at the tapped kernels
 """
@@ -46,6 +47,7 @@ from mtnlg_jax.parallel import rules
 
 _TAPPING = contextvars.ContextVar('mtnlg_jax_tapping', default=None)
 _RECORDER = contextvars.ContextVar('mtnlg_jax_tap_recorder', default=None)
+_AS_READ = contextvars.ContextVar('mtnlg_jax_taps_as_read', default=False)
 
 
 class Site(NamedTuple):
@@ -129,7 +131,9 @@ class _Layer:
         path = self.kernels.get(id(kernel))
         if path is not None and self.taps:
             x_tap, y_tap = (None, *self.taps.pop(0))[-2:]  # (y,): x is an earlier site's
-            return _tapped(spec, (_axes(kernel, spec), x_tap is None), x, w, x_tap, y_tap)
+            axes = _axes(kernel, spec)
+            axes = tuple(map(_read, axes)) if _AS_READ.get() else axes
+            return _tapped(spec, (axes, x_tap is None), x, w, x_tap, y_tap)
         y = jnp.einsum(spec, x, w)
         if path is not None and self.recorder is not None:  # probing: no taps given
             shares = next((i for i, seen in enumerate(self.inputs) if seen is x), None)
@@ -159,6 +163,19 @@ def tapping(kernels, layer_taps):
     finally:
         _TAPPING.reset(token)
     assert not layer.taps, 'a layer took fewer taps than it was given'
+
+
+@contextlib.contextmanager
+def handed_out_as_read(on=True):
+    """While a VJP with taps is traced (its forward): the taps leave its backward as the
+    matmuls read them (a stream value gathered, where the backward's GEMMs hide the gather)
+    instead of as held (its shard, gathered again in W): for a W in B's own tick, the engine's
+    fused accumulation (as_read's sites)."""
+    token = _AS_READ.set(on)
+    try:
+        yield
+    finally:
+        _AS_READ.reset(token)
 
 
 def probe(fn, *args):
