@@ -92,8 +92,9 @@ def matmul(
     SwiGLU's gate and in kernels): one scale over them all, and stacked only once quantized
     (the stack written in FP8, inside the quantization's kernel); their gradients a tuple.
     quantized: w already quantized (tensorwise and delayed, once a step: model/fp8_sites.py),
-    (q (K, *N) as the slots stack it, the same with K last (*N, K), the forward GEMM's
-    operand, its scale); w then only says the gradient's type, which goes to w as without it.
+    (q with K last (*N, K) as the slots stack it, the forward GEMM's operand, its scale); the
+    input gradient's GEMM contracts its N (XLA transposes it for cuBLASLt as the GEMM runs); w
+    then only says the gradient's type, which goes to w as without it.
     gather (tensorwise and delayed): a function applied to the quantized x before each product
     that takes it (the forward's, the weight gradient's): x may come split along its rows (a
     sequence-parallel shard) and be gathered in FP8, half the bytes of the compute dtype, the
@@ -158,13 +159,13 @@ def _forward_quantized(x, quantized, sx, margin, gather=None, x_name=SAVED_NAMES
     """_forward's product with w quantized ahead: x quantized (by sx, delayed's; None: its
     amax), times w's copy with K last (cuBLASLt's FP8 GEMM wants both operands' contracted
     dimension innermost)."""
-    qw, qw_k_last, sw = quantized
+    qw_k_last, sw = quantized
     sx = scale_of(amax(x), E4M3, margin) if sx is None else sx
     qx = checkpoint_name(quantize(x, E4M3, sx), x_name)
     sx = checkpoint_name(sx, SAVED_NAMES[0])
     contract = ((qx.ndim - 1,), (qw_k_last.ndim - 1,))
     product = _product(_gathered(gather, qx), sx, qw_k_last, sw, x.dtype, contract)
-    return product, (qx, sx, qw, sw)
+    return product, (qx, sx, qw_k_last, sw)
 
 
 def _gathered(gather, q):
@@ -193,7 +194,8 @@ def _matmul_bwd(recipe, margin, gathers, residuals, dy):
     qdy = _gathered(gathers[1], quantize(dy, E5M2, sdy))
     n, lead = qw.ndim - 1, tuple(range(qx.ndim - 1))
     n_of_dy = tuple(range(qdy.ndim - n, qdy.ndim))
-    dx = _product(qdy, sdy, qw, sw, x_dtype, (n_of_dy, tuple(range(1, qw.ndim))))  # input's
+    n_of_w = tuple(range(n)) if quantized is not None else tuple(range(1, qw.ndim))  # K last?
+    dx = _product(qdy, sdy, qw, sw, x_dtype, (n_of_dy, n_of_w))  # the input's gradient
     qx = _gathered(gathers[0], qx)  # kept as it came (a shard), gathered again for dW
     dw = _product(qx, sx, qdy, sdy, w_dtype, (lead, lead))  # the weights' gradient, apart
     if slots:

@@ -24,10 +24,11 @@ are local to a 1 x 128 tile (128 x 128 for weights), so no layout changes them.
 Tensorwise and delayed quantize each weight once a step (quantized_weights): from the compute
 copy, outside the micro-step loop, each site's kernel stacked over the layers is quantized
 layer by layer (its scale the layer's amax over the whole kernel, as project's; delayed's
-from the layer's history, this amax recorded for it as each micro-step did), kept as it is
-(the input gradient's GEMM operand) and with K last (the forward's), and the block stack's
-scan hands each layer its slice (layer_weights); the weight's gradient goes to the bf16
-kernel as ever. The same values as quantizing in every micro-step, without the amax
+from the layer's history, this amax recorded for it as each micro-step did), one copy, with K
+last (the forward GEMM's operand; the input gradient's GEMM transposes its layer's slice as
+it runs: a second copy as it is, (K, N), held all step, was 6 GiB of the 405B's stage), and
+the block stack's scan hands each layer its slice (layer_weights); the weight's gradient goes
+to the bf16 kernel as ever. The same values as quantizing in every micro-step, without the amax
 reductions, quantizations and transposes of every micro-step. Unpipelined, the train step
 quantizes the whole stack (weights_once, stack_weights); pipelined, each stage its chunks
 before the tick loop (the model's StageFunctions.prepare, parallel/stage_functions.py), a
@@ -138,12 +139,12 @@ def project(setting, site, x, w, contract=1):
     if recipe == 'blockwise':
         w2 = w2.reshape(w2.shape[0], math.prod(n_shape))
     ahead = (_LAYER.get() or {}).get(site) if recipe != 'blockwise' else None
-    if ahead is not None and ahead[0].shape != (math.prod(k_shape), *n_shape):
+    if ahead is not None and ahead[0].shape != (*n_shape, math.prod(k_shape)):
         raise ValueError(f'FP8 site {site}: its weight was quantized ahead in another shape')
-    quantized = None if ahead is None else ahead[:3]
+    quantized = None if ahead is None else ahead[:2]
     scales = None
     if recipe == 'delayed':
-        w_amax = fp8.amax(w2) if ahead is None else ahead[3]  # w's: the step's, taken once
+        w_amax = fp8.amax(w2) if ahead is None else ahead[2]  # w's: the step's, taken once
         now = tuple(jax.lax.stop_gradient(a) for a in (fp8.amax(x2), w_amax))
         recording = _RECORDING.get()
         if recording is None:  # outside a block's recording: current scaling
@@ -178,8 +179,8 @@ def _site_kernels(block):
 
 def _quantized_stack(w, contract, margin, past=None):
     """w (layers, *K, *N) or a tuple of slots of that shape, quantized layer by layer as
-    project quantizes one layer's: (q (layers, K, [slots,] *N), q with K last, scales
-    (layers,), amax values (layers,)). past: delayed's (layers,) largest amax in each layer's
+    project quantizes one layer's, with K last: (q (layers, [slots,] *N, K), scales (layers,),
+    amax values (layers,)). past: delayed's (layers,) largest amax in each layer's
     history, the scale's where above 0 (Recording.scales); None: tensorwise's, this step's."""
     slots = w if isinstance(w, tuple) else (w,)
     layers, k = slots[0].shape[0], math.prod(slots[0].shape[1 : 1 + contract])
@@ -193,7 +194,7 @@ def _quantized_stack(w, contract, margin, past=None):
     )
     q = [fp8.quantize(v, fp8.E4M3, scale.reshape(-1, *(1,) * (v.ndim - 1))) for v in folded]
     q = jnp.stack(q, 2) if isinstance(w, tuple) else q[0]
-    return q, jnp.moveaxis(q, 1, -1), scale, amax
+    return jnp.moveaxis(q, 1, -1), scale, amax
 
 
 def quantized_weights(setting, blocks):
