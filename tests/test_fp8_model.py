@@ -194,6 +194,38 @@ def test_selective_recompute_keeps_a_row_parallel_products_scale_and_requantizes
         assert_trees_close(jax.grad(selective, (0, 1))(x, w), jax.grad(f, (0, 1))(x, w), atol=0)
 
 
+def test_q_and_kv_keep_one_quantized_x_between_them():
+    """Attention's q and kv products of one x (fp8_sites.project's shared, as the block's
+    grouped attention calls them): selective recompute keeps one quantized x for both, where
+    each quantizing x itself keeps one each; the gradients bit for bit the same (tensorwise,
+    and delayed scaled from a history)."""
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    x = jax.random.normal(keys[0], (64, 256), jnp.bfloat16)
+    wq = jax.random.normal(keys[1], (256, 4, 32), jnp.bfloat16) * 0.05
+    wkv = jax.random.normal(keys[2], (256, 2, 2, 32), jnp.bfloat16) * 0.05
+    history = jnp.zeros((len(fp8_sites.SITES), 2, 4)).at[:, 0, 0].set(3.0)
+    for recipe in ('tensorwise', 'delayed'):
+
+        def f(x, wq, wkv, shared):
+            with fp8_sites.recording(history if recipe == 'delayed' else None):
+                h = jnp.sin(x)
+                q = fp8_sites.project((recipe, 0), 'q', h, wq, shared=shared)
+                kv = fp8_sites.project((recipe, 0), 'kv', h, wkv, shared=shared)
+            return q.astype(jnp.float32).sum() + (kv.astype(jnp.float32) ** 2).sum()
+
+        grads = {}
+        for shared in (True, False):
+            g = jax.checkpoint(
+                lambda *a, s=shared: f(*a, {} if s else None),
+                policy=gpt.REMAT_POLICIES['selective'],
+            )  # fmt: skip
+            kept = [r.shape for r in jax.tree.leaves(jax.vjp(g, x, wq, wkv)[1])
+                    if r.dtype.itemsize == 1]  # fmt: skip
+            assert kept == [(64, 256)] * (1 if shared else 2), (recipe, shared)
+            grads[shared] = jax.grad(g, (0, 1, 2))(x, wq, wkv)
+        assert_trees_close(grads[True], grads[False], atol=0)
+
+
 LLAMA_SITE_NAMES = ['attn_out', 'kv', 'mlp_out', 'mlp_up', 'q']
 
 

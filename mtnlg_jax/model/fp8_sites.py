@@ -121,13 +121,16 @@ def _push(value, values, step):
     return jnp.concatenate([newest[..., None], value[..., :-1]], axis=-1)
 
 
-def project(setting, site, x, w, contract=1):
+def project(setting, site, x, w, contract=1, shared=None):
     """x (..., *K) @ w (*K, *N) in FP8, K the last `contract` dimensions of x and the first of
     w (folded into one: the fold keeps a split dimension outermost); N stays as it is (a fused
     kernel's slot axis sits outside the heads tensor parallelism splits: folding it would move
     data), but for blockwise, whose weight blocks need one N (the caller gives it one slot).
     w may be a tuple of kernels of one shape, multiplied as slots (fp8.matmul): the result
-    (..., slots, *N)."""
+    (..., slots, *N). shared: a dict the caller hands every product of one x (attention's q
+    and kv): the first stores x quantized (fp8.quantized_input, by its own scale), the others
+    multiply that, so the backward keeps one quantized x for them all (tensorwise and delayed;
+    their x scales are the same: one x's amax, or histories of the same amax values)."""
     recipe, margin = setting
     first = w[0] if isinstance(w, tuple) else w
     lead = x.shape[: x.ndim - contract]
@@ -155,8 +158,21 @@ def project(setting, site, x, w, contract=1):
     gather = _GATHER.get() if recipe != 'blockwise' else None
     gathers = [gather if site in sites else None for sites in (GATHERED_SITES, SCATTERED_SITES)]
     keep = site not in SCATTERED_SITES  # their x: requantized in the backward (the docstring)
-    out = fp8.matmul(x2, w2, recipe, scales, margin, quantized, *gathers, keep_input=keep)
+    given = _shared_input(shared, recipe, x2, scales, margin)
+    out = fp8.matmul(
+        x2, w2, recipe, scales, margin, quantized, *gathers, keep_input=keep, x_quantized=given
+    )  # fmt: skip
     return out.reshape(*lead, *n_shape)
+
+
+def _shared_input(shared, recipe, x, scales, margin):
+    """x's (q, scale) from `shared` (project's), quantized and stored there by the first
+    product of x; None without `shared` or under blockwise (its tiles are each product's)."""
+    if shared is None or recipe == 'blockwise':
+        return None
+    if 'x' not in shared:
+        shared['x'] = fp8.quantized_input(x, None if scales is None else scales[0], margin)
+    return shared['x']
 
 
 def _site_kernels(block):
