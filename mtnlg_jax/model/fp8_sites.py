@@ -51,7 +51,9 @@ and its scale (fp8_input), but for SCATTERED_SITES only the scale: their x (atte
 context, SwiGLU's product) is whole along the sequence, t times a gathered site's shard, and
 the backward recomputes it from kept matmul outputs as the bf16 step does, so it quantizes it
 again by the kept scale (fp8.matmul's keep_input): the same values, without a stash of them
-per micro-batch in flight (6.5 + 2 GiB of the 405B's 16 micro-batches x 4 chunks).
+per micro-batch in flight (6.5 + 2 GiB of the 405B's 16 micro-batches x 4 chunks). Grouped
+attention's q and kv products take one x: the block quantizes it once for both (project's
+shared), so one quantized x is kept and gathered for the two (2 GiB of the 405B's stashes).
 
 delayed: every block holds a buffer (model/buffers.py), `fp8_history` (sites, 2 [x, w],
 model.fp8_amax_history), the amax values of earlier steps. A site's scale is
