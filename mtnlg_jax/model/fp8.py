@@ -104,7 +104,7 @@ def matmul(
     the quantized x is named SAVED_NAMES[2], which selective recompute does not keep (its
     scale it keeps), so the backward quantizes x again from x recomputed: for a product whose
     x the backward recomputes anyway (a row-parallel site's, whole along the sequence).
-    x_quantized (tensorwise and delayed): x's (q, scale) from quantized_input, shared by the
+    x_quantized (tensorwise and delayed): x quantized by quantized_input, shared by the
     products of one x (attention's q and kv): x is then not quantized again, and the backward
     of each keeps that one q, not a copy of its own; x only carries the input's gradient."""
     if isinstance(w, list):

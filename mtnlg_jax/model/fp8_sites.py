@@ -168,8 +168,9 @@ def project(setting, site, x, w, contract=1, shared=None):
 
 
 def _shared_input(shared, recipe, x, scales, margin):
-    """x's (q, scale) from `shared` (project's), quantized and stored there by the first
-    product of x; None without `shared` or under blockwise (its tiles are each product's)."""
+    """x quantized (fp8.quantized_input's q, scale and their named pair) from `shared`
+    (project's), stored there by the first product of x; None without `shared` or under
+    blockwise (its tiles are each product's)."""
     if shared is None or recipe == 'blockwise':
         return None
     if 'x' not in shared:
