@@ -144,8 +144,8 @@ def test_weights_quantized_once_a_step_give_the_same_step(monkeypatch, recipe, l
     made = _spy(monkeypatch, fp8_sites, 'quantized_weights', returned=True)
     _, once_loss, once, once_values = gradients_and_values(config, batch)
     assert handed and all(w is not None and sorted(w) == LLAMA_SITE_NAMES for w in handed)
-    weights = {q.shape for stack in made for q, q_k_last, *_ in stack.values()}
-    weights |= {q_k_last.shape for stack in made for q, q_k_last, *_ in stack.values()}
+    assert all(len(site) == 3 for stack in made for site in stack.values())  # one copy each
+    weights = {q_k_last.shape for stack in made for q_k_last, *_ in stack.values()}
     assert weights and not weights & set(stashed)
     each_stashed = _stashed_fp8(monkeypatch)
     monkeypatch.setattr(fp8_sites, 'quantized_weights', lambda *_: None)
@@ -214,6 +214,38 @@ def test_selective_recompute_keeps_a_row_parallel_products_scale_and_requantizes
         kept = [r for r in jax.tree.leaves(jax.vjp(selective, x, w)[1]) if r.dtype.itemsize == 1]
         assert [r.shape for r in kept] == ([] if site == 'mlp_out' else [(64, 256)]), site
         assert_trees_close(jax.grad(selective, (0, 1))(x, w), jax.grad(f, (0, 1))(x, w), atol=0)
+
+
+def test_q_and_kv_keep_one_quantized_x_between_them():
+    """Attention's q and kv products of one x (fp8_sites.project's shared, as the block's
+    grouped attention calls them): selective recompute keeps one quantized x for both, where
+    each quantizing x itself keeps one each; the gradients bit for bit the same (tensorwise,
+    and delayed scaled from a history)."""
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    x = jax.random.normal(keys[0], (64, 256), jnp.bfloat16)
+    wq = jax.random.normal(keys[1], (256, 4, 32), jnp.bfloat16) * 0.05
+    wkv = jax.random.normal(keys[2], (256, 2, 2, 32), jnp.bfloat16) * 0.05
+    history = jnp.zeros((len(fp8_sites.SITES), 2, 4)).at[:, 0, 0].set(3.0)
+    for recipe in ('tensorwise', 'delayed'):
+
+        def f(x, wq, wkv, shared):
+            with fp8_sites.recording(history if recipe == 'delayed' else None):
+                h = jnp.sin(x)
+                q = fp8_sites.project((recipe, 0), 'q', h, wq, shared=shared)
+                kv = fp8_sites.project((recipe, 0), 'kv', h, wkv, shared=shared)
+            return q.astype(jnp.float32).sum() + (kv.astype(jnp.float32) ** 2).sum()
+
+        grads = {}
+        for shared in (True, False):
+            g = jax.checkpoint(
+                lambda *a, s=shared: f(*a, {} if s else None),
+                policy=gpt.REMAT_POLICIES['selective'],
+            )  # fmt: skip
+            kept = [r.shape for r in jax.tree.leaves(jax.vjp(g, x, wq, wkv)[1])
+                    if r.dtype.itemsize == 1]  # fmt: skip
+            assert kept == [(64, 256)] * (1 if shared else 2), (recipe, shared)
+            grads[shared] = jax.grad(g, (0, 1, 2))(x, wq, wkv)
+        assert_trees_close(grads[True], grads[False], atol=0)
 
 
 LLAMA_SITE_NAMES = ['attn_out', 'kv', 'mlp_out', 'mlp_up', 'q']

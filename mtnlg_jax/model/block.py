@@ -242,25 +242,28 @@ class Attention(nnx.Module):
         return taps.matmul(kernel, spec, x, use(kernel, self.dtype))
 
     def projections_fp8(self, x):
-        """q, k, v of x under model.fp8 (model/fp8_sites.py): one FP8 product a kernel."""
+        """q, k, v of x under model.fp8 (model/fp8_sites.py): one FP8 product a kernel; q's
+        and kv's of one quantized x (fp8_sites.project's shared), kept once for the backward."""
         if not self.grouped:
             parts = self.fp8_slots('qkv', x, self.qkv_kernel, self.qkv_bias)
         else:
-            q = fp8_sites.project(self.fp8, 'q', x, use(self.q_kernel, self.dtype))
+            shared = {}
+            q = fp8_sites.project(self.fp8, 'q', x, use(self.q_kernel, self.dtype), shared=shared)
             parts = [add_bias(q, self.q_bias, self.dtype)]
-            parts += self.fp8_slots('kv', x, self.kv_kernel, self.kv_bias)
+            parts += self.fp8_slots('kv', x, self.kv_kernel, self.kv_bias, shared)
         axes_of = (Q_AXES, KV_AXES, KV_AXES)
         return tuple(checkpoint_name(constrain(a, ax), 'qkv') for a, ax in zip(parts, axes_of))
 
-    def fp8_slots(self, site, x, kernel, bias):
+    def fp8_slots(self, site, x, kernel, bias, shared=None):
         """The slots of a fused kernel (embed, slots, heads, head_dim) times x, bias added: one
-        FP8 product, its slot axis unfolded (blockwise: one product a slot)."""
+        FP8 product, its slot axis unfolded (blockwise: one product a slot); shared:
+        fp8_sites.project's."""
         w = use(kernel, self.dtype)
         b = None if bias is None else use(bias, self.dtype)
         if self.fp8[0] == 'blockwise':
             slots = [fp8_sites.project(self.fp8, site, x, w[:, i]) for i in range(w.shape[1])]
         else:
-            fused = fp8_sites.project(self.fp8, site, x, w)
+            fused = fp8_sites.project(self.fp8, site, x, w, shared=shared)
             slots = [fused[:, :, i] for i in range(w.shape[1])]
         return [a if b is None else a + b[i] for i, a in enumerate(slots)]
 

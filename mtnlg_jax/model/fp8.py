@@ -82,7 +82,7 @@ def amax(v):
 
 def matmul(
     x, w, recipe='tensorwise', scales=None, margin=0, quantized=None, gather=None, gather_dy=None,
-    keep_input=True,
+    keep_input=True, x_quantized=None,
 ):  # fmt: skip
     """x (..., K) @ w (K, *N) in FP8 under `recipe` (RECIPES), in x's dtype: (..., *N). scales:
     delayed's (x scale, w scale), from earlier steps' amax values (scale_of). N may be several
@@ -92,8 +92,9 @@ def matmul(
     SwiGLU's gate and in kernels): one scale over them all, and stacked only once quantized
     (the stack written in FP8, inside the quantization's kernel); their gradients a tuple.
     quantized: w already quantized (tensorwise and delayed, once a step: model/fp8_sites.py),
-    (q (K, *N) as the slots stack it, the same with K last (*N, K), the forward GEMM's
-    operand, its scale); w then only says the gradient's type, which goes to w as without it.
+    (q with K last (*N, K) as the slots stack it, the forward GEMM's operand, its scale); the
+    input gradient's GEMM contracts its N (XLA transposes it for cuBLASLt as the GEMM runs); w
+    then only says the gradient's type, which goes to w as without it.
     gather (tensorwise and delayed): a function applied to the quantized x before each product
     that takes it (the forward's, the weight gradient's): x may come split along its rows (a
     sequence-parallel shard) and be gathered in FP8, half the bytes of the compute dtype, the
@@ -102,7 +103,10 @@ def matmul(
     products take it (a row-parallel product's dy arrives a sequence shard). keep_input False:
     the quantized x is named SAVED_NAMES[2], which selective recompute does not keep (its
     scale it keeps), so the backward quantizes x again from x recomputed: for a product whose
-    x the backward recomputes anyway (a row-parallel site's, whole along the sequence)."""
+    x the backward recomputes anyway (a row-parallel site's, whole along the sequence).
+    x_quantized (tensorwise and delayed): x quantized by quantized_input, shared by the
+    products of one x (attention's q and kv): x is then not quantized again, and the backward
+    of each keeps that one q, not a copy of its own; x only carries the input's gradient."""
     if isinstance(w, list):
         w = tuple(w)
     if isinstance(w, tuple) and recipe == 'blockwise':
@@ -113,6 +117,8 @@ def matmul(
         raise ValueError('the delayed FP8 recipe needs the scales of x and w')
     if quantized is not None and recipe == 'blockwise':
         raise ValueError('a weight quantized ahead is tensorwise or delayed, not blockwise')
+    if x_quantized is not None and (recipe == 'blockwise' or not keep_input):
+        raise ValueError('a quantized x handed in is tensorwise or delayed, and kept')
     if recipe == 'blockwise' and w.ndim != 2:
         raise ValueError(f'blockwise FP8 multiplies a (K, N) weight, got {w.shape}')
     scales = (jnp.float32(1.0), jnp.float32(1.0)) if scales is None else scales
@@ -120,51 +126,58 @@ def matmul(
         raise ValueError('blockwise FP8 takes x and dy whole: no gather')
     gathers = (gather, gather_dy, SAVED_NAMES[0 if keep_input else 2])
     if recipe != 'blockwise':  # x's leading dimensions kept: their shardings reach the dots
-        return _matmul(x, w, scales, quantized, recipe, margin, gathers)
+        return _matmul(x, w, scales, quantized, x_quantized, recipe, margin, gathers)
     flat = x.reshape(-1, x.shape[-1])
-    out = _matmul(flat, w, scales, None, recipe, margin, (None, None, gathers[2]))
+    out = _matmul(flat, w, scales, None, None, recipe, margin, (None, None, gathers[2]))
     return out.reshape(*x.shape[:-1], w.shape[-1])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _matmul(x, w, scales, quantized, recipe, margin, gathers):
-    return _forward(x, w, scales, quantized, recipe, margin, *gathers[::2])[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _matmul(x, w, scales, quantized, given, recipe, margin, gathers):
+    return _forward(x, w, scales, quantized, given, recipe, margin, *gathers[::2])[0]
 
 
-def _forward(x, w, scales, quantized, recipe, margin, gather=None, x_name=SAVED_NAMES[0]):
+def _forward(x, w, scales, quantized, given, recipe, margin, gather=None, x_name=None):
     if recipe == 'blockwise':
         qx, sx = _tiles(x, E4M3, margin)
         qw, sw = _blocks(w, margin)
         return _blockwise_product(qx, sx, qw, sw, x.dtype), (qx, sx, qw, sw)
+    sx = scales[0] if recipe == 'delayed' else None
+    qx, sx, kept = given if given is not None else quantized_input(x, sx, margin, x_name)
     if quantized is not None:
-        sx = scales[0] if recipe == 'delayed' else None
-        return _forward_quantized(x, quantized, sx, margin, gather, x_name)
-    if recipe == 'delayed':
-        sx, sw = scales
-    else:
-        sx, sw = scale_of(amax(x), E4M3, margin), scale_of(amax(w), E4M3, margin)
-    qx = quantize(x, E4M3, sx)
+        return _forward_quantized(qx, sx, kept, quantized, x.dtype, gather)
+    sw = scales[1] if recipe == 'delayed' else scale_of(amax(w), E4M3, margin)
     if isinstance(w, tuple):  # slots: quantized, then stacked after K
         qw = jnp.stack([quantize(slot, E4M3, sw) for slot in w], 1)
     else:
         qw = quantize(w, E4M3, sw)
-    names = x_name, SAVED_NAMES[0], SAVED_NAMES[1], SAVED_NAMES[0]
-    saved = tuple(map(checkpoint_name, (qx, sx, qw, sw), names))
+    saved = (*kept, checkpoint_name(qw, SAVED_NAMES[1]), checkpoint_name(sw, SAVED_NAMES[0]))
     product = _product(_gathered(gather, qx), sx, qw, sw, x.dtype, ((qx.ndim - 1,), (0,)))
     return product, saved
 
 
-def _forward_quantized(x, quantized, sx, margin, gather=None, x_name=SAVED_NAMES[0]):
-    """_forward's product with w quantized ahead: x quantized (by sx, delayed's; None: its
-    amax), times w's copy with K last (cuBLASLt's FP8 GEMM wants both operands' contracted
-    dimension innermost)."""
-    qw, qw_k_last, sw = quantized
-    sx = scale_of(amax(x), E4M3, margin) if sx is None else sx
-    qx = checkpoint_name(quantize(x, E4M3, sx), x_name)
-    sx = checkpoint_name(sx, SAVED_NAMES[0])
+def quantized_input(x, scale=None, margin=0, name=None):
+    """x quantized in e4m3 by `scale` (delayed's; None: its amax's): (q, scale, the two named
+    for selective recompute, `name` (SAVED_NAMES[0] by default) and SAVED_NAMES[0]). The
+    products take the unnamed pair and the backward the named one: jax.checkpoint rounds a
+    kept value that its forward also uses to its type's bits (reduce_precision), which reads
+    e4m3fn as if it had infinities: what lies over 240 becomes NaN where XLA does not drop
+    the rounding (one op at a time). No gradient flows through them (matmul's x carries it)."""
+    x = jax.lax.stop_gradient(x)
+    sx = scale_of(amax(x), E4M3, margin) if scale is None else jax.lax.stop_gradient(scale)
+    qx = quantize(x, E4M3, sx)
+    kept = checkpoint_name(qx, name or SAVED_NAMES[0]), checkpoint_name(sx, SAVED_NAMES[0])
+    return qx, sx, kept
+
+
+def _forward_quantized(qx, sx, kept, quantized, dtype, gather=None):
+    """_forward's product with w quantized ahead: the quantized x (and `kept`, its named pair,
+    quantized_input's) times w's copy with K last (cuBLASLt's FP8 GEMM wants both operands'
+    contracted dimension innermost)."""
+    qw_k_last, sw = quantized
     contract = ((qx.ndim - 1,), (qw_k_last.ndim - 1,))
-    product = _product(_gathered(gather, qx), sx, qw_k_last, sw, x.dtype, contract)
-    return product, (qx, sx, qw, sw)
+    product = _product(_gathered(gather, qx), sx, qw_k_last, sw, dtype, contract)
+    return product, (*kept, qw_k_last, sw)
 
 
 def _gathered(gather, q):
@@ -172,14 +185,15 @@ def _gathered(gather, q):
     return q if gather is None else gather(q)
 
 
-def _matmul_fwd(x, w, scales, quantized, recipe, margin, gathers):
-    out, saved = _forward(x, w, scales, quantized, recipe, margin, *gathers[::2])
+def _matmul_fwd(x, w, scales, quantized, given, recipe, margin, gathers):
+    out, saved = _forward(x, w, scales, quantized, given, recipe, margin, *gathers[::2])
     like = jax.tree.map(lambda v: jnp.zeros((0,), v.dtype), (x, w))  # the gradients' types
-    return out, (saved, scales, quantized, like)
+    handed = None if given is None else ()  # whether x came quantized: in the tree's structure
+    return out, (saved, scales, quantized, handed, like)
 
 
 def _matmul_bwd(recipe, margin, gathers, residuals, dy):
-    (qx, sx, qw, sw), scales, quantized, (x_like, w_like) = residuals
+    (qx, sx, qw, sw), scales, quantized, handed, (x_like, w_like) = residuals
     slots = len(w_like) if isinstance(w_like, tuple) else 0
     x_dtype, w_dtype = x_like.dtype, jax.tree.leaves(w_like)[0].dtype
     zero_scales = jax.tree.map(jnp.zeros_like, scales)
@@ -188,17 +202,20 @@ def _matmul_bwd(recipe, margin, gathers, residuals, dy):
         qdy, sdy = _tiles(dy, E5M2, margin)
         dx = _blockwise_rows_gradient(qdy, sdy, qw, sw, x_dtype)
         dw = _blockwise_weights_gradient(qx, sx, qdy, sdy, w_dtype)
-        return dx, dw, zero_scales, None
+        return dx, dw, zero_scales, None, None
     sdy = scale_of(amax(dy), E5M2, margin)
     qdy = _gathered(gathers[1], quantize(dy, E5M2, sdy))
     n, lead = qw.ndim - 1, tuple(range(qx.ndim - 1))
     n_of_dy = tuple(range(qdy.ndim - n, qdy.ndim))
-    dx = _product(qdy, sdy, qw, sw, x_dtype, (n_of_dy, tuple(range(1, qw.ndim))))  # input's
+    n_of_w = tuple(range(n)) if quantized is not None else tuple(range(1, qw.ndim))  # K last?
+    dx = _product(qdy, sdy, qw, sw, x_dtype, (n_of_dy, n_of_w))  # the input's gradient
+    zero = jnp.zeros_like(qx), jnp.zeros_like(sx)
+    zero_given = None if handed is None else (*zero, zero)  # quantized_input's structure
     qx = _gathered(gathers[0], qx)  # kept as it came (a shard), gathered again for dW
     dw = _product(qx, sx, qdy, sdy, w_dtype, (lead, lead))  # the weights' gradient, apart
     if slots:
         dw = tuple(dw[:, i] for i in range(slots))
-    return dx, dw, zero_scales, zero_quantized
+    return dx, dw, zero_scales, zero_quantized, zero_given
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)

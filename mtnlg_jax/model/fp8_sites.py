@@ -24,10 +24,11 @@ are local to a 1 x 128 tile (128 x 128 for weights), so no layout changes them.
 Tensorwise and delayed quantize each weight once a step (quantized_weights): from the compute
 copy, outside the micro-step loop, each site's kernel stacked over the layers is quantized
 layer by layer (its scale the layer's amax over the whole kernel, as project's; delayed's
-from the layer's history, this amax recorded for it as each micro-step did), kept as it is
-(the input gradient's GEMM operand) and with K last (the forward's), and the block stack's
-scan hands each layer its slice (layer_weights); the weight's gradient goes to the bf16
-kernel as ever. The same values as quantizing in every micro-step, without the amax
+from the layer's history, this amax recorded for it as each micro-step did), one copy, with K
+last (the forward GEMM's operand; the input gradient's GEMM transposes its layer's slice as
+it runs: a second copy as it is, (K, N), held all step, was 6 GiB of the 405B's stage), and
+the block stack's scan hands each layer its slice (layer_weights); the weight's gradient goes
+to the bf16 kernel as ever. The same values as quantizing in every micro-step, without the amax
 reductions, quantizations and transposes of every micro-step. Unpipelined, the train step
 quantizes the whole stack (weights_once, stack_weights); pipelined, each stage its chunks
 before the tick loop (the model's StageFunctions.prepare, parallel/stage_functions.py), a
@@ -50,7 +51,9 @@ and its scale (fp8_input), but for SCATTERED_SITES only the scale: their x (atte
 context, SwiGLU's product) is whole along the sequence, t times a gathered site's shard, and
 the backward recomputes it from kept matmul outputs as the bf16 step does, so it quantizes it
 again by the kept scale (fp8.matmul's keep_input): the same values, without a stash of them
-per micro-batch in flight (6.5 + 2 GiB of the 405B's 16 micro-batches x 4 chunks).
+per micro-batch in flight (6.5 + 2 GiB of the 405B's 16 micro-batches x 4 chunks). Grouped
+attention's q and kv products take one x: the block quantizes it once for both (project's
+shared), so one quantized x is kept and gathered for the two (2 GiB of the 405B's stashes).
 
 delayed: every block holds a buffer (model/buffers.py), `fp8_history` (sites, 2 [x, w],
 model.fp8_amax_history), the amax values of earlier steps. A site's scale is
@@ -120,13 +123,16 @@ def _push(value, values, step):
     return jnp.concatenate([newest[..., None], value[..., :-1]], axis=-1)
 
 
-def project(setting, site, x, w, contract=1):
+def project(setting, site, x, w, contract=1, shared=None):
     """x (..., *K) @ w (*K, *N) in FP8, K the last `contract` dimensions of x and the first of
     w (folded into one: the fold keeps a split dimension outermost); N stays as it is (a fused
     kernel's slot axis sits outside the heads tensor parallelism splits: folding it would move
     data), but for blockwise, whose weight blocks need one N (the caller gives it one slot).
     w may be a tuple of kernels of one shape, multiplied as slots (fp8.matmul): the result
-    (..., slots, *N)."""
+    (..., slots, *N). shared: a dict the caller hands every product of one x (attention's q
+    and kv): the first stores x quantized (fp8.quantized_input, by its own scale), the others
+    multiply that, so the backward keeps one quantized x for them all (tensorwise and delayed;
+    their x scales are the same: one x's amax, or histories of the same amax values)."""
     recipe, margin = setting
     first = w[0] if isinstance(w, tuple) else w
     lead = x.shape[: x.ndim - contract]
@@ -138,12 +144,12 @@ def project(setting, site, x, w, contract=1):
     if recipe == 'blockwise':
         w2 = w2.reshape(w2.shape[0], math.prod(n_shape))
     ahead = (_LAYER.get() or {}).get(site) if recipe != 'blockwise' else None
-    if ahead is not None and ahead[0].shape != (math.prod(k_shape), *n_shape):
+    if ahead is not None and ahead[0].shape != (*n_shape, math.prod(k_shape)):
         raise ValueError(f'FP8 site {site}: its weight was quantized ahead in another shape')
-    quantized = None if ahead is None else ahead[:3]
+    quantized = None if ahead is None else ahead[:2]
     scales = None
     if recipe == 'delayed':
-        w_amax = fp8.amax(w2) if ahead is None else ahead[3]  # w's: the step's, taken once
+        w_amax = fp8.amax(w2) if ahead is None else ahead[2]  # w's: the step's, taken once
         now = tuple(jax.lax.stop_gradient(a) for a in (fp8.amax(x2), w_amax))
         recording = _RECORDING.get()
         if recording is None:  # outside a block's recording: current scaling
@@ -154,8 +160,22 @@ def project(setting, site, x, w, contract=1):
     gather = _GATHER.get() if recipe != 'blockwise' else None
     gathers = [gather if site in sites else None for sites in (GATHERED_SITES, SCATTERED_SITES)]
     keep = site not in SCATTERED_SITES  # their x: requantized in the backward (the docstring)
-    out = fp8.matmul(x2, w2, recipe, scales, margin, quantized, *gathers, keep_input=keep)
+    given = _shared_input(shared, recipe, x2, scales, margin)
+    out = fp8.matmul(
+        x2, w2, recipe, scales, margin, quantized, *gathers, keep_input=keep, x_quantized=given
+    )  # fmt: skip
     return out.reshape(*lead, *n_shape)
+
+
+def _shared_input(shared, recipe, x, scales, margin):
+    """x quantized (fp8.quantized_input's q, scale and their named pair) from `shared`
+    (project's), stored there by the first product of x; None without `shared` or under
+    blockwise (its tiles are each product's)."""
+    if shared is None or recipe == 'blockwise':
+        return None
+    if 'x' not in shared:
+        shared['x'] = fp8.quantized_input(x, None if scales is None else scales[0], margin)
+    return shared['x']
 
 
 def _site_kernels(block):
@@ -178,8 +198,8 @@ def _site_kernels(block):
 
 def _quantized_stack(w, contract, margin, past=None):
     """w (layers, *K, *N) or a tuple of slots of that shape, quantized layer by layer as
-    project quantizes one layer's: (q (layers, K, [slots,] *N), q with K last, scales
-    (layers,), amax values (layers,)). past: delayed's (layers,) largest amax in each layer's
+    project quantizes one layer's, with K last: (q (layers, [slots,] *N, K), scales (layers,),
+    amax values (layers,)). past: delayed's (layers,) largest amax in each layer's
     history, the scale's where above 0 (Recording.scales); None: tensorwise's, this step's."""
     slots = w if isinstance(w, tuple) else (w,)
     layers, k = slots[0].shape[0], math.prod(slots[0].shape[1 : 1 + contract])
@@ -193,7 +213,7 @@ def _quantized_stack(w, contract, margin, past=None):
     )
     q = [fp8.quantize(v, fp8.E4M3, scale.reshape(-1, *(1,) * (v.ndim - 1))) for v in folded]
     q = jnp.stack(q, 2) if isinstance(w, tuple) else q[0]
-    return q, jnp.moveaxis(q, 1, -1), scale, amax
+    return jnp.moveaxis(q, 1, -1), scale, amax
 
 
 def quantized_weights(setting, blocks):
