@@ -199,7 +199,10 @@ def _matmul_bwd(recipe, margin, gathers, residuals, dy):
     zero_scales = jax.tree.map(jnp.zeros_like, scales)
     zero_quantized = jax.tree.map(jnp.zeros_like, quantized)  # no gradient: w takes dW
     if recipe == 'blockwise':
-        qdy, sdy = _tiles(dy, E5M2, margin)
+        # the gradients scale dy's e5m2 values back to bf16: a convert there and back that
+        # XLA:GPU's fp-conversion simplification would drop (dy at bf16's precision) unless
+        # the e5m2 tiles are a value of their own
+        qdy, sdy = jax.lax.optimization_barrier(_tiles(dy, E5M2, margin))
         dx = _blockwise_rows_gradient(qdy, sdy, qw, sw, x_dtype)
         dw = _blockwise_weights_gradient(qx, sx, qdy, sdy, w_dtype)
         return dx, dw, zero_scales, None, None
