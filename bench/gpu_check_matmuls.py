@@ -81,20 +81,34 @@ def grouped_matmul(shapes=((64, 8), (128, 8)), tokens=16384, hidden=2048, ffn=15
     )
 
 
-def fp8_matmuls(size=8192):
-    """The fp8 section: x (size, size) @ w (size, size) and both gradients."""
+# Llama 3 8B's block products on one micro-batch of 8192 tokens: (name, rows, K, N)
+LLAMA3_8B_SHAPES = (
+    ('qkv', 8192, 4096, 6144),
+    ('attention out', 8192, 4096, 4096),
+    ('mlp in', 8192, 4096, 14336),
+    ('mlp out', 8192, 14336, 4096),
+)
+
+
+def fp8_matmuls(shapes=LLAMA3_8B_SHAPES):
+    """The fp8 section's products: x (rows, K) @ w (K, N) and both gradients of each shape,
+    bf16 and each FP8 recipe, against fp32 at 'highest' precision."""
+    return dict(rows=[row for shape in shapes for row in _fp8_rows(*shape)])
+
+
+def _fp8_rows(name, m, k, n):
     keys = jax.random.split(jax.random.key(0), 3)
-    x = jax.random.normal(keys[0], (size, size))
-    w = jax.random.normal(keys[1], (size, size)) / size**0.5
-    cotangent = jax.random.normal(keys[2], (size, size))
+    x = jax.random.normal(keys[0], (m, k))
+    w = jax.random.normal(keys[1], (k, n)) / k**0.5
+    cotangent = jax.random.normal(keys[2], (m, n))
     reference = jax.jit(functools.partial(fp8_bench.step, 'fp32'))
     with jax.default_matmul_precision('highest'):
         want = [np.asarray(a) for a in reference(x, w, cotangent)]
-    every = np.ones(size, bool)
-    work = 3 * 2 * size**3
+    every = np.ones(m, bool)
+    work = 3 * 2 * m * k * n
     rows = []
     for recipe in ('bf16', *fp8.RECIPES):
-        row = dict(recipe=recipe)
+        row = dict(product=name, shape=f'{m} x {k} x {n}', recipe=recipe)
         try:
             program = jax.jit(
                 functools.partial(fp8_bench.step, recipe.replace('bf16', 'fp32')),
@@ -117,4 +131,8 @@ def fp8_matmuls(size=8192):
         except Exception as error:  # noqa: BLE001
             row['error'] = f'{type(error).__name__}: {str(error).splitlines()[0][:200]}'
         rows.append(row)
-    return dict(shape=f'x ({size}, {size}) @ w ({size}, {size}), bf16 in', rows=rows)
+    bf16 = rows[0].get('fwd_bwd_ms')
+    for row in rows[1:]:
+        if bf16 and 'fwd_bwd_ms' in row:
+            row['x_bf16_time'] = round(row['fwd_bwd_ms'] / bf16, 3)
+    return rows

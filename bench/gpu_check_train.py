@@ -10,6 +10,7 @@ import pathlib
 import statistics
 
 import jax
+import numpy as np
 from common import CompiledStep
 from flax import nnx
 
@@ -107,6 +108,36 @@ def train_step():
         losses_at_dropout_0=losses,
         losses_agree=len(numbers) > 1 and max(numbers) - min(numbers) <= 2e-2 * abs(numbers[0]),
     )
+
+
+def fp8_train(steps=3, **model):
+    """One train step's loss under each model.fp8 recipe against bf16's: the check's model
+    (MODEL, attention 'auto' at dropout 0, no hidden dropout) from the same initial state and
+    batch, `steps` steps each (the first step's loss is the initial parameters' under each
+    recipe's products), then the median step time beside bf16's."""
+    rows = []
+    for recipe in ('none', 'tensorwise', 'delayed', 'blockwise'):
+        row = dict(recipe=recipe)
+        STEPS.clear()  # one state in memory at a time
+        try:
+            step = CompiledStep(config_of('auto', 0.0, hidden_dropout=0.0, fp8=recipe, **model))
+            losses = []
+            with jax.set_mesh(step.mesh):
+                for _ in range(steps):
+                    step.state, metrics = step.compiled(step.state, *step.batch, np.float32(1))
+                    losses.append(float(metrics['loss']))
+            row.update(losses=[round(v, 5) for v in losses], step_s=round(step.step_seconds(3), 4))
+            del step  # its state, before the next recipe's
+        except Exception as error:  # noqa: BLE001
+            row['error'] = f'{type(error).__name__}: {str(error).splitlines()[0][:200]}'
+        rows.append(row)
+    bf16 = rows[0]
+    for row in rows[1:]:
+        if 'losses' in row and 'losses' in bf16:
+            row['first_loss_vs_bf16'] = round(row['losses'][0] / bf16['losses'][0] - 1, 5)
+            row['last_loss_vs_bf16'] = round(row['losses'][-1] / bf16['losses'][-1] - 1, 5)
+            row['x_bf16_time'] = round(row['step_s'] / bf16['step_s'], 3)
+    return dict(model={**MODEL, **model}, batch=BATCH, rows=rows)
 
 
 def _target():

@@ -86,7 +86,22 @@ def test_the_matmul_sections_check_the_kernels_against_their_references():
     assert [row['way'] for row in moe['rows']] == ['grouped', 'padded']
     assert all('error' not in row for row in moe['rows']), moe['rows']
     assert moe['rows'][1]['compiled_vs_active'] == 1.0
-    fp8 = {row['recipe']: row for row in gpu_check_matmuls.fp8_matmuls(size=128)['rows']}
+    rows = gpu_check_matmuls.fp8_matmuls(shapes=(('mlp in', 64, 128, 256),))['rows']
+    fp8 = {row['recipe']: row for row in rows}
     assert list(fp8) == ['bf16', 'tensorwise', 'delayed', 'blockwise']
     assert fp8['bf16']['out'] < 0.01 < fp8['tensorwise']['out'] < 0.1
     assert all(0.01 < fp8[recipe][leaf] < 0.1 for recipe in list(fp8)[1:] for leaf in ('out', 'dx'))
+
+
+def test_the_fp8_train_rows_give_each_recipes_losses_beside_bf16s():
+    # The check's train step at a tiny width on the CPU (XLA:CPU runs FP8 by widening): every
+    # recipe trains from bf16's first loss within FP8's error, and the rows say so.
+    pytest.importorskip('flax')
+    import gpu_check_train  # noqa: PLC0415
+
+    tiny = dict(num_layers=1, hidden=128, heads=1, seq_len=128, vocab_size=512)
+    rows = {row['recipe']: row for row in gpu_check_train.fp8_train(steps=2, **tiny)['rows']}
+    assert list(rows) == ['none', 'tensorwise', 'delayed', 'blockwise']
+    assert all('error' not in row and len(row['losses']) == 2 for row in rows.values()), rows
+    for recipe in ('tensorwise', 'delayed', 'blockwise'):
+        assert 0 < abs(rows[recipe]['first_loss_vs_bf16']) < 0.01, rows[recipe]
