@@ -171,11 +171,11 @@ def test_compiled_for_h100s_the_products_are_fp8_gemms_reduced_in_bf16(recipe, g
 
 
 @pytest.mark.skipif(gpu_compile.missing() is not None, reason=str(gpu_compile.missing()))
-def test_compiled_for_an_h100_blockwise_keeps_dys_e5m2_rounding():
-    """Blockwise's forward is an FP8 product of e4m3 tiles and blocks, its gradients bf16
-    products of values scaled back from FP8, dy's from e5m2: XLA:GPU's fp-conversion
-    simplification drops a convert to e5m2 and back it can see (an H200 measured the gradients
-    at bf16's error, 0.29 %, not e5m2's), so the e5m2 tiles must stay in the program."""
+def test_compiled_for_an_h100_blockwise_keeps_its_fp8_rounding_in_three_gemms():
+    """Blockwise's three products are bf16 GEMMs of values scaled back from FP8 (x's and w's
+    e4m3, dy's e5m2), one GEMM each over all of K (no (K / 128, M, N) partials): XLA:GPU's
+    fp-conversion simplification drops a convert to FP8 and back it can see (an H200 measured
+    the gradients at bf16's error, 0.29 %, not e5m2's), so the FP8 tiles stay in the program."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from mtnlg_jax.plan import gpu_target, hlo_module
@@ -193,8 +193,54 @@ def test_compiled_for_an_h100_blockwise_keeps_dys_e5m2_rounding():
         jitted = jax.jit(step, compiler_options=fp8.compiler_options('blockwise'))
         text = jitted.lower(*args).compile().as_text()
     each = 2 * rows * k * n
-    assert hlo_module.matmul_flops_by_dtype(text) == {'f8e4m3fn': each, 'bf16': 2 * each}
+    assert hlo_module.matmul_flops_by_dtype(text) == {'bf16': 3 * each}
     assert re.search(r'= f8e5m2\[\d+,\d+,128\]', text)  # dy's 1 x 128 tiles
+    assert re.search(r'= f8e4m3fn\[\d+,\d+,128\]', text)  # x's
+    assert re.search(r'= f8e4m3fn\[\d+,128,\d+,128\]', text)  # w's 128 x 128 blocks
+
+
+@pytest.mark.skipif(gpu_compile.missing() is not None, reason=str(gpu_compile.missing()))
+@pytest.mark.parametrize('recipe', ['tensorwise', 'blockwise'])
+def test_the_plan_names_what_stayed_out_of_fp8_and_why(recipe):
+    """Compiled for an H100, a step of one block product in FP8 beside a head over the
+    vocabulary, the plain path's attention scores and an fp32 router: the matmuls left in
+    bf16 or fp32 are told apart by site (plan/matmul_sites.py), each with its FLOPs, and the
+    block product is among them only under blockwise (no per-tile-scaled FP8 GEMM)."""
+    import ml_collections
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from mtnlg_jax.plan import gpu_target, matmul_sites
+
+    rows, k, n, vocab, experts = 1024, 512, 768, 4096, 8
+    model = ml_collections.ConfigDict(dict(padded_vocab=vocab, moe=dict(experts=experts)))
+    devices = gpu_target.devices('h100-80gb', 1)
+    whole = NamedSharding(Mesh(devices, ('tensor',)), PartitionSpec())
+    shapes = {'x': (rows, k), 'w': (k, n), 'head': (vocab, k), 'router': (k, experts)}
+    args = {
+        name: jax.ShapeDtypeStruct(shape, jnp.float32 if name == 'router' else jnp.bfloat16,
+                                   sharding=whole)
+        for name, shape in shapes.items()
+    }  # fmt: skip
+
+    def step(a):
+        block = fp8.matmul(a['x'], a['w'], recipe)
+        logits = jnp.einsum('...e,ve->...v', a['x'], a['head'])
+        q = a['x'][:8].reshape(1, 8, 4, k // 4)  # (b, q, h, d): the plain path's scores
+        scores = jnp.einsum('bqhd,bkhd->bhqk', q, q)
+        routed = a['x'].astype(jnp.float32) @ a['router']
+        return block.sum() + logits.sum() + scores.sum() + routed.sum()
+
+    with gpu_target.compiling_for(devices):
+        jitted = jax.jit(step, compiler_options=fp8.compiler_options(recipe))
+        text = jitted.lower(args).compile().as_text()
+    left = matmul_sites.stayed(text, model, tensor=1)
+    want = {
+        'output layer': 2 * rows * k * vocab,
+        'attention': 2 * 4 * 8 * 8 * (k // 4),
+        'router': 2 * rows * k * experts,
+    }
+    assert left == (want | {'block': 2 * rows * k * n} if recipe == 'blockwise' else want)
+    assert 'per-tile' in matmul_sites.reason('block', 'blockwise')
 
 
 @pytest.mark.skipif(gpu_compile.missing() is not None, reason=str(gpu_compile.missing()))

@@ -207,8 +207,8 @@ def test_zbvs_bubble_is_counted_from_its_table_with_the_loss_on_stage_0(monkeypa
 
 def test_fp8_block_matmuls_are_priced_at_the_fp8_peak():
     """model.fp8 on an H100: the block's matmuls (here all 12 h^2 of a dense GPT's layer) at
-    1,979 TFLOP/s where bf16's run at 989, forward and both gradients for tensorwise, the
-    forward alone for blockwise (its gradients bf16); the head and attention as bf16's.
+    1,979 TFLOP/s where bf16's run at 989, forward and both gradients for tensorwise, none
+    for blockwise (its GEMMs bf16's, of FP8 values); the head and attention as bf16's.
     Unpipelined without recompute, the busiest (only) stage's compute falls by exactly that."""
     h100 = clusters.CLUSTERS['h100-80gb']
 
@@ -222,4 +222,4 @@ def test_fp8_block_matmuls_are_priced_at_the_fp8_peak():
     rate = predict.FIGURES['h100-80gb'].matmul_efficiency * 1e12
     saved = block_flops / rate * (1 / 989.0 - 1 / 1979.0) * micro * model.num_layers
     assert bf16 - compute('tensorwise')[1] == pytest.approx(3 * saved, rel=1e-6)
-    assert bf16 - compute('blockwise')[1] == pytest.approx(saved, rel=1e-6)
+    assert compute('blockwise')[1] == pytest.approx(bf16, rel=1e-9)

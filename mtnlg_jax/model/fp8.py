@@ -14,7 +14,7 @@ q = saturate(v x scale), v ~ q / scale. Recipes:
                  caller's history, e.g. a buffer: model/buffers.py); dy's current
     blockwise    DeepSeek-V3's: x and dy by 1 x 128 tiles (a scale per row and 128 columns
                  of K), w by 128 x 128 blocks; each K block's product scaled back before
-                 the blocks are summed in fp32
+                 the blocks are summed in fp32 (here: the GEMM of the values scaled back)
 
 Tensorwise and delayed scales are powers of two, so that a dequantized value (q / scale, in
 the compute dtype) is exact. Their products are written in the one form XLA:GPU's GEMM
@@ -25,9 +25,9 @@ it too. The dot's result is then the scaled product itself, so under tensor para
 partial sums are reduced (reduce-scattered) in the compute dtype, as the bf16 step's are; a
 scaling after the dot would sit between the all-reduce and its slice. The rewrite only
 happens with XLA:GPU's Triton GEMMs off (COMPILER_OPTIONS: GemmFusion otherwise takes the dot
-first, as a bf16 product of the dequantized operands). Blockwise multiplies one K block at a
-time (a batched FP8 product, its scales applied outside). The input gradient and the weight
-gradient are separate products, so a schedule may run them apart.
+first, as a bf16 product of the dequantized operands). Blockwise's products are GEMMs in the
+compute dtype of its tiles and blocks scaled back (_blockwise_product says why). The input
+gradient and the weight gradient are separate products, so a schedule may run them apart.
 """
 
 import functools
@@ -262,16 +262,18 @@ def _block(size):
 
 
 def _blockwise_product(qx, sx, qw, sw, dtype):
-    """sum over K blocks of (qx_k @ qw_k) / (sx_k sw_k): each block's FP8 product (a batched
-    FP8 matmul over the K blocks) scaled back in fp32 before the blocks are summed (the
-    per-block promotion DeepSeek-V3 does)."""
-    kb, b, nb, bn = qw.shape
-    per_block = jnp.einsum(
-        'mkb,kbn->kmn', qx, qw.reshape(kb, b, nb * bn), preferred_element_type=jnp.float32
-    )  # fmt: skip  (Kb, M, N)
-    x_scale = jnp.moveaxis(sx, 1, 0)  # (Kb, M, 1)
-    w_scale = jnp.repeat(sw.reshape(kb, 1, nb), bn, axis=-1)  # (Kb, 1, N)
-    return (per_block / (x_scale * w_scale)).sum(0).astype(dtype)
+    """sum over K blocks of (qx_k @ qw_k) / (sx_k sw_k), as one GEMM in `dtype` of the tiles
+    and blocks scaled back (exact: e4m3 values times power-of-two scales are bf16 values), its
+    accumulation fp32. DeepSeek-V3's kernel scales each block's partial sum inside its loop;
+    XLA:GPU has no GEMM with per-tile scales on Hopper, and a batched FP8 product over the K
+    blocks with the (K / B, M, N) fp32 partials summed outside ran 4.2 x bf16's time on an
+    H200 (docs/benchmarks.md, "FP8 on the device"). The tiles go through an optimization
+    barrier: a convert to e4m3 and back that XLA can see, its fp-conversion simplification
+    drops (the values then at bf16's precision, as dy's e5m2 in _matmul_bwd)."""
+    qx, sx, qw, sw = jax.lax.optimization_barrier((qx, sx, qw, sw))
+    x = (qx.astype(jnp.float32) / sx).reshape(qx.shape[0], -1).astype(dtype)
+    w = (qw.astype(jnp.float32) / sw).reshape(qw.shape[0] * qw.shape[1], -1).astype(dtype)
+    return jnp.dot(x, w, preferred_element_type=dtype)
 
 
 def _blockwise_rows_gradient(qdy, sdy, qw, sw, dtype):

@@ -10,6 +10,7 @@
     hlo.py          the collective inventory of an optimized HLO module
     overlap.py      the replay of a compiled step: compute by kind, communication, overlap
     loop_copies.py  the copies a compiled step makes inside its loops
+    matmul_sites.py which matmuls of an FP8 step stayed out of FP8, and why
     gpu_target.py   XLA:GPU compile-only devices for a named GPU
     compile.py      the train and eval steps launch/train.py runs, compiled on abstract state
     report.py       the plan as one JSON-ready dict, the compiled figures beside it

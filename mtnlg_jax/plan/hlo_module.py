@@ -17,6 +17,7 @@ embedding, the head); a path they do not name takes its innermost scope's weight
 import collections
 import math
 import re
+from typing import NamedTuple
 
 from mtnlg_jax.model import flash_attention, grouped_matmul
 
@@ -428,10 +429,32 @@ def matmul_flops_by_dtype(hlo_text, branch_weights=None):
     reshape) and a fusion's parameters to the value it multiplies; a convert is not followed:
     a dot of converted FP8 values multiplies the wider type. Any other kernel call (fused
     attention, the grouped matmul) by its result's type."""
+    by_dtype = collections.Counter()
+    for matmul in matmuls(hlo_text, branch_weights):
+        by_dtype[matmul.dtypes] += matmul.flops
+    return dict(by_dtype)
+
+
+class Matmul(NamedTuple):
+    """One matmul instruction of a module: its FLOPs a step (times its runs), what it
+    multiplies (a matmul_flops_by_dtype key), and {name: type text} of its computation."""
+
+    instruction: Instruction
+    flops: float
+    dtypes: str
+    types: dict
+
+    def shapes(self):
+        """The dimensions of its result and of its first two operands."""
+        names = [n for n in _operand_names(self.instruction)[:2] if n in self.types]
+        return [_dims(self.instruction.type_text)] + [_dims(self.types[n]) for n in names]
+
+
+def matmuls(hlo_text, branch_weights=None):
+    """Every matmul instruction that runs (a dot, a cuBLAS GEMM, a kernel call), as Matmuls."""
     computations, entry = parse_module(hlo_text)
     counts, _ = execution_counts(computations, entry, branch_weights)
     operand_types = OperandTypes(computations)
-    by_dtype = collections.Counter()
     for name, instructions in computations.items():
         runs = counts[name][0]
         if not runs:
@@ -440,8 +463,7 @@ def matmul_flops_by_dtype(hlo_text, branch_weights=None):
         for instruction in instructions:
             flops = instruction_flops(instruction, types)
             if flops:
-                by_dtype[operand_types(instruction, name)] += flops * runs
-    return dict(by_dtype)
+                yield Matmul(instruction, flops * runs, operand_types(instruction, name), types)
 
 
 class OperandTypes:

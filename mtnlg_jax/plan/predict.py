@@ -7,7 +7,7 @@ tensor t, compute dtype of e bytes):
     matmuls     2 b s h (4 h + 2 f) / t FLOPs at peak x matmul(h / t); with model.fp8 the
                 block's FP8 sites (counts.fp8_matmul_params: all but a mixture of experts'
                 router and routed experts) at the FP8 peak where the GPU has one, forward
-                and both gradients (blockwise: its gradients at the compute dtype's)
+                and both gradients (blockwise: none, its GEMMs in the compute dtype: model/fp8.py)
     attention   4 b s^2 h / t FLOPs (Q K^T and the weighted sum, the whole square) at
                 peak x matmul(h / a), and its softmax, mask and dropout: (6 e + 1) a b s^2 / t
                 bytes of memory traffic, none where our engine runs a fused kernel on this
@@ -212,6 +212,8 @@ def layer_forward(
     split = t if model.sequence_parallel else 1
     matmul_flops = 2 * tokens * counts.layer_matmul_params(model) / t
     fp8_flops = 2 * tokens * counts.fp8_matmul_params(model) / t  # 0 without model.fp8
+    if model.get('fp8', 'none') == 'blockwise':  # on FP8's grid, at the compute dtype's rate
+        fp8_flops = 0.0
     experts = 0.0
     group = arithmetic.exchange_ranks(config)
     if experts_of(model) and group > 1:
@@ -237,13 +239,8 @@ def layer_forward(
     width = min(tokens, h / t)
     fp8 = rates.matmul(fp8_flops, width, fp8=True)
     matmuls = rates.matmul(matmul_flops - fp8_flops, width) + fp8
-    # tensorwise and delayed multiply both gradients in FP8 too; blockwise's stay in the
-    # compute dtype (model/fp8.py): the backward's block matmuls beyond twice the forward's
-    blockwise = model.get('fp8', 'none') == 'blockwise'
-    fp8_backward = 2 * (rates.matmul(fp8_flops, width) - fp8) if blockwise else 0.0
     return dict(
         compute=matmuls + attention + elementwise,
-        fp8_backward=fp8_backward,
         attention=attention,
         attention_backward=attention_backward,
         tensor=(
@@ -312,7 +309,6 @@ def slot_costs(
         k: n * (layer[f'attention_backward{x}'] - 2 * layer[f'attention{x}'])
         for k, x in (('compute', ''), ('flops', '_flops'))
     }
-    extra['compute'] += n * layer['fp8_backward']  # blockwise's gradients in the compute dtype
     head, head_flops = head_forward(config, rates)
     run = {k: n * layer[k] for k in ('compute', 'tensor', 'expert', 'context', 'flops')}
     forward = dict(run, recompute=0.0, accumulate=0.0)

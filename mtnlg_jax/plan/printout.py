@@ -175,6 +175,7 @@ def lines(plan):
             f'(cost_analysis: {"n/a" if raw is None else format(raw, ".4g")}, loop bodies once)'
         )
         out.append(_by_dtype_line(compiled))
+        out += _not_fp8_lines(compiled)
         out += gpu_lines(compiled)
         out += [f'  note       {note}' for note in compiled['notes']]
     return out
@@ -185,6 +186,15 @@ def _by_dtype_line(compiled):
     by_dtype, total = compiled['matmul_flops_by_dtype'], compiled['flops'] or 1
     shares = sorted(by_dtype.items(), key=lambda item: -item[1])
     return '  by dtype   ' + ', '.join(f'{dtypes} {flops / total:.2f}' for dtypes, flops in shares)
+
+
+def _not_fp8_lines(compiled):
+    """With model.fp8: the matmuls left in the compute dtype, by site, each share and why."""
+    left, total = compiled.get('not_fp8') or {}, compiled['flops'] or 1
+    return [
+        f'  not FP8    {site} {part["flops"] / total:.2f}: {part["why"]}'
+        for site, part in sorted(left.items(), key=lambda item: -item[1]['flops'])
+    ]
 
 
 def gpu_lines(compiled):

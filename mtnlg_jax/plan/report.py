@@ -15,6 +15,7 @@ from mtnlg_jax.plan import (
     hlo,
     hlo_module,
     loop_copies,
+    matmul_sites,
     overlap,
     predict,
 )
@@ -130,6 +131,7 @@ def add_compiled(plan, config, compiled, info, notes=(), target=None):
         memory,
         flops=flops,
         matmul_flops_by_dtype=by_dtype,
+        not_fp8=fp8_left(text, config, weights),
         flops_vs_model=flops * devices / arithmetic.model_flops_per_step(config),
         flops_vs_hardware=flops * devices / arithmetic.hardware_flops_per_step(config),
         cost_analysis_flops=compile_lib.flops(compiled),
@@ -169,6 +171,16 @@ def add_compiled(plan, config, compiled, info, notes=(), target=None):
             comm_bytes_per_device=reference['comm_bytes_per_device'],
         )
     return plan
+
+
+def fp8_left(text, config, weights):
+    """With model.fp8: {site: {flops, why}} of the matmuls left in the compute dtype
+    (plan/matmul_sites.py); None without."""
+    recipe = config.model.get('fp8', 'none')
+    if recipe == 'none':
+        return None
+    left = matmul_sites.stayed(text, config.model, config.mesh.tensor, weights)
+    return {site: dict(flops=f, why=matmul_sites.reason(site, recipe)) for site, f in left.items()}
 
 
 def add_gpu_figures(compiled, config, text, mesh, target, weights):
