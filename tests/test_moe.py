@@ -205,6 +205,11 @@ BAD = [
         'divisible by mesh.stage',
     ),
     (
+        dict(moe={**MOE, 'ffn_hidden': 320}, fp8='blockwise', compute_dtype='bfloat16'),
+        {},
+        'blockwise FP8 takes blocks of 128: model.moe.ffn_hidden (320 a tensor rank)',
+    ),
+    (
         dict(moe={**MOE, 'dense_layers': 2}, fp8='delayed'),
         {},
         "model.moe.dense_layers: 2 dense layers under model.fp8 = 'delayed'",

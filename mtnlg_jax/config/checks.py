@@ -143,6 +143,10 @@ def _check_fp8(model, tensor):
         'the query heads x head_dim': heads * head_dim // tensor,
         'the key/value heads x head_dim': kv_heads * head_dim // tensor,
     }
+    if model.moe.experts:  # each expert whole on its rank when folded, else split by width
+        split = 1 if model.moe.get('fold_tensor', False) else tensor
+        widths['model.moe.ffn_hidden'] = moe_ffn_hidden(model) // split
+        widths['the shared experts\' width'] = shared_ffn_hidden(model) // tensor
     for name, width in widths.items():
         _require(
             width <= 128 or width % 128 == 0,

@@ -11,6 +11,7 @@ flash_kernels.py     the flash kernel's Pallas bodies: forward, dK/dV, dQ
 grouped_matmul.py    a Pallas grouped matmul: each expert's rows times its own weights (MoE)
 fp8.py               matmuls in FP8: tensorwise, delayed and blockwise scaling
 fp8_sites.py         the block's matmuls in FP8 (model.fp8): which, and delayed's amax history
+fp8_experts.py       the routed experts' matmuls in FP8, their scales over an exchange
 gpt.py               the decoder (GPT-3 and Llama blocks): blocks stacked by layer, its pieces
                      for the engines
 loss.py              the vocabulary-parallel output layer and cross-entropy, fused

@@ -70,7 +70,9 @@ def layer_matmul_params(model_cfg, active=True, dense=False):
 def fp8_matmul_params(model_cfg):
     """One block's matmul weights that model.fp8 multiplies in FP8 (model/fp8_sites.py's
     sites): attention's Q, K, V and out, the dense MLP's or a mixture of experts' shared
-    experts'; the router and the routed experts stay in the compute dtype. 0 without FP8."""
+    experts'. The router stays in the compute dtype; the routed experts multiply FP8 values
+    (model/fp8_experts.py) at FP8's rate only in the padded exchange's GEMMs, which the
+    compiled step's replay prices: here at the compute dtype's. 0 without FP8."""
     if model_cfg.get('fp8', 'none') == 'none':
         return 0
     experts = experts_of(model_cfg)

@@ -6,13 +6,13 @@ the delayed recipe's amax history.
         q, kv              grouped-query attention's two kernels (the KV one fused)
         attn_out           attention's output projection (heads x head_dim contracted)
         mlp_up, mlp_out    the MLP's in kernel (SwiGLU's gate and in stacked as two slots),
-                           its out kernel; an MoE block's shared experts use them, its routed
-                           experts' grouped matmul stays in the compute dtype
+                           its out kernel; an MoE block's shared experts use them (its routed
+                           experts' products: model/fp8_experts.py)
     One product a kernel, its slots unfolded: x's amax and quantization once, one input
     gradient to reduce over `tensor` (the slots' gradients summed inside the contraction), as
     the bf16 step's one einsum. Blockwise multiplies slot by slot (its blocks need one N).
     in the compute dtype as ever: the embeddings, the output layer, norms, attention's scores,
-    softmax and context, the router, the routed experts
+    softmax and context, the router
 
 Each site is x (..., K) @ w (K, N) through fp8.matmul with model.fp8's recipe and
 model.fp8_margin. Which tokens share a scale: tensorwise and delayed take x's amax over the

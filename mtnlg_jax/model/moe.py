@@ -76,7 +76,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from mtnlg_jax.config import moe_ffn_hidden, shared_ffn_hidden
-from mtnlg_jax.model import buffers, grouped_matmul, moe_exchange
+from mtnlg_jax.model import buffers, fp8_experts, fp8_sites, grouped_matmul, moe_exchange
 from mtnlg_jax.model.layers import mlp, out_std, param, use
 from mtnlg_jax.parallel import context as context_lib
 from mtnlg_jax.parallel.rules import EXPERT_AXIS, constrain, gather, own, shards, total
@@ -172,6 +172,7 @@ class MoE(nnx.Module):
         self.exchange_kind = moe.get('exchange', 'padded')  # moe_exchange.EXCHANGES
         self.native_ragged = grouped != 'blocks'  # XLA:CPU has no ragged all-to-all
         self.dtype = cfg.compute_dtype
+        self.fp8 = fp8_sites.settings(cfg)  # (recipe, margin) or None
 
     def __call__(self, x, layer):
         """x (batch, residual_seq, embed), the block's normalised input; layer: the block's
@@ -256,13 +257,14 @@ class MoE(nnx.Module):
         parts = shards('seq', manual=True)
         return self.slots(held) if parts == 1 else min(self.slots(held * parts), held)
 
-    def grouped_mlp(self, rows, group_sizes, kernels=None):
+    def grouped_mlp(self, rows, group_sizes, kernels=None, axes=()):
         """The experts' MLP on rows (n, embed) sorted by expert, group g of group_sizes[g]
-        rows through expert g (kernels: expert_mlp's); rows past the groups come out 0."""
+        rows through expert g (kernels, axes: expert_mlp's); rows past the groups come out 0."""
         if self.grouped == 'ragged':
             return self.expert_mlp(
-                rows, lambda a, w: jax.lax.ragged_dot(a, w, group_sizes, precision=None), kernels
-            )
+                rows, lambda a, w: jax.lax.ragged_dot(a, w, group_sizes, precision=None), kernels,
+                axes,
+            )  # fmt: skip
         # the kernel has no tensor-parallel form yet: split experts take the batched path
         # (folded, each expert is whole whatever the rule table splits expert_mlp over)
         kernel = self.grouped == 'pallas' and (self.fold or shards('expert_mlp') == 1)
@@ -277,7 +279,7 @@ class MoE(nnx.Module):
                 out = jnp.einsum('nbe,nef->nbf', tiles, w[layout.tile_expert])
                 return out.reshape(-1, w.shape[-1])
 
-        out = self.expert_mlp(grouped_matmul.to_tiles(rows, layout), matmul, kernels)
+        out = self.expert_mlp(grouped_matmul.to_tiles(rows, layout), matmul, kernels, axes)
         return grouped_matmul.from_tiles(out, layout)
 
     def kernels(self):
@@ -285,10 +287,14 @@ class MoE(nnx.Module):
         kernels = (self.in_kernel, self.out_kernel) + ((self.gate_kernel,) if self.swiglu else ())
         return tuple(use(kernel, self.dtype) for kernel in kernels)
 
-    def expert_mlp(self, rows, matmul, kernels=None):
+    def expert_mlp(self, rows, matmul, kernels=None, axes=()):
         """The block's MLP kind through matmul(rows, expert weights): GeLU, or SwiGLU.
-        kernels: kernels()'s form (default: this module's)."""
+        kernels: kernels()'s form (default: this module's). Under model.fp8 each matmul on
+        FP8 values (model/fp8_experts.py), its scales the max over `axes`, the manual mesh
+        axes an exchange sent the rows over."""
         kernels = self.kernels() if kernels is None else kernels
+        if self.fp8 is not None:
+            matmul = fp8_experts.quantized(matmul, *self.fp8, axes=axes)
 
         def up(kernel):
             return checkpoint_name(matmul(rows, kernel), 'moe_in')

@@ -87,6 +87,7 @@ def padded(moe, x, route, weights, kernels):
         received.reshape(local, ranks * capacity, embed),
         lambda a, w: jnp.einsum('xne,xef->xnf', a, w),
         kernels,
+        route.axes,
     )
     out = out.reshape(local, ranks, capacity, embed).transpose(1, 0, 2, 3)
     out = jax.lax.all_to_all(out.reshape(ranks, local * capacity, embed), route.axes, 0, 0)
@@ -120,7 +121,7 @@ def ragged(moe, x, route, weights, kernels):
     expert = jnp.repeat(segment, received.reshape(-1), total_repeat_length=recv_size)
     expert = jnp.where(jnp.arange(recv_size) < received.sum(), expert, local)
     regroup = jnp.argsort(expert, stable=True)
-    out = moe.grouped_mlp(gathered[regroup], received.sum(0), kernels)
+    out = moe.grouped_mlp(gathered[regroup], received.sum(0), kernels, route.axes)
     out = jnp.zeros_like(out).at[regroup].set(out)
     back = ragged_all_to_all(out, size, sends.back(), sends.sizes, route.axes, width, moe)
     return buffers.combine(exchanged(back, pieces))

@@ -23,7 +23,7 @@ REASONS = {
     'output layer': 'the head stays in the compute dtype in every recipe (the logits)',
     'attention': 'the attention kernels multiply the compute dtype',
     'router': 'fp32 by design (the choice of experts)',
-    'routed experts': 'the grouped matmul multiplies the compute dtype (no FP8 kernel)',
+    'routed experts': 'the grouped kernel multiplies FP8 values at the compute dtype rate',
     'block': 'block products the GEMM rewriter did not take into FP8 (read the HLO)',
 }
 SCORES = re.compile(r'bhqk|bkgqs')  # the plain path's score subscripts (model/block.py)
