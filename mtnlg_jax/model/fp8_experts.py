@@ -18,7 +18,9 @@ The quantized values pass an optimization barrier and are scaled back in the com
 before the matmul (exact: power-of-two scales), the form in which XLA:GPU rewrites a batched
 product into a cuBLASLt FP8 GEMM (the padded exchange's `xne,xef->xnf`, tensorwise and
 delayed: tests/test_fp8.py); the grouped kernels (the Pallas kernel, ragged_dot, the CPU's
-tiles) multiply the same values at the compute dtype's rate.
+tiles) multiply the same values at the compute dtype's rate. What the backward keeps is
+matmul's own residuals, the values scaled back (the compute dtype's bytes, not FP8's as the
+block's dense sites keep).
 """
 
 import functools
