@@ -223,3 +223,31 @@ def test_fp8_block_matmuls_are_priced_at_the_fp8_peak():
     saved = block_flops / rate * (1 / 989.0 - 1 / 1979.0) * micro * model.num_layers
     assert bf16 - compute('tensorwise')[1] == pytest.approx(3 * saved, rel=1e-6)
     assert compute('blockwise')[1] == pytest.approx(bf16, rel=1e-9)
+
+
+@pytest.mark.parametrize('exchange', ['padded', 'ragged'])
+def test_routed_experts_are_priced_at_the_fp8_peak_in_the_padded_exchange_alone(exchange):
+    """An MoE under expert 2 on H100s: tensorwise saves the attention and shared experts'
+    FP8 time, and the routed experts' (top_k of them a token) only where the padded exchange
+    runs them as batched FP8 GEMMs; the ragged exchange's grouped kernel multiplies FP8 values
+    at bf16's rate."""
+    from mtnlg_jax.model import counts
+
+    h100 = clusters.CLUSTERS['h100-80gb']
+    moe = dict(experts=8, top_k=2, ffn_hidden=32, shared_experts=1, exchange=exchange)
+
+    def compute(fp8):
+        config = support.small_config(
+            compute_dtype='bfloat16', remat='none', fp8=fp8, expert=2, moe=moe
+        )
+        return config, predict.step_time(config, h100)['compute_s']
+
+    config, bf16 = compute('none')
+    model, micro = config.model, config.train.micro_steps
+    fp8_params = counts.layer_matmul_params(model) - model.hidden * moe['experts']  # no router
+    if exchange == 'ragged':
+        fp8_params -= moe['top_k'] * counts.expert_params(model)
+    rate = predict.FIGURES['h100-80gb'].matmul_efficiency * 1e12
+    flops = 2 * config.train.micro_batch * model.seq_len * fp8_params
+    saved = flops / rate * (1 / 989.0 - 1 / 1979.0) * micro * model.num_layers
+    assert bf16 - compute('tensorwise')[1] == pytest.approx(3 * saved, rel=1e-6)

@@ -67,18 +67,19 @@ def layer_matmul_params(model_cfg, active=True, dense=False):
     return attention + mlp_matmul_params(model_cfg, active, dense)
 
 
-def fp8_matmul_params(model_cfg):
-    """One block's matmul weights that model.fp8 multiplies in FP8 (model/fp8_sites.py's
+def fp8_matmul_params(model_cfg, experts_at_fp8=False):
+    """One block's matmul weights that model.fp8 multiplies in FP8 GEMMs (model/fp8_sites.py's
     sites): attention's Q, K, V and out, the dense MLP's or a mixture of experts' shared
-    experts'. The router stays in the compute dtype; the routed experts multiply FP8 values
-    (model/fp8_experts.py) at FP8's rate only in the padded exchange's GEMMs, which the
-    compiled step's replay prices: here at the compute dtype's. 0 without FP8."""
+    experts', and with experts_at_fp8 the routed experts' active ones (the padded exchange's
+    batched FP8 GEMMs: model/fp8_experts.py; elsewhere they multiply FP8 values at the
+    compute dtype's rate). The router stays in the compute dtype. 0 without FP8."""
     if model_cfg.get('fp8', 'none') == 'none':
         return 0
     experts = experts_of(model_cfg)
     mlp_width = shared_ffn_hidden(model_cfg) if experts else model_cfg.ffn_hidden
     mlp = mlp_matrices(model_cfg) * model_cfg.hidden * mlp_width
-    return layer_matmul_params(model_cfg) - mlp_matmul_params(model_cfg) + mlp
+    routed = model_cfg.moe.top_k * expert_params(model_cfg) if experts and experts_at_fp8 else 0
+    return layer_matmul_params(model_cfg) - mlp_matmul_params(model_cfg) + mlp + routed
 
 
 def mlp_biases(model_cfg, width):

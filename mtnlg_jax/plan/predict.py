@@ -6,8 +6,9 @@ tensor t, compute dtype of e bytes):
 
     matmuls     2 b s h (4 h + 2 f) / t FLOPs at peak x matmul(h / t); with model.fp8 the
                 block's FP8 sites (counts.fp8_matmul_params: all but a mixture of experts'
-                router and routed experts) at the FP8 peak where the GPU has one, forward
-                and both gradients (blockwise: none, its GEMMs in the compute dtype: model/fp8.py)
+                router, and its routed experts but in the padded exchange's GEMMs) at the
+                FP8 peak where the GPU has one, forward and both gradients (blockwise: none,
+                its GEMMs in the compute dtype: model/fp8.py)
     attention   4 b s^2 h / t FLOPs (Q K^T and the weighted sum, the whole square) at
                 peak x matmul(h / a), and its softmax, mask and dropout: (6 e + 1) a b s^2 / t
                 bytes of memory traffic, none where our engine runs a fused kernel on this
@@ -211,11 +212,12 @@ def layer_forward(
     tokens = b * s // c  # of a micro-batch, on one device
     split = t if model.sequence_parallel else 1
     matmul_flops = 2 * tokens * counts.layer_matmul_params(model) / t
-    fp8_flops = 2 * tokens * counts.fp8_matmul_params(model) / t  # 0 without model.fp8
+    group = arithmetic.exchange_ranks(config)
+    padded = group > 1 and model.get('moe', {}).get('exchange', 'padded') == 'padded'
+    fp8_flops = 2 * tokens * counts.fp8_matmul_params(model, padded) / t  # 0 without FP8
     if model.get('fp8', 'none') == 'blockwise':  # on FP8's grid, at the compute dtype's rate
         fp8_flops = 0.0
     experts = 0.0
-    group = arithmetic.exchange_ranks(config)
     if experts_of(model) and group > 1:
         routed = 2 * tokens * model.moe.top_k * counts.expert_params(model) / t
         matmul_flops += routed * (padding - 1)  # the buffers' rows past the choices
