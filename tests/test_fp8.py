@@ -292,7 +292,9 @@ def test_compiled_for_h100s_a_row_parallel_products_gradient_is_gathered_in_fp8(
 # The three ways a compiled FP8 product can appear (hand-written after XLA:GPU's forms): a
 # cuBLASLt FP8 GEMM call (jax 0.11.2 on an H200: its result f32 or bf16, its operands FP8), a
 # GEMM fusion whose dot reads its FP8 parameters through a transpose and a bitcast (jax
-# 0.10.2's Triton fusions), and a dot of FP8 values converted to bf16 (a bf16 product).
+# 0.10.2's Triton fusions), and a dot of FP8 values converted to bf16 (a bf16 product); and
+# an FP8 GEMM call whose operand is not read back to an FP8 type (a u8 view here: how
+# another XLA's operands would read, not known).
 FP8_HLO = """HloModule fp8_products
 
 %gemm_fusion (p0: f8e4m3fn[64,128], p1: f8e4m3fn[128,32]) -> f32[64,32] {
@@ -309,6 +311,8 @@ ENTRY %main (x: f8e4m3fn[64,128], w: f8e4m3fn[128,32], g: f8e5m2[64,32]) -> f32[
   %g = f8e5m2[64,32]{1,0} parameter(2)
   %s = f32[] constant(1)
   %gemm = (bf16[64,128]{1,0}, s8[1024]{0}) custom-call(%g, %w, %s, %s), custom_call_target="__cublas$lt$matmul$f8", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["1"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  %xb = u8[64,128]{1,0} bitcast-convert(%x)
+  %gemm_u8 = (bf16[64,32]{1,0}, s8[1024]{0}) custom-call(%xb, %w, %s, %s), custom_call_target="__cublas$lt$matmul$f8", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
   %f = f32[64,32]{1,0} fusion(%x, %w), kind=kCustom, calls=%gemm_fusion
   %cx = bf16[64,128]{1,0} convert(%x)
   %cw = bf16[128,32]{1,0} convert(%w)
@@ -326,4 +330,5 @@ def test_matmul_flops_by_dtype_reads_the_operands_of_fp8_gemm_calls_and_fusions(
         'f8e5m2 x f8e4m3fn': each,  # the cuBLASLt call: its operands, not its bf16 result
         'f8e4m3fn': each,  # the fusion's dot: its parameters' callers, through the layout ops
         'bf16': each,  # converted before the dot: a bf16 product
+        'f8': each,  # an FP8 GEMM call whose operand reads as u8: FP8 by its target
     }

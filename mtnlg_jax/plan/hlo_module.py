@@ -509,14 +509,18 @@ def _fusion_operands(computations):
 
 def _operand_dtypes(instruction, computation, named, callers):
     """'a' or 'a x b': the element types a dot or a cuBLAS GEMM multiplies (any other call:
-    its result's)."""
-    gemm = (custom_call_target(instruction) or '').startswith('__cublas$')
-    if instruction.opcode != 'dot' and not gemm:
+    its result's). An FP8 GEMM call (its target ends in `$f8`) whose operands are not read
+    back to FP8 values (another XLA's HLO around them: the H200's jaxlib 0.11.2 read as f32)
+    is 'f8' by its target: cuBLASLt takes FP8 operands there and nothing else."""
+    target = custom_call_target(instruction) or ''
+    if instruction.opcode != 'dot' and not target.startswith('__cublas$'):
         return ARRAY.search(instruction.type_text).group(1)
     dtypes = [
         _source_dtype(operand, computation, named, callers)
         for operand in _operand_names(instruction)[:2]
     ]
+    if target.endswith('$f8') and not is_fp8(' x '.join(dtypes)):
+        return 'f8'
     return dtypes[0] if dtypes[0] == dtypes[-1] else ' x '.join(dtypes)
 
 
