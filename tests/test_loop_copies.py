@@ -90,11 +90,11 @@ def test_each_chunks_backward_adds_its_weight_gradients_beside_its_reduce_scatte
     accumulators in the dW GEMMs (the add their epilogue) in the computation that runs the
     dgrad GEMMs and their tensor reduce-scatters, so XLA:GPU's scheduler may hide one under
     the other (the 530 B's reduce-scatters 3 % overlapped while the dW GEMMs ran in the
-    accumulators' conditionals; docs/benchmarks.md). Only the last site's taps (x and dy of
-    the MLP's output projection) leave a chunk's conditional (no other array with a layer
+    accumulators' conditionals; docs/benchmarks.md). Only QKV's taps (its x and dy: its dW
+    is deferred) leave a chunk's conditional (no other array with a layer
     axis in the compute dtype), for the accumulators' conditionals, which hold no collective
     (the stage hand-offs run beside them); a skipped link hands everything through, copying
-    nothing (each kernel's accumulator here is 128 to 512 KiB)."""
+    nothing (each kernel's accumulator here is 128 to 512 KiB) and writing no zero taps."""
     config = support.small_config(
         stage=2, tensor=2, repeats=2, schedule='interleaved', micro_steps=4, num_layers=4,
         hidden=256, compute_dtype='bfloat16', remat='selective', sequence_parallel=True,
@@ -103,31 +103,39 @@ def test_each_chunks_backward_adds_its_weight_gradients_beside_its_reduce_scatte
     text = assert_no_copy_in_a_loop(config, min_bytes=64 << 10)
     computations, _ = hlo_module.parse_module(text)
     scope = f'{branches.BACKWARD_CHUNK}/cond'
-    handed_out = [
-        [
-            x
-            for dtype, x in hlo_module.ARRAY.findall(i.type_text)
-            if dtype == 'bf16' and x.count(',') >= 3
-        ]
-        for i in conditionals(computations, scope)
-    ]  # a tap: (layers, rows, seq, ...)
-    assert handed_out and max(map(len, handed_out)) == 2, handed_out
-    accumulators = reachable(computations, branches_of(computations, f'{branches.ACCUMULATE}/cond'))
-    held = [
-        i.opcode
-        for name in accumulators
+    handed_out = [taps_of(i.type_text) for i in conditionals(computations, scope)]
+    assert handed_out and max(map(len, handed_out)) == 2, handed_out  # QKV's x and dy
+    shapes = {shape for taps in handed_out for shape in taps}
+    written = [
+        i.type_text
+        for name in branches_of(computations, scope, 'true_computation')
         for i in computations[name]
-        if i.opcode.startswith(COLLECTIVES)
+        if i.opcode not in ('parameter', 'get-tuple-element', 'tuple')
+        and taps_of(i.type_text) & shapes
     ]
+    assert not written, written  # a skipped link hands on the last tick's taps, no zeros
+    accumulators = reachable(computations, branches_of(computations, f'{branches.ACCUMULATE}/cond'))
+    held = [i.opcode for name in accumulators for i in computations[name] if collective(i)]
     assert accumulators and not held, held
     beside = [
         name
         for name in reachable(computations, branches_of(computations, scope))
         if any(i.opcode.startswith('reduce-scatter') for i in computations[name])
         and sum(accumulating(computations, i) for i in computations[name]) >= 3
-    ]  # every site's dW but the last's
+    ]  # every site's dW but QKV's
     assert beside
     assert_accumulation_in_the_gemms(computations, branches.BACKWARD_CHUNK, gemms=3)
+
+
+def taps_of(type_text):
+    """The shapes in an HLO type that could be taps: bf16 with a layer axis, (layers, rows,
+    seq, ...)."""
+    arrays = hlo_module.ARRAY.findall(type_text)
+    return {f'bf16[{dims}]' for dtype, dims in arrays if dtype == 'bf16' and dims.count(',') >= 3}
+
+
+def collective(instruction):
+    return instruction.opcode.startswith(COLLECTIVES)
 
 
 def reachable(computations, names):
