@@ -54,8 +54,9 @@ def get_config():
     config = config_lib.defaults()
     config.mesh.update(dict(data=-1, stage=35, tensor=8))
     config.pipeline.repeats = 3  # interleaved 1F1B (the paper's: 1)
-    # the fp32 gradient accumulation inside the dW GEMMs: 23.08 -> 21.37 s replayed
-    # (docs/benchmarks.md, "The accumulation in the GEMMs"); the 405B's step it slows
+    # the fp32 gradient accumulation inside the dW GEMMs, each chunk's beside its backward
+    # (parallel/chained.py): 23.08 -> 20.59 s replayed (docs/benchmarks.md, "The accumulation
+    # in the GEMMs"); the 405B's step it slows
     config.pipeline.fused_accumulation = True
 
     config.model.update(

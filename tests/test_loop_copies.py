@@ -10,7 +10,7 @@ from mtnlg_jax import config as config_lib
 from mtnlg_jax.xla import gpu_compile
 from mtnlg_jax.parallel import branches
 from mtnlg_jax.plan import gpu_target, hlo_module
-from mtnlg_jax.plan.loop_copies import loop_copies, loop_fills
+from mtnlg_jax.plan.loop_copies import loop_copies
 
 pytestmark = pytest.mark.skipif(
     gpu_compile.missing() is not None, reason=str(gpu_compile.missing())
@@ -79,37 +79,85 @@ def test_no_copy_over_a_mib_inside_the_loops_of_the_steady_tick():
     )  # fmt: skip
     config.pipeline.steady_tick = True
     config.pipeline.fused_accumulation = True
-    assert_accumulation_in_the_gemms(assert_no_copy_in_a_loop(config))
+    text = assert_no_copy_in_a_loop(config)
+    assert_accumulation_in_the_gemms(hlo_module.parse_module(text)[0])
 
 
-def test_an_idle_backward_writes_no_taps_and_the_accumulators_hold_no_collective():
+def test_each_chunks_backward_adds_its_weight_gradients_beside_its_reduce_scatters():
     """The 530 B's engine in small (interleaved by slot, bf16, sequence parallel, selective
-    recompute, pipeline.fused_accumulation): an idle backward hands on the last backward's
-    taps in place (its conditional's true branch) instead of writing zero taps (the 530 B's
-    11.6 GiB of zero fills a step); the stream taps leave B gathered, before the accumulators'
-    conditionals, which then hold no collective, so XLA:GPU's scheduler may run the stage
-    hand-offs beside their dW GEMMs (the 530 B's started only after accumulators holding
-    four all-gathers each: 1 % overlapped; docs/benchmarks.md)."""
+    recompute, pipeline.fused_accumulation): each chunk's backward runs in a conditional of
+    its own (parallel/chained.py) whose branch contracts its taps into the chunk's fp32
+    accumulators in the dW GEMMs (the add their epilogue) in the computation that runs the
+    dgrad GEMMs and their tensor reduce-scatters, so XLA:GPU's scheduler may hide one under
+    the other (the 530 B's reduce-scatters 3 % overlapped while the dW GEMMs ran in the
+    accumulators' conditionals; docs/benchmarks.md). Only QKV's taps (its x and dy: its dW
+    is deferred) leave a chunk's conditional (no other array with a layer
+    axis in the compute dtype), for the accumulators' conditionals, which hold no collective
+    (the stage hand-offs run beside them); a skipped link hands everything through, copying
+    nothing (each kernel's accumulator here is 128 to 512 KiB) and writing no zero taps."""
     config = support.small_config(
         stage=2, tensor=2, repeats=2, schedule='interleaved', micro_steps=4, num_layers=4,
         hidden=256, compute_dtype='bfloat16', remat='selective', sequence_parallel=True,
     )  # fmt: skip
     config.pipeline.fused_accumulation = True
-    text = assert_no_copy_in_a_loop(config)
-    assert_accumulation_in_the_gemms(text)
+    text = assert_no_copy_in_a_loop(config, min_bytes=64 << 10)
     computations, _ = hlo_module.parse_module(text)
-    idle = set(branches_of(computations, f'{branches.BACKWARD}/cond', 'true_computation'))
-    tap = support.SEQ_LEN // 2 * 256 * 2  # bytes of a row's stream tap, the smallest
-    filled = [f['type'] for f in loop_fills(text, min_bytes=tap) if f['computation'] in idle]
-    assert idle and not filled, filled  # left: norms' and biases' zero gradients
-    accumulators = branches_of(computations, f'{branches.ACCUMULATE}/cond')
-    held = [
-        i.opcode
-        for name in accumulators
+    scope = f'{branches.BACKWARD_CHUNK}/cond'
+    handed_out = [taps_of(i.type_text) for i in conditionals(computations, scope)]
+    assert handed_out and max(map(len, handed_out)) == 2, handed_out  # QKV's x and dy
+    shapes = {shape for taps in handed_out for shape in taps}
+    written = [
+        i.type_text
+        for name in branches_of(computations, scope, 'true_computation')
         for i in computations[name]
-        if i.opcode.startswith(COLLECTIVES)
+        if i.opcode not in ('parameter', 'get-tuple-element', 'tuple')
+        and taps_of(i.type_text) & shapes
     ]
+    assert not written, written  # a skipped link hands on the last tick's taps, no zeros
+    accumulators = reachable(computations, branches_of(computations, f'{branches.ACCUMULATE}/cond'))
+    held = [i.opcode for name in accumulators for i in computations[name] if collective(i)]
     assert accumulators and not held, held
+    beside = [
+        name
+        for name in reachable(computations, branches_of(computations, scope))
+        if any(i.opcode.startswith('reduce-scatter') for i in computations[name])
+        and sum(accumulating(computations, i) for i in computations[name]) >= 3
+    ]  # every site's dW but QKV's
+    assert beside
+    assert_accumulation_in_the_gemms(computations, branches.BACKWARD_CHUNK, gemms=3)
+
+
+def taps_of(type_text):
+    """The shapes in an HLO type that could be taps: bf16 with a layer axis, (layers, rows,
+    seq, ...)."""
+    arrays = hlo_module.ARRAY.findall(type_text)
+    return {f'bf16[{dims}]' for dtype, dims in arrays if dtype == 'bf16' and dims.count(',') >= 3}
+
+
+def collective(instruction):
+    return instruction.opcode.startswith(COLLECTIVES)
+
+
+def reachable(computations, names):
+    """The computations `names` run, themselves included (through conditionals and loops)."""
+    seen, todo = set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += [c for i in computations[name] for a, c in i.callees() if a != 'calls']
+    return seen
+
+
+def accumulating(computations, instruction):
+    """Whether `instruction` is a dW GEMM with its accumulator added in its epilogue: a GEMM
+    fusion whose computation adds in fp32."""
+    callee = dict(instruction.callees()).get('calls')
+    return bool(
+        instruction.opcode == 'fusion'
+        and '_gemm' in instruction.rest
+        and any(i.opcode == 'add' and i.type_text.startswith('f32') for i in computations[callee])
+    )
 
 
 def branches_of(computations, scope, which=None):
@@ -117,39 +165,44 @@ def branches_of(computations, scope, which=None):
     conditionals whose op name ends with `scope`."""
     return [
         callee
-        for instructions in computations.values()
-        for i in instructions
-        if i.opcode == 'conditional' and i.op_name().endswith(scope)
+        for i in conditionals(computations, scope)
         for attr, callee in i.callees()
         if which in (None, attr)
     ]
 
 
-def assert_accumulation_in_the_gemms(text):
+def conditionals(computations, scope):
+    """The conditionals whose op name ends with `scope`."""
+    return [
+        i
+        for instructions in computations.values()
+        for i in instructions
+        if i.opcode == 'conditional' and i.op_name().endswith(scope)
+    ]
+
+
+def assert_accumulation_in_the_gemms(computations, scope=branches.ACCUMULATE, gemms=4):
     """The chunks' accumulators take each kernel's gradient in its dW GEMM (the accumulator
     its operand, the add its epilogue: Stage.fused), not by an fp32 add of the kernel's size
-    (the 530 B's 2.3 s of adds, docs/benchmarks.md): in the accumulators' scope only GEMMs
-    write a buffer of 1 MiB or more (the kernels: 1 to 4 MiB; biases and norms under it)."""
-    computations, _ = hlo_module.parse_module(text)
-    scope = f'{branches.ACCUMULATE}/'  # not the shared parameters' (ACCUMULATE_SHARED)
+    (the 530 B's 2.3 s of adds, docs/benchmarks.md): in `scope` at least `gemms` such GEMMs, and no
+    other fusion writes an fp32 array of an accumulating GEMM's shape."""
     written = [
         i
         for instructions in computations.values()
         for i in instructions
-        if i.opcode in ('fusion', 'custom-call') and scope in i.op_name()
-    ]
-    gemm = [i for i in written if '_gemm' in i.rest or '__cublas' in i.rest]
-    large = [
-        i.type_text for i in written if i not in gemm and hlo_module.shape_bytes(i.type_text) >= MIB
-    ]
-    assert len(gemm) >= 4 and not large, (len(gemm), large)
+        if i.opcode in ('fusion', 'custom-call') and f'{scope}/' in i.op_name()
+    ]  # ACCUMULATE/: not the shared parameters' (ACCUMULATE_SHARED)
+    gemm = [i for i in written if accumulating(computations, i)]
+    shapes = {i.type_text.split('{')[0] for i in gemm}
+    added = [i.type_text for i in written if i not in gemm and i.type_text.split('{')[0] in shapes]
+    assert len(gemm) >= gemms and not added, (len(gemm), added)
 
 
-def assert_no_copy_in_a_loop(config):
-    """The step's HLO text, after checking it copies no buffer of 1 MiB or more in a loop (a
-    zero fill copied from a broadcast is a write, not a copy: plan/loop_copies.py)."""
+def assert_no_copy_in_a_loop(config, min_bytes=MIB):
+    """The step's HLO text, after checking it copies no buffer of min_bytes or more in a loop
+    (a zero fill copied from a broadcast is a write, not a copy: plan/loop_copies.py)."""
     compiled, _ = gpu_target.compile_train_step(config, 'a100-80gb')
     text = compiled.as_text()
-    copies = loop_copies(text, min_bytes=MIB)
+    copies = loop_copies(text, min_bytes=min_bytes)
     assert not copies, [(c['type'], c['computation']) for c in copies]
     return text

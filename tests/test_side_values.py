@@ -133,8 +133,8 @@ def steady(config):
 
 def fused(config):
     """config under pipeline.fused_accumulation (the kernels' gradients contracted in their
-    accumulators' add: in B's own branch with one chunk a stage, in each chunk's add with
-    more)."""
+    accumulators' add: in B's own branch with one chunk a stage, in each chunk's own
+    conditional with more, by slot; in each chunk's add under the steady tick)."""
     config.pipeline.fused_accumulation = True
     return config
 
@@ -146,10 +146,9 @@ def test_every_engine_carries_the_values_and_their_gradient_as_one_device(one_de
     replicas) equal one device's. The 1f1b and zbh1 layouts are test_pipeline.py's
     d2s2t2v1m4-1f1b and d1s4t2v1m8-zbh1: these cases hold those engines to one device there;
     the 1f1b and interleaved ones here run pipeline.fused_accumulation (the interleaved one
-    by slot, where an idle backward hands on the last one's taps, and under the steady
-    tick); zbv's V (its hand-offs
-    both ways, the loss on stage 0) is held to it here by slot (with Llama's block over stages
-    of unequal depth and the steady tick: test_unequal_stages.py)."""
+    by slot, each chunk's backward a conditional of its own, and under the steady tick);
+    zbv's V (its hand-offs both ways, the loss on stage 0) is held to it here by slot (with
+    Llama's block over stages of unequal depth and the steady tick: test_unequal_stages.py)."""
     config = LAYOUTS[layout]()
     params, loss, grads, values = support.gradients_and_values(config, one_device['batch'], step=5)
     support.assert_trees_close(params, one_device['params'], atol=0.0)

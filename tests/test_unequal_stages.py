@@ -47,7 +47,7 @@ def test_the_stored_order_round_trips_and_pads_with_zeros():
 
 def _config(
     stage, repeats=1, schedule='1f1b', first=1, last=1, micro_steps=4, tensor=1, steady=False,
-    **model,
+    fused=False, **model,
 ):  # fmt: skip
     config = support.small_config(
         tensor=tensor, micro_steps=micro_steps, num_layers=LAYERS, **model
@@ -56,7 +56,7 @@ def _config(
     config.mesh.stage = stage
     config.pipeline.update(
         repeats=repeats, schedule=schedule, first_stage_layers=first, last_stage_layers=last,
-        steady_tick=steady,
+        steady_tick=steady, fused_accumulation=fused,
     )  # fmt: skip
     return config_lib.resolve(config, stage * tensor)
 
@@ -89,7 +89,7 @@ def one_device():
     'stage, repeats, schedule, first, last, block, more',
     [
         (4, 1, '1f1b', 1, 1, 'llama', {}),  # Llama 3 405B's shape in small
-        (2, 2, 'interleaved', 2, 4, 'gpt', {}),
+        (2, 2, 'interleaved', 2, 4, 'gpt', dict(fused=True)),  # chained.py's, padded
         (2, 2, 'interleaved', 3, 3, 'gpt', dict(steady=True)),
         (4, 1, 'zbh1', 1, 1, 'llama', dict(LLAMA_TENSOR, steady=True)),
         # the V: chunks 0 and 3 on stage 0
@@ -97,7 +97,7 @@ def one_device():
     ],
     ids=[
         '1f1b-1-2-2-1-llama',
-        'interleaved-2-4',
+        'interleaved-2-4-fused',
         'interleaved-3-3-uneven-chunks-steady',
         'zbh1-llama-t2-sp-pieces-steady',
         'zbv-llama-2-4-t2-sp-pieces-steady',

@@ -40,6 +40,8 @@ BACKWARD_INPUT, WEIGHTS = 'pipeline_backward_input', 'pipeline_weights'
 CHUNK, ACCUMULATE, ACCUMULATE_SHARED = (
     'pipeline_chunk', 'pipeline_accumulate', 'pipeline_accumulate_shared'
 )  # fmt: skip
+# the fused accumulation's cond(skip, pass through, backward + dW) of each chunk (chained.py)
+BACKWARD_CHUNK = 'pipeline_backward_chunk'
 # the steady tick's one switch over the (forward, backward) pairs a table holds (steady_pairs)
 STEADY = 'pipeline_steady'
 
@@ -98,6 +100,7 @@ def branch_fractions(table):
         (ACCUMULATE_SHARED,): [touched, 1.0 - touched],
     }
     weights.update(steady_fractions(table, first_f))
+    weights.update(chained_fractions(bwd, v))
     if w:  # B runs the backward's conditionals (the whole backward but the taps' kernels)
         for path in [p for p in weights if p[0] == BACKWARD]:
             weights[(BACKWARD_INPUT, *path[1:])] = weights.pop(path)
@@ -109,6 +112,26 @@ def branch_fractions(table):
     for path in inner:
         weights[(path[0], CHUNK, *path[1:])] = weights[path]
     return weights
+
+
+def chained_fractions(bwd, v):
+    """The fused accumulation's conditionals with several chunks (parallel/chained.py), each
+    cond(skip, pass through, run) = [run, skip]: a chunk's backward from its stash (v of them
+    a tick; the embedding's cond inside it), and the head's (the last chunk: never chunk 0)."""
+    ran, last, first = (
+        (bwd != SLOT_IDLE).sum(),
+        (bwd == SLOT_LAST).sum(),
+        (bwd == SLOT_FIRST).sum(),
+    )
+    stashed = float((ran - last) / (v * bwd.size))  # a chunk's link runs, of its ticks
+    first = float(first / max(ran - last, 1))  # of the links that ran
+    head = float(last / bwd.size)
+    return {
+        (BACKWARD_CHUNK,): [stashed, 1.0 - stashed],
+        (BACKWARD_CHUNK, FIRST): [1.0 - first, first],
+        (BACKWARD_CHUNK, LAST): [head, 1.0 - head],
+        (BACKWARD_CHUNK, LAST, FIRST): [1.0, 0.0],
+    }
 
 
 def steady_pairs(table):

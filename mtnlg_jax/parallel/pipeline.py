@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from mtnlg_jax.parallel import gpipe, taps, zero_bubble, zero_bubble_v
+from mtnlg_jax.parallel import chained, gpipe, taps, zero_bubble, zero_bubble_v
 from mtnlg_jax.parallel import stage_functions as side
 from mtnlg_jax.parallel import schedule as schedule_lib
 from mtnlg_jax.parallel.branches import columns as table_columns
@@ -318,9 +318,6 @@ def scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index=None):
         return jnp.full((table.tap_slots, stage.per_chunk, *a.shape), bubble_fill, a.dtype)
 
     sites = () if stage.fused else stage.sites or ()  # fused: no buffers, W in B's tick
-    # fused, several chunks, by slot: the last backward's taps (what an idle slot hands on)
-    scratch = stage.fused and len(stage.chunks) > 1 and stage.pairs is None
-    scratch = taps.hold(taps.zeros(stage.sites, stage.per_chunk), stage.sites) if scratch else []
     arrived = constrain(stage.fill, stage.handoff_axes)
     arrived = (arrived, arrived) if table.v_shape else arrived  # the V: both ways
     init = (
@@ -329,7 +326,8 @@ def scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index=None):
         buffer(table.stash_slots),
         [residual_buffer(r) for r in kept_shapes],
         buffer(table.grad_slots),
-        taps.hold([tuple(map(tap_buffer, s.arrays())) for s in sites], sites) or scratch,
+        taps.hold([tuple(map(tap_buffer, s.arrays())) for s in sites], sites)
+        or chained.scratch(stage),
         sums,
     )
     xs = jax.tree.map(jnp.asarray, table_columns(table))

@@ -22,7 +22,8 @@ this stage's row of them). Every stage runs the same program; `lax.cond` on each
              branch has XLA:GPU copy it, through its true branch not); under
              pipeline.fused_accumulation the kernels' gradients leave the VJP as their taps
              (taps.py: x, dy, gathered in B), contracted in fp32 in that add: the dW
-             GEMM's epilogue (Stage.fused); an idle slot hands on the last ones, in place
+             GEMM's epilogue (Stage.fused); several chunks, by slot: a conditional a chunk
+             (chained.py), its dW GEMMs in its backward's computation but QKV's
     y -> stage s + 1, dx -> stage s - 1 (rings), split over 'tensor' along the sequence;
     in the V (zero_bubble_v.py) both also the other way, the turn on stage p - 1 local
 
@@ -39,10 +40,9 @@ matmuls. Idle slots are branches of their own; chunk 0's embedding stays a cond 
 hand-offs and W are the tick by slot's (the V's both ways included).
 
 The carry of the scan: (act_in, grad_in (in the V pairs, each way's), stash, resids,
-grad_buf, tap_bufs ([] unless split; fused, several chunks, by slot: the last backward's
-taps), sums), sums = (fp32 block accumulators, one tree (L / (p v), ...) a chunk, fp32
-shared accumulators, loss, side values: {name: fp32 array}, empty when the model declares
-none).
+grad_buf, tap_bufs ([] unless split; fused, several chunks, by slot: chained.scratch),
+sums), sums = (fp32 block accumulators, one tree (L / (p v), ...) a chunk, fp32 shared
+accumulators, loss, side values: {name: fp32 array}, empty when the model declares none).
 Chunks are separate trees, not one stacked (v, ...) array: slicing a chunk's weights and
 accumulators out of a stack by a traced index copies them every tick (XLA:GPU does not read a
 dynamic slice in place in a GEMM).
@@ -72,7 +72,7 @@ from mtnlg_jax.parallel.branches import (
     WEIGHTS,
 )
 from mtnlg_jax.parallel import stage_functions as side
-from mtnlg_jax.parallel import stage_order, taps
+from mtnlg_jax.parallel import chained, stage_order, taps
 from mtnlg_jax.parallel.residuals import join_vjp, split_vjp
 from mtnlg_jax.parallel.slots import add, add_unless, read, write, zeros
 from mtnlg_jax.parallel.rules import STAGE_AXIS, constrain
@@ -245,28 +245,21 @@ class Stage:
                 ), tap_bufs
         if len(self.chunks) == 1:
             return *self.backward_one_chunk(bwd, sums, h, g, kept)[:2], tap_bufs
-        scratch = tap_bufs if self.fused else None
-        return self.backward_chunks(bwd, sums, h, g, kept, scratch=scratch)
+        if self.fused:  # a conditional a chunk, its dW GEMMs beside its backward's
+            return chained.backward(self, bwd, sums, h, g, kept, tap_bufs)
+        return self.backward_chunks(bwd, sums, h, g, kept)
 
-    def backward_chunks(self, bwd, sums, h, g, kept, scope=BACKWARD, scratch=None):
+    def backward_chunks(self, bwd, sums, h, g, kept, scope=BACKWARD):
         """Several chunks a stage: the conditional returns this tick's gradients, never the
         accumulators (handed through one, XLA:GPU copies every fp32 accumulator in both
         branches, every tick); each chunk's are added to after it, where the slot ran that
-        chunk. Split, the tapped kernels' gradients are W's: left out. scratch (fused): the
-        last backward's taps, what an idle slot hands out as its own (its true branch hands
-        them through, in place: no zero taps written; the add skips them). Returns (sums,
-        the input's gradient, the taps: [] unless split or fused)."""
-
-        def idle(scratch):
-            grads = self.without_taps(self.no_gradients())
-            return grads if scratch is None else (*grads[:-1], scratch)
-
+        chunk. Split, the tapped kernels' gradients are W's: left out. Returns (sums, the
+        input's gradient, the taps: [] unless split)."""
         with jax.named_scope(scope):
             grads = jax.lax.cond(
                 bwd.kind == SLOT_IDLE,
-                idle,
-                lambda _: self.without_taps(self.pull_back(bwd, h, g, kept)),
-                scratch,
+                lambda: self.without_taps(self.no_gradients()),
+                lambda: self.without_taps(self.pull_back(bwd, h, g, kept)),
             )
         return self.add_gradients(bwd, sums, grads)
 

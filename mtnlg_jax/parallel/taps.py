@@ -31,6 +31,7 @@ for the weights' gradient (Site.axes): Llama 3 405B's at tensor 8, 0.50 GiB a la
     as_read(sites)                  sites whose taps are held as the matmuls have them (a W
                                     in B's own tick: the engine's fused accumulation)
     with handed_out_as_read():      a VJP traced inside hands its taps out so (as_read's)
+    subset(sites, stashed, keep)            some sites and their taps, shares re-indexed
     add_untapped(acc, grads, sites)         acc + grads but at the tapped kernels (B's add)
     untapped(grads, sites)                  grads with None at the tapped kernels
 """
@@ -226,6 +227,17 @@ def add_weight_grads(acc, sites, stashed):
     tapped = {site.path for site in sites}
     grads = weight_grads(sites, stashed, {k: a for k, a in leaves.items() if k in tapped})
     return jax.tree_util.tree_map_with_path(lambda path, a: grads.get(_keys(path), a), acc)
+
+
+def subset(sites, stashed, keep):
+    """(the sites at indices `keep`, their taps): a site's shares re-indexed into the subset,
+    which holds every site whose x a kept one shares."""
+    index = {i: j for j, i in enumerate(keep)}
+    chosen = tuple(
+        sites[i]._replace(shares=None if sites[i].shares is None else index[sites[i].shares])
+        for i in keep
+    )
+    return chosen, [stashed[i] for i in keep]
 
 
 def _read(axes):
