@@ -89,6 +89,7 @@ def one_device():
     'stage, repeats, schedule, first, last, block, more',
     [
         (4, 1, '1f1b', 1, 1, 'llama', {}),  # Llama 3 405B's shape in small
+        (2, 2, 'interleaved', 2, 4, 'gpt', {}),  # the 405B's engine: by slot, unfused
         (2, 2, 'interleaved', 2, 4, 'gpt', dict(fused=True)),  # chained.py's, padded
         (2, 2, 'interleaved', 3, 3, 'gpt', dict(steady=True)),
         (4, 1, 'zbh1', 1, 1, 'llama', dict(LLAMA_TENSOR, steady=True)),
@@ -97,6 +98,7 @@ def one_device():
     ],
     ids=[
         '1f1b-1-2-2-1-llama',
+        'interleaved-2-4',
         'interleaved-2-4-fused',
         'interleaved-3-3-uneven-chunks-steady',
         'zbh1-llama-t2-sp-pieces-steady',
