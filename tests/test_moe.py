@@ -56,6 +56,16 @@ def test_the_grouped_matmuls_equal_each_experts_mlp_on_its_own_rows(grouped, lla
     np.testing.assert_allclose(got, dense_reference(moe, rows, group_sizes), atol=1e-5)
 
 
+def test_routed_scale_multiplies_the_routed_experts_weights_and_nothing_else():
+    """model.moe.routed_scale (DeepSeek-V3's routed_scaling_factor): the layer's output (no
+    shared expert) times it, the same experts chosen (the side values alike)."""
+    x = jax.random.normal(jax.random.key(3), (2, 32, moe_config().hidden))
+    plain, values = layer(moe_config())(x, jnp.int32(0))
+    scaled, scaled_values = layer(moe_config(routed_scale=2.5))(x, jnp.int32(0))
+    np.testing.assert_allclose(scaled, 2.5 * plain, rtol=1e-5, atol=1e-6)
+    support.assert_trees_close(scaled_values, values, atol=0.0)
+
+
 def test_the_compiled_layer_does_the_chosen_experts_work_without_a_dense_dispatch():
     """The matmul FLOPs of the layer's forward compiled by XLA:CPU (the planner's count of
     the optimized HLO, plan/hlo_module.py): within 10 % of the active FLOPs (the router and

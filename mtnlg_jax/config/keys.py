@@ -221,6 +221,14 @@ KEYS = (
     ),
     Key('model.moe.norm_top_k', True, 'bool', "renormalise the k chosen experts' weights", 'never'),
     Key(
+        'model.moe.routed_scale',
+        1.0,
+        'num>0',
+        "the routed experts' weights times this (DeepSeek-V3's routed_scaling_factor, 2.5): "
+        'renormalised top-k weights average the k outputs where a dense MLP sums its parts',
+        'never',
+    ),
+    Key(
         'model.moe.aux_loss_coeff',
         0.01,
         'num>=0',

@@ -157,6 +157,7 @@ def unexportable(model_cfg):
             name == 'MixtralForCausalLM' and not moe.norm_top_k,
             'always renormalises (Qwen3-MoE may not: model.qk_norm)',
         ),
+        'routed_scale': (moe.get('routed_scale', 1.0) != 1.0, 'scales no routed weight'),
     }
     for key, (refused, reason) in why.items():
         if refused:

@@ -166,6 +166,7 @@ class MoE(nnx.Module):
         )
         self.experts, self.top_k, self.num_layers = experts, moe.top_k, cfg.num_layers
         self.router, self.norm_top_k = moe.router, moe.norm_top_k
+        self.routed_scale = moe.get('routed_scale', 1.0)
         self.capacity_factor = moe.capacity_factor
         self.aux_loss_coeff, self.z_loss_coeff = moe.aux_loss_coeff, moe.z_loss_coeff
         self.grouped = grouped  # grouped_matmul_kind()
@@ -208,7 +209,7 @@ class MoE(nnx.Module):
         weights = jnp.take_along_axis(scores, chosen, axis=-1)
         if self.norm_top_k:
             weights = weights / weights.sum(-1, keepdims=True)
-        return logits, scores, chosen, weights
+        return logits, scores, chosen, weights * self.routed_scale
 
     def kept(self, chosen):
         """(batch, seq, top_k) bool: the choices within their expert's capacity (all of them
