@@ -258,13 +258,17 @@ def test_the_exchange_pads_the_experts_rows_x_over_k_dropless_about_the_capacity
 def test_an_expert_layer_keeps_its_padded_rows_and_its_experts_outputs():
     """Selective recompute keeps the experts' gate and up projections (k x padding rows of
     the expert width, split over tensor) and their outputs (moe_out: k x padding rows of the
-    hidden width, whole)."""
+    hidden width, whole); folded, the two all-to-alls' deliveries (1/t of those rows each)
+    and not the outputs, which no backward reads (Qwen3-235B-A22B's compile:
+    docs/benchmarks.md)."""
     model = tiny_moe().model
     e, s, rows, t, k, h, f = 4, 128, 2, 2, 2, 256, 352
-    one, four = (
-        arithmetic.layer_activation_bytes(model, rows, t, 'selective', padding=p) for p in (1, 4)
-    )
-    assert four - one == s * rows * e * (3 * k * f * 2 / t + 3 * k * h)
+    for fold, routed in ((False, k * h), (True, 2 * k * h / t)):
+        one, four = (
+            arithmetic.layer_activation_bytes(model, rows, t, 'selective', padding=p, fold=fold)
+            for p in (1, 4)
+        )
+        assert four - one == s * rows * e * 3 * (k * f * 2 / t + routed), fold
 
 
 def test_the_prediction_charges_the_all_to_all_and_the_exchanges_padding():
