@@ -13,9 +13,9 @@ gathered weight copies the plan does not count; docs/benchmarks.md, "Mixtral 8x2
 H100s"), parallel folding (model.moe.fold_tensor, t > 1, x t dividing the experts) or not,
 data d = devices / (t p x), the replicas d x dividing the global batch, micro-batch b
 dividing the replica's batch, repeats v the stages' layers take (dividing an even stage's
-layers; at most the shortest unequal stage's; interleaved when v > 1), remat none / selective / full, sequence parallelism (t > 1), max_in_flight 0 or p
-(1f1b, v = 1). Keys in `fixed` (the user's --config.KEY=VALUE) keep the config's value; the
-others vary.
+layers; at most the shortest unequal stage's; interleaved when v > 1), remat none /
+selective / full, sequence parallelism (t > 1), max_in_flight 0 or p (1f1b, v = 1).
+Keys in `fixed` (the user's --config.KEY=VALUE) keep the config's value; the others vary.
 
 Each layout is resolved (config.resolve: what it refuses is skipped), its step predicted
 (plan/predict.py, the 'ours' semantics), and the layouts are ranked by that; memory per device
