@@ -1,6 +1,7 @@
 """The planner's arithmetic against the MT-NLG and Megatron papers' own figures, and its
 communication formulas against hand counts. No compile: shapes only."""
 
+import dataclasses
 import pathlib
 
 import pytest
@@ -278,3 +279,12 @@ def test_the_prediction_charges_the_all_to_all_and_the_exchanges_padding():
     assert one['expert_comm_s'] == 0.0 and two['expert_comm_s'] > 0.0
     assert (one['expert_padding'], two['expert_padding']) == (1.0, 4.0)
     assert two['compute_s'] > one['compute_s']  # every buffer's row multiplied
+    # selective recompute exchanges again unless folded (the exchanged rows kept), as
+    # plan/comm.py's all-to-all bytes count it: slower links cost the folded recompute nothing
+    slow = dataclasses.replace(cluster, nvlink_bandwidth=cluster.nvlink_bandwidth / 10)
+    selective = tiny_moe(expert=2, tensor=2)
+    selective.model.update(remat='selective')
+    for fold, grows in ((False, True), (True, False)):
+        selective.model.moe.fold_tensor = fold
+        fast, slower = (predict.step_time(selective, c)['recompute_s'] for c in (cluster, slow))
+        assert (slower > fast) == grows and fast > 0.0, (fold, fast, slower)
