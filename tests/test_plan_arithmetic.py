@@ -1,6 +1,7 @@
 """The planner's arithmetic against the MT-NLG and Megatron papers' own figures, and its
 communication formulas against hand counts. No compile: shapes only."""
 
+import dataclasses
 import pathlib
 
 import pytest
@@ -258,13 +259,17 @@ def test_the_exchange_pads_the_experts_rows_x_over_k_dropless_about_the_capacity
 def test_an_expert_layer_keeps_its_padded_rows_and_its_experts_outputs():
     """Selective recompute keeps the experts' gate and up projections (k x padding rows of
     the expert width, split over tensor) and their outputs (moe_out: k x padding rows of the
-    hidden width, whole)."""
+    hidden width, whole); folded, the two all-to-alls' deliveries (1/t of those rows each)
+    and not the outputs, which no backward reads (Qwen3-235B-A22B's compile:
+    docs/benchmarks.md)."""
     model = tiny_moe().model
     e, s, rows, t, k, h, f = 4, 128, 2, 2, 2, 256, 352
-    one, four = (
-        arithmetic.layer_activation_bytes(model, rows, t, 'selective', padding=p) for p in (1, 4)
-    )
-    assert four - one == s * rows * e * (3 * k * f * 2 / t + 3 * k * h)
+    for fold, routed in ((False, k * h), (True, 2 * k * h / t)):
+        one, four = (
+            arithmetic.layer_activation_bytes(model, rows, t, 'selective', padding=p, fold=fold)
+            for p in (1, 4)
+        )
+        assert four - one == s * rows * e * 3 * (k * f * 2 / t + routed), fold
 
 
 def test_the_prediction_charges_the_all_to_all_and_the_exchanges_padding():
@@ -274,3 +279,12 @@ def test_the_prediction_charges_the_all_to_all_and_the_exchanges_padding():
     assert one['expert_comm_s'] == 0.0 and two['expert_comm_s'] > 0.0
     assert (one['expert_padding'], two['expert_padding']) == (1.0, 4.0)
     assert two['compute_s'] > one['compute_s']  # every buffer's row multiplied
+    # selective recompute exchanges again unless folded (the exchanged rows kept), as
+    # plan/comm.py's all-to-all bytes count it: slower links cost the folded recompute nothing
+    slow = dataclasses.replace(cluster, nvlink_bandwidth=cluster.nvlink_bandwidth / 10)
+    selective = tiny_moe(expert=2, tensor=2)
+    selective.model.update(remat='selective')
+    for fold, grows in ((False, True), (True, False)):
+        selective.model.moe.fold_tensor = fold
+        fast, slower = (predict.step_time(selective, c)['recompute_s'] for c in (cluster, slow))
+        assert (slower > fast) == grows and fast > 0.0, (fold, fast, slower)

@@ -145,6 +145,20 @@ def test_a_fused_attention_kernel_moves_no_scores_through_memory():
     assert theirs[0] == theirs[1]
 
 
+def test_selective_recompute_reruns_no_fused_attention_forward():
+    """Selective recompute keeps cuDNN's forward outputs (gpt.REMAT_POLICIES), as the flash
+    kernel's: our engine's prediction recomputes nothing of the attention core where the
+    kernel runs (auto: cuDNN on A100 at head dim 8), the plain path's core where it does not."""
+    cluster = clusters.CLUSTERS['a100-80gb']
+    fused, plain = (
+        support.small_config(compute_dtype='bfloat16', attention=attention, remat='selective')
+        for attention in ('auto', 'plain')
+    )
+    assert predict.kernel_on(fused.model, cluster) == 'cudnn'
+    assert predict.step_time(fused, cluster)['recompute_s'] == 0.0
+    assert predict.step_time(plain, cluster)['recompute_s'] > 0.0
+
+
 @pytest.mark.parametrize('remat, b_units', [('none', 1), ('full', 2)])
 def test_zbh1s_bubble_is_counted_from_its_table(monkeypatch, remat, b_units):
     """pipeline.schedule = 'zbh1': the prediction prices the ZB-H1 table's ticks, W the

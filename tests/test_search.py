@@ -98,6 +98,26 @@ def test_expert_ranks_are_searched_over_the_divisors_of_the_experts():
     assert all(' x2 ' in entry['layout'] for entry in result['best'])
 
 
+def test_stages_of_unequal_depth_and_fixed_folding_give_only_layouts_that_resolve():
+    """10 layers with 2 on the first and last stages (pipeline.first_stage_layers /
+    last_stage_layers, as configs/qwen3_235b_a22b.py's 94) on 16 GPUs: stages 1, 4 (3 layers
+    a middle stage) and 8 (1), not the divisors of 10; repeats up to the shortest stage's
+    layers; folding fixed on (model.moe.fold_tensor=True) with 4 experts: no expert x tensor
+    that does not divide them. Every layout passes the config's checks (the search of
+    Qwen3-235B-A22B refused 284 of 345 before)."""
+    config = inputs(**{'model.num_layers': 10})
+    config.pipeline.update(dict(first_stage_layers=2, last_stage_layers=2))
+    config.model.moe.update(dict(experts=4, top_k=2, fold_tensor=True))
+    fixed = {'model.moe.fold_tensor'}
+    found = list(search.layouts(config, 16, 8, fixed))
+    assert {layout['mesh.stage'] for layout in found} == {1, 4, 8}
+    repeats = {(k['mesh.stage'], k['pipeline.repeats']) for k in found}
+    assert repeats == {(1, 1), (4, 1), (4, 2), (8, 1)}, repeats
+    assert all(k['mesh.expert'] * k['mesh.tensor'] <= 4 for k in found if k['mesh.tensor'] > 1)
+    for layout in found:
+        search.with_layout(config, layout, 16, fixed)  # config.ConfigError if refused
+
+
 def test_a_gpu_count_the_batch_cannot_use_is_an_error():
     try:
         search.search(inputs(), 7, FREE, progress=False)

@@ -72,9 +72,23 @@ from mtnlg_jax.parallel import stage_functions as side
 from mtnlg_jax.parallel import taps as taps_lib
 from mtnlg_jax.parallel.stage_functions import StageFunctions
 
+# cuDNN's fused attention forward (jax.nn.dot_product_attention, implementation 'cudnn'):
+# its backward reads the forward's output and softmax statistics, residuals JAX makes inside
+# its own custom_vjp where no name of ours reaches them; selective recompute keeps that
+# primitive's outputs, so the backward does not run the forward kernel again (7.5 % of
+# Qwen3-235B-A22B's model FLOPs when it did: docs/benchmarks.md).
+CUDNN_ATTENTION_FORWARD = 'dot_product_attention_fwd_wrapper'
+
+
+def _cudnn_attention_forward(primitive, *_, **__):
+    return primitive.name == CUDNN_ATTENTION_FORWARD
+
+
 REMAT_POLICIES = {
     'full': jax.checkpoint_policies.nothing_saveable,
-    'selective': jax.checkpoint_policies.save_only_these_names(*SELECTIVE_SAVED),
+    'selective': jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.save_only_these_names(*SELECTIVE_SAVED), _cudnn_attention_forward
+    ),
 }
 
 

@@ -243,8 +243,12 @@ def layer_activation_bytes(
     A mixture of experts keeps, beyond its MLP's width (mlp_width: k x padding rows of the
     experts' widths), the experts' outputs (model/moe.py's `moe_out`: k x padding rows of
     (hidden) a token, whole over tensor) under selective and none; under none also their
-    inputs (the rows gathered, or received by the all-to-all, in expert order); folded,
-    selective also keeps the rows both all-to-alls deliver (1/t of them a tensor rank).
+    inputs (the rows gathered, or received by the all-to-all, in expert order). Folded,
+    selective keeps the rows both all-to-alls deliver (1/t of them a tensor rank) in place of
+    the experts' outputs: the all-to-all back is linear and the combine's backward reads what
+    it delivered, so `moe_out` is no residual (Qwen3-235B-A22B folded on 512 H100s, XLA:GPU's
+    live ranges at the step's peak: the residual slots hold 57,856 bytes a token a layer, this
+    count; with moe_out counted, 74,240; docs/benchmarks.md).
 
     remat none: s b h (6 e + 12 e / t) + a s^2 b (4 + e) / t: the block's inputs, layer-norm
         outputs, residual branch outputs (6 x (s, b, h), replicated over tensor), QKV, context
@@ -273,8 +277,9 @@ def layer_activation_bytes(
     expert_rows = expert_rows_width(model_cfg, padding, dense) * e / (tensor if fold else 1)
     if remat == 'selective':
         saved_mlp = mlp_width(model_cfg, dense, padding) * (2 if swiglu else 1)
-        exchanged = 2 * expert_rows if fold else 0  # the all-to-alls' rows (model/moe.py)
-        kept = 2 * h * e / residual + (split + saved_mlp) * e / tensor + expert_rows + exchanged
+        # folded: the all-to-alls' two deliveries (model/moe.py), else the experts' outputs
+        routed = 2 * expert_rows if fold else expert_rows
+        kept = 2 * h * e / residual + (split + saved_mlp) * e / tensor + routed
         return s * rows * kept
     f = mlp_width(model_cfg, dense, padding) * (3 if swiglu else 2)
     kept = s * rows * (6 * h * e / residual + (split + f) * e / tensor + 2 * expert_rows)

@@ -15,7 +15,8 @@ tensor t, compute dtype of e bytes):
                 GPU (model/block.py's attention_kernel: the scores stay on chip); where that
                 kernel is the Pallas flash kernel, the score blocks it computes (the causal
                 triangle, forward 2 matmuls, backward 7: flash_attention_flops), and
-                selective recompute reruns none of it (its out and log-sum-exp are kept)
+                selective recompute reruns none of it (its out and log-sum-exp are kept;
+                cuDNN's out and softmax statistics likewise)
     context     context parallelism over c ranks: every sequence-long term above is s / c
                 tokens of queries (their keys still s), and the keys' and values' all-gather
                 over 'context' (b s 2 kv_heads d / t, ring bytes over the network) is waited
@@ -294,14 +295,17 @@ def slot_costs(
         config, rates, exposed, kernel != 'plain', exposed_experts, exposed_context, flash
     )
     n = arithmetic.chunk_slots(config)
-    # selective recompute keeps the flash kernel's out and log-sum-exp (model/flash_attention.py)
-    kept = flash and config.model.remat == 'selective'
+    # selective recompute keeps a fused kernel's outputs: the flash kernel's out and
+    # log-sum-exp (model/flash_attention.py), cuDNN's out and softmax statistics (gpt.py's
+    # REMAT_POLICIES); folded, a mixture of experts' exchanged rows (model/moe_exchange.py)
+    kept = kernel != 'plain' and config.model.remat == 'selective'
+    exchanged_again = 0.0 if arithmetic.folded(config) else layer['expert']
     again, again_flops = {
         'full': (layer['compute'] + layer['tensor'] + layer['expert'], layer['flops']),
-        # selective: the attention core (unless the flash kernel's outputs are kept), and a
-        # mixture of experts' two exchanges (plan/comm.py)
+        # selective: the attention core (unless a fused kernel's outputs are kept), and a
+        # mixture of experts' two exchanges unless folded (plan/comm.py)
         'selective': (
-            (0.0 if kept else layer['attention']) + layer['expert'],
+            (0.0 if kept else layer['attention']) + exchanged_again,
             0.0 if kept else layer['attention_flops'],
         ),
         'none': (0.0, 0.0),

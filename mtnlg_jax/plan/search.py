@@ -4,16 +4,18 @@
     print('\\n'.join(lines(result)))
 
 Every layout the config can take on `devices` GPUs: tensor t inside a node (dividing the
-heads, the MLP and the node's GPUs), stages p dividing the layers, expert ranks x dividing a
+heads, the MLP and the node's GPUs), stages p over which the config's stage layers go (p
+dividing the layers, or with pipeline.first_stage_layers / last_stage_layers set, p whose
+middle stages share the rest evenly: config/stage_layers.py), expert ranks x dividing a
 mixture of experts' routed experts (1 for a dense model; a mixture of experts at x = 1 only
 with t = 1 or folded: split over tensor, its experts take model/moe.py's batched path, whose
 gathered weight copies the plan does not count; docs/benchmarks.md, "Mixtral 8x22B on 256
 H100s"), parallel folding (model.moe.fold_tensor, t > 1, x t dividing the experts) or not,
 data d = devices / (t p x), the replicas d x dividing the global batch, micro-batch b
-dividing the replica's batch, repeats v dividing the layers of a stage (interleaved when
-v > 1), remat none / selective / full, sequence parallelism (t > 1), max_in_flight 0 or p
-(1f1b, v = 1). Keys in `fixed` (the user's --config.KEY=VALUE) keep the config's value; the
-others vary.
+dividing the replica's batch, repeats v the stages' layers take (dividing an even stage's
+layers; at most the shortest unequal stage's; interleaved when v > 1), remat none /
+selective / full, sequence parallelism (t > 1), max_in_flight 0 or p (1f1b, v = 1).
+Keys in `fixed` (the user's --config.KEY=VALUE) keep the config's value; the others vary.
 
 Each layout is resolved (config.resolve: what it refuses is skipped), its step predicted
 (plan/predict.py, the 'ours' semantics), and the layouts are ranked by that; memory per device
@@ -30,6 +32,7 @@ import ml_collections
 from tqdm import tqdm
 
 from mtnlg_jax import config as config_lib
+from mtnlg_jax.config import stage_layers
 from mtnlg_jax.parallel import footprint
 from mtnlg_jax.plan import predict, report
 
@@ -83,9 +86,10 @@ def layouts(inputs, devices, gpus_per_node, fixed=()):
         if model.heads % t == 0 and kv_heads % t == 0 and ffn % t == 0
     ]
     experts = model.moe.experts if 'moe' in model else 0
+    stages = [p for p in range(1, model.num_layers + 1) if _stage_repeats(inputs, p, 1)]
     meshes = itertools.product(
         choices('mesh.tensor', tensors),
-        choices('mesh.stage', _divisors(model.num_layers)),
+        choices('mesh.stage', stages),
         choices('mesh.expert', _divisors(experts) if experts else [1]),
     )
     for t, p, x in meshes:
@@ -101,16 +105,31 @@ def layouts(inputs, devices, gpus_per_node, fixed=()):
         for fold in choices('model.moe.fold_tensor', folds):
             if experts and x == 1 and t > 1 and not fold:
                 continue  # one expert rank over tensor: the batched path's weight copies
+            if experts and fold and t > 1 and experts % (x * t):
+                continue  # folding fixed on: the experts do not divide over expert x tensor
             mesh = {'mesh.tensor': t, 'mesh.stage': p, 'mesh.data': d, 'mesh.expert': x}
             mesh.update({'model.moe.fold_tensor': fold} if experts else {})
-            yield from _schedules(choices, mesh, model, batch // (d * x))
+            repeats = [v for v in range(1, model.num_layers + 1) if _stage_repeats(inputs, p, v)]
+            yield from _schedules(choices, mesh, model, batch // (d * x), repeats)
 
 
-def _schedules(choices, mesh, model, replica_batch):
-    """layouts' entries of one mesh: repeats, micro-batch, recompute, sequence parallelism and
-    the in-flight bound, each as `choices` allows."""
+def _stage_repeats(inputs, stages, repeats):
+    """Whether the block stack's layers go over `stages` stages of `repeats` chunks as the
+    config's pipeline.first_stage_layers / last_stage_layers say (config/stage_layers.py)."""
+    pipeline = inputs.pipeline
+    first, last = pipeline.get('first_stage_layers', 0), pipeline.get('last_stage_layers', 0)
+    layers = config_lib.block_stack_layers(inputs.model)
+    try:
+        stage_layers.per_stage(layers, stages, repeats, first, last)
+    except ValueError:
+        return False
+    return stages > 1 or repeats == 1
+
+
+def _schedules(choices, mesh, model, replica_batch, repeats):
+    """layouts' entries of one mesh: repeats (those the stages' layers take), micro-batch,
+    recompute, sequence parallelism and the in-flight bound, each as `choices` allows."""
     t, p = mesh['mesh.tensor'], mesh['mesh.stage']
-    repeats = _divisors(model.num_layers // p) if p > 1 else [1]
     sp = [False, True] if t > 1 and model.seq_len % t == 0 else [False]
     for v, b, remat, seq in itertools.product(
         choices('pipeline.repeats', repeats),
