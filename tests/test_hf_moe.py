@@ -92,6 +92,16 @@ def test_our_export_config_reads_back_into_the_same_model_keys(name):
     assert hf_variants.model_keys(exported) == hf_variants.model_keys(transformers_config(name))
 
 
+def test_an_export_with_a_routed_scale_is_refused_in_one_line():
+    """model.moe.routed_scale other than 1: neither Mixtral nor Qwen3-MoE scales its routed
+    weights, so the export says so (the router's other keys' way)."""
+    cfg = model_cfg_of('mixtral')
+    cfg.moe.routed_scale = 2.5
+    assert hf_variants.unexportable(cfg) == (
+        'model.moe.routed_scale = 2.5: MixtralForCausalLM scales no routed weight'
+    )
+
+
 @pytest.mark.parametrize(
     'name, change, message',
     [
