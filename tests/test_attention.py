@@ -13,7 +13,8 @@ import pytest
 
 import support
 from mtnlg_jax import config as config_lib
-from mtnlg_jax.model import block, flash_attention, gpt
+from mtnlg_jax.model import attention_kernel as kernels
+from mtnlg_jax.model import flash_attention, gpt
 from mtnlg_jax.model.decode import forward_cached, init_cache
 
 A100 = types.SimpleNamespace(platform='gpu', compute_capability='8.0')
@@ -102,16 +103,17 @@ def test_decoding_with_the_fused_kernel_matches_plain_decoding():
 )
 def test_which_kernel_a_config_gets(overrides, device, kernel):
     cfg = _model_cfg(overrides.pop('attention', 'auto'), **overrides)
-    assert block.attention_kernel(cfg, device) == kernel
+    assert kernels.attention_kernel(cfg, device) == kernel
 
 
 def test_fused_attention_where_no_kernel_can_is_refused():
     with pytest.raises(config_lib.ConfigError, match='cuDNN cannot fuse float32 compute'):
-        block.attention_kernel(_model_cfg('fused'), A100)
+        kernels.attention_kernel(_model_cfg('fused'), A100)
     with pytest.raises(config_lib.ConfigError, match='cannot take head dim 512'):
-        block.attention_kernel(_model_cfg('fused', compute_dtype='bfloat16', hidden=8 * 512), A100)
+        big_heads = _model_cfg('fused', compute_dtype='bfloat16', hidden=8 * 512)
+        kernels.attention_kernel(big_heads, A100)
     with pytest.raises(config_lib.ConfigError, match='cannot take sequence length 40'):
-        block.attention_kernel(_model_cfg('flash', seq_len=40), CPU)
+        kernels.attention_kernel(_model_cfg('flash', seq_len=40), CPU)
 
 
 def _flash_against_reference(

@@ -15,7 +15,7 @@ import support
 import test_pipeline  # its eval step
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.model import layers
-from mtnlg_jax.model.block import Attention
+from mtnlg_jax.model.attention import Attention
 from mtnlg_jax.parallel import context as context_lib
 from mtnlg_jax.parallel.mesh import make_mesh
 from mtnlg_jax.parallel.rules import constrain

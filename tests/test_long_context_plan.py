@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec
 
 import support
 from mtnlg_jax import config as config_lib
-from mtnlg_jax.model import block, flash_attention
+from mtnlg_jax.model import attention_kernel, flash_attention
 from mtnlg_jax.parallel import rules
 from mtnlg_jax.plan import arithmetic, clusters, comm, hlo_module, predict
 
@@ -35,7 +35,7 @@ def _model(seq=8192, **more):
     ],
 )
 def test_context_parallel_attention_takes_the_flash_kernel_in_place_of_cudnn(seq, context, kernel):
-    assert block.attention_kernel(_model(seq), H100, context) == kernel
+    assert attention_kernel.attention_kernel(_model(seq), H100, context) == kernel
     assert predict.fused_attention(_model(seq), H100_CLUSTER, context) == (kernel != 'plain')
 
 

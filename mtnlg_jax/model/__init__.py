@@ -3,8 +3,11 @@
 layers.py            parameters with logical axes, the norms (LayerNorm, RMSNorm), the MLPs
                      (GeLU, SwiGLU), dropout
 rope.py              rotary positions, Llama 3.1's frequency scaling
-block.py             attention (multi-head, grouped-query), the pre-norm block; which
-                     attention kernel runs
+attention.py         causal self-attention (multi-head, grouped-query, rope, packed documents,
+                     context parallelism's chunks, the KV cache)
+attention_kernel.py  which attention kernel runs: cuDNN, the Pallas flash kernel, XLA's, plain
+block.py             the pre-norm block: attention, then the MLP or the experts; what selective
+                     recompute keeps
 pieces.py            the block on pieces of the sequence (model.sequence_pieces)
 flash_attention.py   the Pallas flash attention kernel (dropout, GQA, segment ids): its API
 flash_kernels.py     the flash kernel's Pallas bodies: forward, dK/dV, dQ

@@ -55,16 +55,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtnlg_jax.config import block_stack_layers
-from mtnlg_jax.model.block import (
-    SELECTIVE_SAVED,
-    SITES_PER_BLOCK,
-    Block,
-    attention_kernel,
-    gpu_generation,
-)
+from mtnlg_jax.model.attention_kernel import attention_kernel, gpu_generation
+from mtnlg_jax.model.block import SELECTIVE_SAVED, Block
 from mtnlg_jax.model import fp8_sites, moe
 from mtnlg_jax.model.buffers import Buffer
-from mtnlg_jax.model.layers import dropout, norm, param, use
+from mtnlg_jax.model.layers import SITES_PER_BLOCK, dropout, norm, param, use
 from mtnlg_jax.model import loss
 from mtnlg_jax.model.loss import cross_entropy  # also the callers' name: gpt.cross_entropy
 from mtnlg_jax.parallel.rules import constrain
@@ -95,7 +90,7 @@ REMAT_POLICIES = {
 class GPT(nnx.Module):
     def __init__(self, cfg, rngs, device=None):
         """cfg: a resolved `config.model` (ffn_hidden and padded_vocab filled in); device: the
-        mesh's first, which picks the attention kernel (block.attention_kernel)."""
+        mesh's first, which picks the attention kernel (attention_kernel.attention_kernel)."""
         self.token_embed = param(
             rngs, (cfg.padded_vocab, cfg.hidden), ('vocab', 'embed'), cfg.init_std
         )

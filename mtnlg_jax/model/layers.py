@@ -161,6 +161,12 @@ def mlp(cfg, rngs, width=None):
     return (SwiGLU if cfg.get('mlp', 'gelu') == 'swiglu' else MLP)(cfg, rngs, width)
 
 
+# Dropout sites of one block (model/block.py, model/attention.py), told apart in the
+# per-sequence keys.
+ATTN_PROBS, ATTN_RESIDUAL, MLP_RESIDUAL = range(3)
+SITES_PER_BLOCK = 3
+
+
 def dropout(x, rate, row_keys, site):
     """Inverted dropout whose mask depends only on each sequence's own key and the site.
 

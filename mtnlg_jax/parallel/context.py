@@ -16,7 +16,7 @@ Attention gathers the keys and values over `context` (an all-gather per layer, w
 in the backward is a reduce-scatter of their gradients: Llama 3's choice) and each query sees
 a key when the key's global position is not later and, with packed documents, its segment id
 is the query's: the masks come from the global positions and segment ids that travel with
-each chunk (model/block.py), never from a token's place in the chunked order. Rope positions
+each chunk (model/attention.py), never from a token's place in the chunked order. Rope positions
 and learned positions are the global ones too (or the packed documents' own, which are
 permuted with their tokens). The loss and the token count are sums, which do not depend on the
 order; the gradients of every parameter, replicated over `context`, are summed over it as

@@ -35,7 +35,7 @@ class Cluster:
     nvlink_bandwidth: float  # bytes/s per GPU, one direction
     internode_bandwidth: float  # bytes/s per GPU, one direction
     gpus_per_node: int
-    compute_capability: str  # picks the attention kernel (model/block.py)
+    compute_capability: str  # picks the attention kernel (model/attention_kernel.py)
 
 
 CLUSTERS = {

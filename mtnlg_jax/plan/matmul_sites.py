@@ -3,7 +3,7 @@ matmul FLOPs that are not FP8 x FP8 products, by what they multiply.
 
     output layer     a dot with a vocabulary-wide dimension (the logits, their gradients)
     attention        a fused attention kernel, or a dot of the plain path's scores (its
-                     einsums' (queries, keys) subscripts in the op name: model/block.py)
+                     einsums' (queries, keys) subscripts in the op name: model/attention.py)
     router           an fp32 dot with an experts-wide dimension
     routed experts   the grouped matmul's kernels (model/grouped_matmul.py)
     block            the rest: block products (blockwise's by design; under tensorwise or
@@ -26,7 +26,7 @@ REASONS = {
     'routed experts': 'the grouped kernel multiplies FP8 values at the compute dtype rate',
     'block': 'block products the GEMM rewriter did not take into FP8 (read the HLO)',
 }
-SCORES = re.compile(r'bhqk|bkgqs')  # the plain path's score subscripts (model/block.py)
+SCORES = re.compile(r'bhqk|bkgqs')  # the plain path's score subscripts (model/attention.py)
 BLOCKWISE = 'blockwise: no GEMM with per-tile scales on Hopper, one of the values scaled back'
 
 

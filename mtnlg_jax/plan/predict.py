@@ -12,7 +12,7 @@ tensor t, compute dtype of e bytes):
     attention   4 b s^2 h / t FLOPs (Q K^T and the weighted sum, the whole square) at
                 peak x matmul(h / a), and its softmax, mask and dropout: (6 e + 1) a b s^2 / t
                 bytes of memory traffic, none where our engine runs a fused kernel on this
-                GPU (model/block.py's attention_kernel: the scores stay on chip); where that
+                GPU (model/attention_kernel.py: the scores stay on chip); where that
                 kernel is the Pallas flash kernel, the score blocks it computes (the causal
                 triangle, forward 2 matmuls, backward 7: flash_attention_flops), and
                 selective recompute reruns none of it (its out and log-sum-exp are kept;
@@ -77,7 +77,7 @@ import types
 
 import numpy as np
 
-from mtnlg_jax.model import block, counts, flash_attention
+from mtnlg_jax.model import attention_kernel, counts, flash_attention
 from mtnlg_jax.model.layers import attention_dims
 from mtnlg_jax.model.moe import experts_of
 from mtnlg_jax.parallel import engine as engine_lib
@@ -130,12 +130,12 @@ def _ring(kind, size, group):
 
 
 def kernel_on(model_cfg, cluster, context=1):
-    """The attention kernel model/block.py's attention_kernel picks on `cluster`'s GPUs with
-    each sequence over `context` ranks; 'plain' on the CPU (cluster None)."""
+    """The attention kernel model/attention_kernel.py picks on `cluster`'s GPUs with each
+    sequence over `context` ranks; 'plain' on the CPU (cluster None)."""
     if cluster is None:
         return 'plain'
     gpu = types.SimpleNamespace(platform='gpu', compute_capability=cluster.compute_capability)
-    return block.attention_kernel(model_cfg, gpu, context)
+    return attention_kernel.attention_kernel(model_cfg, gpu, context)
 
 
 def fused_attention(model_cfg, cluster, context=1):

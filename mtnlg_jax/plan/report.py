@@ -27,7 +27,7 @@ PER_DEVICE_KEYS = ('params', 'grads', 'optimizer', 'update', 'activations', 'tot
 def memory(config, cluster=None):
     """(bytes per device by part of the state with their 'total', activations by kind) on
     `cluster` (a clusters.Cluster: its GPUs decide whether attention is fused, as
-    model/block.py's attention_kernel does; None: XLA:CPU's plain attention)."""
+    model/attention_kernel.py's attention_kernel does; None: XLA:CPU's plain attention)."""
     state = arithmetic.state_bytes(config)
     fused = predict.fused_attention(config.model, cluster, config.mesh.context)
     activations = arithmetic.activation_bytes(config, fused)
