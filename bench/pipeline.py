@@ -32,7 +32,9 @@ Three tables (and a fourth on request), all from one run on the same 8 devices, 
     python bench/pipeline.py --tables inflight
 
    (arithmetic only) 1f1b's table against the same bounded by pipeline.max_in_flight = p:
-   stage inputs held, ticks and predicted bubble.
+   stage inputs held, ticks and predicted bubble; interleaved at Llama 3 405B's shape (p 16,
+   v 4, m 32) under several bounds, beside the steady-state bubble Little's law gives a
+   lockstep table.
 
     python bench/pipeline.py --tables flops [--schedules 1f1b,zbh1]
 
@@ -187,8 +189,9 @@ def schedule_table():
 
 
 def in_flight_table():
-    """1f1b's lockstep table against the same bounded to p stage inputs (pipeline.max_in_flight
-    = p): stash slots of the busiest stage, ticks and predicted bubble (arithmetic only)."""
+    """The lockstep tables against the same bounded by pipeline.max_in_flight (arithmetic
+    only): 1f1b bounded to p stage inputs, and interleaved at Llama 3 405B's shape (p 16, v 4,
+    m 32) under several bounds, beside the bubble Little's law gives (`steady_bubble`)."""
     rows = []
     for stages, micro in ((4, 16), (4, 64), (8, 64), (35, 240)):
         greedy = pipeline.build_table(stages, 1, micro)
@@ -212,6 +215,36 @@ def in_flight_table():
     print_table(
         '1f1b: stage inputs held by stage 0, without and with max_in_flight = p', header, rows
     )
+    stages, repeats, micro = 16, 4, 32
+    rows = []
+    for bound in (None, 8, 12, 16, 17, 20, 24, 28):
+        table = pipeline.build_table(stages, repeats, micro, max_in_flight=bound)
+        held = table.in_flight().max()
+        rows.append(
+            (
+                bound or 'none',
+                held,
+                table.ticks,
+                f'{table.bubble_fraction():.3f}',
+                f'{steady_bubble(stages, repeats, held):.3f}',
+            )
+        )
+    header = ('max_in_flight', 'chunk inputs held (max)', 'ticks', 'bubble', "Little's law")
+    print_table(
+        f'interleaved, p = {stages}, v = {repeats}, m = {micro} (Llama 3 405B): the bound '
+        'against the bubble',
+        header,
+        rows,
+    )
+
+
+def steady_bubble(stages, repeats, held):
+    """The steady state's bubble in a lockstep interleaved table whose stage 0 holds `held`
+    chunk inputs (an estimate: the ramps and the tick's F + B pricing aside): each hop takes a
+    tick, so chunk j of stage 0 (global chunk j p) waits 2 (p v - 1 - j p) ticks for its
+    backward, p v + p - 2 on average over its v chunks; one forward a tick keeps that many
+    held (Little's law), and with fewer the steady state runs at held / that of its rate."""
+    return max(0.0, 1.0 - held / (stages * repeats + stages - 2))
 
 
 def flops_table(path):
