@@ -119,6 +119,14 @@ def test_plan_target_compiles_the_tiny_config_for_a100s():
     assert ('collective-permute', 'stage', 'nvlink') in kinds
     assert all(0.0 <= row['overlapped'] <= 1.0 for row in table)
     assert compiled['overlap']['step_s'] >= compiled['overlap']['compute_s'] > 0
+    # each tick at its slowest stage: every slot priced alone averages to the replay's tick
+    # (the per-slot weights are the mean's parts, but for nested conditionals' shares taken
+    # of their enclosing branch: 0.09 % apart here), and the ramps' idle slots add a bubble
+    ticks = compiled['overlap']['lockstep']
+    assert ticks['ticks'] == arithmetic.engine_table(support.plan_config('pipelined')).ticks
+    assert ticks['slots_mean_tick_s'] == pytest.approx(ticks['mean_tick_s'], rel=0.01)
+    assert ticks['bubble_s'] > 0.1 * ticks['lockstep_loop_s']
+    assert 'ticks at its slowest stage' in result.stdout
     assert 'compile-only a100-80gb GPUs (XLA:GPU)' in result.stdout
     assert 'collective-permute stage' in result.stdout and 'overlapped' in result.stdout
     assert 'autotuning was skipped' in result.stdout

@@ -62,12 +62,15 @@ def slot_kinds(table):
     return (*both, kinds(table.w_micro, table.w_repeat)) if table.split else both
 
 
-def branch_fractions(table):
+def branch_fractions(table, where=None):
     """{scope path: [fraction of its runs each branch takes]} of the engine's conditionals, the
     mean over stages, for the HLO inventory (plan/hlo.py). `lax.cond(pred, a, b)` lowers to
     branches [b, a]: branch 1 is the predicate's. Paths are the scopes enclosing a
-    conditional, outermost first; a branch's fraction is of the runs of its enclosing code."""
-    fwd, bwd, *w = slot_kinds(table)
+    conditional, outermost first; a branch's fraction is of the runs of its enclosing code.
+    where: a (ticks, stages) bool mask, the mean over those slots alone (slots alike: the
+    branches one such slot takes; plan/lockstep.py prices each tick so); None: every slot."""
+    pick = (lambda a: a) if where is None else (lambda a: np.asarray(a)[where])  # noqa: E731
+    fwd, bwd, *w = map(pick, slot_kinds(table))
     slots = fwd.size
 
     def share(kinds, kind, of=None):
@@ -93,13 +96,13 @@ def branch_fractions(table):
         (BACKWARD, LAST, FIRST): [1.0 - first_b, first_b],  # the VJP inside cond(last, ...)
         (BACKWARD, LAST): [1.0 - last_b, last_b],  # cond(last, head, gradient in)
         (EVAL, LAST): [1.0 - share(bwd, SLOT_LAST, slots), share(bwd, SLOT_LAST, slots)],
-        (FORWARD, CHUNK): chunk_shares(fwd, table.fwd_repeat),
-        (BACKWARD, CHUNK): chunk_shares(bwd, table.bwd_repeat),
+        (FORWARD, CHUNK): chunk_shares(fwd, pick(table.fwd_repeat)),
+        (BACKWARD, CHUNK): chunk_shares(bwd, pick(table.bwd_repeat)),
         (EVAL, LAST, CHUNK): [0.0] * (v - 1) + [1.0],  # the last chunk's loss
         (ACCUMULATE,): [add, 1.0 - add],  # cond(skip, pass through, add): [add, skip]
         (ACCUMULATE_SHARED,): [touched, 1.0 - touched],
     }
-    weights.update(steady_fractions(table, first_f))
+    weights.update(steady_fractions(table, first_f, pick))
     weights.update(chained_fractions(bwd, v))
     if w:  # B runs the backward's conditionals (the whole backward but the taps' kernels)
         for path in [p for p in weights if p[0] == BACKWARD]:
@@ -150,11 +153,12 @@ def steady_pairs(table):
     return keys, index.reshape(fwd.shape).astype(np.int32)
 
 
-def steady_fractions(table, first_f):
-    """The steady tick's conditionals' weights: each pair's share of the slots, and the
-    embedding's cond inside (chunk 0's input: FIRST where the forward is stage 0's chunk 0;
-    never in the last chunk's head path)."""
+def steady_fractions(table, first_f, pick=lambda a: a):
+    """The steady tick's conditionals' weights: each pair's share of the slots (those `pick`
+    keeps of the (ticks, stages) index), and the embedding's cond inside (chunk 0's input:
+    FIRST where the forward is stage 0's chunk 0; never in the last chunk's head path)."""
     keys, index = steady_pairs(table)
+    index = pick(index)
     shares = [float((index == k).mean()) for k in range(len(keys))]
     return {
         (STEADY,): shares,

@@ -125,7 +125,7 @@ def _operand_names(instruction):
     return _OPERANDS.findall(instruction.rest[:end])
 
 
-class _Replay:
+class Replay:
     def __init__(self, computations, entry, inventory, target, branch_weights):
         self.computations, self.entry, self.target = computations, entry, target
         self.counts, _ = hlo_module.execution_counts(computations, entry, branch_weights)
@@ -138,6 +138,33 @@ class _Replay:
         self.by_kind = {}  # computation -> {kind: seconds of one run}
         self.exposed = collections.defaultdict(float)  # (computation, name) -> s per run
         self.spent = []  # (computation, instruction, kind, seconds of one run)
+
+    def reweigh(self, branch_weights):
+        """Replay under other branch weights (plan/lockstep.py: one kind of slot at a time):
+        the durations of computations without a conditional inside are kept, the rest
+        forgotten."""
+        self.branch_weights = branch_weights
+        self.scopes = {name for path in (branch_weights or {}) for name in path}
+        steady = self.weightless()
+        self.durations = {name: s for name, s in self.durations.items() if name in steady}
+
+    def weightless(self):
+        """The computations no conditional runs inside (their replay ignores the weights)."""
+        if not hasattr(self, '_weightless'):
+            memo = {}
+
+            def free(name):
+                if name not in memo:
+                    memo[name] = True  # recursion guard; HLO has none
+                    instructions = self.computations.get(name, [])
+                    memo[name] = all(
+                        i.opcode != 'conditional' and all(free(c) for _, c in i.callees())
+                        for i in instructions
+                    )
+                return memo[name]
+
+            self._weightless = {name for name in self.computations if free(name)}
+        return self._weightless
 
     def link(self, op, instruction):
         """'nvlink' if every replica group (or permute pair) stays inside a node."""
@@ -359,13 +386,13 @@ def collective_overlap(hlo_text, mesh, target, branch_weights=None):
          'step_s': the replayed step (compute at peak + exposed), 'exposed_s', 'compute_s',
          'time_by_kind': {kind: seconds of the replayed step} (KINDS),
          'heaviest': the largest shares of the step beyond matmuls and attention (HEAVIEST
-                     rows of _Replay.heaviest: what to fix first)}
+                     rows of Replay.heaviest: what to fix first)}
 
     mesh: the compiled step's mesh (positions in its device array are the HLO's device ids;
     consecutive gpus_per_node positions share a node, as parallel/mesh.py lays devices out)."""
     computations, entry = hlo_module.parse_module(hlo_text)
     inventory = hlo.collective_inventory(hlo_text, mesh, branch_weights)
-    replay = _Replay(computations, entry, inventory, target, branch_weights)
+    replay = Replay(computations, entry, inventory, target, branch_weights)
     _, sizes = hlo._mesh_shape(mesh)
     num_devices = 1
     for size in sizes:

@@ -217,6 +217,7 @@ def gpu_lines(compiled):
         f'({100 * over["exposed_vs_compute"]:.1f} % of compute); links per GPU: NVLink '
         f'{links["nvlink_bytes_per_s"] / 1e9:.0f} GB/s inside a node of '
         f'{links["gpus_per_node"]}, network {links["network_bytes_per_s"] / 1e9:.0f} GB/s',
+        *lockstep_lines(over.get('lockstep')),
         '  time by kind (replayed s): '
         + ', '.join(f'{k} {v:.2f}' for k, v in over['time_by_kind'].items()),
         *(
@@ -237,3 +238,14 @@ def gpu_lines(compiled):
             f'{row["exposed_s"]:>11.3g}'
         )
     return out
+
+
+def lockstep_lines(ticks):
+    """The replayed step with each pipeline tick at its slowest stage (plan/lockstep.py)."""
+    if not ticks:
+        return []
+    return [
+        f'  lockstep   replayed step with each of the {ticks["ticks"]} ticks at its slowest '
+        f'stage: {ticks["step_s"]:.3f} s (+{ticks["bubble_s"]:.3f} s: the bubble and the '
+        f'stages\' imbalance; {ticks["slot_kinds"]} kinds of slot)'
+    ]

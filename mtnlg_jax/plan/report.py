@@ -14,6 +14,7 @@ from mtnlg_jax.plan import (
     comm,
     hlo,
     hlo_module,
+    lockstep,
     loop_copies,
     matmul_sites,
     overlap,
@@ -196,12 +197,16 @@ def add_gpu_figures(compiled, config, text, mesh, target, weights):
             bytes_per_step=loop_copies.bytes_per_step(copies),
             largest=[dict(type=c['type'], runs=c['runs']) for c in copies[:4]],
         )
-    replay = overlap.collective_overlap(
-        text, mesh, overlap.Target.of_cluster(cluster, config.model.compute_dtype), weights
+    target_figures = overlap.Target.of_cluster(cluster, config.model.compute_dtype)
+    replay = overlap.collective_overlap(text, mesh, target_figures, weights)
+    table = arithmetic.engine_table(config)
+    ticks = table and lockstep.lockstep(
+        text, mesh, target_figures, table, lambda where: branch_weights(config, where=where)
     )
     compiled['overlap'] = dict(
         table=replay['table'],
         step_s=replay['step_s'],
+        lockstep=ticks and dict(ticks, step_s=replay['step_s'] + ticks['bubble_s']),
         compute_s=replay['compute_s'],
         exposed_s=replay['exposed_s'],
         exposed_vs_compute=replay['exposed_s'] / replay['compute_s'],
@@ -259,13 +264,14 @@ def not_charged(over):
     return dict(kinds, total_s=sum(kinds.values()), replayed_step_s=over['step_s'])
 
 
-def branch_weights(config, micro_steps=None):
+def branch_weights(config, micro_steps=None, where=None):
     """How often the 1F1B engine's conditionals take each branch, from its table (mean over
-    stages), for the HLO inventory; None without one (no pipeline, or GPipe's scan)."""
+    stages; where: over those slots alone, a (ticks, stages) mask), for the HLO inventory;
+    None without one (no pipeline, or GPipe's scan)."""
     table = arithmetic.engine_table(config, micro_steps)
     if table is None:
         return None
-    return branches.branch_fractions(table)
+    return branches.branch_fractions(table, where)
 
 
 def per_iteration_arrays(hlo_text, config, top=3):

@@ -1,0 +1,92 @@
+"""The pipeline's lockstep ticks priced by their slowest stage: the bubble in the replayed step.
+
+The overlap replay (plan/overlap.py) weighs each of the engine's conditionals by the share of
+the slots that take each branch, a mean over stages and ticks: it replays an average stage,
+with no bubble. The engine runs its ticks in lockstep (each ends in the stages' hand-off), so
+a tick takes as long as its slowest stage. Here the pipeline loop's body is replayed once for
+each kind of slot the table holds (the branches one such slot takes: branches.branch_fractions
+with `where`), and each tick priced at its slowest stage's (a body of two ticks, XLA:GPU's
+double-buffered loop, priced as two of half its time):
+
+    replayed     ticks x body(the mean weights)                         plan/overlap.py
+    lockstep     sum over ticks of  max over stages  body(that stage's slot)
+
+What the second adds is the bubble the first leaves out: the ramps' and the in-flight bound's
+idle slots, and a stage heavier than the others (the last stage's head and loss), priced as
+the compiled program runs them, exposed communication included.
+"""
+
+import numpy as np
+
+from mtnlg_jax.parallel import branches
+from mtnlg_jax.plan import hlo, hlo_module, overlap
+
+
+def slot_patterns(table):
+    """(count, index): the kinds of slot a table holds, alike where every conditional takes
+    the same branches (the kinds and chunks of a tick's forward, backward and W), and which
+    of them each (tick, stage) holds, (ticks, stages)."""
+    columns = [*branches.slot_kinds(table), table.fwd_repeat, table.bwd_repeat]
+    if table.split:
+        columns.append(table.w_repeat)
+    rows = np.stack([np.asarray(c) for c in columns], axis=-1).reshape(-1, len(columns))
+    keys, index = np.unique(rows, axis=0, return_inverse=True)
+    return len(keys), index.reshape(np.shape(columns[0]))
+
+
+def pipeline_loop(computations):
+    """(computation holding it, the while instruction) of the pipeline's loop, the while whose
+    body holds the engine's slot conditionals; None if there is none."""
+    for name, instructions in computations.items():
+        for instruction in instructions:
+            if instruction.opcode != 'while':
+                continue
+            body = dict(instruction.callees())['body']
+            if any(
+                i.opcode == 'conditional' and 'pipeline_' in i.op_name()
+                for i in computations.get(body, [])
+            ):
+                return name, instruction
+    return None
+
+
+def lockstep(hlo_text, mesh, target, table, weights_of):
+    """The replayed step with each tick at its slowest stage's slot:
+
+        {'ticks', 'slot_kinds', 'mean_tick_s': one tick of the replay's average stage,
+         'slots_mean_tick_s': the mean of every slot's own (the same, as the weights are),
+         'lockstep_loop_s': the loop's ticks each at its slowest stage (x runs a step),
+         'bubble_s': what that adds to the replayed step}
+
+    or None without a pipeline loop. weights_of(where): the branch weights of the slots
+    `where` (a (ticks, stages) mask; None: every slot), as report.branch_weights gives."""
+    computations, entry = hlo_module.parse_module(hlo_text)
+    found = pipeline_loop(computations)
+    if found is None:
+        return None
+    holder, loop = found
+    body = dict(loop.callees())['body']
+    # XLA:GPU's while-loop double buffering runs two ticks a trip (one more peeled if odd)
+    unrolled = max(1, round(table.ticks / (hlo_module.trip_count(loop, computations) or 1)))
+    mean = weights_of(None)
+    inventory = hlo.collective_inventory(hlo_text, mesh, mean)
+    replay = overlap.Replay(computations, entry, inventory, target, mean)
+    replay.num_devices = int(np.prod(hlo._mesh_shape(mesh)[1]))
+    runs = replay.counts.get(holder, (1, False))[0]
+    mean_tick = replay.duration(body) / unrolled
+    count, index = slot_patterns(table)
+    tick_of_kind = np.zeros(count)
+    for kind in range(count):
+        replay.reweigh(weights_of(index == kind))
+        tick_of_kind[kind] = replay.duration(body) / unrolled
+    per_slot = tick_of_kind[index]  # (ticks, stages)
+    loop_s = float(per_slot.max(axis=1).sum())
+    bubble = runs * (loop_s - table.ticks * mean_tick)
+    return dict(
+        ticks=table.ticks,
+        slot_kinds=count,
+        mean_tick_s=mean_tick,
+        slots_mean_tick_s=float(per_slot.mean()),
+        lockstep_loop_s=runs * loop_s,
+        bubble_s=bubble,
+    )
