@@ -43,6 +43,12 @@ Three tables (and a fourth on request), all from one run on the same 8 devices, 
    hidden 128, m = 4, no recompute: a schedule that recomputes shows above stage 1's (ZB-H1's
    W before it took its taps from B: 1.5 x).
 
+    python bench/pipeline.py --tables replayed     (`make gpu-compile` first)
+
+   each 1f1b-family schedule's table bubble beside the idle share of its compiled step
+   (XLA:GPU for H100s, compile-only, p = 4, m = 8), every tick priced at its slowest stage
+   (plan/lockstep.py).
+
     python bench/pipeline.py --scale [--micro_batches 240]
 
 4. (--scale, alone: 280 CPU devices) configs/mtnlg_530b.py's train step, one replica (tensor
@@ -247,6 +253,50 @@ def steady_bubble(stages, repeats, held):
     return max(0.0, 1.0 - held / (stages * repeats + stages - 2))
 
 
+def replayed_table(path, target='h100-80gb', stages=4, micro=8):
+    """Each 1F1B-family schedule's bubble counted from its table beside the compiled step's
+    idle time: `launch/plan.py --target` (XLA:GPU, compile-only) on data 1 x stage p x tensor
+    2, 8 layers, m micro-batches of 1 sequence, its `lockstep` figures (plan/lockstep.py):
+    the loop's ticks each at its slowest stage, and the share of it the bubble takes."""
+    import json
+    import subprocess
+    import tempfile
+
+    rows = []
+    for schedule, repeats in [s for s in SCHEDULES if s[0] != 'gpipe']:
+        table = pipeline.build_table(stages, repeats, micro, schedule=schedule)
+        overrides = {
+            'mesh.data': 1, 'mesh.stage': stages, 'mesh.tensor': 2, 'model.num_layers': LAYERS,
+            'pipeline.schedule': schedule, 'pipeline.repeats': repeats,
+            'train.micro_batch': 1, 'train.global_batch': micro, 'train.rampup.start': 0,
+        }  # fmt: skip
+        with tempfile.TemporaryDirectory() as folder:
+            out = os.path.join(folder, 'plan.json')
+            flags = [f'--config.{key}={value}' for key, value in overrides.items()]
+            command = [sys.executable, 'launch/plan.py', '--config', path, '--target', target,
+                       '--compile', '--json', out, *flags]  # fmt: skip
+            subprocess.run(command, check=True, capture_output=True)
+            ticks = json.load(open(out))['compiled']['overlap']['lockstep']
+        rows.append(
+            (
+                schedule,
+                repeats,
+                table.ticks,
+                f'{table.bubble_fraction():.3f}',
+                f'{ticks["bubble_s"] / ticks["lockstep_loop_s"]:.3f}',
+                f'{1e3 * ticks["lockstep_loop_s"]:.3f}',
+            )
+        )
+    header = ('schedule', 'v', 'ticks', 'table bubble (F 1, B 2)', 'replayed idle share',
+              'replayed loop ms')  # fmt: skip
+    print_table(
+        f'The table\'s bubble beside the compiled step\'s idle time: p = {stages}, m = {micro}, '
+        f'{target} (compile-only)',
+        header,
+        rows,
+    )
+
+
 def flops_table(path):
     """Compiled matmul FLOPs over the model's, stage 1 and each schedule (module docstring)."""
     from mtnlg_jax.plan import compile as compile_lib
@@ -336,6 +386,8 @@ def main():
         schedule_table()
     if 'flops' in tables:
         flops_table(args.config)
+    if 'replayed' in tables:
+        replayed_table(args.config)
 
 
 if __name__ == '__main__':
