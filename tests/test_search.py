@@ -158,3 +158,18 @@ def test_the_command_line_searches_and_refuses_bad_input(tmp_path, capsys, monke
         )
         assert status == 2, lines
         assert len(lines) == 1 and lines[0].startswith('error:') and flag in lines[0], lines
+
+
+def test_the_zero_bubble_schedules_and_the_in_flight_bound_are_searched():
+    """8 layers on 8 GPUs: at one chunk a stage 1F1B and ZB-H1, at two interleaved and ZB-V,
+    beyond interleaved alone, each unbounded and bounded to p in flight; the layouts that
+    resolve name their schedule in the row."""
+    config = inputs(**{'model.num_layers': 8})
+    found = list(search.layouts(config, 8, 8))
+    piped = {(k['pipeline.repeats'], k['pipeline.schedule']) for k in found if k['mesh.stage'] > 1}
+    assert piped == {(1, '1f1b'), (1, 'zbh1'), (2, 'interleaved'), (2, 'zbv'), (4, 'interleaved')}
+    bounds = {(k['mesh.stage'], k['pipeline.repeats'], k['pipeline.max_in_flight']) for k in found}
+    assert {(2, 2, 0), (2, 2, 2), (4, 1, 4)} <= bounds
+    zbv = next(k for k in found if k['pipeline.schedule'] == 'zbv' and k['mesh.stage'] == 2)
+    resolved = search.with_layout(config, zbv, 8)
+    assert resolved.pipeline.schedule == 'zbv' and ' v2 zbv ' in search.describe(resolved)

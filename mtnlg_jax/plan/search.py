@@ -13,8 +13,9 @@ gathered weight copies the plan does not count; docs/benchmarks.md, "Mixtral 8x2
 H100s"), parallel folding (model.moe.fold_tensor, t > 1, x t dividing the experts) or not,
 data d = devices / (t p x), the replicas d x dividing the global batch, micro-batch b
 dividing the replica's batch, repeats v the stages' layers take (dividing an even stage's
-layers; at most the shortest unequal stage's; interleaved when v > 1), remat none /
-selective / full, sequence parallelism (t > 1), max_in_flight 0 or p (1f1b, v = 1).
+layers; at most the shortest unequal stage's), the schedule (1f1b or zbh1 at v = 1,
+interleaved or zbv at v = 2, interleaved beyond), remat none / selective / full, sequence
+parallelism (t > 1), max_in_flight 0 or p.
 Keys in `fixed` (the user's --config.KEY=VALUE) keep the config's value; the others vary.
 
 Each layout is resolved (config.resolve: what it refuses is skipped), its step predicted
@@ -42,6 +43,7 @@ FREE_KEYS = (
     'mesh.data',
     'mesh.expert',
     'pipeline.repeats',
+    'pipeline.schedule',
     'pipeline.max_in_flight',
     'train.micro_batch',
     'model.remat',
@@ -49,6 +51,9 @@ FREE_KEYS = (
     'model.moe.fold_tensor',
 )
 REMATS = ('none', 'selective', 'full')
+# The schedules tried at each repeats v: 1F1B or ZB-H1 at one chunk a stage, interleaved 1F1B
+# or ZB-V (its V) at two, interleaved beyond (key 0: any other v)
+SCHEDULES = {1: ('1f1b', 'zbh1'), 2: ('interleaved', 'zbv'), 0: ('interleaved',)}
 MESH_KEYS = ('mesh.tensor', 'mesh.stage', 'mesh.data', 'mesh.expert')
 
 
@@ -127,8 +132,9 @@ def _stage_repeats(inputs, stages, repeats):
 
 
 def _schedules(choices, mesh, model, replica_batch, repeats):
-    """layouts' entries of one mesh: repeats (those the stages' layers take), micro-batch,
-    recompute, sequence parallelism and the in-flight bound, each as `choices` allows."""
+    """layouts' entries of one mesh: repeats (those the stages' layers take), the schedule
+    (SCHEDULES of the repeats), micro-batch, recompute, sequence parallelism and the in-flight
+    bound (none, or p), each as `choices` allows."""
     t, p = mesh['mesh.tensor'], mesh['mesh.stage']
     sp = [False, True] if t > 1 and model.seq_len % t == 0 else [False]
     for v, b, remat, seq in itertools.product(
@@ -137,11 +143,15 @@ def _schedules(choices, mesh, model, replica_batch, repeats):
         choices('model.remat', list(REMATS)),
         choices('model.sequence_parallel', sp),
     ):
-        bounds = [0, p] if p > 1 and v == 1 else [0]
-        for in_flight in choices('pipeline.max_in_flight', bounds):
+        bounds = [0, p] if p > 1 else [0]
+        schedules = SCHEDULES.get(v, SCHEDULES[0]) if p > 1 else SCHEDULES[1][:1]
+        for schedule, in_flight in itertools.product(
+            choices('pipeline.schedule', schedules), choices('pipeline.max_in_flight', bounds)
+        ):
             yield {
                 **mesh,
                 'pipeline.repeats': v,
+                'pipeline.schedule': schedule,
                 'pipeline.max_in_flight': in_flight,
                 'train.micro_batch': b,
                 'model.remat': remat,
@@ -151,7 +161,7 @@ def _schedules(choices, mesh, model, replica_batch, repeats):
 
 def with_layout(inputs, layout, devices, fixed=()):
     """`inputs` with `layout` set, resolved (config.ConfigError if it cannot run); the
-    schedule follows the repeats (1f1b, interleaved) unless the user fixed it."""
+    schedule the layout's, else the user's, else following the repeats (1f1b, interleaved)."""
     config = ml_collections.ConfigDict(inputs.to_dict())
     for key, value in layout.items():
         *sections, name = key.split('.')
@@ -159,7 +169,7 @@ def with_layout(inputs, layout, devices, fixed=()):
         for section in sections:
             node = node[section]
         node[name] = value
-    if 'pipeline.schedule' not in fixed:
+    if 'pipeline.schedule' not in fixed and 'pipeline.schedule' not in layout:
         config.pipeline.schedule = 'interleaved' if config.pipeline.repeats > 1 else '1f1b'
     config.train.rampup.start = 0  # the step of the full batch is the one that counts
     return config_lib.resolve(config, devices)
@@ -175,6 +185,8 @@ def describe(config):
         text += ' fold'
     if mesh.stage > 1:
         text += f' v{pipe.repeats}'
+        if pipe.schedule in ('zbh1', 'zbv'):
+            text += f' {pipe.schedule}'
         if pipe.max_in_flight:
             text += f' inflight{pipe.max_in_flight}'
     text += f' b{train.micro_batch} m{train.micro_steps} remat {model.remat}'
