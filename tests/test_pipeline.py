@@ -31,12 +31,18 @@ D2S2T2_GPIPE = (2, 2, 2, 2, 4, 'gpipe', {})
 # below with sequence parallelism and packed with Llama's block (test_packing.py);
 # d2s2t2v2m4-gpipe packed (test_packing.py) and over data 2 x stage 2 (test_side_values.py).
 STEADY = dict(steady_tick=True)  # pipeline.steady_tick: the tick as one switch over slot pairs
+# pipeline.overlap_grad_reduce: ZeRO-1's reduce-scatter in the loop (parallel/grad_reduce.py);
+# 1F1B's one chunk finishes last: all of it after the loop, inside the engine
+OVERLAP = dict(overlap_grad_reduce=True)
+PIPELINE_KEYS = ('steady_tick', 'overlap_grad_reduce')
 LAYOUTS = [
     # m < p, m not a multiple of p, dropout on; the steady tick (its edges: most of the table)
     (1, 4, 2, 1, 2, '1f1b', {**DROPOUT, **STEADY}),
     (1, 2, 4, 2, 2, 'interleaved', {}),  # m = p with v > 1; tensor 4 splits the hand-offs
     (2, 2, 2, 2, 4, 'interleaved', dict(sequence_parallel=True)),
     (2, 2, 2, 1, 4, 'zbh1', DROPOUT),  # the last chunk's B runs its forward: same masks
+    (2, 2, 2, 2, 4, 'interleaved', dict(sequence_parallel=True, **OVERLAP)),
+    (2, 2, 2, 1, 4, '1f1b', OVERLAP),
 ]
 # Their train steps' losses, step after step (the optimizer's update under stage x data, ZeRO
 # included): test_resume.py's two layout cases run 5 steps each after the restore under
@@ -49,6 +55,7 @@ def _name(layout):
         ('-dropout' if 'hidden_dropout' in model else '')
         + ('-sequence_parallel' if 'sequence_parallel' in model else '')
         + ('-steady' if model.get('steady_tick') else '')
+        + ('-overlap_grad_reduce' if model.get('overlap_grad_reduce') else '')
     )
     return f'd{data}s{stage}t{tensor}v{repeats}m{micro}-{schedule}{extra}'
 
@@ -56,11 +63,11 @@ def _name(layout):
 def _config(layout, **more):
     data, stage, tensor, repeats, micro, schedule, model = layout
     model = dict(model)
-    steady = model.pop('steady_tick', False)
+    keys = {key: model.pop(key, False) for key in PIPELINE_KEYS}
     config = support.small_config(
         data, stage, tensor, micro, repeats, schedule, num_layers=LAYERS, **model, **more
     )
-    config.pipeline.steady_tick = steady
+    config.pipeline.update(keys)
     return config
 
 
@@ -283,3 +290,13 @@ def test_zbh1_refuses_more_than_one_chunk_a_stage_naming_the_key():
     with pytest.raises(config_lib.ConfigError, match='zbh1') as error:
         support.small_config(stage=2, repeats=2, micro_steps=4, schedule='zbh1', num_layers=4)
     assert error.value.key == 'pipeline.repeats'
+
+
+def test_overlap_grad_reduce_refuses_the_steady_tick_naming_the_key():
+    """The config check, before a compile: the reduce-scatter rides the tick by slot."""
+    config = support.small_config(stage=2, repeats=2, micro_steps=4, num_layers=4)
+    config = config_lib.inputs_of(config)
+    config.pipeline.update(overlap_grad_reduce=True, steady_tick=True)
+    with pytest.raises(config_lib.ConfigError, match='steady_tick') as error:
+        config_lib.resolve(config, 2)
+    assert error.value.key == 'pipeline.overlap_grad_reduce'
