@@ -14,10 +14,12 @@ last_stage_layers; docs/training.md, "Pipeline stages of unequal depth"); their 
 as chunks of 1, 2, 2, 2 (stage 0, whose first chunk holds the embedding) and 2, 2, 2, 1
 (stage 15, the head's last). Each block runs on two pieces of the sequence
 (model.sequence_pieces), so that one piece's tensor collectives overlap the other's matmuls.
-XLA:GPU compiles it to 70.7 GiB a GPU at 1.05 x the model's FLOPs, 9.3 % of its compute
-waiting on communication; predicted 12.25 s a step, 441 model TFLOP/s a GPU (6N + 12LHQT)
-against Meta's 430 (docs/benchmarks.md, "Llama blocks", has the other layouts: full
-recompute is slower).
+ZeRO-1's gradient reduce-scatter runs inside the pipeline's loop, each chunk's once its last
+backward is done (pipeline.overlap_grad_reduce, Megatron's --overlap-grad-reduce).
+XLA:GPU compiles it to 71.6 GiB a GPU at 1.02 x the model's FLOPs, 7.8 % of its compute
+waiting on communication (9.5 % with the reduce-scatter after the loop); predicted 12.0 s a
+step, 455 model TFLOP/s a GPU (6N + 12LHQT) against Meta's 430 (docs/benchmarks.md, "Llama
+blocks" and "ZeRO-1 inside the step", has the other layouts: full recompute is slower).
 
 What differs from Meta's run:
 - The in-flight bound: unbounded, selective recompute holds 119.1 GiB a GPU on one chunk a
@@ -58,8 +60,15 @@ def get_config():
     # two pieces a sequence: a piece's tensor collectives overlap the other's matmuls (docs/gpu.md)
     config.model.sequence_pieces = 2
     config.mesh.update(dict(data=-1, stage=16, tensor=8))
+    # ZeRO-1's reduce-scatter of chunks 3, 2, 1 inside the loop (parallel/grad_reduce.py)
     config.pipeline.update(
-        dict(first_stage_layers=7, last_stage_layers=7, repeats=4, max_in_flight=16)
+        dict(
+            first_stage_layers=7,
+            last_stage_layers=7,
+            repeats=4,
+            max_in_flight=16,
+            overlap_grad_reduce=True,
+        )
     )
     config.train.update(dict(global_batch=2048, micro_batch=1, steps=DECAY_STEPS))
     config.train.rampup.update(dict(start=1024, increment=1024, tokens=int(META_SWITCHES[1])))

@@ -39,6 +39,8 @@ def get_config():
     config = config_lib.load(str(pathlib.Path(__file__).with_name('llama3_405b.py')))
     config.model.seq_len = SEQ
     config.mesh.context = 16
+    # over the replicas alone (parallel/grad_reduce.py): ZeRO-1 splits over context too here
+    config.pipeline.overlap_grad_reduce = False
     config.data.reset_attention_mask = True
     config.train.global_batch = SEQUENCES
     config.train.rampup.update(dict(start=0, increment=0, tokens=0))

@@ -452,14 +452,13 @@ def _check_pipeline(config, replica_batch):
 
 def _check_overlap_grad_reduce(config):
     """pipeline.overlap_grad_reduce runs in the 1f1b / interleaved tick by slot, over the
-    data replicas alone (parallel/grad_reduce.py)."""
+    data replicas alone (parallel/grad_reduce.py); without stages it has no effect."""
     pipeline, mesh = config.pipeline, config.mesh
     if not pipeline.get('overlap_grad_reduce', False):
         return
     others = [
         name
         for name, on in (
-            ('mesh.stage = 1', mesh.stage == 1),
             (
                 f'pipeline.schedule = {pipeline.schedule}',
                 pipeline.schedule not in ('1f1b', 'interleaved'),

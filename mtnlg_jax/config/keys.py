@@ -109,7 +109,7 @@ KEYS = (
         "1f1b / interleaved, the tick by slot: ZeRO-1's reduce-scatter of each chunk's block "
         'gradients inside the loop, a layer in each backward slot after the chunk\'s last '
         "(Megatron's --overlap-grad-reduce; what no slot takes, after the loop); the same "
-        'results ([gpu.md](gpu.md#zero-1-inside-the-step))',
+        'results; no effect with one stage ([gpu.md](gpu.md#zero-1-inside-the-step))',
     ),
     Key(
         'pipeline.first_stage_layers',

@@ -10,15 +10,15 @@ layer at a time, each layer inside a later backward slot's computation:
     ... B(3, m-1) | B(2, .)+RS(3, layer 0) | B(2, .)+RS(3, layer 1) | B(2, .) ... | B(0, m-1)
     after the loop: RS of what no later slot took (chunk 0: the last to finish)
 
-XLA:GPU's scheduler hides an asynchronous collective only behind work of its own computation,
-and starts none across a conditional or loop that holds collectives (docs/gpu.md): so the
-reduce-scatter is not a conditional of its own, nor in the tick's body around the slot's
-conditional, but inside the backward branch itself, beside that chunk's matmuls, with the
-chunk's layers unrolled (Stage.unroll). The backward switch gets a branch per (chunk j run,
-chunk k, layer l reduced) the table uses (`Plan.variants`) besides one per chunk; a column of
-the scan says which branch each (tick, stage) takes, and which chunk's layer the slot's
-shard is written to. The shards are a carried buffer (a chunk's: (layers, *the layer's ZeRO
-shard in zero.ShardLayout's view)), 1 / data of the accumulators.
+XLA:GPU's scheduler hides an asynchronous collective only behind work of its own computation
+(docs/gpu.md): so the reduce-scatter is not a conditional of its own, nor in the tick's body
+around the slot's conditional, but inside the backward branch itself, beside that chunk's
+matmuls (the chunk's layers a loop inside it: unrolled, the 405B's tensor reduce-scatters
+hid less, docs/benchmarks.md "ZeRO-1 inside the step"). The backward switch gets a branch
+per (chunk j run, chunk k, layer l reduced) the table uses (`Plan.variants`) besides one per
+chunk; a column of the scan says which branch each (tick, stage) takes, and which chunk's
+layer the slot's shard is written to. The shards are a carried buffer (a chunk's: (layers,
+*the layer's ZeRO shard in zero.ShardLayout's view)), 1 / data of the accumulators.
 
 A layer's reduce-scatter reads the chunk's fp32 accumulator as it is after its last backward,
 so the sums are those the loop would hand out, reduced by the same collective: the optimizer
@@ -36,7 +36,17 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from mtnlg_jax.parallel import rules, zero
-from mtnlg_jax.parallel.branches import SLOT_FIRST, SLOT_MIDDLE, slot_kinds
+from mtnlg_jax.parallel.branches import (
+    BACKWARD,
+    CHUNK,
+    LAST,
+    REDUCE,
+    SLOT_FIRST,
+    SLOT_IDLE,
+    SLOT_LAST,
+    SLOT_MIDDLE,
+    slot_kinds,
+)
 from mtnlg_jax.parallel.slots import write
 
 
@@ -88,6 +98,31 @@ def plan(table, layers):
             chunk[slot, s], layer[slot, s], done[s, k, n] = k, n, True
     after = tuple((k, n) for k in range(v) for n in range(layers) if not done[:, k, n].all())
     return Plan(tuple(variants), branch, chunk, layer, after, done)
+
+
+def fractions(table, plan, weights):
+    """branches.branch_fractions' `weights` with those of the backward's switch (REDUCE: each
+    branch's share of the backward slots that run) and of the conditionals inside it (as
+    inside the chunk switch they replace; the head's cond(last) over the slots a chunk
+    branch runs), for the plan's HLO inventory."""
+    _, kinds = slot_kinds(table)
+    ran = kinds != SLOT_IDLE
+    runs = max(int(ran.sum()), 1)
+    branches = int(plan.branch.max()) + 1
+    shares = [float((ran & (plan.branch == b)).sum() / runs) for b in range(branches)]
+    plain = ran & (plan.chunk < 0)
+    last = float((kinds == SLOT_LAST).sum() / max(int(plain.sum()), 1))
+    inner = {
+        (BACKWARD, REDUCE, *path[2:]): w
+        for path, w in weights.items()
+        if path[:2] == (BACKWARD, CHUNK) and len(path) > 2
+    }
+    return {
+        **weights,
+        **inner,
+        (BACKWARD, REDUCE): shares,
+        (BACKWARD, REDUCE, LAST): [1.0 - last, last],
+    }
 
 
 def whole(lay):

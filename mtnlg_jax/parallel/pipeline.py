@@ -260,8 +260,7 @@ def run_table(
             v_shape=table.v_shape,
             # the steady tick's layers unrolled: a while loop per chunk would keep the
             # forward's and the backward's collectives in computations of their own
-            # so too under grad_reduce: a backward's reduce-scatter beside its matmuls
-            unroll=with_grads and (steady_tick or grad_layouts is not None),
+            unroll=with_grads and steady_tick,
             prepared=None if stage_fns.prepare is None else tuple(map(stage_fns.prepare, chunks)),
         )
         kept_shapes = []

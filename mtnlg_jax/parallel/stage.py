@@ -65,6 +65,7 @@ from mtnlg_jax.parallel.branches import (
     FIRST,
     FORWARD,
     LAST,
+    REDUCE,
     SLOT_FIRST,
     SLOT_IDLE,
     SLOT_LAST,
@@ -529,7 +530,7 @@ class Stage:
 
         branches = [functools.partial(plain, k) for k in range(len(self.chunks))]
         branches += [functools.partial(variant, *key) for key in plan.variants]
-        with jax.named_scope(CHUNK):
+        with jax.named_scope(REDUCE):
             return jax.lax.switch(branch, branches)
 
     def receive(self, row, act_in, grad_in, stash, grad_buf):

@@ -7,7 +7,7 @@
 
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.model import counts
-from mtnlg_jax.parallel import branches
+from mtnlg_jax.parallel import branches, grad_reduce, stage_order
 from mtnlg_jax.plan import (
     arithmetic,
     clusters,
@@ -265,7 +265,11 @@ def branch_weights(config, micro_steps=None):
     table = arithmetic.engine_table(config, micro_steps)
     if table is None:
         return None
-    return branches.branch_fractions(table)
+    weights = branches.branch_fractions(table)
+    if config.pipeline.get('overlap_grad_reduce', False):  # its switch (grad_reduce.py)
+        layers = stage_order.of_config(config).slots  # a chunk's places
+        weights = grad_reduce.fractions(table, grad_reduce.plan(table, layers), weights)
+    return weights
 
 
 def per_iteration_arrays(hlo_text, config, top=3):
