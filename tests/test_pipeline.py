@@ -13,7 +13,7 @@ import support
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.data import batch as batch_lib
 from mtnlg_jax.model import gpt
-from mtnlg_jax.parallel import pipeline, stage_order
+from mtnlg_jax.parallel import branches, grad_reduce, pipeline, stage_order
 from mtnlg_jax.parallel import schedule as schedule_lib
 from mtnlg_jax.train import state as state_lib
 from mtnlg_jax.train import step as step_lib
@@ -300,3 +300,30 @@ def test_overlap_grad_reduce_refuses_the_steady_tick_naming_the_key():
     with pytest.raises(config_lib.ConfigError, match='steady_tick') as error:
         config_lib.resolve(config, 2)
     assert error.value.key == 'pipeline.overlap_grad_reduce'
+
+
+def test_overlap_grad_reduce_plans_each_finished_layer_once_after_its_chunks_last_backward():
+    """grad_reduce.plan on the 405B's table (16 stages, 4 chunks of 2 layers, 32 micro-batches,
+    at most 16 in flight): on every stage chunks 3, 2 and 1 are reduce-scattered a layer a
+    slot, each once, in a later backward slot of another chunk from its stash; chunk 0, the
+    last to finish, after the loop; the plan's weights of the switch sum to one."""
+    table = pipeline.build_table(16, 4, 32, 16, 'interleaved')
+    plan = grad_reduce.plan(table, 2)
+    assert plan.after == ((0, 0), (0, 1))
+    _, kinds = branches.slot_kinds(table)
+    for s in range(16):
+        slots = np.nonzero(plan.chunk[:, s] >= 0)[0]
+        reduced = sorted(zip(plan.chunk[slots, s], plan.layer[slots, s]))
+        assert reduced == [(k, n) for k in (1, 2, 3) for n in (0, 1)]
+        for t in slots:
+            k = plan.chunk[t, s]
+            finished = np.nonzero((table.bwd_repeat[:, s] == k) & (table.bwd_micro[:, s] >= 0))[0]
+            assert t > finished.max() and table.bwd_repeat[t, s] != k
+            assert kinds[t, s] in (branches.SLOT_MIDDLE, branches.SLOT_FIRST)
+            assert plan.variants[plan.branch[t, s] - 4] == (
+                table.bwd_repeat[t, s],
+                k,
+                plan.layer[t, s],
+            )
+    weights = grad_reduce.fractions(table, plan, branches.branch_fractions(table))
+    assert np.isclose(sum(weights[(branches.BACKWARD, branches.REDUCE)]), 1.0)
