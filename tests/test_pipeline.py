@@ -34,7 +34,9 @@ STEADY = dict(steady_tick=True)  # pipeline.steady_tick: the tick as one switch 
 # pipeline.overlap_grad_reduce: ZeRO-1's reduce-scatter in the loop (parallel/grad_reduce.py);
 # 1F1B's one chunk finishes last: all of it after the loop, inside the engine
 OVERLAP = dict(overlap_grad_reduce=True)
-PIPELINE_KEYS = ('steady_tick', 'overlap_grad_reduce')
+# and pipeline.overlap_param_gather: the blocks' compute copy gathered chunk by chunk in it
+GATHER = dict(overlap_grad_reduce=True, overlap_param_gather=True)
+PIPELINE_KEYS = ('steady_tick', 'overlap_grad_reduce', 'overlap_param_gather')
 LAYOUTS = [
     # m < p, m not a multiple of p, dropout on; the steady tick (its edges: most of the table)
     (1, 4, 2, 1, 2, '1f1b', {**DROPOUT, **STEADY}),
@@ -43,6 +45,7 @@ LAYOUTS = [
     (2, 2, 2, 1, 4, 'zbh1', DROPOUT),  # the last chunk's B runs its forward: same masks
     (2, 2, 2, 2, 4, 'interleaved', dict(sequence_parallel=True, **OVERLAP)),
     (2, 2, 2, 1, 4, '1f1b', OVERLAP),
+    (2, 2, 2, 2, 4, 'interleaved', GATHER),
 ]
 # Their train steps' losses, step after step (the optimizer's update under stage x data, ZeRO
 # included): test_resume.py's two layout cases run 5 steps each after the restore under
@@ -56,6 +59,7 @@ def _name(layout):
         + ('-sequence_parallel' if 'sequence_parallel' in model else '')
         + ('-steady' if model.get('steady_tick') else '')
         + ('-overlap_grad_reduce' if model.get('overlap_grad_reduce') else '')
+        + ('-overlap_param_gather' if model.get('overlap_param_gather') else '')
     )
     return f'd{data}s{stage}t{tensor}v{repeats}m{micro}-{schedule}{extra}'
 
@@ -293,13 +297,18 @@ def test_zbh1_refuses_more_than_one_chunk_a_stage_naming_the_key():
 
 
 def test_overlap_grad_reduce_refuses_the_steady_tick_naming_the_key():
-    """The config check, before a compile: the reduce-scatter rides the tick by slot."""
+    """The config check, before a compile: the reduce-scatter rides the tick by slot, and the
+    in-loop all-gather the reduce-scatter's engine."""
     config = support.small_config(stage=2, repeats=2, micro_steps=4, num_layers=4)
     config = config_lib.inputs_of(config)
     config.pipeline.update(overlap_grad_reduce=True, steady_tick=True)
     with pytest.raises(config_lib.ConfigError, match='steady_tick') as error:
         config_lib.resolve(config, 2)
     assert error.value.key == 'pipeline.overlap_grad_reduce'
+    config.pipeline.update(overlap_grad_reduce=False, steady_tick=False, overlap_param_gather=True)
+    with pytest.raises(config_lib.ConfigError, match='overlap_grad_reduce') as error:
+        config_lib.resolve(config, 2)
+    assert error.value.key == 'pipeline.overlap_param_gather'
 
 
 def test_overlap_grad_reduce_plans_each_finished_layer_once_after_its_chunks_last_backward():

@@ -454,6 +454,12 @@ def _check_overlap_grad_reduce(config):
     """pipeline.overlap_grad_reduce runs in the 1f1b / interleaved tick by slot, over the
     data replicas alone (parallel/grad_reduce.py); without stages it has no effect."""
     pipeline, mesh = config.pipeline, config.mesh
+    _require(
+        not pipeline.get('overlap_param_gather', False)
+        or pipeline.get('overlap_grad_reduce', False),
+        'pipeline.overlap_param_gather',
+        'rides pipeline.overlap_grad_reduce (the engine that takes ZeRO shards): set it too',
+    )
     if not pipeline.get('overlap_grad_reduce', False):
         return
     others = [

@@ -112,6 +112,15 @@ KEYS = (
         'results; no effect with one stage ([gpu.md](gpu.md#zero-1-inside-the-step))',
     ),
     Key(
+        'pipeline.overlap_param_gather',
+        False,
+        'bool',
+        "with pipeline.overlap_grad_reduce: ZeRO-1's all-gather of the blocks' compute copy "
+        'in the engine, chunk by chunk, chunks 1.. beside the first ticks, which run only '
+        "chunk 0 (Megatron's --overlap-param-gather); the same results "
+        '([gpu.md](gpu.md#zero-1-inside-the-step))',
+    ),
+    Key(
         'pipeline.first_stage_layers',
         0,
         'int>=0',

@@ -213,3 +213,46 @@ def finish(plan, index, acc_chunks, shards, layouts):
             lambda b, x, k=k, n=n: write(b, n, ~done[index, k, n], x), shards[k], piece
         )
     return jax.tree.map(lambda *a: jnp.concatenate(a), *shards)
+
+
+def gather_chunk(views, layouts):
+    """pipeline.overlap_param_gather: a chunk's compute copy from this replica's compute-dtype
+    ZeRO shards (views: a tree of (layers, *the leaf's view, the data axis 1) like `layouts`;
+    a `whole` leaf comes gathered already), all-gathered over the replicas: the all-gather
+    zero.gather_compute_copy runs before the step's region, here per chunk, inside the
+    region manual over the replicas and 'stage', in one manual over the rest."""
+    specs = jax.tree.map(_chunk_spec, layouts, is_leaf=_is_layout)
+    mesh = jax.sharding.get_abstract_mesh()
+    names = set(mesh.axis_names) - set(mesh.manual_axes)
+
+    def gather(x, lay):
+        if whole(lay) or lay.data == 1:
+            return x
+        return jax.lax.all_gather(x, rules.entry(lay.axes), axis=lay.dim + 1, tiled=True)
+
+    def gather_all(views):
+        return jax.tree.map(gather, views, layouts)
+
+    gathered = (
+        gather_all(views)
+        if not names
+        else jax.shard_map(
+            gather_all, in_specs=(specs,), out_specs=specs, axis_names=names, check_vma=False
+        )(views)
+    )
+    return jax.tree.map(lambda x, lay: x if whole(lay) else lay.unview(x), gathered, layouts)
+
+
+def _chunk_spec(lay):
+    """The PartitionSpec of a chunk of a block leaf (its view unless `whole`), less the axes
+    manual here."""
+    spec = PartitionSpec(*lay.spec) if whole(lay) else lay.view_spec(with_data=False)
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    return PartitionSpec(*(rules._without(a, manual) for a in tuple(spec)))
+
+
+def first_tick_of_later_chunks(table):
+    """The first tick any stage runs a chunk other than its first (a forward of repeat > 0 or
+    any backward): before it only each stage's chunk 0 runs."""
+    later = ((table.fwd_micro >= 0) & (table.fwd_repeat > 0)) | (table.bwd_micro >= 0)
+    return int(np.nonzero(later.any(axis=1))[0][0])

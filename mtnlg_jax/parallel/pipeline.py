@@ -62,6 +62,7 @@ def options(config):
         steady_tick=config.pipeline.get('steady_tick', False),
         fused_accumulation=config.pipeline.get('fused_accumulation', False),
         overlap_grad_reduce=config.pipeline.get('overlap_grad_reduce', False),
+        overlap_param_gather=config.pipeline.get('overlap_param_gather', False),
     )
 
 
@@ -94,6 +95,9 @@ class TableEngine:
     # ZeRO-1's reduce-scatter of the block gradients inside the loop (grad_reduce.py): the
     # block gradients leave loss_and_grads on the ZeRO shards, in zero.ShardLayout's view
     overlap_grad_reduce: bool = False
+    # with it: the blocks' compute copy comes as ZeRO shards, each chunk all-gathered in the
+    # engine, chunks 1.. during the ticks that run only chunk 0 (grad_reduce.gather_chunk)
+    overlap_param_gather: bool = False
     pipelined = True
     shared_grads_by_stage = True  # each stage's own share, stacked (scan_ticks)
 
@@ -146,6 +150,7 @@ class TableEngine:
             steady_tick=self.steady_tick,
             fused_accumulation=self.fused_accumulation,
             grad_layouts=grad_layouts if self.overlap_grad_reduce else None,
+            gather_params=self.overlap_grad_reduce and self.overlap_param_gather,
         )
 
     def loss_sum(self, stage_fns, params, batch):
@@ -220,6 +225,7 @@ def run_table(
     steady_tick=False,
     fused_accumulation=False,
     grad_layouts=None,
+    gather_params=False,
 ):
     """Run `table` (schedule.Schedule) over batch (MicroBatch); returns (loss sum, token count,
     fp32 grads or None, side values: stage_fns.values combined over chunks, micro-batches and
@@ -228,7 +234,11 @@ def run_table(
     steady_tick: with gradients, the tick as one switch over its slot pairs (stage.py);
     fused_accumulation: unsplit, the weight gradients contracted in the accumulators' add;
     grad_layouts: the block leaves' zero.ShardLayouts, to reduce-scatter the block gradients
-    inside the loop (grad_reduce.py; None: they leave it as each replica's sums)."""
+    inside the loop (grad_reduce.py; None: they leave it as each replica's sums);
+    gather_params: with grad_layouts, params['blocks'] holds this replica's compute-dtype ZeRO
+    shards (grad_reduce.gather_chunk's views), each chunk gathered here, before the loop,
+    and the loop split where its first ticks, which run only chunk 0, end: the other chunks'
+    all-gathers may run beside those ticks."""
     shared = shared_params(params)
     p, v = table.stages, table.repeats
     num_layers = jax.tree.leaves(params['blocks'])[0].shape[0]
@@ -242,6 +252,8 @@ def run_table(
         index = jax.lax.axis_index(STAGE_AXIS)
         stacked = jax.tree.map(lambda a: a.reshape(v, per_chunk, *a.shape[1:]), blocks)
         chunks = tuple(jax.tree.map(lambda a: a[k], stacked) for k in range(v))
+        if gather_params:
+            chunks = tuple(grad_reduce.gather_chunk(c, grad_layouts) for c in chunks)
         embedded = jax.eval_shape(lambda sh, b: stage_fns.embed(sh, b.at(0)), shared, batch)
         hidden = embedded.shape[-1]
         stage = Stage(
@@ -284,7 +296,10 @@ def run_table(
         elif with_grads and steady_tick:
             keys, pair_index = steady_pairs(table)
             stage = dataclasses.replace(stage, pairs=keys)
-        return scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index)
+        warm = None
+        if gather_params:  # the first ticks see chunk 0 in every chunk's place
+            warm = (grad_reduce.first_tick_of_later_chunks(table), (chunks[0],) * v)
+        return scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index, warm)
 
     stage_spec = jax.tree.map(lambda _: PartitionSpec(STAGE_AXIS), params['blocks'])
     shared_spec = jax.tree.map(lambda _: PartitionSpec(), shared)
@@ -306,7 +321,7 @@ def run_table(
     return loss, count, {**shared_grads, 'blocks': block_grads}, values
 
 
-def scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index=None):
+def scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index=None, warm=None):
     """The scan over the table's ticks on one stage; (loss, side values) or (loss, side
     values, fp32 block grads in stored form, fp32 shared grads), the loss and the values
     combined over 'stage', the shared grads this stage's own share (stacked over 'stage'
@@ -350,7 +365,13 @@ def scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index=None):
     xs = jax.tree.map(jnp.asarray, table_columns(table))
     if pair_index is not None:
         xs = (xs, jax.tree.map(jnp.asarray, pair_index))
-    carry, _ = jax.lax.scan(stage.tick, init, xs)
+    if warm is None:
+        carry, _ = jax.lax.scan(stage.tick, init, xs)
+    else:  # (ticks, the chunks they see): a scan of those ticks, then one of the rest
+        ticks, early = warm
+        first = dataclasses.replace(stage, chunks=early)
+        carry, _ = jax.lax.scan(first.tick, init, jax.tree.map(lambda a: a[:ticks], xs))
+        carry, _ = jax.lax.scan(stage.tick, carry, jax.tree.map(lambda a: a[ticks:], xs))
     acc_blocks, acc_shared, loss, values = carry[6]
     loss = jax.lax.psum(loss, STAGE_AXIS)
     values = side.over_axis(declared, values, STAGE_AXIS)

@@ -41,6 +41,8 @@ global batch arrives as (micro_steps, global_batch / micro_steps, seq + 1) with 
 axis split over 'data': each replica sees micro_batch sequences per micro-step.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -96,11 +98,17 @@ def gradients_and_values(config, setup, params, tokens, row_ids, step, buffers=N
     stage_fns = _stage_functions(setup)
     declared = stage_fns.values
     layouts = zero.layouts(setup.state_shardings['params'])
-    compute_params = compute_copy(config, setup, params)
     buffers = buffers or {}
     by_stage = _stage_shares(config, params)
     # pipeline.overlap_grad_reduce: the blocks' come out of the engine on the ZeRO shards
     in_loop = layouts['blocks'] if _reduces_in_loop(config) else None
+    gathers = in_loop is not None and engine_lib.engine(config).overlap_param_gather
+    model_specs = _replica_specs((setup.logical_axes, setup.buffer_axes if buffers else {}))
+    if gathers:  # pipeline.overlap_param_gather: the engine gathers the blocks
+        compute_params = _shards_for_the_loop(config, setup, params, layouts)
+        model_specs[0]['blocks'] = jax.tree.map(_gathered_in_loop_spec, in_loop)
+    else:
+        compute_params = compute_copy(config, setup, params)
     grad_axes = jax.tree.map(
         lambda axes, stacked: ('stages', *axes) if stacked else axes,
         setup.logical_axes,
@@ -140,7 +148,7 @@ def gradients_and_values(config, setup, params, tokens, row_ids, step, buffers=N
         (compute_params, buffers),
         tokens,
         row_ids,
-        model_specs=_replica_specs((setup.logical_axes, setup.buffer_axes if buffers else {})),
+        model_specs=model_specs,
     )
     loss_sum, token_count = totals[0], totals[1]
     if in_loop is None:
@@ -161,6 +169,42 @@ def gradients_and_values(config, setup, params, tokens, row_ids, step, buffers=N
         setup.state_shardings['params'],
     )
     return loss_sum / token_count, grads, _per_token(declared, values, token_count)
+
+
+def _shards_for_the_loop(config, setup, params, layouts):
+    """compute_copy, but the blocks' leaves that grad_reduce.gather_chunk gathers (all but
+    its `whole` ones) left as each replica's compute-dtype ZeRO shard, in the layout's view."""
+    in_loop = {
+        **layouts,
+        'blocks': jax.tree.map(
+            lambda lay: lay if grad_reduce.whole(lay) else dataclasses.replace(lay, dim=None),
+            layouts['blocks'],
+        ),
+    }
+    copy = zero.gather_compute_copy(params, in_loop, jnp.dtype(config.model.compute_dtype))
+    gathered = {
+        k: jax.tree.map(jax.lax.with_sharding_constraint, v, setup.compute_shardings[k])
+        for k, v in copy.items()
+        if k != 'blocks'
+    }
+
+    def block(x, lay, sharding):
+        if grad_reduce.whole(lay):
+            return jax.lax.with_sharding_constraint(x, sharding)
+        return rules.constrain_spec(lay.view(x), lay.view_spec())
+
+    blocks = jax.tree.map(
+        block, copy['blocks'], layouts['blocks'], setup.compute_shardings['blocks']
+    )
+    return {**gathered, 'blocks': blocks}
+
+
+def _gathered_in_loop_spec(layout):
+    """The region's in_spec of a block leaf's compute copy under overlap_param_gather: the
+    ZeRO shard's view (split over the region's axes alone), or whole."""
+    if grad_reduce.whole(layout):
+        return PartitionSpec()
+    return rules.only(layout.view_spec(), rules.region_axes())
 
 
 def _reduces_in_loop(config):
