@@ -26,6 +26,13 @@ step is exact. Leaves too small to split (zero.ShardLayout.dim None), and those 
 along the layers with 'stage' (a bias split over 'tensor': `whole`), are summed by an
 all-reduce in the same place and leave whole (the state's sharding then takes each replica's
 slice, no communication).
+
+pipeline.overlap_param_gather (with the above): the blocks' compute copy comes into the engine
+as each replica's compute-dtype ZeRO shards and `gather_chunk` all-gathers it a chunk at a
+time; the engine splits its loop where the ticks that run only chunk 0 end
+(`first_tick_of_later_chunks`), so that chunks 1.. are needed only by the second loop. On the
+405B XLA:GPU still ran those all-gathers before the first loop (docs/gpu.md): inside chunk 0's
+forward branches, as the reduce-scatter is inside the backward's, is what would hide them.
 """
 
 import dataclasses
