@@ -14,10 +14,13 @@ last_stage_layers; docs/training.md, "Pipeline stages of unequal depth"); their 
 as chunks of 1, 2, 2, 2 (stage 0, whose first chunk holds the embedding) and 2, 2, 2, 1
 (stage 15, the head's last). Each block runs on two pieces of the sequence
 (model.sequence_pieces), so that one piece's tensor collectives overlap the other's matmuls.
-XLA:GPU compiles it to 70.7 GiB a GPU at 1.05 x the model's FLOPs, 9.3 % of its compute
-waiting on communication; predicted 12.25 s a step, 441 model TFLOP/s a GPU (6N + 12LHQT)
-against Meta's 430 (docs/benchmarks.md, "Llama blocks", has the other layouts: full
-recompute is slower).
+XLA:GPU compiles it to 70.8 GiB a GPU at 1.02 x the model's FLOPs, 9.5 % of its compute
+waiting on communication; predicted 12.0 s a step, 454 model TFLOP/s a GPU (6N + 12LHQT)
+against Meta's 430; replayed 8.36 s, 10.71 s with each lockstep tick at its slowest stage
+(docs/benchmarks.md, "Llama blocks", has the other layouts: full recompute is slower).
+ZeRO-1's reduce-scatter inside the loop (pipeline.overlap_grad_reduce) hides more (7.8 %
+exposed) but makes the ticks that run it the slowest of their stages: 11.08 s with each tick
+at its slowest stage, so it stays off ("ZeRO-1 inside the step").
 
 What differs from Meta's run:
 - The in-flight bound: unbounded, selective recompute holds 119.1 GiB a GPU on one chunk a

@@ -9,7 +9,7 @@ import support
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.xla import gpu_compile
 from mtnlg_jax.parallel import branches
-from mtnlg_jax.plan import gpu_target, hlo_module
+from mtnlg_jax.plan import gpu_target, hlo, hlo_module
 from mtnlg_jax.plan.loop_copies import loop_copies
 
 pytestmark = pytest.mark.skipif(
@@ -206,3 +206,44 @@ def assert_no_copy_in_a_loop(config, min_bytes=MIB):
     copies = loop_copies(text, min_bytes=min_bytes)
     assert not copies, [(c['type'], c['computation']) for c in copies]
     return text
+
+
+def test_overlap_grad_reduce_scatters_a_finished_chunk_beside_a_backwards_matmuls():
+    """pipeline.overlap_grad_reduce (parallel/grad_reduce.py), interleaved over data 2 x
+    stage 2 x tensor 2: the fp32 reduce-scatter over 'data' of a finished chunk's layer runs
+    in the loop, in the computation of another chunk's backward (its switch's branch), its
+    start before and its done after that backward's matmuls (or the loop over its layers that
+    runs them), so XLA:GPU's scheduler has them to hide it behind; no copy of a MiB in the
+    loop. Hidden 512, fp32."""
+    config = support.small_config(
+        data=2, stage=2, tensor=2, repeats=2, schedule='interleaved', micro_steps=4,
+        num_layers=4, hidden=512, compute_dtype='float32', remat='selective',
+    )  # fmt: skip
+    config.pipeline.overlap_grad_reduce = True
+    text = assert_no_copy_in_a_loop(config)
+    computations, _ = hlo_module.parse_module(text)
+    inventory = hlo.collective_inventory(text, dict(data=2, stage=2, tensor=2))
+    scattered = [
+        op
+        for op in inventory
+        if op['kind'] == 'reduce-scatter' and op['axes'] == ('data',) and op['in_loop']
+    ]
+    variants = set(branches_of(computations, f'{branches.REDUCE}/cond'))
+    assert scattered and all(op['computation'] in variants for op in scattered), scattered
+    for op in scattered:
+        body = computations[op['computation']]
+        names = [i.name for i in body]
+        start = names.index(op['name'])
+        done = next(k for k, i in enumerate(body) if op['name'] in i.rest and k > start)
+        assert any(runs_gemm(computations, i) for i in body[start:done]), names[start:done]
+
+
+def runs_gemm(computations, instruction):
+    """Whether `instruction` is a GEMM, or a loop or conditional whose computations run one."""
+    callees = [c for a, c in instruction.callees() if a != 'calls']
+    inside = [i for name in reachable(computations, callees) for i in computations[name]]
+    return any(
+        (i.opcode == 'fusion' and '_gemm' in i.rest)
+        or (i.opcode == 'custom-call' and 'gemm' in i.rest)
+        for i in [instruction, *inside]
+    )

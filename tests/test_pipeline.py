@@ -13,7 +13,7 @@ import support
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.data import batch as batch_lib
 from mtnlg_jax.model import gpt
-from mtnlg_jax.parallel import pipeline, stage_order
+from mtnlg_jax.parallel import branches, grad_reduce, pipeline, stage_order
 from mtnlg_jax.parallel import schedule as schedule_lib
 from mtnlg_jax.train import state as state_lib
 from mtnlg_jax.train import step as step_lib
@@ -31,12 +31,21 @@ D2S2T2_GPIPE = (2, 2, 2, 2, 4, 'gpipe', {})
 # below with sequence parallelism and packed with Llama's block (test_packing.py);
 # d2s2t2v2m4-gpipe packed (test_packing.py) and over data 2 x stage 2 (test_side_values.py).
 STEADY = dict(steady_tick=True)  # pipeline.steady_tick: the tick as one switch over slot pairs
+# pipeline.overlap_grad_reduce: ZeRO-1's reduce-scatter in the loop (parallel/grad_reduce.py);
+# 1F1B's one chunk finishes last: all of it after the loop, inside the engine
+OVERLAP = dict(overlap_grad_reduce=True)
+# and pipeline.overlap_param_gather: the blocks' compute copy gathered chunk by chunk in it
+GATHER = dict(overlap_grad_reduce=True, overlap_param_gather=True)
+PIPELINE_KEYS = ('steady_tick', 'overlap_grad_reduce', 'overlap_param_gather')
 LAYOUTS = [
     # m < p, m not a multiple of p, dropout on; the steady tick (its edges: most of the table)
     (1, 4, 2, 1, 2, '1f1b', {**DROPOUT, **STEADY}),
     (1, 2, 4, 2, 2, 'interleaved', {}),  # m = p with v > 1; tensor 4 splits the hand-offs
     (2, 2, 2, 2, 4, 'interleaved', dict(sequence_parallel=True)),
     (2, 2, 2, 1, 4, 'zbh1', DROPOUT),  # the last chunk's B runs its forward: same masks
+    (2, 2, 2, 2, 4, 'interleaved', dict(sequence_parallel=True, **OVERLAP)),
+    (2, 2, 2, 1, 4, '1f1b', OVERLAP),
+    (2, 2, 2, 2, 4, 'interleaved', GATHER),
 ]
 # Their train steps' losses, step after step (the optimizer's update under stage x data, ZeRO
 # included): test_resume.py's two layout cases run 5 steps each after the restore under
@@ -49,6 +58,8 @@ def _name(layout):
         ('-dropout' if 'hidden_dropout' in model else '')
         + ('-sequence_parallel' if 'sequence_parallel' in model else '')
         + ('-steady' if model.get('steady_tick') else '')
+        + ('-overlap_grad_reduce' if model.get('overlap_grad_reduce') else '')
+        + ('-overlap_param_gather' if model.get('overlap_param_gather') else '')
     )
     return f'd{data}s{stage}t{tensor}v{repeats}m{micro}-{schedule}{extra}'
 
@@ -56,11 +67,11 @@ def _name(layout):
 def _config(layout, **more):
     data, stage, tensor, repeats, micro, schedule, model = layout
     model = dict(model)
-    steady = model.pop('steady_tick', False)
+    keys = {key: model.pop(key, False) for key in PIPELINE_KEYS}
     config = support.small_config(
         data, stage, tensor, micro, repeats, schedule, num_layers=LAYERS, **model, **more
     )
-    config.pipeline.steady_tick = steady
+    config.pipeline.update(keys)
     return config
 
 
@@ -283,3 +294,45 @@ def test_zbh1_refuses_more_than_one_chunk_a_stage_naming_the_key():
     with pytest.raises(config_lib.ConfigError, match='zbh1') as error:
         support.small_config(stage=2, repeats=2, micro_steps=4, schedule='zbh1', num_layers=4)
     assert error.value.key == 'pipeline.repeats'
+
+
+def test_overlap_grad_reduce_refuses_the_steady_tick_naming_the_key():
+    """The config check, before a compile: the reduce-scatter rides the tick by slot, and the
+    in-loop all-gather the reduce-scatter's engine."""
+    config = support.small_config(stage=2, repeats=2, micro_steps=4, num_layers=4)
+    config = config_lib.inputs_of(config)
+    config.pipeline.update(overlap_grad_reduce=True, steady_tick=True)
+    with pytest.raises(config_lib.ConfigError, match='steady_tick') as error:
+        config_lib.resolve(config, 2)
+    assert error.value.key == 'pipeline.overlap_grad_reduce'
+    config.pipeline.update(overlap_grad_reduce=False, steady_tick=False, overlap_param_gather=True)
+    with pytest.raises(config_lib.ConfigError, match='overlap_grad_reduce') as error:
+        config_lib.resolve(config, 2)
+    assert error.value.key == 'pipeline.overlap_param_gather'
+
+
+def test_overlap_grad_reduce_plans_each_finished_layer_once_after_its_chunks_last_backward():
+    """grad_reduce.plan on the 405B's table (16 stages, 4 chunks of 2 layers, 32 micro-batches,
+    at most 16 in flight): on every stage chunks 3, 2 and 1 are reduce-scattered a layer a
+    slot, each once, in a later backward slot of another chunk from its stash; chunk 0, the
+    last to finish, after the loop; the plan's weights of the switch sum to one."""
+    table = pipeline.build_table(16, 4, 32, 16, 'interleaved')
+    plan = grad_reduce.plan(table, 2)
+    assert plan.after == ((0, 0), (0, 1))
+    _, kinds = branches.slot_kinds(table)
+    for s in range(16):
+        slots = np.nonzero(plan.chunk[:, s] >= 0)[0]
+        reduced = sorted(zip(plan.chunk[slots, s], plan.layer[slots, s]))
+        assert reduced == [(k, n) for k in (1, 2, 3) for n in (0, 1)]
+        for t in slots:
+            k = plan.chunk[t, s]
+            finished = np.nonzero((table.bwd_repeat[:, s] == k) & (table.bwd_micro[:, s] >= 0))[0]
+            assert t > finished.max() and table.bwd_repeat[t, s] != k
+            assert kinds[t, s] in (branches.SLOT_MIDDLE, branches.SLOT_FIRST)
+            assert plan.variants[plan.branch[t, s] - 4] == (
+                table.bwd_repeat[t, s],
+                k,
+                plan.layer[t, s],
+            )
+    weights = grad_reduce.fractions(table, plan, branches.branch_fractions(table))
+    assert np.isclose(sum(weights[(branches.BACKWARD, branches.REDUCE)]), 1.0)

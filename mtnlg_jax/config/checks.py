@@ -427,6 +427,7 @@ def _check_pipeline(config, replica_batch):
         'pipeline.schedule',
         'interleaved needs pipeline.repeats > 1 (chunks per stage); with 1 use 1f1b',
     )
+    _check_overlap_grad_reduce(config)
     in_flight = config.pipeline.max_in_flight
     _require(
         not in_flight or schedule != 'gpipe',
@@ -446,6 +447,40 @@ def _check_pipeline(config, replica_batch):
         f'{stage} micro-batches per step, but {key} / (train.micro_batch x replicas) = '
         f'{smallest} / ({train.micro_batch} x {replicas(config.mesh)}) = '
         f'{smallest // replica_batch}',
+    )
+
+
+def _check_overlap_grad_reduce(config):
+    """pipeline.overlap_grad_reduce runs in the 1f1b / interleaved tick by slot, over the
+    data replicas alone (parallel/grad_reduce.py); without stages it has no effect."""
+    pipeline, mesh = config.pipeline, config.mesh
+    _require(
+        not pipeline.get('overlap_param_gather', False)
+        or pipeline.get('overlap_grad_reduce', False),
+        'pipeline.overlap_param_gather',
+        'rides pipeline.overlap_grad_reduce (the engine that takes ZeRO shards): set it too',
+    )
+    if not pipeline.get('overlap_grad_reduce', False):
+        return
+    others = [
+        name
+        for name, on in (
+            (
+                f'pipeline.schedule = {pipeline.schedule}',
+                pipeline.schedule not in ('1f1b', 'interleaved'),
+            ),
+            ('pipeline.steady_tick', pipeline.steady_tick),
+            ('pipeline.fused_accumulation', pipeline.fused_accumulation),
+            ('mesh.context > 1', mesh.context not in (1,)),
+            ('mesh.expert > 1', mesh.expert not in (1,)),
+        )
+        if on
+    ]
+    _require(
+        not others,
+        'pipeline.overlap_grad_reduce',
+        'runs in the 1f1b / interleaved tick by slot over the data replicas alone, not with '
+        + ', '.join(others),
     )
 
 

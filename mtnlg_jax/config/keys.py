@@ -103,6 +103,24 @@ KEYS = (
         'micro-batch); the same results to fp32 rounding',
     ),
     Key(
+        'pipeline.overlap_grad_reduce',
+        False,
+        'bool',
+        "1f1b / interleaved, the tick by slot: ZeRO-1's reduce-scatter of each chunk's block "
+        'gradients inside the loop, a layer in each backward slot after the chunk\'s last '
+        "(Megatron's --overlap-grad-reduce; what no slot takes, after the loop); the same "
+        'results; no effect with one stage ([gpu.md](gpu.md#zero-1-inside-the-step))',
+    ),
+    Key(
+        'pipeline.overlap_param_gather',
+        False,
+        'bool',
+        "with pipeline.overlap_grad_reduce: ZeRO-1's all-gather of the blocks' compute copy "
+        'in the engine, chunk by chunk, chunks 1.. beside the first ticks, which run only '
+        "chunk 0 (Megatron's --overlap-param-gather); the same results "
+        '([gpu.md](gpu.md#zero-1-inside-the-step))',
+    ),
+    Key(
         'pipeline.first_stage_layers',
         0,
         'int>=0',

@@ -44,6 +44,9 @@ CHUNK, ACCUMULATE, ACCUMULATE_SHARED = (
 BACKWARD_CHUNK = 'pipeline_backward_chunk'
 # the steady tick's one switch over the (forward, backward) pairs a table holds (steady_pairs)
 STEADY = 'pipeline_steady'
+# pipeline.overlap_grad_reduce's switch over a backward's chunks and (chunk, reduce-scatter of a
+# finished chunk's layer) variants (grad_reduce.py): its weights are grad_reduce.fractions'
+REDUCE = 'pipeline_reduce_chunk'
 
 
 def slot_kinds(table):

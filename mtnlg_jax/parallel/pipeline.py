@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from mtnlg_jax.parallel import chained, gpipe, taps, zero_bubble, zero_bubble_v
+from mtnlg_jax.parallel import chained, gpipe, grad_reduce, taps, zero_bubble, zero_bubble_v
 from mtnlg_jax.parallel import stage_functions as side
 from mtnlg_jax.parallel import schedule as schedule_lib
 from mtnlg_jax.parallel.branches import columns as table_columns
@@ -61,6 +61,8 @@ def options(config):
         max_in_flight=config.pipeline.get('max_in_flight', 0),
         steady_tick=config.pipeline.get('steady_tick', False),
         fused_accumulation=config.pipeline.get('fused_accumulation', False),
+        overlap_grad_reduce=config.pipeline.get('overlap_grad_reduce', False),
+        overlap_param_gather=config.pipeline.get('overlap_param_gather', False),
     )
 
 
@@ -90,6 +92,12 @@ class TableEngine:
     steady_tick: bool = False
     # the weight gradients contracted in the accumulators' add (stage.Stage.fused)
     fused_accumulation: bool = False
+    # ZeRO-1's reduce-scatter of the block gradients inside the loop (grad_reduce.py): the
+    # block gradients leave loss_and_grads on the ZeRO shards, in zero.ShardLayout's view
+    overlap_grad_reduce: bool = False
+    # with it: the blocks' compute copy comes as ZeRO shards, each chunk all-gathered in the
+    # engine, chunks 1.. during the ticks that run only chunk 0 (grad_reduce.gather_chunk)
+    overlap_param_gather: bool = False
     pipelined = True
     shared_grads_by_stage = True  # each stage's own share, stacked (scan_ticks)
 
@@ -122,12 +130,15 @@ class TableEngine:
         forwards)."""
         return float(self.table(micro_batches).bubble_fraction())
 
-    def loss_and_grads(self, stage_fns, params, batch):
+    def loss_and_grads(self, stage_fns, params, batch, grad_layouts=None):
         """(loss sum, token count, fp32 gradients shaped as params, side values) of batch
         (MicroBatch of m micro-batches), the block stack pipelined over 'stage'. params:
         compute-dtype, blocks stage-major. Called by the train step inside its region manual
         over 'data' (one replica's rows); at top level with both 'data' and 'tensor' larger
-        than 1, XLA's SPMD partitioner aborts on the embedding's scatter-add."""
+        than 1, XLA's SPMD partitioner aborts on the embedding's scatter-add. grad_layouts:
+        under overlap_grad_reduce, the block leaves' zero.ShardLayouts: the block gradients
+        come summed over the replicas on this replica's ZeRO shards, in the layouts' view
+        (the data axis 1)."""
         table = self.table(batch.micro_batches)
         return run_table(
             stage_fns,
@@ -138,6 +149,8 @@ class TableEngine:
             stage_layers=self.stage_layers,
             steady_tick=self.steady_tick,
             fused_accumulation=self.fused_accumulation,
+            grad_layouts=grad_layouts if self.overlap_grad_reduce else None,
+            gather_params=self.overlap_grad_reduce and self.overlap_param_gather,
         )
 
     def loss_sum(self, stage_fns, params, batch):
@@ -211,13 +224,21 @@ def run_table(
     stage_layers=None,
     steady_tick=False,
     fused_accumulation=False,
+    grad_layouts=None,
+    gather_params=False,
 ):
     """Run `table` (schedule.Schedule) over batch (MicroBatch); returns (loss sum, token count,
     fp32 grads or None, side values: stage_fns.values combined over chunks, micro-batches and
     stages). bubble_fill: what empty slots and idle outputs hold (tests fill NaN:
     it never leaks); stage_layers: a StageLayers of stages of unequal depth (None: equal);
     steady_tick: with gradients, the tick as one switch over its slot pairs (stage.py);
-    fused_accumulation: unsplit, the weight gradients contracted in the accumulators' add."""
+    fused_accumulation: unsplit, the weight gradients contracted in the accumulators' add;
+    grad_layouts: the block leaves' zero.ShardLayouts, to reduce-scatter the block gradients
+    inside the loop (grad_reduce.py; None: they leave it as each replica's sums);
+    gather_params: with grad_layouts, params['blocks'] holds this replica's compute-dtype ZeRO
+    shards (grad_reduce.gather_chunk's views), each chunk gathered here, before the loop,
+    and the loop split where its first ticks, which run only chunk 0, end: the other chunks'
+    all-gathers may run beside those ticks."""
     shared = shared_params(params)
     p, v = table.stages, table.repeats
     num_layers = jax.tree.leaves(params['blocks'])[0].shape[0]
@@ -231,6 +252,8 @@ def run_table(
         index = jax.lax.axis_index(STAGE_AXIS)
         stacked = jax.tree.map(lambda a: a.reshape(v, per_chunk, *a.shape[1:]), blocks)
         chunks = tuple(jax.tree.map(lambda a: a[k], stacked) for k in range(v))
+        if gather_params:
+            chunks = tuple(grad_reduce.gather_chunk(c, grad_layouts) for c in chunks)
         embedded = jax.eval_shape(lambda sh, b: stage_fns.embed(sh, b.at(0)), shared, batch)
         hidden = embedded.shape[-1]
         stage = Stage(
@@ -266,10 +289,17 @@ def run_table(
             kept_shapes, layout = probe_layout(first, chunks[0], zero, stage.fill, zero)
             stage = dataclasses.replace(stage, layout=layout)
         pair_index = None
-        if with_grads and steady_tick:
+        if with_grads and grad_layouts is not None:
+            reduce = grad_reduce.plan(table, per_chunk)
+            stage = dataclasses.replace(stage, reduce=(reduce, grad_layouts))
+            pair_index = reduce.columns()
+        elif with_grads and steady_tick:
             keys, pair_index = steady_pairs(table)
             stage = dataclasses.replace(stage, pairs=keys)
-        return scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index)
+        warm = None
+        if gather_params:  # the first ticks see chunk 0 in every chunk's place
+            warm = (grad_reduce.first_tick_of_later_chunks(table), (chunks[0],) * v)
+        return scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index, warm)
 
     stage_spec = jax.tree.map(lambda _: PartitionSpec(STAGE_AXIS), params['blocks'])
     shared_spec = jax.tree.map(lambda _: PartitionSpec(), shared)
@@ -291,7 +321,7 @@ def run_table(
     return loss, count, {**shared_grads, 'blocks': block_grads}, values
 
 
-def scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index=None):
+def scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index=None, warm=None):
     """The scan over the table's ticks on one stage; (loss, side values) or (loss, side
     values, fp32 block grads in stored form, fp32 shared grads), the loss and the values
     combined over 'stage', the shared grads this stage's own share (stacked over 'stage'
@@ -330,13 +360,26 @@ def scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index=None):
         or chained.scratch(stage),
         sums,
     )
+    if stage.reduce is not None:
+        init = (*init, grad_reduce.shard_buffers(stage.chunks, stage.reduce[1]))
     xs = jax.tree.map(jnp.asarray, table_columns(table))
     if pair_index is not None:
-        xs = (xs, jnp.asarray(pair_index))
-    (*_, (acc_blocks, acc_shared, loss, values)), _ = jax.lax.scan(stage.tick, init, xs)
+        xs = (xs, jax.tree.map(jnp.asarray, pair_index))
+    if warm is None:
+        carry, _ = jax.lax.scan(stage.tick, init, xs)
+    else:  # (ticks, the chunks they see): a scan of those ticks, then one of the rest
+        ticks, early = warm
+        first = dataclasses.replace(stage, chunks=early)
+        carry, _ = jax.lax.scan(first.tick, init, jax.tree.map(lambda a: a[:ticks], xs))
+        carry, _ = jax.lax.scan(stage.tick, carry, jax.tree.map(lambda a: a[ticks:], xs))
+    acc_blocks, acc_shared, loss, values = carry[6]
     loss = jax.lax.psum(loss, STAGE_AXIS)
     values = side.over_axis(declared, values, STAGE_AXIS)
     if not stage.with_grads:
         return loss, values
-    acc_blocks = jax.tree.map(lambda *a: jnp.concatenate(a), *acc_blocks)
+    if stage.reduce is not None:  # on the ZeRO shards (grad_reduce.py)
+        plan, layouts = stage.reduce
+        acc_blocks = grad_reduce.finish(plan, stage.index, acc_blocks, carry[7], layouts)
+    else:
+        acc_blocks = jax.tree.map(lambda *a: jnp.concatenate(a), *acc_blocks)
     return (loss, values, acc_blocks, jax.tree.map(lambda a: a[None], acc_shared))

@@ -65,6 +65,7 @@ from mtnlg_jax.parallel.branches import (
     FIRST,
     FORWARD,
     LAST,
+    REDUCE,
     SLOT_FIRST,
     SLOT_IDLE,
     SLOT_LAST,
@@ -72,7 +73,7 @@ from mtnlg_jax.parallel.branches import (
     WEIGHTS,
 )
 from mtnlg_jax.parallel import stage_functions as side
-from mtnlg_jax.parallel import chained, stage_order, taps
+from mtnlg_jax.parallel import chained, grad_reduce, stage_order, taps
 from mtnlg_jax.parallel.residuals import join_vjp, split_vjp
 from mtnlg_jax.parallel.slots import add, add_unless, read, write, zeros
 from mtnlg_jax.parallel.rules import STAGE_AXIS, constrain
@@ -111,6 +112,8 @@ class Stage:
     pairs: Any = None  # the steady tick's keys (branches.steady_pairs; None: the tick by slot)
     unroll: bool = False  # the steady tick: the chunk's layers unrolled (pipeline.run_table)
     prepared: Any = None  # fns.prepare of each chunk, made once a step (None: no prepare)
+    # pipeline.overlap_grad_reduce: (grad_reduce.Plan, the block leaves' zero.ShardLayouts)
+    reduce: Any = None
 
     @property
     def with_grads(self):
@@ -409,19 +412,22 @@ class Stage:
         cotangent of the side values is 1 for a differentiable one, 0 for the others
         (stage_functions.objective). Each branch applies its own VJP: a branch that handed
         the stashed residuals through would have XLA copy them in both."""
+        return self.on_chunk(
+            bwd.repeat, functools.partial(self.chunk_gradients, bwd, h, g, kept_earlier)
+        )
+
+    def chunk_gradients(self, bwd, h, g, kept, chunk, repeat):
+        """pull_back's tuple of chunk `repeat` (static): the head's path or the stashed one."""
         d_values = side.cotangents(self.fns.values)
 
-        def on(chunk, repeat):
-            def head():
-                return self.head_gradients(chunk, repeat, bwd, h, d_values)
+        def head():
+            return self.head_gradients(chunk, repeat, bwd, h, d_values)
 
-            def stashed():
-                return self.stashed_gradients(chunk, repeat, g, kept_earlier, d_values)
+        def stashed():
+            return self.stashed_gradients(chunk, repeat, g, kept, d_values)
 
-            with jax.named_scope(LAST):
-                return jax.lax.cond(bwd.kind == SLOT_LAST, head, stashed)
-
-        return self.on_chunk(bwd.repeat, on)
+        with jax.named_scope(LAST):
+            return jax.lax.cond(bwd.kind == SLOT_LAST, head, stashed)
 
     def head_gradients(self, chunk, repeat, bwd, h, d_values):
         """pull_back's tuple for the last chunk (repeat static): its forward over its stashed
@@ -463,6 +469,8 @@ class Stage:
         the steady tick's pair index, (ticks, stages), where self.pairs is set)."""
         if self.pairs is not None:
             return self.steady_tick(carry, *columns)
+        if self.reduce is not None:
+            return self.reducing_tick(carry, *columns)
         act_in, grad_in, stash, resids, grad_buf, tap_bufs, sums = carry
         row = jax.tree.map(lambda a: a[self.index], columns)
         stash, grad_buf = self.receive(row, act_in, grad_in, stash, grad_buf)
@@ -480,6 +488,50 @@ class Stage:
             sums = self.weights(row.weights, sums, tap_bufs)
         act_in, grad_in = self.send(y, dx)
         return (act_in, grad_in, stash, resids, grad_buf, tap_bufs, sums), None
+
+    def reducing_tick(self, carry, columns, reduce_columns):
+        """The tick by slot under pipeline.overlap_grad_reduce (grad_reduce.py): the backward's
+        switch also picks the layer of a finished chunk its branch reduce-scatters, written
+        into the carried shards."""
+        act_in, grad_in, stash, resids, grad_buf, tap_bufs, sums, shards = carry
+        row = jax.tree.map(lambda a: a[self.index], columns)
+        branch, chunk, layer = (a[self.index] for a in reduce_columns)
+        stash, grad_buf = self.receive(row, act_in, grad_in, stash, grad_buf)
+        y, resids, values = self.forward(row.forward, stash, resids)
+        sums = (*sums[:3], self.combine(sums[3], values))
+        bwd = row.backward
+        h, g, kept = self.slot_inputs(bwd, stash, resids, grad_buf)
+        idle = lambda: (self.without_taps(self.no_gradients()), grad_reduce.no_piece(shards))  # noqa: E731
+        with jax.named_scope(BACKWARD):
+            grads, piece = jax.lax.cond(
+                bwd.kind == SLOT_IDLE,
+                idle,
+                lambda: self.reducing_pull_back(bwd, branch, h, g, kept, sums[0], shards),
+            )
+        sums, dx, _ = self.add_gradients(bwd, sums, grads)
+        shards = grad_reduce.write_piece(shards, chunk, layer, piece)
+        act_in, grad_in = self.send(y, dx)
+        return (act_in, grad_in, stash, resids, grad_buf, tap_bufs, sums, shards), None
+
+    def reducing_pull_back(self, bwd, branch, h, g, kept, acc_blocks, shards):
+        """(pull_back's tuple, one layer's shards) through a switch on `branch`: chunk k's
+        backward (k < v), or a variant's (j, k, l): chunk j's from its stash beside the
+        reduce-scatter of chunk k's layer l, in one computation."""
+        plan, layouts = self.reduce
+        d_values = side.cotangents(self.fns.values)
+
+        def plain(k):
+            grads = self.chunk_gradients(bwd, h, g, kept, self.chunks[k], k)
+            return self.without_taps(grads), grad_reduce.no_piece(shards)
+
+        def variant(j, k, n):
+            grads = self.stashed_gradients(self.chunks[j], j, g, kept, d_values)
+            return self.without_taps(grads), grad_reduce.reduce_layer(acc_blocks[k], n, layouts)
+
+        branches = [functools.partial(plain, k) for k in range(len(self.chunks))]
+        branches += [functools.partial(variant, *key) for key in plan.variants]
+        with jax.named_scope(REDUCE):
+            return jax.lax.switch(branch, branches)
 
     def receive(self, row, act_in, grad_in, stash, grad_buf):
         """Last tick's hand-offs into the slots the table gives them (in the V, act_in and

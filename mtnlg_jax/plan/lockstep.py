@@ -22,11 +22,11 @@ from mtnlg_jax.parallel import branches
 from mtnlg_jax.plan import hlo, hlo_module, overlap
 
 
-def slot_patterns(table):
+def slot_patterns(table, extra=()):
     """(count, index): the kinds of slot a table holds, alike where every conditional takes
-    the same branches (the kinds and chunks of a tick's forward, backward and W), and which
-    of them each (tick, stage) holds, (ticks, stages)."""
-    columns = [*branches.slot_kinds(table), table.fwd_repeat, table.bwd_repeat]
+    the same branches (the kinds and chunks of a tick's forward, backward and W, and `extra`
+    (ticks, stages) columns), and which of them each (tick, stage) holds, (ticks, stages)."""
+    columns = [*branches.slot_kinds(table), table.fwd_repeat, table.bwd_repeat, *extra]
     if table.split:
         columns.append(table.w_repeat)
     rows = np.stack([np.asarray(c) for c in columns], axis=-1).reshape(-1, len(columns))
@@ -50,7 +50,7 @@ def pipeline_loop(computations):
     return None
 
 
-def lockstep(hlo_text, mesh, target, table, weights_of):
+def lockstep(hlo_text, mesh, target, table, weights_of, extra=()):
     """The replayed step with each tick at its slowest stage's slot:
 
         {'ticks', 'slot_kinds', 'mean_tick_s': one tick of the replay's average stage,
@@ -59,7 +59,9 @@ def lockstep(hlo_text, mesh, target, table, weights_of):
          'bubble_s': what that adds to the replayed step}
 
     or None without a pipeline loop. weights_of(where): the branch weights of the slots
-    `where` (a (ticks, stages) mask; None: every slot), as report.branch_weights gives."""
+    `where` (a (ticks, stages) mask; None: every slot), as report.branch_weights gives;
+    extra: (ticks, stages) columns that tell slots apart beyond the table's (the engine's
+    other switches, report.slot_columns)."""
     computations, entry = hlo_module.parse_module(hlo_text)
     found = pipeline_loop(computations)
     if found is None:
@@ -74,7 +76,7 @@ def lockstep(hlo_text, mesh, target, table, weights_of):
     replay.num_devices = int(np.prod(hlo._mesh_shape(mesh)[1]))
     runs = replay.counts.get(holder, (1, False))[0]
     mean_tick = replay.duration(body) / unrolled
-    count, index = slot_patterns(table)
+    count, index = slot_patterns(table, extra)
     tick_of_kind = np.zeros(count)
     for kind in range(count):
         replay.reweigh(weights_of(index == kind))

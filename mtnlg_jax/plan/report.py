@@ -7,7 +7,7 @@
 
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.model import counts
-from mtnlg_jax.parallel import branches
+from mtnlg_jax.parallel import branches, grad_reduce, stage_order
 from mtnlg_jax.plan import (
     arithmetic,
     clusters,
@@ -201,7 +201,12 @@ def add_gpu_figures(compiled, config, text, mesh, target, weights):
     replay = overlap.collective_overlap(text, mesh, target_figures, weights)
     table = arithmetic.engine_table(config)
     ticks = table and lockstep.lockstep(
-        text, mesh, target_figures, table, lambda where: branch_weights(config, where=where)
+        text,
+        mesh,
+        target_figures,
+        table,
+        lambda where: branch_weights(config, where=where),
+        slot_columns(config, table),
     )
     compiled['overlap'] = dict(
         table=replay['table'],
@@ -271,7 +276,23 @@ def branch_weights(config, micro_steps=None, where=None):
     table = arithmetic.engine_table(config, micro_steps)
     if table is None:
         return None
-    return branches.branch_fractions(table, where)
+    weights = branches.branch_fractions(table, where)
+    if config.pipeline.get('overlap_grad_reduce', False):  # its switch (grad_reduce.py)
+        weights = grad_reduce.fractions(table, _reduce_plan(config, table), weights, where)
+    return weights
+
+
+def _reduce_plan(config, table):
+    """pipeline.overlap_grad_reduce's placement of the reduce-scatters in the table."""
+    return grad_reduce.plan(table, stage_order.of_config(config).slots)  # a chunk's places
+
+
+def slot_columns(config, table):
+    """(ticks, stages) arrays beyond the table's kinds that tell slots apart: the backward's
+    reduce-scatter variant under pipeline.overlap_grad_reduce (plan/lockstep.py)."""
+    if config.pipeline.get('overlap_grad_reduce', False):
+        return [_reduce_plan(config, table).branch]
+    return []
 
 
 def per_iteration_arrays(hlo_text, config, top=3):

@@ -41,6 +41,8 @@ global batch arrives as (micro_steps, global_batch / micro_steps, seq + 1) with 
 axis split over 'data': each replica sees micro_batch sequences per micro-step.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -52,7 +54,7 @@ from mtnlg_jax.model import buffers as buffers_lib
 from mtnlg_jax.model import fp8_sites
 from mtnlg_jax.model import gpt
 from mtnlg_jax.parallel import engine as engine_lib
-from mtnlg_jax.parallel import context, rules, stage_order, zero
+from mtnlg_jax.parallel import context, grad_reduce, rules, stage_order, zero
 from mtnlg_jax.parallel import stage_functions as side
 from mtnlg_jax.parallel.stage_functions import MicroBatch
 from mtnlg_jax.train.optimizer import learning_rate_schedule
@@ -96,9 +98,17 @@ def gradients_and_values(config, setup, params, tokens, row_ids, step, buffers=N
     stage_fns = _stage_functions(setup)
     declared = stage_fns.values
     layouts = zero.layouts(setup.state_shardings['params'])
-    compute_params = compute_copy(config, setup, params)
     buffers = buffers or {}
     by_stage = _stage_shares(config, params)
+    # pipeline.overlap_grad_reduce: the blocks' come out of the engine on the ZeRO shards
+    in_loop = layouts['blocks'] if _reduces_in_loop(config) else None
+    gathers = in_loop is not None and engine_lib.engine(config).overlap_param_gather
+    model_specs = _replica_specs((setup.logical_axes, setup.buffer_axes if buffers else {}))
+    if gathers:  # pipeline.overlap_param_gather: the engine gathers the blocks
+        compute_params = _shards_for_the_loop(config, setup, params, layouts)
+        model_specs[0]['blocks'] = jax.tree.map(_gathered_in_loop_spec, in_loop)
+    else:
+        compute_params = compute_copy(config, setup, params)
     grad_axes = jax.tree.map(
         lambda axes, stacked: ('stages', *axes) if stacked else axes,
         setup.logical_axes,
@@ -111,33 +121,104 @@ def gradients_and_values(config, setup, params, tokens, row_ids, step, buffers=N
             model_params = buffers_lib.beside(*model_state)
             with _fp8_weights_once(config, model_params):
                 loss_sum, token_count, grads, values = _replica_sums(
-                    config, stage_fns, model_params, tokens, row_ids, step
+                    config, stage_fns, model_params, tokens, row_ids, step, in_loop
                 )
         grads = buffers_lib.without(grads, model_state[1])
         totals = zero.psum(jnp.stack([loss_sum, token_count]), rules.region_axes())
         values = side.over_axis(declared, values, rules.entry(rules.region_axes()))
-        grads = rules.constrain_tree(grads, grad_axes)
-        return totals, values, jax.tree.map(lambda g: g[None], grads)  # stacked over replicas
+        if in_loop is None:
+            grads = rules.constrain_tree(grads, grad_axes)
+            return totals, values, jax.tree.map(lambda g: g[None], grads)  # stacked over replicas
+        rest = {k: v for k, v in grads.items() if k != 'blocks'}
+        rest = rules.constrain_tree(rest, {k: v for k, v in grad_axes.items() if k != 'blocks'})
+        rest = jax.tree.map(lambda g: g[None], rest)
+        return totals, values, {**rest, 'blocks': grads['blocks']}  # blocks: the shards
+
+    grad_specs = jax.tree.map(_stacked_spec, layouts, by_stage, setup.logical_axes)
+    if in_loop is not None:
+        grad_specs['blocks'] = jax.tree.map(_shard_spec, in_loop)
 
     totals, values, replica_grads = _over_replicas(
         per_replica,
         (
             PartitionSpec(),
             {name: PartitionSpec() for name in declared},
-            jax.tree.map(_stacked_spec, layouts, by_stage, setup.logical_axes),
+            grad_specs,
         ),
         (compute_params, buffers),
         tokens,
         row_ids,
-        model_specs=_replica_specs((setup.logical_axes, setup.buffer_axes if buffers else {})),
+        model_specs=model_specs,
     )
     loss_sum, token_count = totals[0], totals[1]
+    if in_loop is None:
+        grads = zero.reduce_scatter(replica_grads, layouts, by_stage)
+    else:
+        rest = [k for k in replica_grads if k != 'blocks']
+        grads = zero.reduce_scatter(
+            *({k: t[k] for k in rest} for t in (replica_grads, layouts, by_stage))
+        )
+        grads['blocks'] = jax.tree.map(
+            lambda g, lay: g if grad_reduce.whole(lay) else lay.unview(g),
+            replica_grads['blocks'],
+            in_loop,
+        )
     grads = jax.tree.map(
         lambda g, sharding: jax.lax.with_sharding_constraint(g / token_count, sharding),
-        zero.reduce_scatter(replica_grads, layouts, by_stage),
+        grads,
         setup.state_shardings['params'],
     )
     return loss_sum / token_count, grads, _per_token(declared, values, token_count)
+
+
+def _shards_for_the_loop(config, setup, params, layouts):
+    """compute_copy, but the blocks' leaves that grad_reduce.gather_chunk gathers (all but
+    its `whole` ones) left as each replica's compute-dtype ZeRO shard, in the layout's view."""
+    in_loop = {
+        **layouts,
+        'blocks': jax.tree.map(
+            lambda lay: lay if grad_reduce.whole(lay) else dataclasses.replace(lay, dim=None),
+            layouts['blocks'],
+        ),
+    }
+    copy = zero.gather_compute_copy(params, in_loop, jnp.dtype(config.model.compute_dtype))
+    gathered = {
+        k: jax.tree.map(jax.lax.with_sharding_constraint, v, setup.compute_shardings[k])
+        for k, v in copy.items()
+        if k != 'blocks'
+    }
+
+    def block(x, lay, sharding):
+        if grad_reduce.whole(lay):
+            return jax.lax.with_sharding_constraint(x, sharding)
+        return rules.constrain_spec(lay.view(x), lay.view_spec())
+
+    blocks = jax.tree.map(
+        block, copy['blocks'], layouts['blocks'], setup.compute_shardings['blocks']
+    )
+    return {**gathered, 'blocks': blocks}
+
+
+def _gathered_in_loop_spec(layout):
+    """The region's in_spec of a block leaf's compute copy under overlap_param_gather: the
+    ZeRO shard's view (split over the region's axes alone), or whole."""
+    if grad_reduce.whole(layout):
+        return PartitionSpec()
+    return rules.only(layout.view_spec(), rules.region_axes())
+
+
+def _reduces_in_loop(config):
+    """Whether the engine reduce-scatters the block gradients inside its loop
+    (pipeline.overlap_grad_reduce, parallel/grad_reduce.py)."""
+    return getattr(engine_lib.engine(config), 'overlap_grad_reduce', False)
+
+
+def _shard_spec(layout):
+    """The out_spec of a block leaf's gradients on the ZeRO shards, in the layout's view (the
+    engine's under pipeline.overlap_grad_reduce): split over the region's axes alone."""
+    if grad_reduce.whole(layout):  # summed whole: the state's sharding slices it
+        return PartitionSpec()
+    return rules.only(layout.view_spec(), rules.region_axes())
 
 
 def _fp8_weights_once(config, model_params):
@@ -203,12 +284,16 @@ def _over_replicas(per_replica, out_specs, model_state, tokens, *per_row, model_
     )(model_state, tokens, *per_row)
 
 
-def _replica_sums(config, stage_fns, compute_params, tokens, row_ids, step):
+def _replica_sums(config, stage_fns, compute_params, tokens, row_ids, step, in_loop=None):
     """(loss sum, token count, fp32 gradient sums, side values) of one data replica's rows:
     tokens (micro_steps, local rows, seq + 1), through the config's engine
-    (parallel/engine.py). Runs inside the region manual over 'data'."""
+    (parallel/engine.py). Runs inside the region manual over 'data'. in_loop: the block
+    leaves' zero.ShardLayouts where the engine reduce-scatters them in its loop."""
     batch = _micro_batches(config, tokens, _row_keys(config, step, row_ids))
-    return engine_lib.engine(config).loss_and_grads(stage_fns, compute_params, batch)
+    engine = engine_lib.engine(config)
+    if in_loop is None:
+        return engine.loss_and_grads(stage_fns, compute_params, batch)
+    return engine.loss_and_grads(stage_fns, compute_params, batch, grad_layouts=in_loop)
 
 
 def _micro_batches(config, tokens, row_keys=None):
