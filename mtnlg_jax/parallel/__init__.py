@@ -13,6 +13,7 @@ pipeline.py          the 1F1B / interleaved engine in shard_map
 stage.py             one stage's work per tick of that engine
 slots.py             its slot buffers read and written in place, its fp32 adds
 chained.py           the fused accumulation: each chunk's backward a conditional adding its dW
+grad_reduce.py       ZeRO-1's reduce-scatter of a finished chunk inside a later backward slot
 gpipe.py             the GPipe engine (autodiff through the forwards)
 stage_functions.py   the model's pieces an engine is handed, the micro-batch a chunk gets
 stage_order.py       blocks stored stage-major; which chunk a stage runs (the V's too)
