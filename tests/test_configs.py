@@ -102,14 +102,14 @@ def test_tiny_config_resolves_on_eight_devices():
 
 
 def test_tiny_moe_resolves_with_about_tiny_llamas_active_parameters():
-    """8 experts of half tiny_llama's width, 2 a token: within 1 % of its parameters active
-    (the routers add 256 x 8 a layer), and in all the experts hold 4 times its MLPs (4 layers
-    of 3 matrices 256 x 704), the routers besides."""
+    """A shared expert of 3/4 tiny_llama's MLP width and 8 routed of 1/8, 2 a token:
+    within 1 % of its parameters active (the routers add 256 x 8 a layer), and in all the
+    experts hold 1.75 times its MLPs (4 layers of 3 matrices 256 x 704), the routers besides."""
     moe, config = _param_count('configs/tiny_moe.py')
     llama, _ = _param_count('configs/tiny_llama.py')
     active = counts.active_params(config.model, moe)
     assert active == pytest.approx(llama, rel=0.01)
-    assert moe - llama == 3 * 4 * 3 * 256 * 704 + 4 * 256 * 8
+    assert moe - llama == 0.75 * 4 * 3 * 256 * 704 + 4 * 256 * 8
     assert config_lib.resolve(config_lib.load('configs/tiny_moe.py'), 8).model.moe.experts == 8
 
 

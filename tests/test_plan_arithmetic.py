@@ -158,24 +158,25 @@ def tiny_moe(**mesh):
 
 
 def test_moe_model_flops_count_the_active_parameters_by_hand():
-    """tiny_moe: 4 layers, hidden 256, 8 query heads over 2 key/value heads of 32, 8 SwiGLU
-    experts 352 wide, top 2, untied vocabulary 8192, RMSNorm, no biases."""
+    """tiny_moe: 4 layers, hidden 256, 8 query heads over 2 key/value heads of 32, a shared
+    SwiGLU expert 528 wide and 8 routed 88 wide, top 2, untied vocabulary 8192, RMSNorm, no
+    biases."""
     config = tiny_moe()
     h, layers, vocab, seq = 256, 4, 8192, 128
     attention = 2 * h * 8 * 32 + 2 * h * 2 * 32
-    expert = 3 * h * 352
+    expert, shared = 3 * h * 88, 3 * h * 528
     outside = 2 * vocab * h + h  # embedding, output layer, final norm
-    per_layer = attention + h * 8 + 2 * h  # + router + 2 norms
+    per_layer = attention + h * 8 + 2 * h + shared  # + router + 2 norms + the shared expert
     total = outside + layers * (per_layer + 8 * expert)
     active = outside + layers * (per_layer + 2 * expert)
     plan = report.make_plan(config)
-    assert plan['params'] == total == 13_510_912
+    assert plan['params'] == total == 8_644_864
     assert plan['moe']['active_params'] == active == 7_022_848
     assert plan['moe']['routed_expert_params'] == layers * 8 * expert
     tokens = config.train.global_batch * seq
     assert plan['model_flops_per_step'] == (6 * active + 12 * layers * h * seq) * tokens
     # Megatron's hardware count: the active matmul weights, recompute included (remat full)
-    matmuls = layers * (attention + h * 8 + 2 * expert)
+    matmuls = layers * (attention + h * 8 + shared + 2 * expert)
     hardware = 96 * tokens * (matmuls / 12 + layers * seq * h / 6 + h * vocab / 16)
     assert plan['hardware_flops_per_step'] == pytest.approx(hardware)
 
@@ -185,7 +186,7 @@ def test_expert_ranks_divide_the_expert_weights_and_nothing_else():
     experts_one, experts_two = arithmetic.expert_bytes(one), arithmetic.expert_bytes(two)
     # split over stage 2 and tensor 2 already, over expert 2 too: halved
     assert experts_two['params'] * 2 == experts_one['params'] > 0
-    assert experts_one['params'] == 4 * 8 * 3 * 256 * 352 * 4 / 4  # fp32, / (stage x tensor)
+    assert experts_one['params'] == 4 * 8 * 3 * 256 * 88 * 4 / 4  # fp32, / (stage x tensor)
     rest = [arithmetic.local_param_counts(c, routed_experts=False) for c in (one, two)]
     assert rest[0][0] == rest[1][0]  # the compute copy: whole on every expert rank
     assert rest[0][1] == 2 * rest[1][1]  # ZeRO-1's shard: over data x expert, the replicas
@@ -263,7 +264,7 @@ def test_an_expert_layer_keeps_its_padded_rows_and_its_experts_outputs():
     and not the outputs, which no backward reads (Qwen3-235B-A22B's compile:
     docs/benchmarks.md)."""
     model = tiny_moe().model
-    e, s, rows, t, k, h, f = 4, 128, 2, 2, 2, 256, 352
+    e, s, rows, t, k, h, f = 4, 128, 2, 2, 2, 256, 88
     for fold, routed in ((False, k * h), (True, 2 * k * h / t)):
         one, four = (
             arithmetic.layer_activation_bytes(model, rows, t, 'selective', padding=p, fold=fold)

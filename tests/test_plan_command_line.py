@@ -131,7 +131,7 @@ def test_missing_config_is_an_error():
 
 def test_a_mixture_of_experts_is_planned_with_its_active_parameters(tmp_path):
     """configs/tiny_moe.py planned (arithmetic only): its experts line and the JSON's moe
-    part (13.5 M parameters, 7.02 M active: tests/test_plan_arithmetic.py counts them)."""
+    part (8.64 M parameters, 7.02 M active: tests/test_plan_arithmetic.py counts them)."""
     plan_json = tmp_path / 'plan.json'
     result = run_plan(
         '--config', 'configs/tiny_moe.py', '--cluster', 'h100-80gb', '--json', str(plan_json)
@@ -140,5 +140,5 @@ def test_a_mixture_of_experts_is_planned_with_its_active_parameters(tmp_path):
     assert 'experts      8 routed, top 2, over 1 expert rank(s)' in result.stdout
     assert "all-to-all 0.000 (the experts' rows padded 1 x by the exchange)" in result.stdout
     plan = json.loads(plan_json.read_text())
-    assert plan['moe']['active_params'] == 7_022_848 and plan['params'] == 13_510_912
+    assert plan['moe']['active_params'] == 7_022_848 and plan['params'] == 8_644_864
     assert plan['moe']['expert_bytes_per_device']['params'] > 0
