@@ -56,6 +56,19 @@ def test_the_grouped_matmuls_equal_each_experts_mlp_on_its_own_rows(grouped, lla
     np.testing.assert_allclose(got, dense_reference(moe, rows, group_sizes), atol=1e-5)
 
 
+def test_a_width_the_kernels_tiles_cannot_take_runs_the_batched_path():
+    """On a GPU the experts take the Pallas kernel (grouped_matmul_kind: 'pallas'), whose tiles
+    need sides that are multiples of 16; an expert 40 wide (tiny_moe's are 88) takes the
+    padded blocks instead: here on the CPU, where the kernel itself would not run, the rows
+    get their experts' MLP."""
+    cfg = moe_config(llama=True, ffn_hidden=40)
+    moe = layer(cfg, 'pallas')
+    group_sizes = np.array([5, 0, 17, 1, 0, 30, 9, 2], np.int32)
+    rows = np.random.default_rng(1).normal(size=(70, cfg.hidden)).astype(np.float32)
+    got = moe.grouped_mlp(jnp.asarray(rows), jnp.asarray(group_sizes))
+    np.testing.assert_allclose(got, dense_reference(moe, rows, group_sizes), atol=1e-5)
+
+
 def test_routed_scale_multiplies_the_routed_experts_weights_and_nothing_else():
     """model.moe.routed_scale (DeepSeek-V3's routed_scaling_factor): the layer's output (no
     shared expert) times it, the same experts chosen (the side values alike)."""

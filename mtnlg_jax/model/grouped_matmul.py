@@ -121,6 +121,11 @@ def _grouped_bwd(static, saved, d_out):
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
+def takes(*sizes):
+    """Whether the kernel takes matmul sides of these sizes (multiples of SMALLEST)."""
+    return all(size % SMALLEST == 0 for size in sizes)
+
+
 def _block(size):
     """A K or N block: the largest power of two up to BLOCK that divides the dimension."""
     block = BLOCK

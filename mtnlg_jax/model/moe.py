@@ -267,8 +267,10 @@ class MoE(nnx.Module):
                 axes,
             )  # fmt: skip
         # the kernel has no tensor-parallel form yet: split experts take the batched path
-        # (folded, each expert is whole whatever the rule table splits expert_mlp over)
+        # (folded, each expert is whole whatever the rule table splits expert_mlp over), as
+        # do widths its tiles do not divide (tiny_moe's 88)
         kernel = self.grouped == 'pallas' and (self.fold or shards('expert_mlp') == 1)
+        kernel = kernel and grouped_matmul.takes(*(kernels or self.kernels())[0].shape[-2:])
         tile = block_rows(rows.shape[0], self.experts, kernel)
         layout = grouped_matmul.tile_layout(group_sizes, rows.shape[0], tile)
         if kernel:
