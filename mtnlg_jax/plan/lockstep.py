@@ -19,7 +19,7 @@ the compiled program runs them, exposed communication included.
 import numpy as np
 
 from mtnlg_jax.parallel import branches
-from mtnlg_jax.plan import hlo, hlo_module, overlap
+from mtnlg_jax.plan import hlo_module
 
 
 def slot_patterns(table, extra=()):
@@ -50,7 +50,7 @@ def pipeline_loop(computations):
     return None
 
 
-def lockstep(hlo_text, mesh, target, table, weights_of, extra=()):
+def lockstep(replay, table, weights_of, extra=()):
     """The replayed step with each tick at its slowest stage's slot:
 
         {'ticks', 'slot_kinds', 'mean_tick_s': one tick of the replay's average stage,
@@ -58,22 +58,19 @@ def lockstep(hlo_text, mesh, target, table, weights_of, extra=()):
          'lockstep_loop_s': the loop's ticks each at its slowest stage (x runs a step),
          'bubble_s': what that adds to the replayed step}
 
-    or None without a pipeline loop. weights_of(where): the branch weights of the slots
-    `where` (a (ticks, stages) mask; None: every slot), as report.branch_weights gives;
-    extra: (ticks, stages) columns that tell slots apart beyond the table's (the engine's
-    other switches, report.slot_columns)."""
-    computations, entry = hlo_module.parse_module(hlo_text)
-    found = pipeline_loop(computations)
+    or None without a pipeline loop. replay: collective_overlap's (overlap.Replay, run under
+    the mean weights; reweighed here); weights_of(where): the branch weights of the slots
+    `where` (a (ticks, stages) mask), as report.branch_weights gives; extra: (ticks, stages)
+    columns that tell slots apart beyond the table's (the engine's other switches,
+    report.slot_columns)."""
+    found = pipeline_loop(replay.computations)
     if found is None:
         return None
     holder, loop = found
     body = dict(loop.callees())['body']
     # XLA:GPU's while-loop double buffering runs two ticks a trip (one more peeled if odd)
-    unrolled = max(1, round(table.ticks / (hlo_module.trip_count(loop, computations) or 1)))
-    mean = weights_of(None)
-    inventory = hlo.collective_inventory(hlo_text, mesh, mean)
-    replay = overlap.Replay(computations, entry, inventory, target, mean)
-    replay.num_devices = int(np.prod(hlo._mesh_shape(mesh)[1]))
+    trips = hlo_module.trip_count(loop, replay.computations) or 1
+    unrolled = max(1, round(table.ticks / trips))
     runs = replay.counts.get(holder, (1, False))[0]
     mean_tick = replay.duration(body) / unrolled
     count, index = slot_patterns(table, extra)
@@ -83,12 +80,11 @@ def lockstep(hlo_text, mesh, target, table, weights_of, extra=()):
         tick_of_kind[kind] = replay.duration(body) / unrolled
     per_slot = tick_of_kind[index]  # (ticks, stages)
     loop_s = float(per_slot.max(axis=1).sum())
-    bubble = runs * (loop_s - table.ticks * mean_tick)
     return dict(
         ticks=table.ticks,
         slot_kinds=count,
         mean_tick_s=mean_tick,
         slots_mean_tick_s=float(per_slot.mean()),
         lockstep_loop_s=runs * loop_s,
-        bubble_s=bubble,
+        bubble_s=runs * (loop_s - table.ticks * mean_tick),
     )

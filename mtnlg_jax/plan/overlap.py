@@ -386,7 +386,8 @@ def collective_overlap(hlo_text, mesh, target, branch_weights=None):
          'step_s': the replayed step (compute at peak + exposed), 'exposed_s', 'compute_s',
          'time_by_kind': {kind: seconds of the replayed step} (KINDS),
          'heaviest': the largest shares of the step beyond matmuls and attention (HEAVIEST
-                     rows of Replay.heaviest: what to fix first)}
+                     rows of Replay.heaviest: what to fix first),
+         'replay': the Replay itself, its durations memoised (plan/lockstep.py reweighs it)}
 
     mesh: the compiled step's mesh (positions in its device array are the HLO's device ids;
     consecutive gpus_per_node positions share a node, as parallel/mesh.py lays devices out)."""
@@ -442,4 +443,5 @@ def collective_overlap(hlo_text, mesh, target, branch_weights=None):
         exposed_s=exposed_s,
         time_by_kind={k: replay.by_kind[entry].get(k, 0.0) for k in KINDS},
         heaviest=replay.heaviest(HEAVIEST),
+        replay=replay,
     )

@@ -201,9 +201,7 @@ def add_gpu_figures(compiled, config, text, mesh, target, weights):
     replay = overlap.collective_overlap(text, mesh, target_figures, weights)
     table = arithmetic.engine_table(config)
     ticks = table and lockstep.lockstep(
-        text,
-        mesh,
-        target_figures,
+        replay['replay'],
         table,
         lambda where: branch_weights(config, where=where),
         slot_columns(config, table),
