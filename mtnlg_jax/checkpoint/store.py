@@ -34,6 +34,7 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from mtnlg_jax.checkpoint.shared_failure import FailedSave, SharedFailure
 from mtnlg_jax.run import storage
 from mtnlg_jax.run.rundir import RunDir
 
@@ -60,19 +61,20 @@ class _FailedCommit:
         raise self._error
 
 
-def _with_save_drill(handler, failing):
+def _with_commits(handler, failing, shared):
     """orbax's `handler`, whose commit fails as a full disk's would while `failing()` is true
     (checkpoint.inject_save_error_at_step): the failure reaches the training loop by orbax's
-    own path, from its background thread."""
+    own path, from its background thread. Under several processes each commit's failure is
+    recorded for `shared` (shared_failure.py) instead of raised."""
     save = handler.async_save
 
     async def async_save(directory, *args, **kwargs):
         futures = await save(directory, *args, **kwargs)
-        if not failing():
-            return futures
-        path = str(getattr(directory, 'path', directory))
-        error = OSError(errno.ENOSPC, 'No space left on device (a drill)', path)
-        return [_FailedCommit(error), *(futures or [])]  # first: it fails at once
+        if failing():
+            path = str(getattr(directory, 'path', directory))
+            error = OSError(errno.ENOSPC, 'No space left on device (a drill)', path)
+            futures = [_FailedCommit(error), *(futures or [])]  # first: it fails at once
+        return shared.commits(futures) if shared.needed() else futures
 
     handler.async_save = async_save
     return handler
@@ -134,6 +136,17 @@ def _shapes_by_name(tree):
     return {_path_name(path): tuple(leaf.shape) for path, leaf in leaves if is_array(leaf)}
 
 
+def _in_chain(error, kind):
+    """The first exception of type `kind` in `error`'s chain of causes, else None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, kind):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def first_line(error):
     text = str(error).strip().splitlines()
     return f'{type(error).__name__}: {text[0][:200] if text else ""}'
@@ -150,6 +163,7 @@ class Checkpoints:
         self.keep, self.read_only = keep, read_only
         self.fail_save_at = 0  # the save drill's step (0: none)
         self._saving = None  # step of the save in flight
+        self._shared = SharedFailure(self._cause)
         self._manager = self._open()
         absl = logging.getLogger('absl')  # orbax logs through absl, absl through this logger
         if not read_only and not any(isinstance(f, _NoSaveTracebacks) for f in absl.filters):
@@ -159,14 +173,22 @@ class Checkpoints:
 
     def _open(self):
         # create=False: nothing is written to the workdir until the first save.
-        state = _with_save_drill(
+        state = _with_commits(
             ocp.StandardCheckpointHandler(),
             lambda: bool(self.fail_save_at) and self._saving == self.fail_save_at,
+            self._shared,
         )
-        handlers = dict(state=state, meta=ocp.JsonCheckpointHandler())
+        meta = _with_commits(ocp.JsonCheckpointHandler(), lambda: False, self._shared)
+        handlers = dict(state=state, meta=meta)
         with _quiet_orbax() if self.read_only else contextlib.nullcontext():
+            shared = self._shared.needed() and not self.read_only
             options = ocp.CheckpointManagerOptions(
-                max_to_keep=self.keep, create=False, read_only=self.read_only
+                max_to_keep=self.keep,
+                create=False,
+                read_only=self.read_only,
+                async_options=ocp.AsyncOptions(
+                    barrier_sync_fn=self._shared.barrier_sync_fn() if shared else None
+                ),
             )
             return ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
@@ -186,6 +208,7 @@ class Checkpoints:
         self.wait()  # the previous save's failure is named as its own
         self._set_aside_steps_from(step)
         self._saving = step
+        self._shared.start()
         with self._failures_named():
             self._manager.save(
                 step,
@@ -208,22 +231,34 @@ class Checkpoints:
         try:
             yield
         except Exception as error:
-            where = self.directory
-            if self._saving is not None:
-                where = os.path.join(where, str(self._saving))
+            where = self._where()
             self._saving = None
             self._manager = self._open()
             newest = self._manager.latest_step()
-            refused = storage.refusal(error)
-            cause = first_line(error)
-            if refused:  # orbax's text of it is tensorstore's, hundreds of characters long
-                cause = f'{refused}' + (' (a drill)' if 'a drill' in str(error) else '')
-                room = storage.free_space(where)
-                cause = storage.noted(cause + (f'; {room}' if room else ''))
             raise SaveError(
-                f'checkpoint {where} was not saved: {cause}; the newest complete '
+                f'checkpoint {where} was not saved: {self._cause(error)}; the newest complete '
                 f'checkpoint is ' + (f'step {newest}' if newest is not None else 'none')
             ) from error
+
+    def _where(self):
+        where = self.directory
+        return where if self._saving is None else os.path.join(where, str(self._saving))
+
+    def _cause(self, error):
+        """Why the save failed, in one line: every process of a run names the same cause
+        (the lowest failing process's, shared_failure.py)."""
+        shared = _in_chain(error, FailedSave)
+        if shared is not None:
+            return storage.noted(shared.cause)
+        refused = storage.refusal(error)
+        if not refused:
+            return first_line(error)
+        # orbax's text of a refusal is tensorstore's, hundreds of characters long
+        cause = refused + (' (a drill)' if 'a drill' in str(error) else '')
+        room = storage.free_space(self._where())
+        if self._shared.needed():
+            cause += f' on process {jax.process_index()}'
+        return storage.noted(cause + (f'; {room}' if room else ''))
 
     def _set_aside_steps_from(self, step):
         """Steps at or past `step` exist only if restore skipped them as unreadable: they are

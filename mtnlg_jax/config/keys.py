@@ -467,6 +467,12 @@ KEYS = (
         f'the save of this step fails as on a full disk: {FAULT}',
     ),
     Key(
+        'checkpoint.inject_save_error_process',
+        -1,
+        'int>=-1',
+        'the process whose write the save drill fails; -1: every process',
+    ),
+    Key(
         'data.sources',
         ((0.5, 'data/default/kjv'), (0.5, 'data/default/python_stdlib')),
         'any',

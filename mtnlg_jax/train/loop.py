@@ -202,7 +202,8 @@ def train(config, workdir, identity=None):
 
 def open_checkpoints(config, workdir):
     checkpoints = checkpoint_lib.Checkpoints(workdir, keep=config.checkpoint.keep)
-    checkpoints.fail_save_at = config.checkpoint.inject_save_error_at_step  # a drill
+    drilled = config.checkpoint.inject_save_error_process in (-1, jax.process_index())
+    checkpoints.fail_save_at = config.checkpoint.inject_save_error_at_step * drilled  # a drill
     return checkpoints
 
 
