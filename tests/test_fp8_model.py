@@ -193,7 +193,7 @@ def assert_amax_combined_by_max(split, batch):
 
 
 def test_selective_recompute_keeps_a_row_parallel_products_scale_and_requantizes_its_x():
-    """model.remat = selective (gpt.REMAT_POLICIES) keeps a gathered site's quantized x and
+    """model.remat = selective (gpt.remat_policy) keeps a gathered site's quantized x and
     its scale, but of a row-parallel site (fp8_sites.SCATTERED_SITES: its x whole along the
     sequence, recomputed by the backward anyway) the scale alone: the backward quantizes x
     again by it. The gradients are those of keeping everything, bit for bit, in both recipes
@@ -210,7 +210,7 @@ def test_selective_recompute_keeps_a_row_parallel_products_scale_and_requantizes
                 out = fp8_sites.project((recipe, 0), site, jnp.sin(x), w)  # x from an op
             return (out.astype(jnp.float32) * dy).sum()
 
-        selective = jax.checkpoint(f, policy=gpt.REMAT_POLICIES['selective'])
+        selective = jax.checkpoint(f, policy=gpt.remat_policy('selective'))
         kept = [r for r in jax.tree.leaves(jax.vjp(selective, x, w)[1]) if r.dtype.itemsize == 1]
         assert [r.shape for r in kept] == ([] if site == 'mlp_out' else [(64, 256)]), site
         assert_trees_close(jax.grad(selective, (0, 1))(x, w), jax.grad(f, (0, 1))(x, w), atol=0)
@@ -239,7 +239,7 @@ def test_q_and_kv_keep_one_quantized_x_between_them():
         for shared in (True, False):
             g = jax.checkpoint(
                 lambda *a, s=shared: f(*a, {} if s else None),
-                policy=gpt.REMAT_POLICIES['selective'],
+                policy=gpt.remat_policy('selective'),
             )  # fmt: skip
             kept = [r.shape for r in jax.tree.leaves(jax.vjp(g, x, wq, wkv)[1])
                     if r.dtype.itemsize == 1]  # fmt: skip

@@ -256,7 +256,7 @@ def test_a_llama_block_compiles_with_grouped_cudnn_attention_inside_the_pipeline
     input embedding, a gather that N counts as a matmul (6 V h a token: a tenth of this small
     model's FLOPs, 0.5 % of Llama 3 405B's), give or take the flash backward's recomputed
     scores. Under selective recompute the backward does not run cuDNN's forward again (its
-    output and softmax statistics kept: gpt.REMAT_POLICIES): as many forward calls as
+    output and softmax statistics kept: gpt.remat_policy): as many forward calls as
     backward ones in the HLO (12 forward against 8 when it did; Qwen3-235B-A22B's compiled
     FLOPs 1.11 -> 1.04 x model: docs/benchmarks.md)."""
     config = support.small_config(

@@ -146,7 +146,7 @@ def test_a_fused_attention_kernel_moves_no_scores_through_memory():
 
 
 def test_selective_recompute_reruns_no_fused_attention_forward():
-    """Selective recompute keeps cuDNN's forward outputs (gpt.REMAT_POLICIES), as the flash
+    """Selective recompute keeps cuDNN's forward outputs (gpt.remat_policy), as the flash
     kernel's: our engine's prediction recomputes nothing of the attention core where the
     kernel runs (auto: cuDNN on A100 at head dim 8), the plain path's core where it does not."""
     cluster = clusters.CLUSTERS['a100-80gb']

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import support
+from mtnlg_jax import config as config_lib
 from mtnlg_jax.train import state as state_lib
 from mtnlg_jax.data import batch as batch_lib
 from mtnlg_jax.train import step as step_lib
@@ -27,12 +28,18 @@ def _temp_bytes(config):
     return compiled.memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize('policy', ['full', 'selective'])
+# selective with model.remat_recompute: the attention's input and output projections made
+# again (what a layer keeps then: tests/test_plan_compiled.py)
+LEANER = dict(remat='selective', remat_recompute='qkv,attn_out')
+POLICIES = {'full': dict(remat='full'), 'selective': dict(remat='selective'), 'leaner': LEANER}
+
+
+@pytest.mark.parametrize('policy', sorted(POLICIES))
 def test_recompute_gives_the_same_gradients(policy):
     batch = support.random_batches(1)[0]
     _, loss, grads = support.gradients(support.small_config(data=2, tensor=2), batch)
     _, loss_remat, grads_remat = support.gradients(
-        support.small_config(data=2, tensor=2, remat=policy), batch
+        support.small_config(data=2, tensor=2, **POLICIES[policy]), batch
     )
     np.testing.assert_allclose(loss_remat, loss, rtol=1e-6)
     # Per leaf against its own scale too (measured: 2.5e-7 of it at most), not only 1e-6.
@@ -45,3 +52,12 @@ def test_full_recompute_keeps_less_than_none_and_selective_in_between():
         for policy in ('none', 'selective', 'full')
     }
     assert sizes['full'] < sizes['selective'] < sizes['none'], sizes
+
+
+@pytest.mark.parametrize(
+    'remat,names,says',
+    [('selective', 'qkv,softmax', 'softmax is not one of'), ('full', 'qkv', 'model.remat=full')],
+)
+def test_recompute_names_are_checked_naming_the_key(remat, names, says):
+    with pytest.raises(config_lib.ConfigError, match=f'model.remat_recompute: .*{says}'):
+        support.small_config(remat=remat, remat_recompute=names)  # resolved there

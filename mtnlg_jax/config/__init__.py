@@ -14,6 +14,7 @@ from mtnlg_jax.config.checks import (
     default_ffn_hidden,
     moe_ffn_hidden,
     padded_vocab_size,
+    recomputed,
     replicas,
     shared_ffn_hidden,
 )
@@ -29,6 +30,7 @@ __all__ = [
     'load',
     'moe_ffn_hidden',
     'padded_vocab_size',
+    'recomputed',
     'replicas',
     'resolve',
     'resolve_model',

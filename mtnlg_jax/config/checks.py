@@ -275,6 +275,30 @@ def check_block(model):
         f'{model.kv_heads} key/value heads do not divide model.heads={model.heads}',
     )
     _check_rope(model)
+    _check_recompute(model)
+
+
+RECOMPUTABLE = ('qkv', 'context', 'attn_out', 'mlp_in', 'mlp_out')  # model/block.py's names
+
+
+def recomputed(model):
+    """model.remat_recompute's names, in the order given."""
+    return tuple(n.strip() for n in model.get('remat_recompute', '').split(',') if n.strip())
+
+
+def _check_recompute(model):
+    names = recomputed(model)
+    unknown = [n for n in names if n not in RECOMPUTABLE]
+    _require(
+        not unknown,
+        'model.remat_recompute',
+        f'{", ".join(unknown)} is not one of {", ".join(RECOMPUTABLE)}',
+    )
+    _require(
+        not names or model.remat == 'selective',
+        'model.remat_recompute',
+        f'names what selective recompute leaves out, but model.remat={model.remat}',
+    )
 
 
 def _check_rope(model):

@@ -316,6 +316,14 @@ KEYS = (
         "FP8 scales map an operand's amax to the format's largest value / 2^margin",
     ),
     Key('model.remat', 'none', ('none', 'full', 'selective'), 'activation recompute'),
+    Key(
+        'model.remat_recompute',
+        '',
+        'str',
+        "under remat selective, the kept matmul outputs the backward makes again instead, "
+        "e.g. 'qkv,attn_out' (of qkv, context, attn_out, mlp_in, mlp_out; Megatron's "
+        '--recompute-modules); docs/training.md',
+    ),
     Key('model.attention', 'auto', ('auto', 'fused', 'flash', 'plain'), ATTENTION_DOC),
     Key(
         'model.sequence_parallel',

@@ -263,7 +263,7 @@ class Attention(nnx.Module):
             extra = () if visible_keys is None else (jnp.asarray(visible_keys, jnp.int32),)
             axes = (CONTEXT_AXES, KV_AXES, KV_AXES)
             context = local_call(kernel, (q, k, v), CONTEXT_AXES, extra, args_axes=axes)
-        if self.kernel == 'cudnn':  # kept as the kernel's output (gpt.REMAT_POLICIES), not twice
+        if self.kernel == 'cudnn':  # kept as the kernel's output (gpt.remat_policy), not twice
             return constrain(context, CONTEXT_AXES)
         return checkpoint_name(constrain(context, CONTEXT_AXES), 'context')
 

@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtnlg_jax.config import block_stack_layers
+from mtnlg_jax.config import block_stack_layers, recomputed
 from mtnlg_jax.model.attention_kernel import attention_kernel, gpu_generation
 from mtnlg_jax.model.block import SELECTIVE_SAVED, Block
 from mtnlg_jax.model import fp8_sites, moe
@@ -79,12 +79,17 @@ def _cudnn_attention_forward(primitive, *_, **__):
     return primitive.name == CUDNN_ATTENTION_FORWARD
 
 
-REMAT_POLICIES = {
-    'full': jax.checkpoint_policies.nothing_saveable,
-    'selective': jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.save_only_these_names(*SELECTIVE_SAVED), _cudnn_attention_forward
-    ),
-}
+def remat_policy(remat, recompute=()):
+    """`model.remat`'s jax.checkpoint policy (None for 'none'); under selective, the names
+    in `recompute` (model.remat_recompute) are made again by the backward, not kept."""
+    if remat == 'full':
+        return jax.checkpoint_policies.nothing_saveable
+    if remat != 'selective':
+        return None
+    kept = [name for name in SELECTIVE_SAVED if name not in recompute]
+    return jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.save_only_these_names(*kept), _cudnn_attention_forward
+    )
 
 
 class GPT(nnx.Module):
@@ -131,6 +136,7 @@ class GPT(nnx.Module):
         self.vocab_size = cfg.vocab_size
         self.hidden_dropout = cfg.hidden_dropout
         self.remat = cfg.remat
+        self.recompute = recomputed(cfg)
         self.loss_chunks = cfg.loss_chunks
         self.dtype = cfg.compute_dtype
         self.fp8 = cfg.get('fp8', 'none')
@@ -152,6 +158,7 @@ class GPT(nnx.Module):
             positions=positions,
             segment_ids=segment_ids,
             declared=self.side_values(),
+            recompute=self.recompute,
         )
         return self.final_norm(x)
 
@@ -165,8 +172,9 @@ class GPT(nnx.Module):
             return x
         graphdef, stacked = nnx.split(self.dense_blocks)
         x, _ = apply_block_stack(
-            graphdef, stacked, x, row_keys, self.remat, 0, positions, segment_ids, order=order
-        )
+            graphdef, stacked, x, row_keys, self.remat, 0, positions, segment_ids, order=order,
+            recompute=self.recompute,
+        )  # fmt: skip
         return x
 
     def side_values(self):
@@ -224,6 +232,7 @@ def apply_block_stack(
     taps=None,
     unroll=False,
     weights=None,
+    recompute=(),
 ):
     """(x, side values): blocks whose parameters are stacked on a leading axis run over x
     with lax.scan, the values each emits combined over the blocks (declared: {name:
@@ -233,7 +242,8 @@ def apply_block_stack(
     positions: the tokens' positions for rope (None: 0 .. seq - 1); segment_ids: (batch,
     seq) packed documents' ids, or None; used: how many of the stacked blocks are layers (a
     traced int; the rest are a short pipeline stage's padding slots, parallel/stage_order.py),
-    or None for all; order: (batch, seq) the tokens' global positions under context
+    or None for all; recompute: model.remat_recompute's names (remat_policy); order: (batch,
+    seq) the tokens' global positions under context
     parallelism (parallel/context.py), None: 0 .. seq - 1; unroll: the scan unrolled (the
     pipeline's steady tick: its forward's and backward's layers in one computation); weights:
     the blocks' FP8 weights quantized once a step (fp8_sites.quantized_weights, a pipeline
@@ -264,7 +274,8 @@ def apply_block_stack(
         return (out, side.combine(declared, values, emitted)), None
 
     if remat != 'none':
-        one_block = jax.checkpoint(one_block, policy=REMAT_POLICIES[remat], prevent_cse=False)
+        policy = remat_policy(remat, recompute)
+        one_block = jax.checkpoint(one_block, policy=policy, prevent_cse=False)
     slots = jnp.arange(num_layers)
     init = (x, side.identities(declared))
     if weights is None:  # FP8 weights quantized once a step, or None
@@ -376,6 +387,7 @@ def stage_functions(graphdef, param_axes=None):
             taps=taps,
             unroll=unroll,
             weights=prepared,
+            recompute=skeleton.recompute,
         )
 
     def head_loss_sum(shared, hidden, batch):
@@ -397,7 +409,7 @@ def stage_functions(graphdef, param_axes=None):
         head_loss_sum=head_loss_sum,
         logits_loss_sum=logits_loss_sum,
         remat=skeleton.remat,
-        remat_policy=REMAT_POLICIES.get(skeleton.remat),
+        remat_policy=remat_policy(skeleton.remat, skeleton.recompute),
         dtype=jnp.dtype(skeleton.dtype),
         param_axes=param_axes,
         values=declared,

@@ -262,7 +262,8 @@ def layer_activation_bytes(
         and up, their product recomputed). Norms, activations and dropout masks are recomputed.
         Measured per layer on XLA:CPU (tests/test_plan_compiled.py): GPT's and Llama's
         blocks, with and without sequence parallelism, within 1 %; Korthikanti's selective
-        count, which this engine never kept, was 1.6 to 2.3 x it.
+        count, which this engine never kept, was 1.6 to 2.3 x it. model.remat_recompute's
+        names are not kept (_less_recomputed).
     full: the layer input only, s b h e.
     Sequence parallelism splits the replicated (s, b, h) ones over t."""
     whole, h, a = model_cfg.seq_len, model_cfg.hidden, model_cfg.heads
@@ -279,7 +280,10 @@ def layer_activation_bytes(
         saved_mlp = mlp_width(model_cfg, dense, padding) * (2 if swiglu else 1)
         # folded: the all-to-alls' two deliveries (model/moe.py), else the experts' outputs
         routed = 2 * expert_rows if fold else expert_rows
-        kept = 2 * h * e / residual + (split + saved_mlp) * e / tensor + routed
+        branches, split, saved_mlp = _less_recomputed(
+            model_cfg, split, saved_mlp, fused_attention
+        )
+        kept = branches * h * e / residual + (split + saved_mlp) * e / tensor + routed
         return s * rows * kept
     f = mlp_width(model_cfg, dense, padding) * (3 if swiglu else 2)
     kept = s * rows * (6 * h * e / residual + (split + f) * e / tensor + 2 * expert_rows)
@@ -287,6 +291,20 @@ def layer_activation_bytes(
     if context > 1:
         core += 2 * kv_heads * head_dim * whole * rows * e
     return kept + core / tensor
+
+
+def _less_recomputed(model_cfg, split, saved_mlp, fused_attention):
+    """selective's kept residual branches (of 2), Q, K, V and context width and MLP width,
+    less what model.remat_recompute makes again (a fused kernel keeps its output, the
+    context, whatever the names say)."""
+    dropped = config_lib.recomputed(model_cfg)
+    heads, kv_heads, head_dim = attention_dims(model_cfg)
+    if 'qkv' in dropped:
+        split -= (heads + 2 * kv_heads) * head_dim
+    if 'context' in dropped and not fused_attention:
+        split -= heads * head_dim
+    branches = 2 - ('attn_out' in dropped) - ('mlp_out' in dropped)
+    return branches, split, 0 if 'mlp_in' in dropped else saved_mlp
 
 
 def boundary_activation_bytes(model_cfg, sequences):

@@ -77,6 +77,7 @@ import types
 
 import numpy as np
 
+from mtnlg_jax import config as config_lib
 from mtnlg_jax.model import attention_kernel, counts, flash_attention
 from mtnlg_jax.model.layers import attention_dims
 from mtnlg_jax.model.moe import experts_of
@@ -242,6 +243,8 @@ def layer_forward(
     width = min(tokens, h / t)
     fp8 = rates.matmul(fp8_flops, width, fp8=True)
     matmuls = rates.matmul(matmul_flops - fp8_flops, width) + fp8
+    collective = rates.link(_ring('all-reduce', tokens * h * e, t), t) * exposed
+    again_flops, again_sums = _recomputed_products(model, tokens, t, f)
     return dict(
         compute=matmuls + attention + elementwise,
         attention=attention,
@@ -251,8 +254,9 @@ def layer_forward(
             + (sum(comm.exchanged_rows(config)) or 1)
             + arithmetic.folded(config) * comm.exchanged_rows(config)[1]
         )  # attention's, MLP's or experts' (+ shared's folded)
-        * rates.link(_ring('all-reduce', tokens * h * e, t), t)
-        * exposed,
+        * collective,
+        recomputed=rates.matmul(again_flops, width) + again_sums * collective,
+        recomputed_flops=again_flops,
         expert=experts,
         context=gathered * exposed_context[0],
         context_backward=gathered * exposed_context[1],
@@ -260,6 +264,24 @@ def layer_forward(
         attention_flops=attention_flops,
         attention_backward_flops=backward_flops,
     )
+
+
+def _recomputed_products(model, tokens, t, f):
+    """(FLOPs, row-parallel sums) that model.remat_recompute's names add to a layer's
+    backward under selective recompute, on one device: the named matmuls run again, and a
+    row-parallel one's tensor sum with it ('context', the attention core, is not a product
+    here: a fused kernel keeps its output whatever the name says)."""
+    dropped = config_lib.recomputed(model)
+    heads, kv_heads, head_dim = attention_dims(model)
+    h, mlps = model.hidden, counts.mlp_matrices(model) - 1  # in (and gate)
+    widths = dict(
+        qkv=h * (heads + 2 * kv_heads) * head_dim,
+        attn_out=heads * head_dim * h,
+        mlp_in=mlps * h * f,
+        mlp_out=f * h,
+    )
+    flops = sum(2 * tokens * widths[n] / t for n in dropped if n in widths)
+    return flops, sum(n in ('attn_out', 'mlp_out') for n in dropped)
 
 
 def head_forward(config, rates):
@@ -297,7 +319,7 @@ def slot_costs(
     n = arithmetic.chunk_slots(config)
     # selective recompute keeps a fused kernel's outputs: the flash kernel's out and
     # log-sum-exp (model/flash_attention.py), cuDNN's out and softmax statistics (gpt.py's
-    # REMAT_POLICIES); folded, a mixture of experts' exchanged rows (model/moe_exchange.py)
+    # remat_policy); folded, a mixture of experts' exchanged rows (model/moe_exchange.py)
     kept = kernel != 'plain' and config.model.remat == 'selective'
     exchanged_again = 0.0 if arithmetic.folded(config) else layer['expert']
     again, again_flops = {
@@ -305,8 +327,8 @@ def slot_costs(
         # selective: the attention core (unless a fused kernel's outputs are kept), and a
         # mixture of experts' two exchanges unless folded (plan/comm.py)
         'selective': (
-            (0.0 if kept else layer['attention']) + exchanged_again,
-            0.0 if kept else layer['attention_flops'],
+            (0.0 if kept else layer['attention']) + exchanged_again + layer['recomputed'],
+            (0.0 if kept else layer['attention_flops']) + layer['recomputed_flops'],
         ),
         'none': (0.0, 0.0),
     }[config.model.remat]
