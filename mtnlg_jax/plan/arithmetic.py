@@ -280,9 +280,7 @@ def layer_activation_bytes(
         saved_mlp = mlp_width(model_cfg, dense, padding) * (2 if swiglu else 1)
         # folded: the all-to-alls' two deliveries (model/moe.py), else the experts' outputs
         routed = 2 * expert_rows if fold else expert_rows
-        branches, split, saved_mlp = _less_recomputed(
-            model_cfg, split, saved_mlp, fused_attention
-        )
+        branches, split, saved_mlp = _less_recomputed(model_cfg, split, saved_mlp, fused_attention)
         kept = branches * h * e / residual + (split + saved_mlp) * e / tensor + routed
         return s * rows * kept
     f = mlp_width(model_cfg, dense, padding) * (3 if swiglu else 2)
