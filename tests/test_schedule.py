@@ -18,6 +18,10 @@ def _table(shape):
     return schedule.build(p, v, m, *bound)
 
 
+def _name(shape):
+    return '-'.join(map(str, shape))
+
+
 def _operations(table, kind):
     """{(micro, chunk): tick} of every forward ('fwd') or backward ('bwd'); fails on repeats."""
     micro, repeat = getattr(table, f'{kind}_micro'), getattr(table, f'{kind}_repeat')
@@ -29,7 +33,7 @@ def _operations(table, kind):
     return done
 
 
-@pytest.mark.parametrize('shape', SHAPES)
+@pytest.mark.parametrize('shape', SHAPES, ids=_name)
 def test_every_forward_and_backward_once_in_dependency_order(shape):
     table = _table(shape)
     p, v, m = shape[:3]
@@ -45,7 +49,7 @@ def test_every_forward_and_backward_once_in_dependency_order(shape):
         assert bwd[(i, c)] >= fwd[(i, c)]  # the last chunk's may share the tick (F first)
 
 
-@pytest.mark.parametrize('shape', SHAPES)
+@pytest.mark.parametrize('shape', SHAPES, ids=_name)
 def test_slots_hold_each_input_residual_and_gradient_until_it_is_read(shape):
     """Replay the table as the engine does: arrivals are written into slots, a forward reads
     its input (the last chunk's backward: its input) and writes its residuals, a backward
