@@ -9,6 +9,17 @@ IDLE = schedule.IDLE
 # (p, v, m): 1F1B, interleaved, m < p, m not a multiple of p, MT-NLG's ramp start and full.
 SHAPES = [(2, 1, 2), (3, 1, 4), (4, 1, 2), (4, 1, 7), (2, 2, 4), (4, 2, 8), (4, 2, 3), (3, 3, 5)]
 SHAPES += [(35, 1, 4), (35, 1, 240)]
+# ... and interleaved bounded above p, by stage 0's chunk inputs: (p, v, m, max_in_flight)
+SHAPES += [(4, 2, 16, 5), (8, 2, 19, 9), (16, 4, 32, 17)]
+
+
+def _table(shape):
+    p, v, m, *bound = shape
+    return schedule.build(p, v, m, *bound)
+
+
+def _name(shape):
+    return '-'.join(map(str, shape))
 
 
 def _operations(table, kind):
@@ -22,9 +33,10 @@ def _operations(table, kind):
     return done
 
 
-@pytest.mark.parametrize('p,v,m', SHAPES)
-def test_every_forward_and_backward_once_in_dependency_order(p, v, m):
-    table = schedule.build(p, v, m)
+@pytest.mark.parametrize('shape', SHAPES, ids=_name)
+def test_every_forward_and_backward_once_in_dependency_order(shape):
+    table = _table(shape)
+    p, v, m = shape[:3]
     fwd, bwd = _operations(table, 'fwd'), _operations(table, 'bwd')
     everything = {(i, c) for i in range(m) for c in range(p * v)}
     assert set(fwd) == everything and set(bwd) == everything
@@ -37,12 +49,13 @@ def test_every_forward_and_backward_once_in_dependency_order(p, v, m):
         assert bwd[(i, c)] >= fwd[(i, c)]  # the last chunk's may share the tick (F first)
 
 
-@pytest.mark.parametrize('p,v,m', SHAPES)
-def test_slots_hold_each_input_residual_and_gradient_until_it_is_read(p, v, m):
+@pytest.mark.parametrize('shape', SHAPES, ids=_name)
+def test_slots_hold_each_input_residual_and_gradient_until_it_is_read(shape):
     """Replay the table as the engine does: arrivals are written into slots, a forward reads
     its input (the last chunk's backward: its input) and writes its residuals, a backward
     reads its residuals and gradient; every read must find its own (micro-batch, chunk)."""
-    table = schedule.build(p, v, m)
+    table = _table(shape)
+    p, v = shape[:2]
     stash = np.full((p, table.stash_slots), None, object)
     resids = np.full((p, table.resid_slots), None, object)
     grads = np.full((p, table.grad_slots), None, object)
@@ -107,6 +120,34 @@ def test_bounded_interleaved_holds_at_most_the_bound_times_v_chunk_inputs(p, v, 
     assert (capped.fwd_micro != schedule.IDLE).sum() == (free.fwd_micro != schedule.IDLE).sum()
     assert (capped.bwd_micro != schedule.IDLE).sum() == p * v * m
     assert capped.ticks > free.ticks
+
+
+@pytest.mark.parametrize(
+    'p,v,m,bound', [(4, 2, 16, 5), (6, 3, 18, 7), (8, 2, 19, 9), (16, 4, 32, 17), (16, 4, 32, 19)]
+)
+def test_interleaved_bounded_above_p_by_stage_0s_chunk_inputs(p, v, m, bound):
+    """Above p micro-batches the bound is the memory, bound v chunk inputs a stage: a
+    micro-batch enters while stage 0 holds fewer. Each bound is faster than the one below it
+    (down to p) and than counting micro-batches, whose early entries leave holes in the steady
+    state (p 16, v 4, m 32: 0.357 at 20 against 0.183 at 16)."""
+    capped, free = schedule.build(p, v, m, bound), schedule.build(p, v, m)
+    assert capped.in_flight().max() <= bound * v < free.in_flight().max()
+    assert capped.bubble_fraction() < schedule.build(p, v, m, bound - 1).bubble_fraction()
+    counted = schedule._greedy(p, v, m, bound)  # the micro-batches counted, as up to p
+    assert capped.bubble_fraction() < counted.bubble_fraction()
+    assert capped.ticks < counted.ticks
+
+
+def test_a_bound_above_the_natural_count_is_the_unbounded_table():
+    """p 16, v 4, m 32 holds 79 chunk inputs unbounded: a bound of 20 micro-batches (80) is no
+    bound, and the 405B's 17 (68) pays an F + B per chunk input held less."""
+    free = schedule.build(16, 4, 32)
+    assert np.array_equal(schedule.build(16, 4, 32, 20).fwd_micro, free.fwd_micro)
+    time, _ = free.tick_costs()
+    for bound, held in ((17, 68), (18, 72)):
+        table = schedule.build(16, 4, 32, bound)
+        assert table.in_flight().max() == held
+        assert table.tick_costs()[0].sum() == time.sum() + 3 * (79 - held)
 
 
 @pytest.mark.parametrize('p,v,m', [(2, 2, 4), (4, 2, 8), (4, 2, 16), (4, 4, 32), (3, 3, 5)])

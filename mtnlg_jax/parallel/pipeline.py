@@ -114,6 +114,9 @@ class TableEngine:
         }.get(self.schedule, name)
         if self.max_in_flight:
             held = 'micro-batches' if self.repeats > 1 else 'stage inputs'
+            if self.schedule != 'zbv' and self.repeats > 1 and self.max_in_flight > self.stages:
+                # schedule.py: above p, stage 0's chunk inputs
+                held = f"micro-batches' chunk inputs ({self.max_in_flight * self.repeats})"
             name += f' (at most {self.max_in_flight} {held} in flight)'
         return name + (', steady tick' if self.steady_tick else '')
 

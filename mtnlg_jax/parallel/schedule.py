@@ -26,12 +26,21 @@ last stage's tick. Every other forward keeps what its chunk's backward needs (th
 of its VJP under model.remat) until that backward: stage s holds at most 2 (p - s) - 1
 micro-batches in flight with v = 1, whatever m (Megatron's asynchronous 1F1B holds p - s; in
 lockstep ticks a micro-batch waits a whole tick per hop both ways). `max_in_flight` caps it
-at the cost of idle ticks: with v = 1 stage s holds at most that many inputs; with v > 1 at
-most that many micro-batches are in the pipeline at once (one enters with its chunk 0 on
-stage 0 and leaves when that chunk's backward ends), each holding at most v chunk inputs a
-stage, the memory of max_in_flight stage inputs. Bounding each stage's chunk inputs instead
-could deadlock (a stage full of chunks whose backwards wait for forwards another stage
-cannot take); bounding only entry cannot: every micro-batch inside can always move on.
+at the cost of idle ticks: with v = 1 stage s holds at most that many inputs; with v > 1 a
+stage holds at most max_in_flight v chunk inputs, the memory of max_in_flight micro-batches.
+Up to p it counts the micro-batches in the pipeline (one enters with its chunk 0 on stage 0
+and leaves when that chunk's backward ends). Above p it counts stage 0's chunk inputs (stage
+0 holds the most: its chunk 0 waits the longest): a micro-batch enters while stage 0 holds
+fewer than max_in_flight v, the unbounded table with entries held back until stage 0's
+backwards free room, each chunk input held less costing about an F + B of stage 0; counting
+micro-batches there lets the next ones in piecemeal, and their holes cost a whole F + B in
+every tick of the steady state (docs/benchmarks.md, "The in-flight bound against the
+bubble"). Below p v stage 0's count cannot hold (the first p micro-batches bring all their
+chunks to stage 0 before its first backward), hence the micro-batch count up to p; a table
+over its budget above p (none found, p < 9, v < 6) falls back to it too. Bounding each
+stage's chunk inputs could deadlock (a stage full of chunks whose backwards wait for forwards
+another stage cannot take); bounding only entry cannot: every micro-batch inside can always
+move on.
 
 Slots: an arriving activation is written into a free stash slot (`recv_act_slot`) and stays
 until its forward reads it (the last chunk's: until its backward); a forward's residuals go
@@ -186,13 +195,26 @@ def _priority(micro, repeat, stages, repeats, backward):
 @functools.lru_cache(maxsize=64)  # the train loop asks for the same few tables every step
 def build(stages, repeats, micro_batches, max_in_flight=None):
     """The greedy 1F1B (repeats 1) or interleaved 1F1B (repeats > 1) table; see the module
-    docstring. max_in_flight: at most this many stage inputs held per stage (v = 1), or
-    micro-batches in the pipeline (v > 1); None: as many as the greedy order needs."""
+    docstring. max_in_flight: at most this many stage inputs held per stage (v = 1), or this
+    many micro-batches' chunk inputs (v of each) per stage (v > 1); None: as many as the
+    greedy order needs."""
     p, v, m = stages, repeats, micro_batches
     if min(p, v, m) < 1:
         raise ValueError(f'stages, repeats, micro_batches must be >= 1, got {p}, {v}, {m}')
     if max_in_flight is not None and max_in_flight < 1:
         raise ValueError(f'max_in_flight must be >= 1, got {max_in_flight}')
+    if max_in_flight is None or v == 1 or max_in_flight <= p:
+        return _greedy(p, v, m, max_in_flight)
+    table = _greedy(p, v, m, max_in_flight, budget=max_in_flight * v)
+    if table.in_flight().max() <= max_in_flight * v:
+        return table
+    return _greedy(p, v, m, max_in_flight)
+
+
+def _greedy(p, v, m, max_in_flight, budget=None):
+    """Simulate the ticks (build's docstring). budget: with v > 1, admit a micro-batch while
+    stage 0 holds fewer chunk inputs (else: while fewer than max_in_flight micro-batches are in
+    the pipeline)."""
     last = p * v - 1
     act_ready = {(i, 0): 0 for i in range(m)}  # (micro, chunk) -> first tick its input is here
     grad_ready = {}
@@ -210,6 +232,8 @@ def build(stages, repeats, micro_batches, max_in_flight=None):
             return True
         if v == 1:
             return held[s] < max_in_flight
+        if budget is not None:
+            return key[1] != 0 or held[0] < budget
         return key[1] != 0 or entered < max_in_flight
 
     while done < m * p * v:
