@@ -6,25 +6,31 @@ section 3.4.1's recipe, table 4's layout.
 biases, untied embeddings, vocabulary 128256): 405.85 B parameters with both embedding
 tables. AdamW, peak LR 8e-5, linear warm-up over 8,000 steps, cosine to 8e-7 over 1.2 M
 steps; 16 M tokens a step (2048 x 8192). Layout: tensor 8 x pipeline 16 x data -1 (64 on
-8,192 GPUs), sequence parallel, selective recompute, bf16, the interleaved 1F1B schedule
-(Meta interleaved too) with 4 chunks a stage and at most 16 micro-batches in the pipeline
-(pipeline.max_in_flight; Megatron's 1F1B holds p = 16 on its first stage). As Meta, the
+8,192 GPUs), sequence parallel, selective recompute less the attention's input projection
+(model.remat_recompute = 'qkv': made again in the backward), bf16, the interleaved 1F1B
+schedule (Meta interleaved too) with 4 chunks a stage and at most 18 micro-batches' chunk
+inputs on a stage (pipeline.max_in_flight x 4 = 72; Megatron's 1F1B holds p = 16). As Meta, the
 first and the last stage hold one layer fewer, 7, 8 x 14, 7 (pipeline.first_stage_layers /
 last_stage_layers; docs/training.md, "Pipeline stages of unequal depth"); their 7 layers run
 as chunks of 1, 2, 2, 2 (stage 0, whose first chunk holds the embedding) and 2, 2, 2, 1
 (stage 15, the head's last). Each block runs on two pieces of the sequence
 (model.sequence_pieces), so that one piece's tensor collectives overlap the other's matmuls.
-XLA:GPU compiles it to 70.8 GiB a GPU at 1.02 x the model's FLOPs, 9.5 % of its compute
-waiting on communication; predicted 12.0 s a step, 454 model TFLOP/s a GPU (6N + 12LHQT)
-against Meta's 430; replayed 8.36 s, 10.71 s with each lockstep tick at its slowest stage
-(docs/benchmarks.md, "Llama blocks", has the other layouts: full recompute is slower).
+XLA:GPU compiles it to 71.4 GiB a GPU, 9.0 % of its compute waiting on communication;
+predicted 11.7 s a step, MFU 46.6 %: 461 model TFLOP/s a GPU (6N + 12LHQT) against Meta's
+430; replayed
+8.29 s, 10.19 s with each lockstep tick at its slowest stage. The bound and the recompute are
+the pair that fits fastest: 16 micro-batches keeping every projection compile to 70.8 GiB
+and 10.71 s, 19 with 'qkv' to 73.8 GiB and 9.94 s (0.7 GiB from the 74.5 GiB of 80 GB),
+unbounded with 'qkv,attn_out' to 70.5 GiB and 10.22 s (docs/benchmarks.md, "More
+micro-batches in flight for the attention's projections"; "Llama blocks" has the other
+layouts: full recompute is slower).
 ZeRO-1's reduce-scatter inside the loop (pipeline.overlap_grad_reduce) hides more (7.8 %
 exposed) but makes the ticks that run it the slowest of their stages: 11.08 s with each tick
 at its slowest stage, so it stays off ("ZeRO-1 inside the step").
 
 What differs from Meta's run:
 - The in-flight bound: unbounded, selective recompute holds 119.1 GiB a GPU on one chunk a
-  stage; bounded to 16 micro-batches it costs idle ticks (predicted bubble 2.4 s of 13.9).
+  stage (80.7 GiB on four); bounded it costs idle ticks (predicted bubble 1.58 s of 11.7).
 - Meta ramped the sequence as well as the batch: 4 M tokens at sequence 4096, 8 M at 8192
   after 252 M tokens, 16 M after 2.87 T. Here the sequence is 8192 throughout: 8 M tokens
   (1024 sequences) until 2.87 T tokens (train.rampup), then 16 M. The warm-up and decay,
@@ -58,11 +64,12 @@ def get_config():
     config = config_lib.load(str(pathlib.Path(__file__).with_name('llama3_8b.py')))
     config.model.update(dict(num_layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248))
     config.model.remat = 'selective'  # fits with the in-flight bound below (docstring)
+    config.model.remat_recompute = 'qkv'  # 0.07 GiB a chunk input: 18 in flight fit
     # two pieces a sequence: a piece's tensor collectives overlap the other's matmuls (docs/gpu.md)
     config.model.sequence_pieces = 2
     config.mesh.update(dict(data=-1, stage=16, tensor=8))
     config.pipeline.update(
-        dict(first_stage_layers=7, last_stage_layers=7, repeats=4, max_in_flight=16)
+        dict(first_stage_layers=7, last_stage_layers=7, repeats=4, max_in_flight=18)
     )
     config.train.update(dict(global_batch=2048, micro_batch=1, steps=DECAY_STEPS))
     config.train.rampup.update(dict(start=1024, increment=1024, tokens=int(META_SWITCHES[1])))

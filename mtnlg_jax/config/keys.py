@@ -83,8 +83,10 @@ KEYS = (
         0,
         'int>=0',
         'at most this many stage inputs held per stage (repeats 1), or micro-batches in the '
-        'pipeline (repeats > 1, zbv: each holds up to v chunk inputs a stage); 0: as the '
-        'lockstep table needs (2 (p - s) - 1 with repeats 1, 2p micro-batches with zbv)',
+        'pipeline (repeats > 1, zbv: each holds up to v chunk inputs a stage; interleaved '
+        'above p: this many times v chunk inputs a stage, a micro-batch entering while stage 0 '
+        'holds fewer); 0: as the lockstep table needs (2 (p - s) - 1 with repeats 1, 2p '
+        'micro-batches with zbv)',
     ),
     Key(
         'pipeline.steady_tick',
