@@ -13,6 +13,10 @@ os.environ['XLA_FLAGS'] = (
     + ' --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1'
 ).strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# No Python stack (up to 100 frames) in every op's location: lowering and compiling carry
+# it through every pass into the HLO's metadata (stack_frame_id), where nothing reads it;
+# the op names the HLO tests read are the same (docs/benchmarks.md, "The test suite's time").
+os.environ.setdefault('JAX_TRACEBACK_IN_LOCATIONS_LIMIT', '0')
 # For the XLA:GPU compiles of test_gpu_compile.py, after `make gpu-compile`: the compiler on
 # this process's path (not on its subprocesses'), no driver to check CUDA against, and the
 # XLA:GPU flags launch/plan.py --target compiles with (XLA:CPU ignores them).
