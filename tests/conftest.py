@@ -37,9 +37,9 @@ import pytest  # noqa: E402
 # (refcounting still frees at once what no cycle holds; docs/benchmarks.md, "The test suite's
 # time").
 gc.set_threshold(10_000, 10, 10)
-# The same in every Python the tests start (tests/site/sitecustomize.py).
+# The same in every Python the tests start (tests/startup/sitecustomize.py).
 os.environ['PYTHONPATH'] = os.pathsep.join(
-    filter(None, [os.path.join(os.path.dirname(__file__), 'site'), os.environ.get('PYTHONPATH')])
+    filter(None, [os.path.join(os.path.dirname(__file__), 'startup'), os.environ.get('PYTHONPATH')])
 )
 
 
