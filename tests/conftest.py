@@ -13,6 +13,10 @@ os.environ['XLA_FLAGS'] = (
     + ' --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1'
 ).strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# No Python stack (up to 100 frames) in every op's location: lowering and compiling carry
+# it through every pass into the HLO's metadata (stack_frame_id), where nothing reads it;
+# the op names the HLO tests read are the same (docs/benchmarks.md, "The test suite's time").
+os.environ.setdefault('JAX_TRACEBACK_IN_LOCATIONS_LIMIT', '0')
 # For the XLA:GPU compiles of test_gpu_compile.py, after `make gpu-compile`: the compiler on
 # this process's path (not on its subprocesses'), no driver to check CUDA against, and the
 # XLA:GPU flags launch/plan.py --target compiles with (XLA:CPU ignores them).
@@ -21,8 +25,27 @@ from mtnlg_jax.xla import gpu_compile  # noqa: E402 (no JAX)
 gpu_compile.prepare_environment()
 
 
+import gc  # noqa: E402
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+# Python's cycle collector at its default thresholds took 3.2 of test_side_values.py's 48
+# CPU-s and 3.6 of test_unequal_stages.py's 70, most of it in full collections walking every
+# object that imports, tracing and compiling left alive; collected 14 times less often, with
+# the imports' objects frozen out of its walks once collection has imported them, 0.9 s each
+# (refcounting still frees at once what no cycle holds; docs/benchmarks.md, "The test suite's
+# time").
+gc.set_threshold(10_000, 10, 10)
+# The same in every Python the tests start (tests/startup/sitecustomize.py).
+os.environ['PYTHONPATH'] = os.pathsep.join(
+    filter(None, [os.path.join(os.path.dirname(__file__), 'startup'), os.environ.get('PYTHONPATH')])
+)
+
+
+def pytest_collection_finish(session):
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope='module')
