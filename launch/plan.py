@@ -35,6 +35,7 @@ Bad input prints one line `error: ...` and exits 2 before anything is compiled o
 
 import os
 import sys
+import tempfile
 
 from mtnlg_jax.config import keys
 from mtnlg_jax.run import cli, distributed
@@ -56,6 +57,11 @@ def parse_args(argv):
         '--target', help='compile for this GPU with XLA:GPU, no GPU needed (a cluster name)'
     )
     parser.add_argument('--json', help='also write the plan as one JSON object to this path')
+    parser.add_argument(
+        '--pgle', action='store_true',
+        help='--target: compile twice, the second time XLA scheduling by the first replay\'s '
+        'costs (plan/pgle.py)',
+    )  # fmt: skip
     parser.add_argument(
         '--search', action='store_true',
         help='the fastest layouts that fit on --cluster (keys set by --config.KEY stay fixed)',
@@ -112,6 +118,8 @@ def main(argv):
     os.environ.setdefault('JAX_PLATFORMS', 'cpu')
     if args.target is not None:
         check_target(args)
+    elif args.pgle:
+        fail('--pgle schedules an XLA:GPU compile by its replay: give --target too')
     from mtnlg_jax import config as config_lib  # noqa: PLC0415 (no JAX yet)
     from mtnlg_jax.plan.clusters import CLUSTERS  # noqa: PLC0415
 
@@ -198,7 +206,6 @@ def check_target(args):
 
 def plan_for_gpu(args, config):
     """The plan, and the train step compiled by XLA:GPU for args.target's compile-only GPUs."""
-    from mtnlg_jax.plan import gpu_target  # noqa: PLC0415 (imports JAX)
     from mtnlg_jax.plan.clusters import CLUSTERS  # noqa: PLC0415
 
     per_node = CLUSTERS[args.target].gpus_per_node
@@ -230,11 +237,22 @@ def plan_for_gpu(args, config):
         file=sys.stderr,
         flush=True,
     )
+    notes = list(compile_lib.gpu_compile_notes(args.target, args.xla_flags))
+    options = scheduled_by_replay(args, config, per_node, notes) if args.pgle else None
+    compiled, info = compile_for_gpu(args, config, per_node, options)
+    report.add_compiled(plan, config, compiled, info, notes, target=args.target)
+    show(plan, args.json)
+
+
+def compile_for_gpu(args, config, per_node, compiler_options=None):
+    """(compiled, info) of the train step for args.target, or exit 1 with XLA's one line."""
     import jax  # noqa: PLC0415
+
+    from mtnlg_jax.plan import gpu_target  # noqa: PLC0415 (imports JAX)
 
     with gpu_compile.without_driver_noise():
         try:
-            compiled, info = gpu_target.compile_train_step(config, args.target, per_node)
+            return gpu_target.compile_train_step(config, args.target, per_node, compiler_options)
         except jax.errors.JaxRuntimeError as e:  # XLA's own limits (no input of the user's)
             print(
                 f'error: XLA:GPU could not compile this step for {args.target}: '
@@ -242,9 +260,29 @@ def plan_for_gpu(args, config):
                 file=sys.stderr,
             )
             sys.exit(1)
-    notes = compile_lib.gpu_compile_notes(args.target, args.xla_flags)
-    report.add_compiled(plan, config, compiled, info, notes, target=args.target)
-    show(plan, args.json)
+
+
+def scheduled_by_replay(args, config, per_node, notes):
+    """--pgle: the first compile's replayed costs as XLA's latency profile (plan/pgle.py), in
+    a file beside --json (else a temporary one); the compiler options that read it. Notes
+    the first compile's figures."""
+    from mtnlg_jax.plan import pgle, report  # noqa: PLC0415
+
+    path = (args.json or tempfile.mkstemp(suffix='.json')[1]) + '.pgle.pbtxt'
+    first = report.make_plan(config, args.cluster)
+    compiled, info = compile_for_gpu(args, config, per_node)
+    report.add_compiled(first, config, compiled, info, target=args.target, profile=path)
+    o = first['compiled']['overlap']
+    lockstep = o['lockstep']['step_s'] if o['lockstep'] else o['step_s']
+    line = (
+        f'pgle: compiled again with the first compile\'s replayed costs as XLA\'s latency '
+        f'profile ({path}); the first: exposed {o["exposed_s"]:.3f} s '
+        f'({100 * o["exposed_vs_compute"]:.1f} % of compute), replayed {o["step_s"]:.3f} s, '
+        f'lockstep {lockstep:.3f} s'
+    )
+    print(line, file=sys.stderr, flush=True)
+    notes.append(line)
+    return {pgle.OPTION: path}
 
 
 if __name__ == '__main__':

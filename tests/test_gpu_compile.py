@@ -4,6 +4,7 @@ gpu-compile compiler (make gpu-compile)."""
 
 import functools
 import json
+import re
 import pathlib
 import subprocess
 import sys
@@ -71,20 +72,25 @@ TINY_AS_PIPELINED = [
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
 def plan_at_the_command_line():
-    """`launch/plan.py --config configs/tiny.py [TINY_AS_PIPELINED] --target a100-80gb --json`
-    as a user runs it: (its result, the plan its JSON holds)."""
+    """`launch/plan.py --config configs/tiny.py [TINY_AS_PIPELINED] --target a100-80gb --json
+    --pgle` as a user runs it: (its result, the plan its JSON holds, the instruction names of
+    the latency profile its first compile wrote: plan/pgle.py)."""
     with tempfile.TemporaryDirectory() as folder:
         out = pathlib.Path(folder) / 'plan.json'
         command = [sys.executable, str(support.ROOT / 'launch/plan.py'), '--config',
                    'configs/tiny.py', *TINY_AS_PIPELINED, '--target', TARGET,
-                   '--json', str(out)]  # fmt: skip
+                   '--json', str(out), '--pgle']  # fmt: skip
         result = subprocess.run(
             ['timeout', '-k', '10', '280', *command],
             capture_output=True, text=True, cwd=support.ROOT, env=support.TRAIN_ENV,
         )  # fmt: skip
         assert result.returncode == 0, result.stderr[-2000:]
-        return result, json.loads(out.read_text())
+        profile = pathlib.Path(f'{out}.pgle.pbtxt').read_text()
+        names = set(re.findall(r'costs \{ name: "([^"]+)" cost_us: [0-9.]+ \}', profile))
+        assert len(names) == len(profile.splitlines()), profile[:500]
+        return result, json.loads(out.read_text()), names
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,9 +105,14 @@ def test_plan_target_compiles_the_tiny_config_for_a100s():
     x stage 2 x tensor 2, interleaved 1F1B) on 8 compile-only A100s, its overrides those of
     support.plan_config('pipelined') (the plan, compile aside, is that config's); the JSON has
     XLA:GPU's memory, matmul FLOPs, attention kernels and the overlap table, the printout its
-    rows."""
-    result, plan = plan_at_the_command_line()
+    rows; with --pgle, compiled a second time with the first's replayed costs as XLA's
+    latency profile."""
+    result, plan, profiled = plan_at_the_command_line()
     compiled = plan['compiled']
+    # --pgle: the second compile's collectives are the first's by name, so XLA's scheduler
+    # finds each one's replayed cost in the profile
+    assert {op['name'] for op in compiled['collectives']} <= profiled
+    assert 'compiled again with the first compile\'s replayed costs' in result.stdout
     # the plan's figures, its config included, are plan_config's ('cluster': its prediction,
     # which the compile's overlap table updates)
     in_process = json.loads(json.dumps(report.make_plan(support.plan_config('pipelined'), TARGET)))

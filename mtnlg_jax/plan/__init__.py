@@ -10,6 +10,7 @@
     hlo.py           the collective inventory of an optimized HLO module
     overlap.py       the replay of a compiled step: compute by kind, communication, overlap
     lockstep.py      the same with each pipeline tick at its slowest stage: the bubble
+    pgle.py          the replay's costs as XLA:GPU's latency profile (launch/plan.py --pgle)
     loop_copies.py   the copies a compiled step makes inside its loops
     matmul_sites.py  which matmuls of an FP8 step stayed out of FP8, and why
     gpu_target.py    XLA:GPU compile-only devices for a named GPU

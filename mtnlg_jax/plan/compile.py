@@ -74,18 +74,19 @@ def layout(config, devices=None):
     return mesh, make_setup(config, mesh)
 
 
-def _compile(jitted, args, mesh):
+def _compile(jitted, args, mesh, compiler_options=None):
     with jax.set_mesh(mesh):
         start = time.perf_counter()
         lowered = jitted.lower(*args)
         lower_s = time.perf_counter() - start
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options)
         compile_s = time.perf_counter() - start
     return compiled, lowered, dict(lower_s=lower_s, compile_s=compile_s)
 
 
-def compile_train_step(config, micro_steps=None, devices=None):
-    """The train step of a resolved config, compiled ahead of time on abstract inputs.
+def compile_train_step(config, micro_steps=None, devices=None, compiler_options=None):
+    """The train step of a resolved config, compiled ahead of time on abstract inputs
+    (compiler_options: XLA's debug options for this compile, e.g. plan/pgle.py's).
 
     Returns (compiled, lowered, info); info: mesh, setup, micro_steps, lower_s (tracing and
     lowering), compile_s (lowering and compiling: what train.py's banner reports)."""
@@ -97,6 +98,7 @@ def compile_train_step(config, micro_steps=None, devices=None):
         make_train_step(config, setup),
         (abstract_state(setup), *batch, tokens_after_step),
         mesh,
+        compiler_options,
     )
     return compiled, lowered, dict(mesh=mesh, setup=setup, micro_steps=micro_steps, **times)
 

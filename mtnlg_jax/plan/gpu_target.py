@@ -69,12 +69,14 @@ def compiling_for(devices):
         cudnn.check_compute_capability, cudnn.is_cuda_compute_capability_equal = saved
 
 
-def compile_train_step(config, target, gpus_per_node=8):
+def compile_train_step(config, target, gpus_per_node=8, compiler_options=None):
     """(compiled, info) of `config`'s train step compiled by XLA:GPU for as many compile-only
     `target` devices as its mesh has (plan/compile.py's compile_train_step on them)."""
     from mtnlg_jax.plan import compile as compile_lib  # noqa: PLC0415 (imports JAX)
 
     found = devices(target, mesh_devices(config.mesh), gpus_per_node)
     with compiling_for(found):
-        compiled, _, info = compile_lib.compile_train_step(config, devices=found)
+        compiled, _, info = compile_lib.compile_train_step(
+            config, devices=found, compiler_options=compiler_options
+        )
     return compiled, info

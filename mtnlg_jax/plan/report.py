@@ -18,6 +18,7 @@ from mtnlg_jax.plan import (
     loop_copies,
     matmul_sites,
     overlap,
+    pgle,
     predict,
 )
 
@@ -114,11 +115,12 @@ def config_summary(config):
     )
 
 
-def add_compiled(plan, config, compiled, info, notes=(), target=None):
+def add_compiled(plan, config, compiled, info, notes=(), target=None, profile=None):
     """plan['compiled']: memory_analysis, collectives, FLOPs and times of a compiled step
     (from plan.compile), and the plan of what XLA:CPU compiled (`cpu_equivalent`) to compare
     them with when the device is a CPU. target: the GPU target name of a GPU compile
-    (plan/gpu_target.py): adds the fused attention kernels and the overlap replay."""
+    (plan/gpu_target.py): adds the fused attention kernels and the overlap replay; profile: a
+    path where the replay's costs are written as XLA's latency profile (plan/pgle.py)."""
     from mtnlg_jax.plan import compile as compile_lib  # noqa: PLC0415 (imports train/)
 
     memory = compile_lib.memory(compiled)
@@ -162,7 +164,7 @@ def add_compiled(plan, config, compiled, info, notes=(), target=None):
         target=target,
     )
     if target is not None:
-        add_gpu_figures(plan['compiled'], config, text, info['mesh'], target, weights)
+        add_gpu_figures(plan['compiled'], config, text, info['mesh'], target, weights, profile)
         predict_with_overlap(plan, config, target)
     else:
         reference = make_plan(cpu_equivalent(config))
@@ -184,9 +186,10 @@ def fp8_left(text, config, weights):
     return {site: dict(flops=f, why=matmul_sites.reason(site, recipe)) for site, f in left.items()}
 
 
-def add_gpu_figures(compiled, config, text, mesh, target, weights):
+def add_gpu_figures(compiled, config, text, mesh, target, weights, profile=None):
     """What only a GPU compile shows: the attention kernels, and the overlap replay of its
-    schedule on the target's figures (plan/overlap.py)."""
+    schedule on the target's figures (plan/overlap.py), its costs written to `profile` if
+    given (plan/pgle.py)."""
     cluster = clusters.CLUSTERS[target]
     fused = hlo_module.attention_kernel_counts(text)
     compiled['attention'] = dict(fused=bool(fused), kernels=fused)
@@ -199,6 +202,8 @@ def add_gpu_figures(compiled, config, text, mesh, target, weights):
         )
     target_figures = overlap.Target.of_cluster(cluster, config.model.compute_dtype)
     replay = overlap.collective_overlap(text, mesh, target_figures, weights)
+    if profile is not None:
+        pgle.write(replay['replay'], profile)
     table = arithmetic.engine_table(config)
     ticks = table and lockstep.lockstep(
         replay['replay'],
