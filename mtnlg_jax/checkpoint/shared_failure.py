@@ -1,4 +1,5 @@
-"""A save that fails on one process fails on every process, at once.
+"""A save that fails on one process fails on every process, at once; and the save drill, a
+commit that fails as a full disk's would (checkpoint.inject_save_error_at_step).
 
 Orbax's asynchronous save under several processes writes each process's shards, meets the
 others at a barrier ('async_write_complete'), lets the primary process commit, and meets
@@ -18,6 +19,8 @@ error itself)::
                                                           ├ barrier ─ read posts ─ raise
     process 1:  write ── ok ─────────────────────────────┘
 """
+
+import errno
 
 import jax
 
@@ -89,3 +92,43 @@ class SharedFailure:
                     raise FailedSave(process, cause)
 
         return barrier
+
+
+class _FailedCommit:
+    """An orbax commit future whose write failed (the save drill's)."""
+
+    def __init__(self, error):
+        self._error = error
+
+    def result(self, timeout=None):
+        raise self._error
+
+
+def with_commits(handler, failing, shared):
+    """orbax's `handler`, whose commit fails as a full disk's would while `failing()` is true
+    (checkpoint.inject_save_error_at_step): the failure reaches the training loop by orbax's
+    own path, from its background thread. Under several processes each commit's failure is
+    recorded for `shared` (a SharedFailure) instead of raised."""
+    save = handler.async_save
+
+    async def async_save(directory, *args, **kwargs):
+        futures = await save(directory, *args, **kwargs)
+        if failing():
+            path = str(getattr(directory, 'path', directory))
+            error = OSError(errno.ENOSPC, 'No space left on device (a drill)', path)
+            futures = [_FailedCommit(error), *(futures or [])]  # first: it fails at once
+        return shared.commits(futures) if shared.needed() else futures
+
+    handler.async_save = async_save
+    return handler
+
+
+def in_chain(error, kind):
+    """The first exception of type `kind` in `error`'s chain of causes, else None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, kind):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None

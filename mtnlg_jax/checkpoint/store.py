@@ -24,7 +24,6 @@ restore.
 """
 
 import contextlib
-import errno
 import glob
 import logging
 import os
@@ -34,7 +33,7 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from mtnlg_jax.checkpoint.shared_failure import FailedSave, SharedFailure
+from mtnlg_jax.checkpoint.shared_failure import FailedSave, SharedFailure, in_chain, with_commits
 from mtnlg_jax.run import storage
 from mtnlg_jax.run.rundir import RunDir
 
@@ -49,35 +48,6 @@ class CheckpointError(ValueError):
 
 class SaveError(RuntimeError):
     """A checkpoint that could not be written; the one-line message names it and the cause."""
-
-
-class _FailedCommit:
-    """An orbax commit future whose write failed (the save drill's)."""
-
-    def __init__(self, error):
-        self._error = error
-
-    def result(self, timeout=None):
-        raise self._error
-
-
-def _with_commits(handler, failing, shared):
-    """orbax's `handler`, whose commit fails as a full disk's would while `failing()` is true
-    (checkpoint.inject_save_error_at_step): the failure reaches the training loop by orbax's
-    own path, from its background thread. Under several processes each commit's failure is
-    recorded for `shared` (shared_failure.py) instead of raised."""
-    save = handler.async_save
-
-    async def async_save(directory, *args, **kwargs):
-        futures = await save(directory, *args, **kwargs)
-        if failing():
-            path = str(getattr(directory, 'path', directory))
-            error = OSError(errno.ENOSPC, 'No space left on device (a drill)', path)
-            futures = [_FailedCommit(error), *(futures or [])]  # first: it fails at once
-        return shared.commits(futures) if shared.needed() else futures
-
-    handler.async_save = async_save
-    return handler
 
 
 def abstract_with_shardings(abstract_tree, shardings):
@@ -136,17 +106,6 @@ def _shapes_by_name(tree):
     return {_path_name(path): tuple(leaf.shape) for path, leaf in leaves if is_array(leaf)}
 
 
-def _in_chain(error, kind):
-    """The first exception of type `kind` in `error`'s chain of causes, else None."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, kind):
-            return error
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return None
-
-
 def first_line(error):
     text = str(error).strip().splitlines()
     return f'{type(error).__name__}: {text[0][:200] if text else ""}'
@@ -173,12 +132,12 @@ class Checkpoints:
 
     def _open(self):
         # create=False: nothing is written to the workdir until the first save.
-        state = _with_commits(
+        state = with_commits(
             ocp.StandardCheckpointHandler(),
             lambda: bool(self.fail_save_at) and self._saving == self.fail_save_at,
             self._shared,
         )
-        meta = _with_commits(ocp.JsonCheckpointHandler(), lambda: False, self._shared)
+        meta = with_commits(ocp.JsonCheckpointHandler(), lambda: False, self._shared)
         handlers = dict(state=state, meta=meta)
         with _quiet_orbax() if self.read_only else contextlib.nullcontext():
             shared = self._shared.needed() and not self.read_only
@@ -247,7 +206,7 @@ class Checkpoints:
     def _cause(self, error):
         """Why the save failed, in one line: every process of a run names the same cause
         (the lowest failing process's, shared_failure.py)."""
-        shared = _in_chain(error, FailedSave)
+        shared = in_chain(error, FailedSave)
         if shared is not None:
             return storage.noted(shared.cause)
         refused = storage.refusal(error)
