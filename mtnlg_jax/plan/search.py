@@ -14,8 +14,11 @@ H100s"), parallel folding (model.moe.fold_tensor, t > 1, x t dividing the expert
 data d = devices / (t p x), the replicas d x dividing the global batch, micro-batch b
 dividing the replica's batch, repeats v the stages' layers take (dividing an even stage's
 layers; at most the shortest unequal stage's), the schedule (1f1b or zbh1 at v = 1,
-interleaved or zbv at v = 2, interleaved beyond), remat none / selective / full, sequence
-parallelism (t > 1), max_in_flight 0 or p.
+interleaved or zbv at v = 2, interleaved beyond), remat none / selective / full (under
+selective, the recompute names of RECOMPUTES), sequence parallelism (t > 1), max_in_flight:
+none or p, and for interleaved 1F1B the bounds above p up to the first whose table is the
+unbounded one (stage 0's chunk inputs, parallel/schedule.py), each only where its table
+differs from the bound before it (a bound whose table is another's is that layout again).
 Keys in `fixed` (the user's --config.KEY=VALUE) keep the config's value; the others vary.
 
 Each layout is resolved (config.resolve: what it refuses is skipped), its step predicted
@@ -25,6 +28,7 @@ Each layout is resolved (config.resolve: what it refuses is skipped), its step p
 a compile callback (the GPU compile) to check the first few with XLA's own memory and FLOPs.
 """
 
+import functools
 import itertools
 import json
 import sys
@@ -35,6 +39,7 @@ from tqdm import tqdm
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.config import stage_layers
 from mtnlg_jax.parallel import footprint
+from mtnlg_jax.parallel import schedule as schedule_lib
 from mtnlg_jax.plan import predict, report
 
 FREE_KEYS = (
@@ -47,10 +52,18 @@ FREE_KEYS = (
     'pipeline.max_in_flight',
     'train.micro_batch',
     'model.remat',
+    'model.remat_recompute',
     'model.sequence_parallel',
     'model.moe.fold_tensor',
 )
 REMATS = ('none', 'selective', 'full')
+# model.remat_recompute under selective recompute: every name frees about e / h bytes a FLOP
+# made again (its matmul's output against the matmul), so the short list holds the cheap
+# ones: the attention's input projection (the least FLOPs), then attention-out's (as cheap,
+# its tensor sum run again too). mlp_in, 60 % of a layer's matmuls, costs more than the bubble
+# a bound can buy back (docs/benchmarks.md), mlp_out's input is the MLP's width (h / f the
+# bytes a FLOP) and 'context' frees nothing under a fused attention kernel.
+RECOMPUTES = ('', 'qkv', 'qkv,attn_out')
 # The schedules tried at each repeats v: 1F1B or ZB-H1 at one chunk a stage, interleaved 1F1B
 # or ZB-V (its V) at two, interleaved beyond (key 0: any other v)
 SCHEDULES = {1: ('1f1b', 'zbh1'), 2: ('interleaved', 'zbv'), 0: ('interleaved',)}
@@ -133,8 +146,8 @@ def _stage_repeats(inputs, stages, repeats):
 
 def _schedules(choices, mesh, model, replica_batch, repeats):
     """layouts' entries of one mesh: repeats (those the stages' layers take), the schedule
-    (SCHEDULES of the repeats), micro-batch, recompute, sequence parallelism and the in-flight
-    bound (none, or p), each as `choices` allows."""
+    (SCHEDULES of the repeats), micro-batch, recompute (RECOMPUTES under selective), sequence
+    parallelism and the in-flight bound (_bounds), each as `choices` allows."""
     t, p = mesh['mesh.tensor'], mesh['mesh.stage']
     sp = [False, True] if t > 1 and model.seq_len % t == 0 else [False]
     for v, b, remat, seq in itertools.product(
@@ -143,20 +156,52 @@ def _schedules(choices, mesh, model, replica_batch, repeats):
         choices('model.remat', list(REMATS)),
         choices('model.sequence_parallel', sp),
     ):
-        bounds = [0, p] if p > 1 else [0]
+        names = list(RECOMPUTES) if remat == 'selective' else ['']
         schedules = SCHEDULES.get(v, SCHEDULES[0]) if p > 1 else SCHEDULES[1][:1]
-        for schedule, in_flight in itertools.product(
-            choices('pipeline.schedule', schedules), choices('pipeline.max_in_flight', bounds)
+        for schedule, recompute in itertools.product(
+            choices('pipeline.schedule', schedules), choices('model.remat_recompute', names)
         ):
-            yield {
-                **mesh,
-                'pipeline.repeats': v,
-                'pipeline.schedule': schedule,
-                'pipeline.max_in_flight': in_flight,
-                'train.micro_batch': b,
-                'model.remat': remat,
-                'model.sequence_parallel': seq,
-            }
+            bounds = _bounds(p, v, replica_batch // b, schedule)
+            for in_flight in choices('pipeline.max_in_flight', list(bounds)):
+                yield {
+                    **mesh,
+                    'pipeline.repeats': v,
+                    'pipeline.schedule': schedule,
+                    'pipeline.max_in_flight': in_flight,
+                    'train.micro_batch': b,
+                    'model.remat': remat,
+                    'model.remat_recompute': recompute,
+                    'model.sequence_parallel': seq,
+                }
+
+
+@functools.cache
+def _bounds(p, v, m, schedule):
+    """The in-flight bounds tried on p stages of v chunks with m micro-batches: none (0), p,
+    and for interleaved 1F1B p + 1 on (stage 0's chunk inputs) until the table is the
+    unbounded one; 1f1b and interleaved keep a bound only where its table differs from the
+    unbounded one and from the bound's before it (zbh1's and zbv's tables: none and p)."""
+    if p == 1:
+        return (0,)
+    if schedule not in ('1f1b', 'interleaved'):
+        return (0, p)
+    unbounded = schedule_lib.build(p, v, m)
+    last = -(-int(unbounded.in_flight()[:, 0].max()) // v) if v > 1 else p
+    bounds, before = [0], unbounded
+    for bound in range(p, max(last, p) + 1):
+        table = schedule_lib.build(p, v, m, bound)
+        if _same_table(table, unbounded):
+            break
+        if not _same_table(table, before):
+            bounds.append(bound)
+        before = table
+    return tuple(bounds)
+
+
+def _same_table(a, b):
+    """Whether two tables run the same slots in the same ticks."""
+    columns = ('fwd_micro', 'fwd_repeat', 'bwd_micro', 'bwd_repeat')
+    return a.ticks == b.ticks and all((getattr(a, c) == getattr(b, c)).all() for c in columns)
 
 
 def with_layout(inputs, layout, devices, fixed=()):
@@ -190,6 +235,8 @@ def describe(config):
         if pipe.max_in_flight:
             text += f' inflight{pipe.max_in_flight}'
     text += f' b{train.micro_batch} m{train.micro_steps} remat {model.remat}'
+    if config_lib.recomputed(model):
+        text += f' recompute {",".join(config_lib.recomputed(model))}'
     return text + (' SP' if model.sequence_parallel else '')
 
 
@@ -298,7 +345,7 @@ def _row(rank, entry):
         + s['stage_comm_s']
     )
     return (
-        f'{rank:>4}  {entry["layout"]:<40} {_gib(entry["per_device_bytes"]["total"]):>9} '
+        f'{rank:>4}  {entry["layout"]:<64} {_gib(entry["per_device_bytes"]["total"]):>9} '
         f'{s["predicted_step_s"]:>8.2f} {s["tflops_per_gpu"]:>6.1f} {100 * s["mfu"]:>5.1f} '
         f'{s["bubble_s"]:>7.2f} {comm:>6.2f} {s["recompute_s"]:>6.2f}'
     )
@@ -307,7 +354,7 @@ def _row(rank, entry):
 def lines(result):
     """The readable table of a search."""
     head = (
-        f'{"rank":>4}  {"layout":<40} {"memory":>9} {"step s":>8} {"TF/s":>6} {"MFU%":>5} '
+        f'{"rank":>4}  {"layout":<64} {"memory":>9} {"step s":>8} {"TF/s":>6} {"MFU%":>5} '
         f'{"bubble":>7} {"comm":>6} {"recomp":>6}'
     )
     out = [
@@ -327,7 +374,21 @@ def lines(result):
             gain = base['step']['predicted_step_s'] / result['best'][0]['step']['predicted_step_s']
             faster = 100 * (1 - 1 / gain)
             out.append(f'             best is {faster:.1f} % faster than the config as given')
+    if result['best']:
+        out.append(f'             rank 1 as flags: {flags(result["best"][0], base) or "as given"}')
     return out
+
+
+def flags(entry, base=None):
+    """The --config.KEY=VALUE flags that give `entry`'s layout (those keys where it differs
+    from `base`, the config as given, if there is one)."""
+    keys = entry['keys']
+    differ = [k for k in FREE_KEYS if base is None or _named(base['keys'][k]) != _named(keys[k])]
+    return ' '.join(f'--config.{key}={keys[key]}' for key in differ)
+
+
+def _named(value):
+    return 'interleaved' if value == '1f1b' else value  # one engine: the table of the repeats
 
 
 def run(args, fixed, write_json):
