@@ -386,8 +386,8 @@ def activation_bytes(config, fused_attention=False):
 
     def layers(count, dense=False):
         kept = layer_activation_bytes(
-            model, rows, tensor, model.remat, context=context, dense=dense, padding=padding,
-            fold=fold,
+            model, rows, tensor, model.remat, fused_attention, context, dense=dense,
+            padding=padding, fold=fold,
         )  # fmt: skip
         return count * kept
 
