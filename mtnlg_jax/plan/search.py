@@ -57,12 +57,13 @@ FREE_KEYS = (
     'model.moe.fold_tensor',
 )
 REMATS = ('none', 'selective', 'full')
-# model.remat_recompute under selective recompute: every name frees about e / h bytes a FLOP
-# made again (its matmul's output against the matmul), so the short list holds the cheap
-# ones: the attention's input projection (the least FLOPs), then attention-out's (as cheap,
-# its tensor sum run again too). mlp_in, 60 % of a layer's matmuls, costs more than the bubble
-# a bound can buy back (docs/benchmarks.md), mlp_out's input is the MLP's width (h / f the
-# bytes a FLOP) and 'context' frees nothing under a fused attention kernel.
+# model.remat_recompute under selective recompute: a named matmul's output frees about e / h
+# bytes a FLOP made again, so the short list holds the fewest FLOPs: the attention's input
+# projection, then attention-out's (as many FLOPs and its tensor sum again: the 405B's 0.24
+# and 0.48 s for 5.0 and 4.5 GiB at 18 in flight). mlp_in (29 GiB for 1.39 s there) costs more
+# than the whole bubble the bounds buy back (1.15 s from 16 to none), mlp_out's input is the
+# MLP's width (h / f the bytes a FLOP), 'context' frees nothing under a fused kernel
+# (docs/benchmarks.md, "The search over the bounds above p and the recompute names").
 RECOMPUTES = ('', 'qkv', 'qkv,attn_out')
 # The schedules tried at each repeats v: 1F1B or ZB-H1 at one chunk a stage, interleaved 1F1B
 # or ZB-V (its V) at two, interleaved beyond (key 0: any other v)
