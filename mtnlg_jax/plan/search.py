@@ -336,7 +336,7 @@ def _gib(n):
     return footprint.format_bytes(n)
 
 
-def _row(rank, entry):
+def _row(rank, entry, width):
     s = entry['step']
     comm = (
         s['tensor_comm_s']
@@ -346,7 +346,7 @@ def _row(rank, entry):
         + s['stage_comm_s']
     )
     return (
-        f'{rank:>4}  {entry["layout"]:<64} {_gib(entry["per_device_bytes"]["total"]):>9} '
+        f'{rank:>4}  {entry["layout"]:<{width}} {_gib(entry["per_device_bytes"]["total"]):>9} '
         f'{s["predicted_step_s"]:>8.2f} {s["tflops_per_gpu"]:>6.1f} {100 * s["mfu"]:>5.1f} '
         f'{s["bubble_s"]:>7.2f} {comm:>6.2f} {s["recompute_s"]:>6.2f}'
     )
@@ -354,8 +354,11 @@ def _row(rank, entry):
 
 def lines(result):
     """The readable table of a search."""
+    base = result['baseline']
+    shown = [*result['best'], *([base] if base else [])]
+    width = max([len('layout')] + [len(entry['layout']) for entry in shown])
     head = (
-        f'{"rank":>4}  {"layout":<64} {"memory":>9} {"step s":>8} {"TF/s":>6} {"MFU%":>5} '
+        f'{"rank":>4}  {"layout":<{width}} {"memory":>9} {"step s":>8} {"TF/s":>6} {"MFU%":>5} '
         f'{"bubble":>7} {"comm":>6} {"recomp":>6}'
     )
     out = [
@@ -367,10 +370,9 @@ def lines(result):
         'model FLOPs; bubble, comm (exposed), recomp: seconds of the step',
         head,
     ]
-    out += [_row(rank, entry) for rank, entry in enumerate(result['best'], 1)]
-    base = result['baseline']
+    out += [_row(rank, entry, width) for rank, entry in enumerate(result['best'], 1)]
     if base is not None:
-        out.append(_row('as', base) + ('' if base['fits'] else '  (does NOT fit)'))
+        out.append(_row('as', base, width) + ('' if base['fits'] else '  (does NOT fit)'))
         if result['best']:
             gain = base['step']['predicted_step_s'] / result['best'][0]['step']['predicted_step_s']
             faster = 100 * (1 - 1 / gain)
