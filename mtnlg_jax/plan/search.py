@@ -29,6 +29,7 @@ a compile callback (the GPU compile) to check the first few with XLA's own memor
 """
 
 import functools
+import heapq
 import itertools
 import json
 import sys
@@ -65,6 +66,10 @@ REMATS = ('none', 'selective', 'full')
 # MLP's width (h / f the bytes a FLOP), 'context' frees nothing under a fused kernel
 # (docs/benchmarks.md, "The search over the bounds above p and the recompute names").
 RECOMPUTES = ('', 'qkv', 'qkv,attn_out')
+# The names are tried where the layout without them holds more than this share of the GPU's
+# memory (the 405B's compiled peaks are 1.03 x its plan: a plan that fits by a few percent
+# may not).
+NEAR_FULL = 0.9
 # The schedules tried at each repeats v: 1F1B or ZB-H1 at one chunk a stage, interleaved 1F1B
 # or ZB-V (its V) at two, interleaved beyond (key 0: any other v)
 SCHEDULES = {1: ('1f1b', 'zbh1'), 2: ('interleaved', 'zbv'), 0: ('interleaved',)}
@@ -257,47 +262,78 @@ def search(inputs, devices, cluster, fixed=(), top=10, progress=True, figures=No
     """{'best': [entries, fastest first], 'baseline': the config as given, counts} of the
     layouts that fit (module docstring). inputs: the unresolved config (overrides applied);
     cluster: a clusters.Cluster; figures: predict.Efficiency (default: the cluster's).
-    SearchError if no layout can use `devices` GPUs."""
+    SearchError if no layout can use `devices` GPUs. A layout with recompute names (unless
+    the user fixed them) is predicted only where the same layout without them holds more than
+    NEAR_FULL of the GPU's memory: the names add recompute to the step, so they are no faster
+    where it fits, and near the limit the plan's few percent decide (docs/benchmarks.md)."""
     out = sys.stderr if progress else None
     candidates = list(layouts(inputs, devices, cluster.gpus_per_node, set(fixed)))
     if not candidates:  # before any progress is printed: bad input is one line
         raise SearchError(_no_layout(inputs, devices, fixed))
-    counts_cache, ranked, refused = {}, [], 0
-    for layout in tqdm(candidates, desc='predicting layouts', file=out, disable=not progress):
-        try:
-            config = with_layout(inputs, layout, devices, fixed)
-        except config_lib.ConfigError:
-            refused += 1
-            continue
-        key = tuple(layout.get(k) for k in (*MESH_KEYS, 'model.moe.fold_tensor'))
-        if key not in counts_cache:  # data and stage traffic depend on the mesh alone
-            counts_cache[key] = predict.traffic(config)
-        step = predict.step_time(config, cluster, figures, counts=counts_cache[key])
-        ranked.append((step['predicted_step_s'], len(ranked), config, step))
-    if not ranked:
+    named = 'model.remat_recompute' not in fixed
+    deferred = {}  # the layout without names -> those with
+    for layout in candidates:
+        if named and layout.get('model.remat_recompute'):
+            deferred.setdefault(_unnamed(layout), []).append(layout)
+    first = [k for k in candidates if not (named and k.get('model.remat_recompute'))]
+    predictor = _Predictor(inputs, devices, fixed, cluster, figures)
+    for layout in tqdm(first, desc='predicting layouts', file=out, disable=not progress):
+        predictor.push(layout)
+    if not predictor.ranked:
         raise SearchError(_no_layout(inputs, devices, fixed))
-    ranked.sort(key=lambda r: r[:2])
     best, checked = [], 0
     bar = tqdm(total=top, desc='checking memory', file=out, disable=not progress)
-    for _, _, config, step in ranked:
+    while predictor.ranked and len(best) < top:
+        _, _, layout, config, step = heapq.heappop(predictor.ranked)
         checked += 1
         per_device, _ = report.memory(config, cluster)
         if per_device['total'] <= cluster.hbm_bytes:
             best.append(_entry(config, step, per_device))
             bar.update()
-            if len(best) == top:
-                break
+        if per_device['total'] > NEAR_FULL * cluster.hbm_bytes:  # what the names free may fit
+            for other in deferred.pop(_unnamed(layout), ()):
+                predictor.push(other)
     bar.close()
+    best.sort(key=lambda entry: entry['step']['predicted_step_s'])
     return dict(
         devices=devices,
         cluster=cluster.name,
         fixed=sorted(fixed),
         layouts=len(candidates),
-        refused=refused,
+        predicted=predictor.predicted,
+        refused=predictor.refused,
         memory_checked=checked,
         best=best,
         baseline=baseline(inputs, devices, cluster, figures),
     )
+
+
+def _unnamed(layout):
+    return tuple(sorted({**layout, 'model.remat_recompute': ''}.items()))
+
+
+class _Predictor:
+    """search's heap of (predicted step, order, layout, config, step) and its counts."""
+
+    def __init__(self, inputs, devices, fixed, cluster, figures):
+        self.inputs, self.devices, self.fixed = inputs, devices, fixed
+        self.cluster, self.figures = cluster, figures
+        self.ranked, self.counts, self.predicted, self.refused = [], {}, 0, 0
+
+    def push(self, layout):
+        """Resolve and predict `layout` onto the heap (counted refused if it cannot run)."""
+        self.predicted += 1
+        try:
+            config = with_layout(self.inputs, layout, self.devices, self.fixed)
+        except config_lib.ConfigError:
+            self.refused += 1
+            return
+        key = tuple(layout.get(k) for k in (*MESH_KEYS, 'model.moe.fold_tensor'))
+        if key not in self.counts:  # data and stage traffic depend on the mesh alone
+            self.counts[key] = predict.traffic(config)
+        step = predict.step_time(config, self.cluster, self.figures, counts=self.counts[key])
+        item = (step['predicted_step_s'], self.predicted, layout, config, step)
+        heapq.heappush(self.ranked, item)
 
 
 def _no_layout(inputs, devices, fixed):
@@ -363,8 +399,10 @@ def lines(result):
     )
     out = [
         f'search       {result["layouts"]} layouts on {result["devices"]} GPUs of '
-        f'{result["cluster"]} ({result["refused"]} refused by the config checks); memory '
-        f'checked for the {result["memory_checked"]} fastest until {len(result["best"])} fit'
+        f'{result["cluster"]}, {result["predicted"]} predicted (recompute names where the '
+        f'layout without them is near full), {result["refused"]} refused by the config '
+        f'checks; memory checked for the {result["memory_checked"]} fastest until '
+        f'{len(result["best"])} fit'
         + (f'; fixed: {", ".join(result["fixed"])}' if result['fixed'] else ''),
         '             step: predicted seconds (plan/predict.py); TF/s executed per GPU; MFU: '
         'model FLOPs; bubble, comm (exposed), recomp: seconds of the step',
