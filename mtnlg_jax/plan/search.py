@@ -24,7 +24,9 @@ Keys in `fixed` (the user's --config.KEY=VALUE) keep the config's value; the oth
 Each layout is resolved (config.resolve: what it refuses is skipped), its step predicted
 (plan/predict.py, the 'ours' semantics), and the layouts are ranked by that; memory per device
 (plan/report.make_plan, the planner's arithmetic) is then checked from the fastest down until
-`top` fit in the GPU's memory, so the top is the same as checking every one. `confirm` takes
+`top` fit in the GPU's memory, so the top is the same as checking every one; a layout with
+recompute names is predicted (and ranked) once the same layout without them is checked and
+holds over NEAR_FULL of the memory (search's docstring). `confirm` takes
 a compile callback (the GPU compile) to check the first few with XLA's own memory and FLOPs.
 """
 
