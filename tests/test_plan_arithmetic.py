@@ -66,6 +66,23 @@ def test_boundary_activations_of_the_paper():
     assert round(arithmetic.boundary_activation_bytes(model, 1) / 1e9, 1) == 8.8
 
 
+def test_naming_the_context_frees_nothing_where_a_fused_kernel_keeps_it():
+    """model.remat_recompute='context' under selective recompute: plain attention's context
+    (Llama 3 405B's, bf16[8192, 16, 128] a layer: 0.25 GiB a chunk input of 2 layers) is not
+    kept; cuDNN on an H100 keeps its output whatever the name says (the plan counted 5 GiB
+    less for it, at no time, so a search over the names would have taken it)."""
+
+    def activations(names, cluster):
+        config = config_lib.load(str(ROOT / 'configs/llama3_405b.py'))
+        config.model.remat_recompute = names
+        config = config_lib.resolve(config, 8192)
+        return report.memory(config, cluster)[0]['activations']
+
+    h100 = clusters.CLUSTERS['h100-80gb']
+    assert activations('context', h100) == activations('', h100)
+    assert activations('context', None) < activations('', None)
+
+
 def test_the_plan_counts_megatron_flops_with_the_configs_recompute():
     """The plan's hardware FLOPs are Megatron's formula with recompute when model.remat is
     full (96: the paper's 125.7 TFLOP/s per GPU at 60.1 s on 2240 GPUs; the three-row table

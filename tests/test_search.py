@@ -11,6 +11,7 @@ import ml_collections
 import support
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.plan import clusters, predict, search
+from mtnlg_jax.run import cli
 
 # A cluster whose links and memory bandwidth are free and whose matmuls lose efficiency
 # below a width of 64 per device: a step then costs its matmul FLOPs / (peak x e(width))
@@ -62,6 +63,11 @@ def test_layouts_that_do_not_fit_are_dropped():
     assert len(best) == 10 and result['memory_checked'] > 10
     assert all(entry['per_device_bytes']['total'] <= small.hbm_bytes for entry in best)
     assert not any(is_hand_best(entry['keys']) for entry in best)
+    # the fastest that fits: tensor 1, micro-batch 2 under selective recompute less the
+    # attention's projections (2.97 MB; keeping them it does not fit), predicted only because
+    # the layout without the names did not fit (the others with names are not predicted)
+    assert best[0]['keys']['model.remat_recompute'] == 'qkv,attn_out'
+    assert result['predicted'] < result['layouts']
 
 
 def test_overrides_stay_fixed_and_the_rest_varies():
@@ -92,7 +98,7 @@ def test_expert_ranks_are_searched_over_the_divisors_of_the_experts():
         assert 16 % replicas == 0 and 16 // replicas % layout['train.micro_batch'] == 0
     assert {layout['mesh.expert'] for layout in search.layouts(inputs(), 16, 8)} == {1}
     moe.mesh.expert = 2
-    fixed = {'mesh.expert'}
+    fixed = {'mesh.expert', 'model.remat_recompute'}  # the recompute names: searched below
     result = search.search(moe, 8, FREE, fixed, top=3, progress=False, figures=WIDTH_MATTERS)
     assert [entry['keys']['mesh.expert'] for entry in result['best']] == [2, 2, 2]
     assert all(' x2 ' in entry['layout'] for entry in result['best'])
@@ -108,7 +114,7 @@ def test_stages_of_unequal_depth_and_fixed_folding_give_only_layouts_that_resolv
     config = inputs(**{'model.num_layers': 10})
     config.pipeline.update(dict(first_stage_layers=2, last_stage_layers=2))
     config.model.moe.update(dict(experts=4, top_k=2, fold_tensor=True))
-    fixed = {'model.moe.fold_tensor'}
+    fixed = {'model.moe.fold_tensor', 'model.remat'}  # full: the stages are what matters here
     found = list(search.layouts(config, 16, 8, fixed))
     assert {layout['mesh.stage'] for layout in found} == {1, 4, 8}
     repeats = {(k['mesh.stage'], k['pipeline.repeats']) for k in found}
@@ -160,16 +166,36 @@ def test_the_command_line_searches_and_refuses_bad_input(tmp_path, capsys, monke
         assert len(lines) == 1 and lines[0].startswith('error:') and flag in lines[0], lines
 
 
-def test_the_zero_bubble_schedules_and_the_in_flight_bound_are_searched():
+def test_the_zero_bubble_schedules_the_in_flight_bounds_and_the_recompute_are_searched():
     """8 layers on 8 GPUs: at one chunk a stage 1F1B and ZB-H1, at two interleaved and ZB-V,
-    beyond interleaved alone, each unbounded and bounded to p in flight; the layouts that
-    resolve name their schedule in the row."""
+    beyond interleaved alone, each unbounded and bounded to p in flight; interleaved above p
+    too (stage 0's chunk inputs) up to the unbounded table: at p 4, v 2, m 8 the bounds 4 and
+    5 (8 and 10 chunk inputs, 33 and 27 ticks; 6 is the unbounded table, 11 held, 26 ticks);
+    under selective recompute the names of search.RECOMPUTES. The row names the schedule, the
+    bound and the names, and the printed flags give the layout back."""
     config = inputs(**{'model.num_layers': 8})
     found = list(search.layouts(config, 8, 8))
     piped = {(k['pipeline.repeats'], k['pipeline.schedule']) for k in found if k['mesh.stage'] > 1}
     assert piped == {(1, '1f1b'), (1, 'zbh1'), (2, 'interleaved'), (2, 'zbv'), (4, 'interleaved')}
     bounds = {(k['mesh.stage'], k['pipeline.repeats'], k['pipeline.max_in_flight']) for k in found}
     assert {(2, 2, 0), (2, 2, 2), (4, 1, 4)} <= bounds
+    shape = ('mesh.stage', 'pipeline.repeats', 'mesh.data', 'train.micro_batch', 'model.remat')
+    at_m8 = [k for k in found if tuple(k[key] for key in shape) == (4, 2, 2, 1, 'selective')]
+    tried = {(k['pipeline.schedule'], k['pipeline.max_in_flight']) for k in at_m8}
+    assert tried == {('interleaved', 0), ('interleaved', 4), ('interleaved', 5), ('zbv', 0),
+                     ('zbv', 4)}, tried  # fmt: skip
+    names = {(k['model.remat'], k['model.remat_recompute']) for k in found}
+    assert names == {('none', ''), ('full', '')} | {('selective', n) for n in search.RECOMPUTES}
     zbv = next(k for k in found if k['pipeline.schedule'] == 'zbv' and k['mesh.stage'] == 2)
     resolved = search.with_layout(config, zbv, 8)
     assert resolved.pipeline.schedule == 'zbv' and ' v2 zbv ' in search.describe(resolved)
+    layout = next(
+        k for k in at_m8 if k['pipeline.max_in_flight'] == 5 and k['model.remat_recompute']
+    )
+    resolved = search.with_layout(config, layout, 8)
+    text = search.describe(resolved)
+    assert ' inflight5 ' in text and f' recompute {layout["model.remat_recompute"]}' in text
+    entry = {'keys': {key: search._get(resolved, key) for key in search.FREE_KEYS}}
+    pasted = [flag.removeprefix('--config.').split('=', 1) for flag in search.flags(entry).split()]
+    again = config_lib.resolve(cli.apply_overrides(inputs(**{'model.num_layers': 8}), pasted), 8)
+    assert search.describe(again) == text

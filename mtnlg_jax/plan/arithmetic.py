@@ -384,10 +384,14 @@ def activation_bytes(config, fused_attention=False):
         model, rows, tensor, 'none', fused_attention, context, padding=padding, fold=fold
     )
 
+    # a fused kernel keeps its context whatever model.remat_recompute names; layers kept whole
+    # count the plain path's scores either way (above)
+    kept_fused = fused_attention and model.remat == 'selective'
+
     def layers(count, dense=False):
         kept = layer_activation_bytes(
-            model, rows, tensor, model.remat, context=context, dense=dense, padding=padding,
-            fold=fold,
+            model, rows, tensor, model.remat, kept_fused, context, dense=dense,
+            padding=padding, fold=fold,
         )  # fmt: skip
         return count * kept
 

@@ -14,17 +14,24 @@ H100s"), parallel folding (model.moe.fold_tensor, t > 1, x t dividing the expert
 data d = devices / (t p x), the replicas d x dividing the global batch, micro-batch b
 dividing the replica's batch, repeats v the stages' layers take (dividing an even stage's
 layers; at most the shortest unequal stage's), the schedule (1f1b or zbh1 at v = 1,
-interleaved or zbv at v = 2, interleaved beyond), remat none / selective / full, sequence
-parallelism (t > 1), max_in_flight 0 or p.
+interleaved or zbv at v = 2, interleaved beyond), remat none / selective / full (under
+selective, the recompute names of RECOMPUTES), sequence parallelism (t > 1), max_in_flight:
+none or p, and for interleaved 1F1B the bounds above p up to the first whose table is the
+unbounded one (stage 0's chunk inputs, parallel/schedule.py), each only where its table
+differs from the bound before it (a bound whose table is another's is that layout again).
 Keys in `fixed` (the user's --config.KEY=VALUE) keep the config's value; the others vary.
 
 Each layout is resolved (config.resolve: what it refuses is skipped), its step predicted
 (plan/predict.py, the 'ours' semantics), and the layouts are ranked by that; memory per device
 (plan/report.make_plan, the planner's arithmetic) is then checked from the fastest down until
-`top` fit in the GPU's memory, so the top is the same as checking every one. `confirm` takes
+`top` fit in the GPU's memory, so the top is the same as checking every one; a layout with
+recompute names is predicted (and ranked) once the same layout without them is checked and
+holds over NEAR_FULL of the memory (search's docstring). `confirm` takes
 a compile callback (the GPU compile) to check the first few with XLA's own memory and FLOPs.
 """
 
+import functools
+import heapq
 import itertools
 import json
 import sys
@@ -35,6 +42,7 @@ from tqdm import tqdm
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.config import stage_layers
 from mtnlg_jax.parallel import footprint
+from mtnlg_jax.parallel import schedule as schedule_lib
 from mtnlg_jax.plan import predict, report
 
 FREE_KEYS = (
@@ -47,10 +55,23 @@ FREE_KEYS = (
     'pipeline.max_in_flight',
     'train.micro_batch',
     'model.remat',
+    'model.remat_recompute',
     'model.sequence_parallel',
     'model.moe.fold_tensor',
 )
 REMATS = ('none', 'selective', 'full')
+# model.remat_recompute under selective recompute: a named matmul's output frees about e / h
+# bytes a FLOP made again, so the short list holds the fewest FLOPs: the attention's input
+# projection, then attention-out's (as many FLOPs and its tensor sum again: the 405B's 0.24
+# and 0.48 s for 5.0 and 4.5 GiB at 18 in flight). mlp_in (29 GiB for 1.39 s there) costs more
+# than the whole bubble the bounds buy back (1.15 s from 16 to none), mlp_out's input is the
+# MLP's width (h / f the bytes a FLOP), 'context' frees nothing under a fused kernel
+# (docs/benchmarks.md, "The search over the bounds above p and the recompute names").
+RECOMPUTES = ('', 'qkv', 'qkv,attn_out')
+# The names are tried where the layout without them holds more than this share of the GPU's
+# memory (the 405B's compiled peaks are 1.03 x its plan: a plan that fits by a few percent
+# may not).
+NEAR_FULL = 0.9
 # The schedules tried at each repeats v: 1F1B or ZB-H1 at one chunk a stage, interleaved 1F1B
 # or ZB-V (its V) at two, interleaved beyond (key 0: any other v)
 SCHEDULES = {1: ('1f1b', 'zbh1'), 2: ('interleaved', 'zbv'), 0: ('interleaved',)}
@@ -133,8 +154,8 @@ def _stage_repeats(inputs, stages, repeats):
 
 def _schedules(choices, mesh, model, replica_batch, repeats):
     """layouts' entries of one mesh: repeats (those the stages' layers take), the schedule
-    (SCHEDULES of the repeats), micro-batch, recompute, sequence parallelism and the in-flight
-    bound (none, or p), each as `choices` allows."""
+    (SCHEDULES of the repeats), micro-batch, recompute (RECOMPUTES under selective), sequence
+    parallelism and the in-flight bound (_bounds), each as `choices` allows."""
     t, p = mesh['mesh.tensor'], mesh['mesh.stage']
     sp = [False, True] if t > 1 and model.seq_len % t == 0 else [False]
     for v, b, remat, seq in itertools.product(
@@ -143,20 +164,52 @@ def _schedules(choices, mesh, model, replica_batch, repeats):
         choices('model.remat', list(REMATS)),
         choices('model.sequence_parallel', sp),
     ):
-        bounds = [0, p] if p > 1 else [0]
+        names = list(RECOMPUTES) if remat == 'selective' else ['']
         schedules = SCHEDULES.get(v, SCHEDULES[0]) if p > 1 else SCHEDULES[1][:1]
-        for schedule, in_flight in itertools.product(
-            choices('pipeline.schedule', schedules), choices('pipeline.max_in_flight', bounds)
+        for schedule, recompute in itertools.product(
+            choices('pipeline.schedule', schedules), choices('model.remat_recompute', names)
         ):
-            yield {
-                **mesh,
-                'pipeline.repeats': v,
-                'pipeline.schedule': schedule,
-                'pipeline.max_in_flight': in_flight,
-                'train.micro_batch': b,
-                'model.remat': remat,
-                'model.sequence_parallel': seq,
-            }
+            bounds = _bounds(p, v, replica_batch // b, schedule)
+            for in_flight in choices('pipeline.max_in_flight', list(bounds)):
+                yield {
+                    **mesh,
+                    'pipeline.repeats': v,
+                    'pipeline.schedule': schedule,
+                    'pipeline.max_in_flight': in_flight,
+                    'train.micro_batch': b,
+                    'model.remat': remat,
+                    'model.remat_recompute': recompute,
+                    'model.sequence_parallel': seq,
+                }
+
+
+@functools.cache
+def _bounds(p, v, m, schedule):
+    """The in-flight bounds tried on p stages of v chunks with m micro-batches: none (0), p,
+    and for interleaved 1F1B p + 1 on (stage 0's chunk inputs) until the table is the
+    unbounded one; 1f1b and interleaved keep a bound only where its table differs from the
+    unbounded one and from the bound's before it (zbh1's and zbv's tables: none and p)."""
+    if p == 1:
+        return (0,)
+    if schedule not in ('1f1b', 'interleaved'):
+        return (0, p)
+    unbounded = schedule_lib.build(p, v, m)
+    last = -(-int(unbounded.in_flight()[:, 0].max()) // v) if v > 1 else p
+    bounds, before = [0], unbounded
+    for bound in range(p, max(last, p) + 1):
+        table = schedule_lib.build(p, v, m, bound)
+        if _same_table(table, unbounded):
+            break
+        if not _same_table(table, before):
+            bounds.append(bound)
+        before = table
+    return tuple(bounds)
+
+
+def _same_table(a, b):
+    """Whether two tables run the same slots in the same ticks."""
+    columns = ('fwd_micro', 'fwd_repeat', 'bwd_micro', 'bwd_repeat')
+    return a.ticks == b.ticks and all((getattr(a, c) == getattr(b, c)).all() for c in columns)
 
 
 def with_layout(inputs, layout, devices, fixed=()):
@@ -190,6 +243,8 @@ def describe(config):
         if pipe.max_in_flight:
             text += f' inflight{pipe.max_in_flight}'
     text += f' b{train.micro_batch} m{train.micro_steps} remat {model.remat}'
+    if config_lib.recomputed(model):
+        text += f' recompute {",".join(config_lib.recomputed(model))}'
     return text + (' SP' if model.sequence_parallel else '')
 
 
@@ -209,47 +264,78 @@ def search(inputs, devices, cluster, fixed=(), top=10, progress=True, figures=No
     """{'best': [entries, fastest first], 'baseline': the config as given, counts} of the
     layouts that fit (module docstring). inputs: the unresolved config (overrides applied);
     cluster: a clusters.Cluster; figures: predict.Efficiency (default: the cluster's).
-    SearchError if no layout can use `devices` GPUs."""
+    SearchError if no layout can use `devices` GPUs. A layout with recompute names (unless
+    the user fixed them) is predicted only where the same layout without them holds more than
+    NEAR_FULL of the GPU's memory: the names add recompute to the step, so they are no faster
+    where it fits, and near the limit the plan's few percent decide (docs/benchmarks.md)."""
     out = sys.stderr if progress else None
     candidates = list(layouts(inputs, devices, cluster.gpus_per_node, set(fixed)))
     if not candidates:  # before any progress is printed: bad input is one line
         raise SearchError(_no_layout(inputs, devices, fixed))
-    counts_cache, ranked, refused = {}, [], 0
-    for layout in tqdm(candidates, desc='predicting layouts', file=out, disable=not progress):
-        try:
-            config = with_layout(inputs, layout, devices, fixed)
-        except config_lib.ConfigError:
-            refused += 1
-            continue
-        key = tuple(layout.get(k) for k in (*MESH_KEYS, 'model.moe.fold_tensor'))
-        if key not in counts_cache:  # data and stage traffic depend on the mesh alone
-            counts_cache[key] = predict.traffic(config)
-        step = predict.step_time(config, cluster, figures, counts=counts_cache[key])
-        ranked.append((step['predicted_step_s'], len(ranked), config, step))
-    if not ranked:
+    named = 'model.remat_recompute' not in fixed
+    deferred = {}  # the layout without names -> those with
+    for layout in candidates:
+        if named and layout.get('model.remat_recompute'):
+            deferred.setdefault(_unnamed(layout), []).append(layout)
+    first = [k for k in candidates if not (named and k.get('model.remat_recompute'))]
+    predictor = _Predictor(inputs, devices, fixed, cluster, figures)
+    for layout in tqdm(first, desc='predicting layouts', file=out, disable=not progress):
+        predictor.push(layout)
+    if not predictor.ranked:
         raise SearchError(_no_layout(inputs, devices, fixed))
-    ranked.sort(key=lambda r: r[:2])
     best, checked = [], 0
     bar = tqdm(total=top, desc='checking memory', file=out, disable=not progress)
-    for _, _, config, step in ranked:
+    while predictor.ranked and len(best) < top:
+        _, _, layout, config, step = heapq.heappop(predictor.ranked)
         checked += 1
         per_device, _ = report.memory(config, cluster)
         if per_device['total'] <= cluster.hbm_bytes:
             best.append(_entry(config, step, per_device))
             bar.update()
-            if len(best) == top:
-                break
+        if per_device['total'] > NEAR_FULL * cluster.hbm_bytes:  # what the names free may fit
+            for other in deferred.pop(_unnamed(layout), ()):
+                predictor.push(other)
     bar.close()
+    best.sort(key=lambda entry: entry['step']['predicted_step_s'])
     return dict(
         devices=devices,
         cluster=cluster.name,
         fixed=sorted(fixed),
         layouts=len(candidates),
-        refused=refused,
+        predicted=predictor.predicted,
+        refused=predictor.refused,
         memory_checked=checked,
         best=best,
         baseline=baseline(inputs, devices, cluster, figures),
     )
+
+
+def _unnamed(layout):
+    return tuple(sorted({**layout, 'model.remat_recompute': ''}.items()))
+
+
+class _Predictor:
+    """search's heap of (predicted step, order, layout, config, step) and its counts."""
+
+    def __init__(self, inputs, devices, fixed, cluster, figures):
+        self.inputs, self.devices, self.fixed = inputs, devices, fixed
+        self.cluster, self.figures = cluster, figures
+        self.ranked, self.counts, self.predicted, self.refused = [], {}, 0, 0
+
+    def push(self, layout):
+        """Resolve and predict `layout` onto the heap (counted refused if it cannot run)."""
+        self.predicted += 1
+        try:
+            config = with_layout(self.inputs, layout, self.devices, self.fixed)
+        except config_lib.ConfigError:
+            self.refused += 1
+            return
+        key = tuple(layout.get(k) for k in (*MESH_KEYS, 'model.moe.fold_tensor'))
+        if key not in self.counts:  # data and stage traffic depend on the mesh alone
+            self.counts[key] = predict.traffic(config)
+        step = predict.step_time(config, self.cluster, self.figures, counts=self.counts[key])
+        item = (step['predicted_step_s'], self.predicted, layout, config, step)
+        heapq.heappush(self.ranked, item)
 
 
 def _no_layout(inputs, devices, fixed):
@@ -288,7 +374,7 @@ def _gib(n):
     return footprint.format_bytes(n)
 
 
-def _row(rank, entry):
+def _row(rank, entry, width):
     s = entry['step']
     comm = (
         s['tensor_comm_s']
@@ -298,7 +384,7 @@ def _row(rank, entry):
         + s['stage_comm_s']
     )
     return (
-        f'{rank:>4}  {entry["layout"]:<40} {_gib(entry["per_device_bytes"]["total"]):>9} '
+        f'{rank:>4}  {entry["layout"]:<{width}} {_gib(entry["per_device_bytes"]["total"]):>9} '
         f'{s["predicted_step_s"]:>8.2f} {s["tflops_per_gpu"]:>6.1f} {100 * s["mfu"]:>5.1f} '
         f'{s["bubble_s"]:>7.2f} {comm:>6.2f} {s["recompute_s"]:>6.2f}'
     )
@@ -306,28 +392,46 @@ def _row(rank, entry):
 
 def lines(result):
     """The readable table of a search."""
+    base = result['baseline']
+    shown = [*result['best'], *([base] if base else [])]
+    width = max([len('layout')] + [len(entry['layout']) for entry in shown])
     head = (
-        f'{"rank":>4}  {"layout":<40} {"memory":>9} {"step s":>8} {"TF/s":>6} {"MFU%":>5} '
+        f'{"rank":>4}  {"layout":<{width}} {"memory":>9} {"step s":>8} {"TF/s":>6} {"MFU%":>5} '
         f'{"bubble":>7} {"comm":>6} {"recomp":>6}'
     )
     out = [
         f'search       {result["layouts"]} layouts on {result["devices"]} GPUs of '
-        f'{result["cluster"]} ({result["refused"]} refused by the config checks); memory '
-        f'checked for the {result["memory_checked"]} fastest until {len(result["best"])} fit'
+        f'{result["cluster"]}, {result["predicted"]} predicted (recompute names where the '
+        f'layout without them is near full), {result["refused"]} refused by the config '
+        f'checks; memory checked for the {result["memory_checked"]} fastest until '
+        f'{len(result["best"])} fit'
         + (f'; fixed: {", ".join(result["fixed"])}' if result['fixed'] else ''),
         '             step: predicted seconds (plan/predict.py); TF/s executed per GPU; MFU: '
         'model FLOPs; bubble, comm (exposed), recomp: seconds of the step',
         head,
     ]
-    out += [_row(rank, entry) for rank, entry in enumerate(result['best'], 1)]
-    base = result['baseline']
+    out += [_row(rank, entry, width) for rank, entry in enumerate(result['best'], 1)]
     if base is not None:
-        out.append(_row('as', base) + ('' if base['fits'] else '  (does NOT fit)'))
+        out.append(_row('as', base, width) + ('' if base['fits'] else '  (does NOT fit)'))
         if result['best']:
             gain = base['step']['predicted_step_s'] / result['best'][0]['step']['predicted_step_s']
             faster = 100 * (1 - 1 / gain)
             out.append(f'             best is {faster:.1f} % faster than the config as given')
+    if result['best']:
+        out.append(f'             rank 1 as flags: {flags(result["best"][0], base) or "as given"}')
     return out
+
+
+def flags(entry, base=None):
+    """The --config.KEY=VALUE flags that give `entry`'s layout (those keys where it differs
+    from `base`, the config as given, if there is one)."""
+    keys = entry['keys']
+    differ = [k for k in FREE_KEYS if base is None or _named(base['keys'][k]) != _named(keys[k])]
+    return ' '.join(f'--config.{key}={keys[key]}' for key in differ)
+
+
+def _named(value):
+    return 'interleaved' if value == '1f1b' else value  # one engine: the table of the repeats
 
 
 def run(args, fixed, write_json):
