@@ -68,6 +68,7 @@ def config_of(name):
     return config_lib.resolve(config, config_lib.keys.mesh_devices(config.mesh))
 
 
+STEPS = ('train', 'eval')
 DEBUG_SECTIONS = ('FileNames', 'FunctionNames', 'FileLocations', 'StackFrames')
 
 
@@ -116,10 +117,14 @@ def compiled_texts(name):
 
 def saved_texts(directory, name):
     texts = {}
-    for step in ('train', 'eval'):
+    for step in STEPS:
         with open(os.path.join(directory, f'{name}.{step}.hlo')) as f:
             texts[f'{name}.{step}'] = f.read()
     return texts
+
+
+def _in_base(directory, name):
+    return all(os.path.exists(os.path.join(directory, f'{name}.{s}.hlo')) for s in STEPS)
 
 
 def main(argv=None):
@@ -140,6 +145,13 @@ def main(argv=None):
     if args.against and not os.path.isdir(args.against):
         print(f'error: --against: no such directory {args.against}', file=sys.stderr)
         return 2
+    missing = [n for n in names if args.against and not _in_base(args.against, n)]
+    if missing and args.layouts != parser.get_default('layouts'):
+        print(f'error: --against {args.against} has no {", ".join(missing)}', file=sys.stderr)
+        return 2
+    if missing:  # a base saved before these layouts existed: compare the others
+        print(f'{args.against} has no {", ".join(missing)} (saved before them): not compared')
+        names = [n for n in names if n not in missing]
     differ = 0
     for name in names:
         texts = saved_texts(args.saved, name) if args.saved else compiled_texts(name)

@@ -167,3 +167,17 @@ def test_a_continued_run_derives_again_from_its_inputs(tmp_path, monkeypatch):
     resolved = config_lib.resolve(again, 1)
     assert resolved.optimizer.decay_tokens == 10240 == resolved.derived.optimizer.decay_tokens
     assert resolved.data.tokenizer == first.data.tokenizer  # not re-read against this cwd
+
+
+def test_hlo_diff_against_a_base_without_the_layout_is_one_line(tmp_path):
+    """bench/hlo_diff.py --against a base saved before a layout existed: one `error:` line
+    naming it, exit 2, before any compile (with the default layouts, those the base lacks
+    are named and left out)."""
+    (tmp_path / 'sequential.train.hlo').write_text('HloModule m\n')
+    command = [sys.executable, str(ROOT / 'bench/hlo_diff.py'), '--against', str(tmp_path)]
+    result = subprocess.run(
+        [*command, '--layouts', 'sequential'], capture_output=True, text=True, cwd=ROOT,
+        env=dict(TRAIN_ENV, JAX_LOG_COMPILES='1'), timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip() == f'error: --against {tmp_path} has no sequential'
