@@ -105,6 +105,20 @@ def test_loss_and_gradients_match_one_device(one_device, layout):
     support.assert_gradients_close(grads, expected['grads'])
 
 
+def test_the_reduce_scatter_in_the_loop_over_data_and_context_matches_one_device(one_device):
+    """pipeline.overlap_grad_reduce under context parallelism: each context rank's partial
+    sums of a chunk's gradients reduce-scattered over its ZeRO axes (context here) inside the
+    loop; interleaved over 2 stages, sequence parallel over tensor 2."""
+    config = support.small_config(
+        1, 2, 2, 4, 2, 'interleaved', context=2, num_layers=LAYERS, sequence_parallel=True
+    )
+    config.pipeline.update(overlap_grad_reduce=True)
+    params, loss, grads = support.gradients(config, support.random_batches(1)[0], step=5)
+    support.assert_trees_close(params, one_device['params'], atol=0.0)
+    np.testing.assert_allclose(loss, one_device['loss'], rtol=1e-6)
+    support.assert_gradients_close(grads, one_device['grads'])
+
+
 @pytest.mark.parametrize(
     'layout, bound',
     [

@@ -475,8 +475,9 @@ def _check_pipeline(config, replica_batch):
 
 
 def _check_overlap_grad_reduce(config):
-    """pipeline.overlap_grad_reduce runs in the 1f1b / interleaved tick by slot, over the
-    data replicas alone (parallel/grad_reduce.py); without stages it has no effect."""
+    """pipeline.overlap_grad_reduce runs in the 1f1b / interleaved tick by slot, over ZeRO-1's
+    axes (the data replicas, and context: parallel/grad_reduce.py), not over expert; without
+    stages it has no effect."""
     pipeline, mesh = config.pipeline, config.mesh
     _require(
         not pipeline.get('overlap_param_gather', False)
@@ -495,7 +496,6 @@ def _check_overlap_grad_reduce(config):
             ),
             ('pipeline.steady_tick', pipeline.steady_tick),
             ('pipeline.fused_accumulation', pipeline.fused_accumulation),
-            ('mesh.context > 1', mesh.context not in (1,)),
             ('mesh.expert > 1', mesh.expert not in (1,)),
         )
         if on
@@ -503,7 +503,8 @@ def _check_overlap_grad_reduce(config):
     _require(
         not others,
         'pipeline.overlap_grad_reduce',
-        'runs in the 1f1b / interleaved tick by slot over the data replicas alone, not with '
+        'runs in the 1f1b / interleaved tick by slot over the data and context replicas, not '
+        'with '
         + ', '.join(others),
     )
 
