@@ -504,8 +504,7 @@ def _check_overlap_grad_reduce(config):
         not others,
         'pipeline.overlap_grad_reduce',
         'runs in the 1f1b / interleaved tick by slot over the data and context replicas, not '
-        'with '
-        + ', '.join(others),
+        'with ' + ', '.join(others),
     )
 
 
