@@ -10,10 +10,13 @@ all-gather context parallelism; each device holds 131072 / 16 = 8192 tokens of a
 the 8K run's. Attention is the Pallas flash kernel, once per query chunk at its offset among
 the gathered keys (cuDNN's kernel takes no offset); documents are masked inside packed
 sequences (data.reset_attention_mask), Meta's reason for gathering keys and values.
-XLA:GPU compiles it to 70.3 GiB a GPU (fits 80 GB) at 0.87 x the model's FLOPs (the flash
-kernels by the score blocks they compute), 15.4 % of its compute waiting on communication
-(the gradients summed over data x context once a step by ZeRO-1's reduce-scatter); predicted
-10.8 s a step, 537 model TFLOP/s a GPU against Meta's 380 (docs/benchmarks.md, "Long
+ZeRO-1's reduce-scatter over data x context runs inside the loop, a layer in each backward
+slot after its chunk's last (pipeline.overlap_grad_reduce), where the 8K run keeps it after
+the loop. XLA:GPU compiles it to 71.4 GiB a GPU (fits 80 GB) at 0.87 x the model's FLOPs
+(the flash kernels by the score blocks they compute), 12.8 % of its compute waiting on
+communication (15.4 % with the reduce-scatter after the loop), **9.6 %** when XLA schedules
+by the replay's costs (launch/plan.py --pgle, as JAX's PGLE would on GPUs); predicted 10.8 s
+a step (10.6 s), 537 model TFLOP/s a GPU against Meta's 380 (docs/benchmarks.md, "Long
 context", says what that assumes of the flash kernel's speed).
 
 What differs from Meta's run:
@@ -24,7 +27,7 @@ What differs from Meta's run:
   (rope's Llama 3.1 scaling, original context 8192).
 
     python launch/plan.py --config configs/llama3_405b_128k.py --devices 16384 \\
-        --target h100-80gb --compile
+        --target h100-80gb --compile [--pgle]
 """
 
 import pathlib
@@ -40,6 +43,7 @@ def get_config():
     config.model.seq_len = SEQ
     # 16 micro-batches a replica: all in flight under any bound, so every projection is kept
     config.model.remat_recompute = ''
+    config.pipeline.overlap_grad_reduce = True  # the step's tail: docs/benchmarks.md
     config.mesh.context = 16
     config.data.reset_attention_mask = True
     config.train.global_batch = SEQUENCES
