@@ -19,11 +19,11 @@ target's figures. It times nothing: no GPU runs, and XLA skips autotuning withou
 
 --devices N: the device count the config is resolved against (a mesh axis of -1 takes what the
 others leave); default: the product of the mesh axes, a -1 axis counted as 1 (one replica).
-Without --compile this is arithmetic: no devices needed. --compile lowers and compiles the
-train step launch/train.py runs, on N forced CPU devices (this tool sets XLA_FLAGS and
-JAX_PLATFORMS=cpu itself, before JAX starts), with abstract state: nothing is allocated. XLA:CPU
-allows 2,048 devices in one process: a larger layout is compiled as one replica (data 1, the
-global batch cut to keep the micro-batch count of a replica) and the output says so, unless
+Without --compile or --target (which compiles) this is arithmetic: no devices needed.
+--compile lowers and compiles the train step launch/train.py runs, on N forced CPU devices
+(this tool sets XLA_FLAGS and JAX_PLATFORMS=cpu itself, before JAX starts), with abstract
+state: nothing is allocated. XLA:CPU allows 2,048 devices in one process: a larger layout
+is compiled as one replica (data 1, the global batch cut to keep the micro-batch count of a replica) and the output says so, unless
 it runs as several processes, each with its share of the devices (jax.distributed, as
 launch/train.py; process 0 prints):
 
