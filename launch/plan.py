@@ -23,9 +23,9 @@ Without --compile or --target (which compiles) this is arithmetic: no devices ne
 --compile lowers and compiles the train step launch/train.py runs, on N forced CPU devices
 (this tool sets XLA_FLAGS and JAX_PLATFORMS=cpu itself, before JAX starts), with abstract
 state: nothing is allocated. XLA:CPU allows 2,048 devices in one process: a larger layout
-is compiled as one replica (data 1, the global batch cut to keep the micro-batch count of a replica) and the output says so, unless
-it runs as several processes, each with its share of the devices (jax.distributed, as
-launch/train.py; process 0 prints):
+is compiled as one replica (data 1, the global batch cut to keep the micro-batch count of a
+replica) and the output says so, unless it runs as several processes, each with its share of
+the devices (jax.distributed, as launch/train.py; process 0 prints):
 
     python launch/spawn.py --processes 2 --devices_per_process 1120 -- \\
         launch/plan.py --config configs/mtnlg_530b.py --devices 2240 --compile
