@@ -268,7 +268,11 @@ def scheduled_by_replay(args, config, per_node, notes):
     the first compile's figures."""
     from mtnlg_jax.plan import pgle, report  # noqa: PLC0415
 
-    path = (args.json or tempfile.mkstemp(suffix='.json')[1]) + '.pgle.pbtxt'
+    if args.json:
+        path = f'{args.json}.pgle.pbtxt'
+    else:
+        handle, path = tempfile.mkstemp(suffix='.pgle.pbtxt')
+        os.close(handle)
     first = report.make_plan(config, args.cluster)
     compiled, info = compile_for_gpu(args, config, per_node)
     report.add_compiled(first, config, compiled, info, target=args.target, profile=path)
