@@ -3,8 +3,8 @@
     make gpu-check      (python bench/gpu_check.py --out runs/gpu_check, on the machine's JAX)
     python bench/gpu_check.py [--out DIR] [--only SECTION ...]
 
-Sections, in order (each a function of bench/gpu_check_kernels.py, gpu_check_train.py or
-gpu_check_matmuls.py):
+Sections, in order (each a function of bench/gpu_check_kernels.py, gpu_check_train.py,
+gpu_check_matmuls.py or gpu_check_collectives.py):
 
     environment    jax, jaxlib, the CUDA plugin, cuDNN, Python, the device, its compute
                    capability, the XLA flags in force, the packages the model needs
@@ -28,6 +28,9 @@ gpu_check_matmuls.py):
                    the replay of the same compile (plan/overlap.py)
     grouped_matmul the MoE's Pallas grouped matmul against the fp32 reference (output and
                    both gradients), then timed beside ragged_dot, capacity padding, blocks
+    collectives    the MoE exchange's all-to-all and ragged all-to-all beside all-gather and
+                   reduce-scatter over every local GPU: each result checked, median ms,
+                   algorithm and bus GB/s at 1, 16 and 128 MiB (two GPUs or more)
     fp8            each FP8 recipe's product and gradients against fp32, timed beside bf16,
                    at Llama 3 8B's block shapes; the check's model trained 3 steps under each
                    recipe, its losses and step time against bf16's
@@ -62,6 +65,7 @@ SECTIONS = (
     'hlo',
     'profile',
     'grouped_matmul',
+    'collectives',
     'fp8',
 )
 PURE_PYTHON = ('flax', 'optax', 'ml_collections', 'orbax.checkpoint', 'numpy', 'tqdm')
@@ -219,7 +223,8 @@ def main():
     if reason:
         print(f'error: no GPU: {reason}; bench/gpu_check.py runs on a GPU machine', file=sys.stderr)
         sys.exit(2)
-    import gpu_check_kernels  # noqa: PLC0415 -- imports JAX
+    import gpu_check_collectives  # noqa: PLC0415 -- imports JAX
+    import gpu_check_kernels  # noqa: PLC0415
     import gpu_check_matmuls  # noqa: PLC0415
     import gpu_check_train  # noqa: PLC0415
 
@@ -234,6 +239,7 @@ def main():
         'hlo': (gpu_check_train.hlo,),
         'profile': (gpu_check_train.profile, report.out / 'trace'),
         'grouped_matmul': (gpu_check_matmuls.grouped_matmul,),
+        'collectives': (gpu_check_collectives.collectives,),
         'fp8': (fp8,),
     }
     for name in SECTIONS:

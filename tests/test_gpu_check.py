@@ -105,3 +105,20 @@ def test_the_fp8_train_rows_give_each_recipes_losses_beside_bf16s():
     assert all('error' not in row and len(row['losses']) == 2 for row in rows.values()), rows
     for recipe in ('tensorwise', 'delayed', 'blockwise'):
         assert 0 < abs(rows[recipe]['first_loss_vs_bf16']) < 0.01, rows[recipe]
+
+
+def test_the_collectives_section_checks_each_exchange_and_needs_a_peer():
+    # On the 8 simulated devices: each collective's result against numpy's (an all-to-all
+    # that returned its input unchanged, or a reduce-scatter that did not sum, would fail).
+    pytest.importorskip('jax')
+    import jax  # noqa: PLC0415
+
+    import gpu_check_collectives  # noqa: PLC0415
+
+    kinds = ('all_to_all', 'all_gather', 'reduce_scatter')
+    result = gpu_check_collectives.collectives(sizes_mib=(1,), kinds=kinds)
+    assert [row['collective'] for row in result['rows']] == list(kinds)
+    assert all(row['agrees'] and row['ms'] > 0 for row in result['rows']), result['rows']
+    assert result['rows'][0]['mib'] == 1.0
+    one = gpu_check_collectives.collectives(devices=jax.local_devices()[:1])
+    assert one == dict(skipped='needs two or more GPUs: 1 here', rows=[])
