@@ -413,6 +413,27 @@ def test_cublas_gemm_calls_count_as_matmuls():
     assert hlo_module.dot_flops(CUBLAS) == 2 * 512 * 1024 * 256
 
 
+RAGGED = """HloModule ragged, num_partitions=1
+
+ENTRY %main (x: bf16[512,256], w: bf16[8,256,1024], dy: bf16[512,1024], g: s32[8]) -> (bf16[512,1024], bf16[8,256,1024]) {
+  %x = bf16[512,256]{1,0} parameter(0)
+  %w = bf16[8,256,1024]{2,1,0} parameter(1)
+  %dy = bf16[512,1024]{1,0} parameter(2)
+  %g = s32[8]{0} parameter(3)
+  %y = bf16[512,1024]{1,0} ragged-dot(%x, %w, %g), lhs_contracting_dims={1}, rhs_contracting_dims={1}, lhs_ragged_dims={0}, rhs_group_dims={0}
+  %dw = bf16[8,256,1024]{2,1,0} ragged-dot(%x, %dy, %g), lhs_contracting_dims={0}, rhs_contracting_dims={0}, lhs_ragged_dims={0}
+  ROOT %out = (bf16[512,1024]{1,0}, bf16[8,256,1024]{2,1,0}) tuple(%y, %dw)
+}
+"""
+
+
+def test_ragged_dots_count_the_rows_they_multiply():
+    """A ragged dot (XLA's grouped matmul, as a TPU compile keeps it) counts each row once
+    through its own group's weights, forward and weight gradient alike: not the 8 groups x
+    a dense lowering runs."""
+    assert hlo_module.dot_flops(RAGGED) == 2 * (2 * 512 * 256 * 1024)
+
+
 def moe_step_config(**moe):
     """support.plan_config's tensor layout (data 2 x tensor 4) with Llama's block and, given
     `moe`, a mixture of SwiGLU experts (else the dense SwiGLU of 256)."""

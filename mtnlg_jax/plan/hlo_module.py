@@ -383,7 +383,8 @@ _GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\s*\[([^\]]*)\]')
 
 def instruction_flops(instruction, types):
     """Matmul FLOPs of one run of one instruction (not of what it calls): a dot's 2 x result
-    elements x contracted elements, the same for a cuBLAS GEMM call (XLA:GPU's, e.g. with
+    elements x contracted elements, a ragged dot's by the rows it multiplies (`_ragged_groups`),
+    the same for a cuBLAS GEMM call (XLA:GPU's, e.g. with
     --xla_gpu_enable_triton_gemm=false), or a fused attention call's; types: {name: type
     text} of its computation (for the operand)."""
     if instruction.opcode == 'custom-call':
@@ -394,7 +395,7 @@ def instruction_flops(instruction, types):
         result = split_top(instruction.type_text.strip()[1:-1])[0]
         if instruction.type_text.strip()[:1] != '(':
             result = instruction.type_text
-    elif instruction.opcode == 'dot':
+    elif instruction.opcode in ('dot', 'ragged-dot'):
         contracting = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', instruction.rest)
         result = instruction.type_text
     else:
@@ -402,7 +403,21 @@ def instruction_flops(instruction, types):
     lhs = re.match(r'\(\s*%?([\w.\-]+)', instruction.rest).group(1)
     lhs_dims = _dims(types[lhs])
     contracted = math.prod(lhs_dims[i] for i in ints(contracting.group(1)))
-    return 2 * math.prod(_dims(result)) * contracted
+    return 2 * math.prod(_dims(result)) * contracted // _ragged_groups(instruction, contracting)
+
+
+def _ragged_groups(instruction, contracting):
+    """A ragged dot's groups that its result counts apart but its rows do not share: 1
+    unless its ragged dimension is contracted (a grouped matmul's weight gradient, whose
+    result (groups, ...) has each group summed over its own rows only); 1 for a dot. A ragged
+    dot over its rows (the forward, the input gradient) multiplies each row by one group's
+    weights: a dot's count of its result, not groups x it, as XLA's dense lowering does."""
+    ragged = re.search(r'lhs_ragged_dims=\{([\d,]*)\}', instruction.rest)
+    if instruction.opcode != 'ragged-dot' or not ragged:
+        return 1
+    if set(ints(ragged.group(1))) & set(ints(contracting.group(1))):
+        return _dims(instruction.type_text)[0]
+    return 1
 
 
 def computation_flops(instructions):
