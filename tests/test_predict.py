@@ -10,7 +10,7 @@ import pytest
 import support
 from mtnlg_jax.parallel import schedule as schedule_lib
 from mtnlg_jax.parallel import zero_bubble, zero_bubble_v
-from mtnlg_jax.plan import clusters, comm, predict, published
+from mtnlg_jax.plan import arithmetic, clusters, comm, predict, published
 
 A100 = clusters.CLUSTERS['a100-80gb']
 
@@ -265,3 +265,38 @@ def test_routed_experts_are_priced_at_the_fp8_peak_in_the_padded_exchange_alone(
     flops = 2 * config.train.micro_batch * model.seq_len * fp8_params
     saved = flops / rate * (1 / 989.0 - 1 / 1979.0) * micro * model.num_layers
     assert bf16 - compute('tensorwise')[1] == pytest.approx(3 * saved, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    'expert, tensor, exchange, kernel',
+    [
+        (1, 1, 'padded', True),
+        (2, 1, 'ragged', True),
+        (2, 1, 'padded', False),
+        (1, 2, 'padded', False),
+    ],
+)
+def test_the_grouped_kernels_rows_cost_their_measured_speed_where_it_runs(
+    monkeypatch, expert, tensor, exchange, kernel
+):
+    """The routed experts run the Pallas grouped kernel at one expert rank with their width
+    whole and in the ragged exchange: there their matmuls (top_k x padding rows a token)
+    take 1 / GROUPED_MATMUL_SPEED of a dense matmul's time; the padded exchange's batched
+    einsums and a width split over tensor are priced as any matmul."""
+    from mtnlg_jax.model import counts
+
+    h100 = clusters.CLUSTERS['h100-80gb']
+    moe = dict(experts=8, top_k=2, ffn_hidden=32, exchange=exchange)
+    config = support.small_config(
+        compute_dtype='bfloat16', remat='none', expert=expert, tensor=tensor, moe=moe
+    )
+    assert arithmetic.grouped_kernel(config) is kernel
+    slow = predict.step_time(config, h100)['compute_s']
+    monkeypatch.setattr(predict, 'GROUPED_MATMUL_SPEED', 1.0)
+    dense = predict.step_time(config, h100)['compute_s']
+    model, micro = config.model, config.train.micro_steps
+    padding = arithmetic.expert_padding(config)
+    flops = 2 * config.train.micro_batch * model.seq_len * 2 * counts.expert_params(model)
+    rate = predict.FIGURES['h100-80gb'].matmul_efficiency * 989e12
+    extra = flops * padding / tensor / rate * (1 / 0.59 - 1) * micro * model.num_layers
+    assert slow - dense == pytest.approx(3 * extra if kernel else 0.0, rel=1e-6, abs=1e-12)

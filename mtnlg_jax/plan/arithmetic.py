@@ -96,6 +96,19 @@ def exchange_ranks(config):
     return config.mesh.expert * (config.mesh.tensor if folded(config) else 1)
 
 
+def grouped_kernel(config):
+    """Whether a mixture of experts' routed experts run model/grouped_matmul.py's kernel on a
+    GPU (model/moe.py's grouped_mlp): at one exchange rank with each expert's width whole
+    (tensor 1), and in the ragged exchange; the padded exchange and a width split over tensor
+    run batched einsums (cuBLAS)."""
+    model = config.model
+    if not counts.experts_of(model):
+        return False
+    if exchange_ranks(config) > 1:
+        return model.moe.get('exchange', 'padded') == 'ragged'
+    return config.mesh.tensor == 1
+
+
 def planned_spec(names):
     """The rule table's PartitionSpec of a parameter, its routed experts split over 'expert'
     by expert (parallel/rules.py maps `experts` to nothing until expert parallelism does; the

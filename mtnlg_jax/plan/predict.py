@@ -41,7 +41,10 @@ tensor t, compute dtype of e bytes):
                 expert runs on every device one after another, its chosen rows only, and
                 the spread of the load costs nothing. Folded (model.moe.fold_tensor): the
                 exchange spans x t ranks, each tensor rank sends 1/t of the rows, and the
-                experts' tensor collectives are a dense MLP's
+                experts' tensor collectives are a dense MLP's. Where the routed experts run
+                the Pallas grouped kernel (one exchange rank at tensor 1, or the ragged
+                exchange: arithmetic.grouped_kernel), their matmuls take 1 /
+                GROUPED_MATMUL_SPEED of a dense matmul's time (measured on an H200)
 
     matmul(w) = matmul_efficiency x w / (w + matmul_knee): wide matmuls reach a fixed
                 fraction of peak, narrow ones (a small width per device after the tensor
@@ -86,6 +89,11 @@ from mtnlg_jax.plan import arithmetic, comm
 from mtnlg_jax.plan.arithmetic import itemsize
 from mtnlg_jax.parallel.schedule import IDLE
 
+# Our Pallas grouped matmul's active TFLOP/s over a capacity-padded batched einsum's (cuBLAS)
+# at the same work, forward and both gradients: 140.0 against 237.3 at 64 experts (129.4 /
+# 229.9 = 0.56 at 128) on an H200 (bench/gpu_check.py's grouped_matmul, docs/benchmarks.md
+# "The first GPU check"); no other GPU measured, so every cluster's prediction uses it.
+GROUPED_MATMUL_SPEED = 0.59
 ADAM_BYTES_PER_PARAM = 30  # read fp32 master, m, v, gradient; write master, m, v; write e copy
 
 
@@ -243,6 +251,9 @@ def layer_forward(
     width = min(tokens, h / t)
     fp8 = rates.matmul(fp8_flops, width, fp8=True)
     matmuls = rates.matmul(matmul_flops - fp8_flops, width) + fp8
+    if arithmetic.grouped_kernel(config):  # the routed experts' rows at the kernel's speed
+        routed = 2 * tokens * model.moe.top_k * counts.expert_params(model) * padding / t
+        matmuls += rates.matmul(routed, width) * (1 / GROUPED_MATMUL_SPEED - 1)
     collective = rates.link(_ring('all-reduce', tokens * h * e, t), t) * exposed
     again_flops, again_sums = _recomputed_products(model, tokens, t, f)
     return dict(
