@@ -42,6 +42,12 @@ def inputs(**overrides):
     return ml_collections.ConfigDict(config.to_dict())
 
 
+def pasted_back(config, entry, devices):
+    """The layout `config` takes with `entry`'s printed flags applied, as a row names it."""
+    pasted = [flag.removeprefix('--config.').split('=', 1) for flag in search.flags(entry).split()]
+    return search.describe(config_lib.resolve(cli.apply_overrides(config, pasted), devices))
+
+
 def is_hand_best(keys):
     return all(keys[key] == value for key, value in HAND_BEST.items())
 
@@ -196,9 +202,7 @@ def test_the_zero_bubble_schedules_the_in_flight_bounds_and_the_recompute_are_se
     text = search.describe(resolved)
     assert ' inflight5 ' in text and f' recompute {layout["model.remat_recompute"]}' in text
     entry = {'keys': {key: search._get(resolved, key) for key in search.FREE_KEYS}}
-    pasted = [flag.removeprefix('--config.').split('=', 1) for flag in search.flags(entry).split()]
-    again = config_lib.resolve(cli.apply_overrides(inputs(**{'model.num_layers': 8}), pasted), 8)
-    assert search.describe(again) == text
+    assert pasted_back(inputs(**{'model.num_layers': 8}), entry, 8) == text
 
 
 def test_a_long_sequence_searches_context_ranks_the_model_takes():
@@ -225,6 +229,4 @@ def test_a_long_sequence_searches_context_ranks_the_model_takes():
     best = search.search(long, 8, h100, fixed, top=1, progress=False)['best'][0]
     context = best['keys']['mesh.context']
     assert context > 1 and f' c{context} ' in best['layout'], best['layout']
-    pasted = [flag.removeprefix('--config.').split('=', 1) for flag in search.flags(best).split()]
-    again = config_lib.resolve(cli.apply_overrides(long, pasted), 8)
-    assert search.describe(again) == best['layout']
+    assert pasted_back(long, best, 8) == best['layout']
