@@ -42,6 +42,12 @@ def inputs(**overrides):
     return ml_collections.ConfigDict(config.to_dict())
 
 
+def pasted_back(config, entry, devices):
+    """The layout `config` takes with `entry`'s printed flags applied, as a row names it."""
+    pasted = [flag.removeprefix('--config.').split('=', 1) for flag in search.flags(entry).split()]
+    return search.describe(config_lib.resolve(cli.apply_overrides(config, pasted), devices))
+
+
 def is_hand_best(keys):
     return all(keys[key] == value for key, value in HAND_BEST.items())
 
@@ -196,6 +202,31 @@ def test_the_zero_bubble_schedules_the_in_flight_bounds_and_the_recompute_are_se
     text = search.describe(resolved)
     assert ' inflight5 ' in text and f' recompute {layout["model.remat_recompute"]}' in text
     entry = {'keys': {key: search._get(resolved, key) for key in search.FREE_KEYS}}
-    pasted = [flag.removeprefix('--config.').split('=', 1) for flag in search.flags(entry).split()]
-    again = config_lib.resolve(cli.apply_overrides(inputs(**{'model.num_layers': 8}), pasted), 8)
-    assert search.describe(again) == text
+    assert pasted_back(inputs(**{'model.num_layers': 8}), entry, 8) == text
+
+
+def test_a_long_sequence_searches_context_ranks_the_model_takes():
+    """8200 tokens (over search.WHOLE_SEQUENCE) on 8 GPUs: context c in 1, 2, 4 (8 would cut
+    8200 into 16 chunks: config/checks.py refuses), sequence parallelism only where 2 c t
+    chunks divide it (not at t2 c4 nor t4 c2), every layout resolves; the 32-token sequence
+    draws c = 1 alone unless --config.mesh.context fixes it. On H100s rank 1 splits the
+    sequence (a batch of 4 leaves data at most 4 of 8 GPUs), its row prints c and its flags
+    give the layout back."""
+    long = inputs(**{'model.seq_len': 8200, 'model.num_layers': 2, 'train.global_batch': 4})
+    fixed = {'model.remat'}  # full: the mesh is what matters here
+    found = list(search.layouts(long, 8, 8, fixed))
+    meshes = {(k['mesh.tensor'], k['mesh.context'], k['model.sequence_parallel']) for k in found}
+    assert {c for _, c, _ in meshes} == {1, 2, 4}
+    assert (2, 2, True) in meshes and not {(2, 4, True), (4, 2, True)} & meshes, meshes
+    for layout in found:
+        search.with_layout(long, layout, 8, fixed)  # config.ConfigError if refused
+    assert {k['mesh.context'] for k in search.layouts(inputs(), 8, 8)} == {1}
+    short = inputs(**{'mesh.context': 2})
+    kept = list(search.layouts(short, 8, 8, {'mesh.context', 'model.remat'}))
+    assert kept and {k['mesh.context'] for k in kept} == {2}
+    search.with_layout(short, kept[-1], 8, {'mesh.context'})
+    h100 = clusters.CLUSTERS['h100-80gb']
+    best = search.search(long, 8, h100, fixed, top=1, progress=False)['best'][0]
+    context = best['keys']['mesh.context']
+    assert context > 1 and f' c{context} ' in best['layout'], best['layout']
+    assert pasted_back(long, best, 8) == best['layout']

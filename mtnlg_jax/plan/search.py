@@ -10,12 +10,16 @@ middle stages share the rest evenly: config/stage_layers.py), expert ranks x div
 mixture of experts' routed experts (1 for a dense model; a mixture of experts at x = 1 only
 with t = 1 or folded: split over tensor, its experts take model/moe.py's batched path, whose
 gathered weight copies the plan does not count; docs/benchmarks.md, "Mixtral 8x22B on 256
-H100s"), parallel folding (model.moe.fold_tensor, t > 1, x t dividing the experts) or not,
-data d = devices / (t p x), the replicas d x dividing the global batch, micro-batch b
+H100s"), parallel folding (model.moe.fold_tensor, t > 1, x t dividing the experts, no
+context) or not, context ranks c (mesh.context) for a sequence longer than WHOLE_SEQUENCE,
+each c keeping a rank MIN_CONTEXT_TOKENS of it where the model's checks take its 2 c chunks
+(x t under sequence parallelism; config/checks.py), data d = devices / (t c p x), the
+replicas d x dividing the global batch, micro-batch b
 dividing the replica's batch, repeats v the stages' layers take (dividing an even stage's
 layers; at most the shortest unequal stage's), the schedule (1f1b or zbh1 at v = 1,
 interleaved or zbv at v = 2, interleaved beyond), remat none / selective / full (under
-selective, the recompute names of RECOMPUTES), sequence parallelism (t > 1), max_in_flight:
+selective, the recompute names of RECOMPUTES), sequence parallelism (t > 1, where the
+model's checks take it at t and c), max_in_flight:
 none or p, and for interleaved 1F1B the bounds above p up to the first whose table is the
 unbounded one (stage 0's chunk inputs, parallel/schedule.py), each only where its table
 differs from the bound before it (a bound whose table is another's is that layout again).
@@ -47,6 +51,7 @@ from mtnlg_jax.plan import predict, report
 
 FREE_KEYS = (
     'mesh.tensor',
+    'mesh.context',
     'mesh.stage',
     'mesh.data',
     'mesh.expert',
@@ -75,7 +80,18 @@ NEAR_FULL = 0.9
 # The schedules tried at each repeats v: 1F1B or ZB-H1 at one chunk a stage, interleaved 1F1B
 # or ZB-V (its V) at two, interleaved beyond (key 0: any other v)
 SCHEDULES = {1: ('1f1b', 'zbh1'), 2: ('interleaved', 'zbv'), 0: ('interleaved',)}
-MESH_KEYS = ('mesh.tensor', 'mesh.stage', 'mesh.data', 'mesh.expert')
+# Context ranks c (mesh.context) are drawn for sequences longer than WHOLE_SEQUENCE, down to
+# MIN_CONTEXT_TOKENS of each sequence a rank. A search cost, not the plan's verdict: at 8192
+# the plan ranks t8 c2 p16 d32 4.9 % faster than the best whole-sequence layout (the bubble
+# halves at twice the micro-batches), but drawing c in 1..8 makes the Llama 3 405B 8K search
+# 7 x the layouts (23200 against 3240); published runs train sequences up to 8192 whole
+# (Llama 3's pre-training), and --config.mesh.context=N searches one c at any length. At
+# 131072 the plan's step grows past c32 (c64 0.9 s slower; c128, 1024 tokens a rank, below
+# the 30 fastest), so a rank keeps no fewer than 1024 tokens (docs/benchmarks.md, "The
+# search over context").
+WHOLE_SEQUENCE = 8192
+MIN_CONTEXT_TOKENS = 1024
+MESH_KEYS = ('mesh.tensor', 'mesh.context', 'mesh.stage', 'mesh.data', 'mesh.expert')
 
 
 class SearchError(ValueError):
@@ -113,30 +129,74 @@ def layouts(inputs, devices, gpus_per_node, fixed=()):
     ]
     experts = model.moe.experts if 'moe' in model else 0
     stages = [p for p in range(1, model.num_layers + 1) if _stage_repeats(inputs, p, 1)]
+    splits = _SequenceSplits(inputs)
     meshes = itertools.product(
         choices('mesh.tensor', tensors),
+        choices('mesh.context', contexts(inputs, devices)),
         choices('mesh.stage', stages),
         choices('mesh.expert', _divisors(experts) if experts else [1]),
     )
-    for t, p, x in meshes:
-        if devices % (t * p * x):
+    for t, c, p, x in meshes:
+        if devices % (t * c * p * x) or not splits(t, c):
             continue
-        d = devices // (t * p * x)
+        d = devices // (t * c * p * x)
         wanted = _get(inputs, 'mesh.data')
         if 'mesh.data' in fixed and wanted != -1 and d != wanted:
             continue
         if batch % (d * x):
             continue
-        folds = [False, True] if experts and t > 1 and experts % (x * t) == 0 else [False]
+        # folding splits each sequence's rows over tensor: whole sequences, no context
+        foldable = experts and t > 1 and c == 1 and experts % (x * t) == 0
+        folds = [False, True] if foldable else [False]
         for fold in choices('model.moe.fold_tensor', folds):
             if experts and x == 1 and t > 1 and not fold:
                 continue  # one expert rank over tensor: the batched path's weight copies
             if experts and fold and t > 1 and experts % (x * t):
                 continue  # folding fixed on: the experts do not divide over expert x tensor
-            mesh = {'mesh.tensor': t, 'mesh.stage': p, 'mesh.data': d, 'mesh.expert': x}
+            mesh = {
+                **{'mesh.tensor': t, 'mesh.context': c, 'mesh.stage': p},
+                **{'mesh.data': d, 'mesh.expert': x},
+            }
             mesh.update({'model.moe.fold_tensor': fold} if experts else {})
             repeats = [v for v in range(1, model.num_layers + 1) if _stage_repeats(inputs, p, v)]
-            yield from _schedules(choices, mesh, model, batch // (d * x), repeats)
+            yield from _schedules(choices, mesh, splits(t, c), batch // (d * x), repeats)
+
+
+def contexts(inputs, devices):
+    """The context ranks c the search draws on `devices` GPUs: 1, and for a sequence longer
+    than WHOLE_SEQUENCE each c dividing them that leaves a rank MIN_CONTEXT_TOKENS of it (the
+    model's own checks then say which resolve: _SequenceSplits)."""
+    seq = inputs.model.seq_len
+    if seq <= WHOLE_SEQUENCE:
+        return [1]
+    return [c for c in _divisors(devices) if seq // c >= MIN_CONTEXT_TOKENS]
+
+
+class _SequenceSplits:
+    """splits(t, c): the sequence parallelism (False, True) the model's own checks accept at
+    tensor t and context c (config.resolve_model on the mesh t x c), [] where neither."""
+
+    def __init__(self, inputs):
+        self.inputs, self.found = inputs, {}
+
+    def __call__(self, t, c):
+        if (t, c) not in self.found:
+            self.found[t, c] = [sp for sp in (False, True)[: 1 + (t > 1)] if self._runs(t, c, sp)]
+        return self.found[t, c]
+
+    def _runs(self, t, c, sp):
+        config = ml_collections.ConfigDict(self.inputs.to_dict())
+        config.mesh.update(dict(tensor=t, context=c, stage=1, data=1, expert=1))
+        config.model.sequence_parallel = sp
+        pipeline = dict(repeats=1, first_stage_layers=0, last_stage_layers=0)  # one stage
+        config.pipeline.update({k: v for k, v in pipeline.items() if k in config.pipeline})
+        if 'moe' in config.model:
+            config.model.moe.fold_tensor = False
+        try:
+            config_lib.resolve_model(config, t * c)
+        except config_lib.ConfigError:
+            return False
+        return True
 
 
 def _stage_repeats(inputs, stages, repeats):
@@ -152,12 +212,11 @@ def _stage_repeats(inputs, stages, repeats):
     return stages > 1 or repeats == 1
 
 
-def _schedules(choices, mesh, model, replica_batch, repeats):
+def _schedules(choices, mesh, sp, replica_batch, repeats):
     """layouts' entries of one mesh: repeats (those the stages' layers take), the schedule
     (SCHEDULES of the repeats), micro-batch, recompute (RECOMPUTES under selective), sequence
-    parallelism and the in-flight bound (_bounds), each as `choices` allows."""
-    t, p = mesh['mesh.tensor'], mesh['mesh.stage']
-    sp = [False, True] if t > 1 and model.seq_len % t == 0 else [False]
+    parallelism (of `sp`) and the in-flight bound (_bounds), each as `choices` allows."""
+    p = mesh['mesh.stage']
     for v, b, remat, seq in itertools.product(
         choices('pipeline.repeats', repeats),
         choices('train.micro_batch', _divisors(replica_batch)),
@@ -231,7 +290,8 @@ def with_layout(inputs, layout, devices, fixed=()):
 def describe(config):
     """The layout of a resolved config in one short string."""
     mesh, train, pipe, model = config.mesh, config.train, config.pipeline, config.model
-    text = f't{mesh.tensor} p{mesh.stage} d{mesh.data}'
+    text = f't{mesh.tensor}' + (f' c{mesh.context}' if mesh.context > 1 else '')
+    text += f' p{mesh.stage} d{mesh.data}'
     if mesh.expert > 1:
         text += f' x{mesh.expert}'
     if 'moe' in model and model.moe.fold_tensor and mesh.tensor > 1:
@@ -342,7 +402,7 @@ def _no_layout(inputs, devices, fixed):
     return (
         f'no layout of {inputs.model.num_layers} layers, {inputs.model.heads} heads and '
         f'global batch {inputs.train.global_batch} uses {devices} GPUs (data x stage x '
-        f'expert x tensor must be {devices}, data x expert must divide the global batch)'
+        f'expert x context x tensor must be {devices}, data x expert must divide the global batch)'
         + (f'; fixed: {", ".join(sorted(fixed))}' if fixed else '')
     )
 
