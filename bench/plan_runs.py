@@ -26,17 +26,31 @@ def argument_parser(doc, results):
     return parser
 
 
-def run_plans(jobs, reuse, desc):
+def run_plans(jobs, reuse, desc, keep_going=False):
     """Run each (name, command, JSON path) whose JSON is missing (or every one unless `reuse`),
-    with a progress bar; the first failure ends the benchmark with its stderr."""
+    with a progress bar; the first failure ends the benchmark with its stderr, or, keep_going,
+    the others run and it returns {name: the failure's cause in one line} (else {})."""
+    failed = {}
     for name, command, path in tqdm(jobs, desc=desc, unit='compile'):
         if reuse and path.exists():
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
         tqdm.write(' '.join(str(part) for part in command[1:]))
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-        if done.returncode != 0:
+        if done.returncode != 0 and not keep_going:
             sys.exit(f'{name}: launch/plan.py failed:\n{done.stderr[-3000:]}')
+        if done.returncode != 0:
+            failed[name] = cause(done.stderr)
+            tqdm.write(f'{name}: failed: {failed[name]}')
+    return failed
+
+
+def cause(stderr):
+    """A failed plan's cause in one line: its last `error:` line (launch/plan.py's), else its
+    last line of output."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith('error:')]
+    return (errors or lines or ['no output'])[-1][:300]
 
 
 def read_plan(path):

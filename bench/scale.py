@@ -21,6 +21,9 @@ compile-only GPUs in one process, 2,240 of them for MT-NLG (DIR/NAME.TARGET.json
 table: XLA:GPU's peak per device next to XLA:CPU's, compiled / model FLOPs, whether attention
 ran fused, and the exposed communication of the overlap replay (plan/overlap.py).
 
+A compile that fails is its table's row `failed: CAUSE` (launch/plan.py's `error:` line), the
+others run and both tables are printed; the benchmark then exits 1 naming the failed ones.
+
 --reuse keeps a config's JSON already in DIR (the 530 B compile takes minutes). How to read
 the table: "planned" is the plan of the layout on GPUs (bf16 where the config says so);
 "planned as compiled" the plan of the compiled layout computed in fp32, as XLA:CPU compiles a
@@ -168,6 +171,16 @@ GPU_HEADER = [
 ]
 
 
+def failed_row(header, lead, why):
+    """A table row of a compile that failed: its name (and target), the cause, '-' elsewhere."""
+    cells = [*lead, f'failed: {why}'.replace('|', '/')]
+    return cells + ['-'] * (len(header) - len(cells))
+
+
+def job_name(name, target):
+    return f'{name} {target or "cpu"}'
+
+
 def main():
     parser = argument_parser(__doc__, 'runs/scale')
     parser.add_argument('--only', nargs='*', choices=list(RUNS), default=list(RUNS))
@@ -177,13 +190,13 @@ def main():
     todo = runs(args.only, with_gpu=missing is None)
     jobs = [
         (
-            f'{name} {target or "cpu"}',
+            job_name(name, target),
             plan_command(name, results, target),
             json_path(results, name, target),
         )
         for name, target in todo
     ]
-    run_plans(jobs, args.reuse, 'plan --compile')
+    failed = run_plans(jobs, args.reuse, 'plan --compile', keep_going=True)
     print('\nScale check: planned and compiled train steps, per device')
     print(f'command: python {" ".join(sys.argv)}')
     print(
@@ -191,25 +204,38 @@ def main():
         f'a100-80gb --json {results}/NAME.json, ARGS: {RUNS}'
     )
     print(f'machine: {os.cpu_count()} CPU cores (compile times are noisy on a shared machine)')
-    print_markdown(HEADER, [row(name, read_plan(json_path(results, name))) for name in args.only])
+    print_markdown(HEADER, [cpu_table_row(name, results, failed) for name in args.only])
     print('\nXLA:GPU: the same train steps compiled for compile-only GPUs (plan.py --target)')
     if missing is not None:
         print(f'skipped: {missing}')
-        return
-    print(
-        'each row: python launch/plan.py --config configs/NAME.py ARGS --target TARGET --json '
-        f'{results}/NAME.TARGET.json; exposed comm: the overlap replay of the compiled schedule '
-        '(compute at peak, collectives at the link bandwidths)'
-    )
-    rows = []
-    for name, target in todo:
-        if target is not None:
-            cpu_path = json_path(results, name)
-            cpu_plan = read_plan(cpu_path) if cpu_path.exists() else None
-            rows.append(
-                gpu_row(name, target, read_plan(json_path(results, name, target)), cpu_plan)
-            )
-    print_markdown(GPU_HEADER, rows)
+    else:
+        print(
+            'each row: python launch/plan.py --config configs/NAME.py ARGS --target TARGET '
+            f'--json {results}/NAME.TARGET.json; exposed comm: the overlap replay of the compiled '
+            'schedule (compute at peak, collectives at the link bandwidths)'
+        )
+        rows = [gpu_table_row(name, t, results, failed) for name, t in todo if t is not None]
+        print_markdown(GPU_HEADER, rows)
+    if failed:
+        sys.exit(f'{len(failed)} of {len(jobs)} compiles failed: {", ".join(failed)}')
+
+
+def cpu_table_row(name, results, failed):
+    why = failed.get(job_name(name, None))
+    if why is not None:
+        return failed_row(HEADER, [name], why)
+    return row(name, read_plan(json_path(results, name)))
+
+
+def gpu_table_row(name, target, results, failed):
+    why = failed.get(job_name(name, target))
+    if why is not None:
+        return failed_row(GPU_HEADER, [name, target], why)
+    cpu_path = json_path(results, name)
+    cpu_plan = None
+    if job_name(name, None) not in failed and cpu_path.exists():
+        cpu_plan = read_plan(cpu_path)
+    return gpu_row(name, target, read_plan(json_path(results, name, target)), cpu_plan)
 
 
 if __name__ == '__main__':

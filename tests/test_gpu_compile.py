@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import support
 from mtnlg_jax.xla import gpu_compile
+from mtnlg_jax.parallel import taps
 from mtnlg_jax.plan import arithmetic, clusters, gpu_target, overlap, report
 from mtnlg_jax.plan.loop_copies import loop_copies
 
@@ -284,3 +285,29 @@ def test_a_llama_block_compiles_with_grouped_cudnn_attention_inside_the_pipeline
     gather = 6 * config.model.padded_vocab * config.model.hidden * tokens
     ratio = compiled['flops_vs_model'] * model / (model - gather)
     assert 1.0 <= ratio < 1.05, (ratio, compiled['flops_vs_model'])
+
+
+def test_the_530b_attention_out_weight_gradient_compiles_for_h100s():
+    """The fused accumulation's dW GEMM (taps.weight_grads into its fp32 accumulator) at MT-NLG
+    530 B's per-device attention-out shape on an H100: 16 heads x head_dim 160 x hidden 20480,
+    its x as the flash kernel leaves it (heads outermost). As the GEMM's left-hand side XLA:GPU
+    fused x's transpose and found no tile (its untuned 64 rows for a GEMM this size do not
+    divide 160: "Couldn't find output tile sizes", docs/benchmarks.md); as the right-hand side
+    (taps._contract) it writes x contiguous first."""
+    (device,) = gpu_target.devices('h100-80gb', 1)
+    on = jax.sharding.SingleDeviceSharding(device)
+    heads, head_dim, hidden, tokens = 16, 160, 20480, 256
+
+    def accumulate(acc, x, dy):
+        x = jnp.transpose(x, (1, 2, 3, 0, 4))  # (heads, l, b, q, d) -> (l, b, q, heads, d)
+        return acc + taps._contract('lbqhd', x, 'lbqe', dy, 'lhde')
+
+    shapes = [
+        ((1, heads, head_dim, hidden), jnp.float32),
+        ((heads, 1, 1, tokens, head_dim), jnp.bfloat16),
+        ((1, 1, tokens, hidden), jnp.bfloat16),
+    ]
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=on) for shape, dtype in shapes]
+    text = jax.jit(accumulate, donate_argnums=0).lower(*args).compile().as_text()
+    gemms = re.findall(r'%gemm_fusion\S* = (f32\[[\d,]+\])', text)
+    assert gemms == ['f32[20480,2560]'], gemms  # one GEMM, x its right-hand side

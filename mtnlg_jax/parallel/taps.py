@@ -215,10 +215,30 @@ def weight_grads(sites, stashed, acc=None):
         inputs, out = site.spec.split('->')  # gathered again
         x_spec, w_spec = inputs.split(',')
         layer = next(c for c in 'lzyxw' if c not in site.spec)
-        spec = f'{layer}{x_spec},{layer}{out}->{layer}{w_spec}'
-        d = jnp.einsum(spec, x, dy, preferred_element_type=jnp.float32)
+        d = _contract(f'{layer}{x_spec}', x, f'{layer}{out}', dy, f'{layer}{w_spec}')
         grads[site.path] = d if site.path not in grads else grads[site.path] + d
     return grads
+
+
+def _contract(x_spec, x, dy_spec, dy, w_spec):
+    """dW in fp32: x and dy contracted over every axis but w_spec's, the operand that holds
+    more of the kernel's axes (attention-out's x: heads and head_dim) as the GEMM's right-hand
+    side. XLA:GPU's GEMM fusion takes a left-hand side whose kernel axes arrive transposed (the
+    flash kernel's output, heads outermost) into the GEMM, and then a row tile must divide
+    head_dim: H100's untuned 64 rows do not divide MT-NLG's 160 ("Couldn't find output tile
+    sizes"); a right-hand side like that it writes contiguous first (docs/benchmarks.md, "The
+    530 B's dW GEMMs on H100s")."""
+    layer = w_spec[0]  # the GEMM's batch axis, leading every spec
+
+    def kept(spec):
+        return ''.join(c for c in spec[1:] if c in w_spec)
+
+    if len(kept(x_spec)) > len(kept(dy_spec)):
+        x_spec, x, dy_spec, dy = dy_spec, dy, x_spec, x
+    # in the GEMM's own order, then transposed (jnp.einsum would swap the operands back)
+    order = layer + kept(x_spec) + kept(dy_spec)
+    d = jnp.einsum(f'{x_spec},{dy_spec}->{order}', x, dy, preferred_element_type=jnp.float32)
+    return jnp.transpose(d, [order.index(c) for c in w_spec])
 
 
 def add_weight_grads(acc, sites, stashed):
