@@ -1,6 +1,25 @@
 """Every test runs on a CPU with 8 simulated devices, set before JAX is imported."""
 
+import atexit
 import os
+import shutil
+import tempfile
+
+
+def _kernel_cache_flags():
+    """XLA:GPU's compiles (test_gpu_compile.py, test_loop_copies.py, ...): one file of the
+    kernels they assembled, a test process's and the tools' it starts (one at a time), so a
+    kernel another compile made (a GEMM of the same shapes, a like fusion) is not lowered
+    and assembled (ptxas: half a compile's CPU) again. The HLO the tests read is optimized
+    before any kernel is made; test_loop_copies.py 79.9 -> 68.6 CPU-s (docs/benchmarks.md,
+    "The test suite's time"). XLA:CPU ignores both."""
+    folder = tempfile.mkdtemp(prefix='mtnlg_jax_test_gpu_kernels_')
+    atexit.register(shutil.rmtree, folder, True)
+    return (
+        f' --xla_gpu_kernel_cache_file={folder}/kernels'
+        ' --xla_gpu_enable_llvm_module_compilation_parallelism=true'  # the cache's unit
+    )
+
 
 # Compiling dominates these small models' tests: a cheaper LLVM backend halves it, XLA:CPU's
 # older loop emitters instead of its MLIR fusion emitters halve it again, and one LLVM module
@@ -11,6 +30,7 @@ os.environ['XLA_FLAGS'] = (
     + ' --xla_force_host_platform_device_count=8'
     + ' --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true'
     + ' --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1'
+    + _kernel_cache_flags()
 ).strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # No Python stack (up to 100 frames) in every op's location: lowering and compiling carry

@@ -2,13 +2,17 @@
 (plan/gpu_target.py), read by the planner's tools. Skipped, with what to install, without the
 gpu-compile compiler (make gpu-compile)."""
 
+import contextlib
 import functools
+import io
 import json
+import os
 import re
 import pathlib
 import subprocess
 import sys
 import tempfile
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -72,26 +76,56 @@ TINY_AS_PIPELINED = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
+# support.plan_config('tensor') made the same way (data 2 x tensor 4, 2 layers, no pipeline):
+# the cheapest layout to compile twice for --pgle.
+TINY_AS_TENSOR = [
+    *TINY_AS_PIPELINED,
+    '--config.mesh.stage=1',
+    '--config.mesh.tensor=4',
+    '--config.pipeline.repeats=1',
+    '--config.model.num_layers=2',
+    '--config.train.micro_batch=4',
+]
+
+
 @functools.lru_cache(maxsize=None)
 def plan_at_the_command_line():
-    """`launch/plan.py --config configs/tiny.py [TINY_AS_PIPELINED] --target a100-80gb --json
-    --pgle` as a user runs it: (its result, the plan its JSON holds, the instruction names of
-    the latency profile its first compile wrote: plan/pgle.py)."""
+    """`launch/plan.py --config configs/tiny.py [TINY_AS_PIPELINED] --target a100-80gb --json`
+    as a user runs it: (its result, the plan its JSON holds)."""
     with tempfile.TemporaryDirectory() as folder:
         out = pathlib.Path(folder) / 'plan.json'
         command = [sys.executable, str(support.ROOT / 'launch/plan.py'), '--config',
                    'configs/tiny.py', *TINY_AS_PIPELINED, '--target', TARGET,
-                   '--json', str(out), '--pgle']  # fmt: skip
+                   '--json', str(out)]  # fmt: skip
         result = subprocess.run(
             ['timeout', '-k', '10', '280', *command],
             capture_output=True, text=True, cwd=support.ROOT, env=support.TRAIN_ENV,
         )  # fmt: skip
         assert result.returncode == 0, result.stderr[-2000:]
+        return result, json.loads(out.read_text())
+
+
+@functools.lru_cache(maxsize=None)
+def pgle_plan():
+    """`launch/plan.py --config configs/tiny.py [TINY_AS_TENSOR] --target a100-80gb --json
+    --pgle`, its main(argv) in this process (no second JAX start-up): (what it printed, the
+    plan its JSON holds, the instruction names of the latency profile its first compile
+    wrote: plan/pgle.py)."""
+    plan_tool = support.launch_module('plan')
+    printed = io.StringIO()
+    with tempfile.TemporaryDirectory() as folder:
+        out = pathlib.Path(folder) / 'plan.json'
+        args = ['--config', str(support.ROOT / 'configs/tiny.py'), *TINY_AS_TENSOR,
+                '--target', TARGET, '--json', str(out), '--pgle']  # fmt: skip
+        # the environment the tool sets before JAX starts (XLA_FLAGS) put back afterwards
+        with mock.patch.dict(os.environ), contextlib.redirect_stdout(printed):
+            with contextlib.redirect_stderr(printed):
+                status = plan_tool.main(args)
+        assert not status, printed.getvalue()[-2000:]
         profile = pathlib.Path(f'{out}.pgle.pbtxt').read_text()
         names = set(re.findall(r'costs \{ name: "([^"]+)" cost_us: [0-9.]+ \}', profile))
         assert len(names) == len(profile.splitlines()), profile[:500]
-        return result, json.loads(out.read_text()), names
+        return printed.getvalue(), json.loads(out.read_text()), names
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,14 +140,9 @@ def test_plan_target_compiles_the_tiny_config_for_a100s():
     x stage 2 x tensor 2, interleaved 1F1B) on 8 compile-only A100s, its overrides those of
     support.plan_config('pipelined') (the plan, compile aside, is that config's); the JSON has
     XLA:GPU's memory, matmul FLOPs, attention kernels and the overlap table, the printout its
-    rows; with --pgle, compiled a second time with the first's replayed costs as XLA's
-    latency profile."""
-    result, plan, profiled = plan_at_the_command_line()
+    rows (--pgle: the next test)."""
+    result, plan = plan_at_the_command_line()
     compiled = plan['compiled']
-    # --pgle: the second compile's collectives are the first's by name, so XLA's scheduler
-    # finds each one's replayed cost in the profile
-    assert {op['name'] for op in compiled['collectives']} <= profiled
-    assert 'compiled again with the first compile\'s replayed costs' in result.stdout
     # the plan's figures, its config included, are plan_config's ('cluster': its prediction,
     # which the compile's overlap table updates)
     in_process = json.loads(json.dumps(report.make_plan(support.plan_config('pipelined'), TARGET)))
@@ -142,6 +171,21 @@ def test_plan_target_compiles_the_tiny_config_for_a100s():
     assert 'compile-only a100-80gb GPUs (XLA:GPU)' in result.stdout
     assert 'collective-permute stage' in result.stdout and 'overlapped' in result.stdout
     assert 'autotuning was skipped' in result.stdout
+
+
+def test_plan_pgle_compiles_again_with_the_replayed_costs_as_the_latency_profile():
+    """`launch/plan.py --target a100-80gb --pgle` on support.plan_config('tensor') made at the
+    command line (its plan, config included, that config's): compiled a second time with the
+    first compile's replayed costs as XLA's latency profile, whose rows parse one by one; the
+    second compile's collectives are the first's by name, so XLA's scheduler finds each one's
+    replayed cost in the profile."""
+    printed, plan, profiled = pgle_plan()
+    in_process = json.loads(json.dumps(report.make_plan(support.plan_config('tensor'), TARGET)))
+    for key in (set(plan) | set(in_process)) - {'compiled', 'cluster'}:
+        assert plan.get(key) == in_process.get(key), key
+    collectives = {op['name'] for op in plan['compiled']['collectives']}
+    assert collectives and collectives <= profiled
+    assert 'compiled again with the first compile\'s replayed costs' in printed
 
 
 @pytest.mark.parametrize('name', list(support.PLAN_LAYOUTS))

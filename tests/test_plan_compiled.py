@@ -307,11 +307,12 @@ def test_planned_memory_per_device(name):
     assert _close(compiled['peak_bytes'], total), (compiled['peak_bytes'], total)
 
 
+@functools.lru_cache(maxsize=None)  # remat full ignores `recompute`: cases share its compiles
 def _temporaries(block, remat, layers, sequence_parallel, recompute=''):
     config = support.small_config(
         tensor=4, remat=remat, num_layers=layers, seq_len=256, vocab_size=512,
         sequence_parallel=sequence_parallel, **(support.LLAMA_BLOCK if block == 'llama' else {}),
-        remat_recompute=recompute if remat == 'selective' else '',
+        remat_recompute=recompute,
     )  # fmt: skip
     compiled, _, _ = compile_lib.compile_train_step(config)
     return config, compiled.memory_analysis().temp_size_in_bytes
@@ -331,8 +332,9 @@ def test_selective_recompute_keeps_per_layer_what_the_plan_counts(
     these); with model.remat_recompute, less what it names (the 405B's: docs/benchmarks.md)."""
     grown, configs = {}, {}
     for remat in ('selective', 'full'):
-        _, two = _temporaries(block, remat, 2, sequence_parallel, recompute)
-        configs[remat], four = _temporaries(block, remat, 4, sequence_parallel, recompute)
+        names = recompute if remat == 'selective' else ''
+        _, two = _temporaries(block, remat, 2, sequence_parallel, names)
+        configs[remat], four = _temporaries(block, remat, 4, sequence_parallel, names)
         grown[remat] = (four - two) / 2
     rows, model = configs['selective'].train.micro_batch, configs['selective'].model
     full = arithmetic.layer_activation_bytes(model, rows, 4, 'full')
