@@ -2,10 +2,9 @@
 holding chunks r and 2c - 1 - r, keys and values gathered over 'context'. On packed documents
 every context layout computes one device's loss and gradients (GPT's block and Llama's; with
 full recompute and the block on sequence pieces; pipelined interleaved, and plain 1F1B on
-stages of unequal depth); no
-attention leaks across a document that starts in a chunk and ends in its mirror; the compiled
-step gathers keys and values over 'context' in every layer; bad sizes are one error naming
-the key."""
+stages of unequal depth); no attention leaks across a document that starts in a chunk and
+ends in its mirror; the compiled step gathers keys and values over 'context' in every layer;
+bad sizes are one error naming the key."""
 
 import jax
 import jax.numpy as jnp
