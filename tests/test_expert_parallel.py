@@ -1,13 +1,15 @@
 """Expert parallelism (mesh.expert; parallel/rules.py, model/moe.py's exchange): an MoE block
-under data x expert x tensor, expert x tensor with sequence parallelism, stage x expert x
-tensor interleaved, context x expert x tensor and expert 8 alone computes one device's loss,
-every gradient leaf and side value (dropless, and with capacity 1.0 the same tokens dropped:
-under context too, where the sequence is held in the chunk order), GPT's and Llama's
-blocks (the router bias moving alike: test_moe.py), a dense layer ahead of the experts
-(model.moe.dense_layers) unpipelined and pipelined; the eval step scores alike; a checkpoint
-with a dense layer restores under another expert layout and a pipelined one; the compiled
-step carries the tokens by all-to-all over 'expert'; the experts' state is split over
-'expert' and ZeRO-1 over 'data' alone; bad input is one line."""
+under data x expert x tensor, expert x tensor with sequence parallelism (the attention on
+sequence pieces), stage x expert x tensor interleaved and plain 1F1B on stages of unequal
+depth, context x expert x tensor under full recompute and expert 8 alone computes one
+device's loss, every gradient leaf and side value (dropless, and with capacity 1.0 the same
+tokens dropped: under context too, where the sequence is held in the chunk order), and the
+router bias the step keeps after the batch; GPT's and Llama's blocks, a dense layer ahead of
+the experts (model.moe.dense_layers) unpipelined and pipelined, and bf16 against one device in
+bf16; the eval step scores alike; a checkpoint with a dense layer restores under another
+expert layout and a pipelined one; the compiled step carries the tokens by all-to-all over
+'expert'; the experts' state is split over 'expert' and ZeRO-1 over 'data' alone; bad input
+is one line."""
 
 import jax
 import numpy as np
