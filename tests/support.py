@@ -136,8 +136,9 @@ def gradients_and_values(config, batch, step=0, buffers_after=False):
         loss, grads, values = step_lib.gradients_and_values(
             config, setup, params, tokens, rows, jnp.int32(step), buffers
         )
-        after = step_lib.buffers_after(setup, buffers, values, jnp.int32(step))
-        return loss, grads, values, after if buffers_after else None
+        if not buffers_after:
+            return loss, grads, values, None
+        return loss, grads, values, step_lib.buffers_after(setup, buffers, values, jnp.int32(step))
 
     with jax.set_mesh(mesh):
         state = state_lib.init_state(config, setup)
