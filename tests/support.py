@@ -51,14 +51,18 @@ def small_config(
     schedule='1f1b',
     expert=1,
     context=1,
+    first_stage_layers=0,
     **model_overrides,
 ):
     """A 2-layer GPT (heads divisible by 8) that runs in seconds, fp32, no dropout; expert:
     mesh.expert (an MoE model's), more replicas of the batch beside data's; context:
-    mesh.context (each sequence in 2 x context chunks)."""
+    mesh.context (each sequence in 2 x context chunks); first_stage_layers: the pipeline's
+    (0: stages of equal depth)."""
     config = config_lib.defaults()
     config.mesh.update(dict(data=data, stage=stage, tensor=tensor, expert=expert, context=context))
-    config.pipeline.update(dict(repeats=repeats, schedule=schedule))
+    config.pipeline.update(
+        dict(repeats=repeats, schedule=schedule, first_stage_layers=first_stage_layers)
+    )
     config.model.update(
         dict(
             num_layers=2,
@@ -121,23 +125,30 @@ def gradients(config, batch, step=0):
     return gradients_and_values(config, batch, step)[:3]
 
 
-def gradients_and_values(config, batch, step=0):
+def gradients_and_values(config, batch, step=0, buffers_after=False):
     """(initial params, loss, grads, side values) of one global batch, all on the host
-    (step.gradients_and_values)."""
+    (step.gradients_and_values); buffers_after: and a fifth, the buffers the train step
+    keeps after this batch (step.buffers_after on these side values, in the same compile),
+    in layer order."""
     mesh, setup = layout(config)
+
+    def grad_fn(params, tokens, rows, buffers):
+        loss, grads, values = step_lib.gradients_and_values(
+            config, setup, params, tokens, rows, jnp.int32(step), buffers
+        )
+        if not buffers_after:
+            return loss, grads, values, None
+        return loss, grads, values, step_lib.buffers_after(setup, buffers, values, jnp.int32(step))
+
     with jax.set_mesh(mesh):
         state = state_lib.init_state(config, setup)
         tokens, rows = batch_lib.place_batch(
             *batch_lib.to_micro_steps(batch.astype(np.int32), config.train.micro_steps), mesh
         )
-        grad_fn = jax.jit(
-            lambda params, tokens, rows, buffers: step_lib.gradients_and_values(
-                config, setup, params, tokens, rows, jnp.int32(step), buffers
-            )
-        )
-        loss, grads, values = grad_fn(state['params'], tokens, rows, state.get('buffers'))
-        params, loss, grads, values = jax.device_get((state['params'], loss, grads, values))
-    return in_layer_order(config, params), loss, in_layer_order(config, grads), values
+        out = jax.jit(grad_fn)(state['params'], tokens, rows, state.get('buffers'))
+        params, (loss, grads, values, after) = jax.device_get((state['params'], out))
+    got = in_layer_order(config, params), loss, in_layer_order(config, grads), values
+    return (*got, in_layer_order(config, after)) if buffers_after else got
 
 
 def in_layer_order(config, tree):

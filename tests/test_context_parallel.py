@@ -1,9 +1,10 @@
 """Context parallelism (parallel/context.py): each sequence in 2 x context chunks, rank r
 holding chunks r and 2c - 1 - r, keys and values gathered over 'context'. On packed documents
-every context layout computes one device's loss and gradients (GPT's block and Llama's); no
-attention leaks across a document that starts in a chunk and ends in its mirror; the compiled
-step gathers keys and values over 'context' in every layer; bad sizes are one error naming
-the key."""
+every context layout computes one device's loss and gradients (GPT's block and Llama's; with
+full recompute and the block on sequence pieces; pipelined interleaved, and plain 1F1B on
+stages of unequal depth); no attention leaks across a document that starts in a chunk and
+ends in its mirror; the compiled step gathers keys and values over 'context' in every layer;
+bad sizes are one error naming the key."""
 
 import jax
 import jax.numpy as jnp
@@ -24,10 +25,11 @@ from mtnlg_jax.plan import arithmetic, comm, hlo
 
 EOD = 7
 PACKING = dict(reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
-LAYOUTS = {  # (data, context, tensor, sequence_parallel)
-    'd2c2t2sp': (2, 2, 2, True),
-    'c4t2': (1, 4, 2, False),
-    'c8': (1, 8, 1, False),
+LAYOUTS = {  # (data, context, tensor, sequence_parallel, more keys of small_config)
+    # full recompute, the block's attention and MLP on 2 pieces of each sequence
+    'd2c2t2sp-full-pieces2': (2, 2, 2, True, dict(remat='full', sequence_pieces=2)),
+    'c4t2': (1, 4, 2, False, {}),
+    'c8': (1, 8, 1, False, {}),
 }
 # GPT in 4 layers: the pipelined layout's (a layer a chunk), so one device's reference serves it
 BLOCKS = {'gpt': dict(num_layers=4), 'llama': support.LLAMA_BLOCK}
@@ -74,25 +76,33 @@ def test_rank_r_holds_chunk_r_and_its_mirror():
 
 
 # every layout once, both blocks between them (a covering set: each case compiles a step)
-@pytest.mark.parametrize('layout, block', [('d2c2t2sp', 'llama'), ('c4t2', 'gpt'), ('c8', 'llama')])
+@pytest.mark.parametrize(
+    'layout, block', [('d2c2t2sp-full-pieces2', 'llama'), ('c4t2', 'gpt'), ('c8', 'llama')]
+)
 def test_a_packed_context_layout_equals_one_device(one_device, layout, block):
-    """Loss and every gradient (per leaf, within 1e-5 of its largest) of one device, fp32."""
-    data, context, tensor, sp = LAYOUTS[layout]
-    config = context_config(data, context, tensor, sp, **BLOCKS[block])
+    """Loss and every gradient (per leaf, within 1e-5 of its largest) of one device, fp32
+    (which recomputes nothing and runs whole sequences)."""
+    data, context, tensor, sp, more = LAYOUTS[layout]
+    config = context_config(data, context, tensor, sp, **more, **BLOCKS[block])
     _, loss, grads = support.gradients(config, packed_batch())
     loss_one, grads_one = one_device[block]
     np.testing.assert_allclose(loss, loss_one, rtol=1e-6)
     support.assert_gradients_close(grads, grads_one)
 
 
-@pytest.mark.parametrize('block', ['gpt'])
-def test_a_pipelined_context_layout_equals_one_device(one_device, block):
-    """Stage 2 x context 2 x tensor 2, interleaved 1F1B (2 chunks a stage, 4 micro-batches, 4
-    layers): every chunk gets its micro-batch's global positions with its tokens."""
-    loss_one, grads_one = one_device[block]
-    config = context_config(
-        1, 2, 2, micro_steps=4, stage=2, repeats=2, schedule='interleaved', **BLOCKS[block]
-    )
+PIPELINES = {  # GPT's 4 layers on stage 2 x context 2 x tensor 2, 4 micro-batches
+    'gpt-s2c2t2-interleaved': dict(repeats=2, schedule='interleaved'),  # 2 chunks a stage
+    'gpt-s2c2t2-1f1b-first1': dict(first_stage_layers=1),  # stages of 1 and 3 layers
+}
+
+
+@pytest.mark.parametrize('pipeline', PIPELINES)
+def test_a_pipelined_context_layout_equals_one_device(one_device, pipeline):
+    """Interleaved 1F1B, and plain 1F1B on stages of unequal depth: every chunk gets its
+    micro-batch's global positions with its tokens."""
+    loss_one, grads_one = one_device['gpt']
+    pipelined = dict(micro_steps=4, stage=2, **PIPELINES[pipeline], **BLOCKS['gpt'])
+    config = context_config(1, 2, 2, **pipelined)
     _, loss, grads = support.gradients(config, packed_batch())
     np.testing.assert_allclose(loss, loss_one, rtol=1e-6)
     support.assert_gradients_close(grads, grads_one)

@@ -1,13 +1,15 @@
 """Expert parallelism (mesh.expert; parallel/rules.py, model/moe.py's exchange): an MoE block
-under data x expert x tensor, expert x tensor with sequence parallelism, stage x expert x
-tensor interleaved, context x expert x tensor and expert 8 alone computes one device's loss,
-every gradient leaf and side value (dropless, and with capacity 1.0 the same tokens dropped:
-under context too, where the sequence is held in the chunk order), GPT's and Llama's
-blocks (the router bias moving alike: test_moe.py), a dense layer ahead of the experts
-(model.moe.dense_layers) unpipelined and pipelined; the eval step scores alike; a checkpoint
-with a dense layer restores under another expert layout and a pipelined one; the compiled
-step carries the tokens by all-to-all over 'expert'; the experts' state is split over
-'expert' and ZeRO-1 over 'data' alone; bad input is one line."""
+under data x expert x tensor, expert x tensor with sequence parallelism (the attention on
+sequence pieces), stage x expert x tensor interleaved and plain 1F1B on stages of unequal
+depth, context x expert x tensor under full recompute and expert 8 alone computes one
+device's loss, every gradient leaf and side value (dropless, and with capacity 1.0 the same
+tokens dropped: under context too, where the sequence is held in the chunk order), and the
+router bias the step keeps after the batch; GPT's and Llama's blocks, a dense layer ahead of
+the experts (model.moe.dense_layers) unpipelined and pipelined, and bf16 against one device in
+bf16; the eval step scores alike; a checkpoint with a dense layer restores under another
+expert layout and a pipelined one; the compiled step carries the tokens by all-to-all over
+'expert'; the experts' state is split over 'expert' and ZeRO-1 over 'data' alone; bad input
+is one line."""
 
 import jax
 import numpy as np
@@ -35,7 +37,8 @@ LLAMA = dict(**support.LLAMA_BLOCK, qk_norm=True)
 # A dense layer ahead of two MoE layers (its own stack, run with the embedding).
 DENSE_FIRST = dict(num_layers=3, moe={**MOE, 'dense_layers': 1})
 
-# Llama's: a dense layer ahead of four MoE layers (pipelined: two stages of two chunks).
+# Llama's: a dense layer ahead of four MoE layers (pipelined: two stages of two chunks, or
+# plain 1F1B on stages of 1 and 3).
 LLAMA_DENSE_FIRST = dict(num_layers=5, **LLAMA, moe={**CAPACITY, 'dense_layers': 1})
 
 # (model keys, layout keys): every layout, GPT and Llama, dropless and capacity 1.0, a dense
@@ -45,31 +48,44 @@ LLAMA_DENSE_FIRST = dict(num_layers=5, **LLAMA, moe={**CAPACITY, 'dense_layers':
 CASES = {
     'gpt-dropless-dense1-d2e2t2': (DENSE_FIRST, dict(data=2, expert=2, tensor=2)),
     # the ragged exchange (the CPU's emulation: the offsets the GPU's collective takes)
-    'llama-dropless-ragged-e2t2-sp': (
+    'llama-dropless-ragged-e2t2-sp-pieces2': (  # the attention on 2 pieces of a sequence
         dict(**LLAMA, moe=RAGGED),
-        dict(expert=2, tensor=2, sequence_parallel=True),
+        dict(expert=2, tensor=2, sequence_parallel=True, sequence_pieces=2),
     ),
     # each sequence over context ranks in the chunk order: capacity queues in sequence order
-    'gpt-capacity-c2e2t2-sp': (
+    'gpt-capacity-c2e2t2-sp-full': (  # full recompute
         dict(moe=CAPACITY),
-        dict(context=2, expert=2, tensor=2, sequence_parallel=True),
+        dict(context=2, expert=2, tensor=2, sequence_parallel=True, remat='full'),
     ),
     'llama-capacity-dense1-s2e2t2v2': (
         LLAMA_DENSE_FIRST,
         dict(stage=2, expert=2, tensor=2, micro_steps=4, repeats=2, schedule='interleaved'),
     ),
     'gpt-capacity-ragged-e8': (dict(moe={**CAPACITY, 'exchange': 'ragged'}), dict(expert=8)),
-    # parallel folding (model.moe.fold_tensor): the experts over expert x tensor, whole
-    'llama-capacity-fold-dense1-e2t2-sp': (  # selective: the exchanged rows kept
+    # parallel folding (model.moe.fold_tensor): the experts over expert x tensor, whole; plain
+    # 1F1B on stages of 1 and 3 MoE layers (the dense one beside the first's)
+    'llama-capacity-fold-dense1-s2e2t2-sp-1f1b-first1-selective': (  # exchanged rows kept
         dict(LLAMA_DENSE_FIRST, moe={**LLAMA_DENSE_FIRST['moe'], 'fold_tensor': True}),
-        dict(expert=2, tensor=2, sequence_parallel=True, remat='selective'),
+        dict(stage=2, expert=2, tensor=2, micro_steps=4, first_stage_layers=1)
+        | dict(sequence_parallel=True, remat='selective'),
     ),
     # DENSE_FIRST folded: one device's reference is the first case's
     'gpt-dropless-ragged-fold-dense1-d2e2t2': (
         dict(DENSE_FIRST, moe={**DENSE_FIRST['moe'], **RAGGED, 'fold_tensor': True}),
         dict(data=2, expert=2, tensor=2),
     ),
+    # bf16 against one device in bf16, every token to all 8 experts: top 2 flips 14 of 2,048
+    # choices at expert 8 (bf16's rounding of the router's input differs by layout), moving
+    # expert leaves' gradients by 18 to 22 % of their scale; with no choice to flip the loads
+    # are one device's and the gradients within BF16 (docs/benchmarks.md)
+    'gpt-dropless-top8of8-d2e2t2-bf16': (
+        dict(moe={**MOE, 'top_k': 8, 'bias_update_rate': 0.0}, compute_dtype='bfloat16'),
+        dict(data=2, expert=2, tensor=2),
+    ),
 }
+# bf16's: measured at d2e2t2, e2t2 sp and e8, the worst leaf 3.7e-2 of its scale (a bias: a
+# sum over every token), the loss 4.3e-6 apart; per leaf, no absolute bound
+BF16 = dict(relative=0.1, loss_rtol=5e-5, atol=np.inf)
 
 
 @pytest.mark.parametrize('case', CASES)
@@ -77,7 +93,9 @@ def test_loss_gradients_and_values_under_expert_parallelism_equal_one_devices(ca
     """Loss, every gradient leaf (relative to its scale) and the side values (aux loss, the
     per-layer loads, the dropped count: the same tokens dropped) equal one device's."""
     model, layout = CASES[case]
-    test_moe.assert_layout_equals_one_device(model, layout, RELATIVE)
+    bf16 = model.get('compute_dtype') == 'bfloat16'
+    tolerances = BF16 if bf16 else dict(relative=RELATIVE)
+    test_moe.assert_layout_equals_one_device(model, layout, **tolerances)
 
 
 def eval_loss(config, batch):

@@ -165,21 +165,27 @@ def _one_device(model):
     if key not in _ONE_DEVICE:
         batch = support.random_batches(1)[0]
         config = support.small_config(**model)
-        _ONE_DEVICE[key] = support.gradients_and_values(config, batch, step=5)
+        _ONE_DEVICE[key] = support.gradients_and_values(config, batch, 5, buffers_after=True)
     return _ONE_DEVICE[key]
 
 
-def assert_layout_equals_one_device(model, layout, relative=RELATIVE):
+def assert_layout_equals_one_device(model, layout, relative=RELATIVE, loss_rtol=1e-6, atol=1e-5):
     """One step's loss, every gradient leaf and side value under `layout` against one
-    device's (each within `relative` of its leaf's largest entry); capacity drops tokens
-    exactly when the model has a capacity factor; every MoE layer's row of the loads counts
-    each token's top_k choices, the dense layers' ahead of the experts none. Returns one
-    device's side values."""
+    device's (each within `relative` of its leaf's largest entry, the gradients within `atol`
+    too, the loss within `loss_rtol`); capacity drops tokens exactly when the model has a
+    capacity factor; every MoE layer's row of the loads counts each token's top_k choices,
+    the dense layers' ahead of the experts none; the router bias the train step keeps after
+    the batch (step.buffers_after) is one device's in layer order, and moved when the model
+    has a bias_update_rate. Returns one device's side values."""
     batch = support.random_batches(1)[0]
     one = _one_device(model)
-    many = support.gradients_and_values(support.small_config(**layout, **model), batch, step=5)
-    np.testing.assert_allclose(many[1], one[1], rtol=1e-6)
-    support.assert_gradients_close(many[2], one[2], relative=relative)
+    config = support.small_config(**layout, **model)
+    many = support.gradients_and_values(config, batch, 5, buffers_after=True)
+    np.testing.assert_allclose(many[1], one[1], rtol=loss_rtol)
+    bias = [run[4]['blocks']['moe']['router_bias'] for run in (many, one)]
+    np.testing.assert_array_equal(*bias)
+    assert (np.abs(bias[1]).max() > 0) == bool(model['moe'].get('bias_update_rate')), bias[1]
+    support.assert_gradients_close(many[2], one[2], atol, relative)
     support.assert_within_leaf_scale(many[3], one[3], relative)
     dropped = float(one[3][moe_lib.DROPPED])
     assert (dropped > 0) == bool(model['moe'].get('capacity_factor')), dropped
