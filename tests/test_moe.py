@@ -2,7 +2,10 @@
 per-expert computation's, it compiles to the work of the chosen experts, capacity drops a
 sequence's overflow whatever the layout, its loss, gradients and side values under data x
 tensor (sequence parallel) and interleaved stage x tensor equal one device's, its aux loss
-reaches the gradients, and its router bias moves alike under any layout."""
+reaches the gradients, its router bias moves alike under any layout, and selective recompute
+keeps its routing."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +15,7 @@ from flax import nnx
 
 import support
 from mtnlg_jax import config as config_lib
+from mtnlg_jax.model import gpt
 from mtnlg_jax.model import moe as moe_lib
 from mtnlg_jax.plan import hlo_module
 
@@ -254,3 +258,26 @@ def test_bad_moe_input_is_one_line_naming_the_key(model, mesh, message):
     with pytest.raises(config_lib.ConfigError) as error:
         config_lib.resolve(config, 8)
     assert message in str(error.value) and '\n' not in str(error.value)
+
+
+def test_selective_recompute_keeps_the_routers_choice_so_the_backward_does_not_route_again():
+    """Under selective recompute (model/gpt.py's remat_policy) the layer's backward reads the
+    kept `moe_route` values (the top-k choice, the sort by expert): the compiled gradient
+    sorts as often as the forward alone, where full recompute routes and sorts again."""
+    cfg = moe_config()
+    graphdef, state = nnx.split(layer(cfg))
+    x = jax.random.normal(jax.random.key(0), (2, 32, cfg.hidden), jnp.float32)
+
+    def output(state, x):
+        return nnx.merge(graphdef, state)(x, 0)[0].sum()
+
+    def sorts(function):
+        return len(re.findall(r'\bsort\(', function.lower(state, x).compile().as_text()))
+
+    def gradient(remat):  # the loss too: the forward runs, its backward after it
+        return jax.jit(jax.value_and_grad(jax.checkpoint(output, policy=gpt.remat_policy(remat))))
+
+    forward = sorts(jax.jit(output))
+    assert forward >= 1
+    assert sorts(gradient('selective')) == forward
+    assert sorts(gradient('full')) > forward
