@@ -52,4 +52,7 @@ def mixtral(shape, mesh):
 
 
 def get_config():
-    return mixtral((32, 4096, 32, 8, 14336), mesh=dict(data=-1, stage=4, tensor=8))
+    config = mixtral((32, 4096, 32, 8, 14336), mesh=dict(data=-1, stage=4, tensor=2, expert=4))
+    config.model.moe.update(dict(capacity_factor=1.0, fold_tensor=True))
+    config.pipeline.update(dict(repeats=8, schedule='interleaved'))
+    return config

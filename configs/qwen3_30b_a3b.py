@@ -62,4 +62,10 @@ def qwen3_moe(shape, mesh):
 
 
 def get_config():
-    return qwen3_moe((48, 2048, 32, 4, 6144, 768), mesh=dict(data=-1, stage=4, tensor=4))
+    config = qwen3_moe(
+        (48, 2048, 32, 4, 6144, 768), mesh=dict(data=-1, stage=4, tensor=2, expert=4)
+    )
+    config.model.moe.update(dict(capacity_factor=1.0, fold_tensor=True))
+    config.pipeline.update(dict(repeats=12, schedule='interleaved'))
+    config.train.micro_batch = 4
+    return config
