@@ -27,7 +27,7 @@ compiled"): tensor 2 x expert 4 (the all-to-all over expert x tensor, 8 ranks, i
 node) x pipeline 4 (12 layers a stage, interleaved 12 chunks of one) x data -1 (4 on 128),
 micro-batch 4 (16 micro-steps), parallel folding (model.moe.fold_tensor: the 128 experts
 whole over expert x tensor, 16 a rank). The layout it replaces (tensor 4 x pipeline 4, expert
-1, the experts split over tensor by their width) was planned at 41.2 GiB "fits", but it takes
+1, the experts split over tensor by their width) was planned at 41.2 GiB "fits" on 64, but it takes
 model/moe.py's batched path, whose gathered weight copies the plan does not count (the
 8x22B's such layout: 108.1 GiB compiled against 73.9 planned); never compiled. Compiled:
 60.9 GiB a GPU (planned 62.5), 0.99 x model FLOPs, exposed communication 38.1 % of compute
