@@ -43,4 +43,5 @@ def get_config():
     config.pipeline.update(
         dict(first_stage_layers=5, last_stage_layers=5, repeats=3, schedule='interleaved')
     )
+    config.train.micro_batch = 1  # the 30B-A3B's is 4
     return config

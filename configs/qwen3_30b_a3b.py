@@ -14,10 +14,29 @@ tokens a sequence, then 32768) and a global-batch load-balancing loss; not the r
 configs/llama3_8b.py's recipe (Llama 2's: AdamW, 2,000 warm-up steps of 4 M tokens, cosine
 to 10 %) at peak LR 3e-4 over 36 T tokens, sequence 4096 throughout, Switch's loss at 0.001
 (Hugging Face's router_aux_loss_coef for Qwen3-MoE) per sequence rather than over the global
-batch, dropless. Layout: tensor 4 (the 4 key/value heads) x pipeline 4 (12 layers a stage) x
-data -1, the experts split over tensor by their width (mesh.expert stays 1 until built).
+batch, and a capacity factor of 1.0 in place of dropless (configs/qwen3_235b_a22b.py's
+reason: under expert parallelism the exchange's fixed buffers would take experts / top_k = 16
+times the chosen rows dropless).
 
-    python launch/plan.py --config configs/qwen3_30b_a3b.py --devices 64 --target h100-80gb
+Layout, for 128 H100s (16 nodes: half the 8x7B's 256 for 0.62 x its model FLOPs, 6 x 3.35 B
+x 36 T; 36 T tokens at the predicted 2.59 s a step of 4 M tokens is 257 days, 64 GPUs would
+double it): `launch/plan.py --search --cluster h100-80gb --devices 128`, the config's 4
+stages, folding, capacity, selective recompute and sequence parallelism fixed, ranked it first
+of 4,308 (docs/benchmarks.md, "Mixtral 8x7B and Qwen3-30B-A3B: the search's layouts
+compiled"): tensor 2 x expert 4 (the all-to-all over expert x tensor, 8 ranks, inside a
+node) x pipeline 4 (12 layers a stage, interleaved 12 chunks of one) x data -1 (4 on 128),
+micro-batch 4 (16 micro-steps), parallel folding (model.moe.fold_tensor: the 128 experts
+whole over expert x tensor, 16 a rank). The layout it replaces (tensor 4 x pipeline 4, expert
+1, the experts split over tensor by their width) was planned at 41.2 GiB "fits" on 64, but it takes
+model/moe.py's batched path, whose gathered weight copies the plan does not count (the
+8x22B's such layout: 108.1 GiB compiled against 73.9 planned); never compiled. Compiled:
+60.9 GiB a GPU (planned 62.5), 0.99 x model FLOPs, exposed communication 38.1 % of compute
+(the all-to-all 0.39 s, 2 % hidden; the stage hand-offs over the network 0.27 s), replayed
+3.07 s, lockstep 3.36 s, predicted 2.59 s, MFU 38.2 %. XLA:GPU's CUB sort needs the CUDA
+runtime, so a compile-only plan takes XLA's own (docs/gpu.md):
+
+    XLA_FLAGS=--xla_gpu_enable_cub_radix_sort=false python launch/plan.py \
+        --config configs/qwen3_30b_a3b.py --devices 128 --target h100-80gb
 """
 
 import pathlib
@@ -62,4 +81,10 @@ def qwen3_moe(shape, mesh):
 
 
 def get_config():
-    return qwen3_moe((48, 2048, 32, 4, 6144, 768), mesh=dict(data=-1, stage=4, tensor=4))
+    config = qwen3_moe(
+        (48, 2048, 32, 4, 6144, 768), mesh=dict(data=-1, stage=4, tensor=2, expert=4)
+    )
+    config.model.moe.update(dict(capacity_factor=1.0, fold_tensor=True))
+    config.pipeline.update(dict(repeats=12, schedule='interleaved'))
+    config.train.micro_batch = 4
+    return config

@@ -8,7 +8,7 @@ import pytest
 
 import support
 from mtnlg_jax import config as config_lib
-from mtnlg_jax.plan import arithmetic, clusters, comm, predict, report
+from mtnlg_jax.plan import arithmetic, clusters, comm, predict, printout, report
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -208,6 +208,19 @@ def test_expert_ranks_divide_the_expert_weights_and_nothing_else():
     assert rest[0][0] == rest[1][0]  # the compute copy: whole on every expert rank
     assert rest[0][1] == 2 * rest[1][1]  # ZeRO-1's shard: over data x expert, the replicas
     assert arithmetic.local_param_counts(two)[0] == rest[1][0] + experts_two['params'] / 4
+
+
+def test_the_plan_says_it_does_not_count_the_batched_paths_weight_copies():
+    """One expert rank split over tensor unfolded (tiny_moe's tensor 2): the printout does not
+    say it fits, and notes why; folded, or over two expert ranks, it says fits."""
+    for fold, expert, uncounted in ((False, 1, True), (True, 1, False), (False, 2, False)):
+        config = tiny_moe(expert=expert)
+        config.model.moe.fold_tensor = fold
+        printed = printout.lines(report.make_plan(config, 'h100-80gb'))
+        fits = next(line for line in printed if line.startswith('  fits'))
+        noted = [line for line in printed if line.startswith('  note') and 'batched' in line]
+        word = 'not known (note above)' if uncounted else 'yes'
+        assert (fits.startswith(f'  fits       {word}:'), len(noted)) == (True, uncounted), fits
 
 
 def test_all_to_all_over_expert_is_twice_a_layer_forward_and_twice_backward():

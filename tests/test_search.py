@@ -108,6 +108,14 @@ def test_expert_ranks_are_searched_over_the_divisors_of_the_experts():
     result = search.search(moe, 8, FREE, fixed, top=3, progress=False, figures=WIDTH_MATTERS)
     assert [entry['keys']['mesh.expert'] for entry in result['best']] == [2, 2, 2]
     assert all(' x2 ' in entry['layout'] for entry in result['best'])
+    # the config as given at expert 1 over tensor 2 unfolded: its row says the plan cannot tell
+    h100 = clusters.CLUSTERS['h100-80gb']
+    for fold, printed in ((False, 'fits not known'), (True, None)):
+        moe.mesh.update(dict(expert=1, tensor=2))
+        moe.model.moe.fold_tensor = fold
+        base = search.baseline(moe, 8, h100, WIDTH_MATTERS)
+        said = search._as_given_fits(base)
+        assert base['fits'] and (printed in said if printed else said == ''), (fold, said)
 
 
 def test_stages_of_unequal_depth_and_fixed_folding_give_only_layouts_that_resolve():

@@ -91,6 +91,19 @@ def folded(config):
     return bool(counts.experts_of(model) and model.moe.fold_tensor and config.mesh.tensor > 1)
 
 
+def uncounted_expert_copies(config):
+    """Whether a mixture of experts runs at one expert rank split over tensor (> 1) unfolded:
+    its experts then take model/moe.py's batched path (the grouped-matmul kernel has no
+    tensor-parallel form), a gathered copy of each tile's expert weights that this plan does
+    not count (Mixtral 8x22B so: 108.1 GiB compiled against 73.9 GiB planned,
+    docs/benchmarks.md, "Mixtral 8x22B on 256 H100s"); plan/search.py leaves such layouts out."""
+    mesh = config.mesh
+    return bool(
+        counts.experts_of(config.model) and mesh.expert == 1 and mesh.tensor > 1
+        and not folded(config)
+    )  # fmt: skip
+
+
 def exchange_ranks(config):
     """The ranks a mixture of experts' exchange spans: mesh.expert, x mesh.tensor folded."""
     return config.mesh.expert * (config.mesh.tensor if folded(config) else 1)

@@ -84,6 +84,7 @@ def moe_figures(config, params):
             {comm.axes_key(config, comm.exchange_axes(config)): all_to_all} if all_to_all else {}
         ),
         expert_padding=arithmetic.expert_padding(config),
+        uncounted_copies=arithmetic.uncounted_expert_copies(config),
         expert_padding_source="the exchange's fixed buffers at mesh.expert > 1: X / k "
         'dropless, about the capacity factor else (model/moe.py)',
     )

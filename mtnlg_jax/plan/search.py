@@ -47,7 +47,7 @@ from mtnlg_jax import config as config_lib
 from mtnlg_jax.config import stage_layers
 from mtnlg_jax.parallel import footprint
 from mtnlg_jax.parallel import schedule as schedule_lib
-from mtnlg_jax.plan import predict, report
+from mtnlg_jax.plan import arithmetic, predict, report
 
 FREE_KEYS = (
     'mesh.tensor',
@@ -417,6 +417,7 @@ def baseline(inputs, devices, cluster, figures=None):
     per_device, _ = report.memory(config, cluster)
     entry = _entry(config, predict.step_time(config, cluster, figures), per_device)
     entry['fits'] = per_device['total'] <= cluster.hbm_bytes
+    entry['uncounted_copies'] = arithmetic.uncounted_expert_copies(config)
     return entry
 
 
@@ -450,6 +451,18 @@ def _row(rank, entry, width):
     )
 
 
+def _as_given_fits(base):
+    """The note after the config's own row: it does not fit, or the plan cannot say (a layout
+    the search leaves out: the batched path's weight copies, arithmetic.uncounted_expert_copies)."""
+    if not base['fits']:
+        return '  (does NOT fit)'
+    return (
+        "  (fits not known: the batched path's weight copies not counted)"
+        if base.get('uncounted_copies')
+        else ''
+    )
+
+
 def lines(result):
     """The readable table of a search."""
     base = result['baseline']
@@ -472,7 +485,7 @@ def lines(result):
     ]
     out += [_row(rank, entry, width) for rank, entry in enumerate(result['best'], 1)]
     if base is not None:
-        out.append(_row('as', base, width) + ('' if base['fits'] else '  (does NOT fit)'))
+        out.append(_row('as', base, width) + _as_given_fits(base))
         if result['best']:
             gain = base['step']['predicted_step_s'] / result['best'][0]['step']['predicted_step_s']
             faster = 100 * (1 - 1 / gain)
