@@ -5,8 +5,8 @@ mistralai/Mixtral-8x22B-v0.1's config.json): configs/mixtral_8x7b.py's block at 
 of 16384, top 2 renormalised, rope theta 1e6, vocabulary 32000 (v0.1's; the Instruct model's
 is 32768): 140.62 B parameters, 39.15 B active a token (Mistral's 141 B / 39 B).
 
-What differs from Mistral's run is what differs for the 8x7B (no published recipe, data or
-layout: Llama 2's recipe, sequence 8192 where the published context is 65536), and a
+What differs from Mistral's run is what differs for the 8x7B: no published recipe, data or
+layout (Llama 2's recipe, sequence 8192 where the published context is 65536), and a
 capacity factor of 1.0 in place of dropless: under expert parallelism model/moe.py's
 exchange has fixed buffers, every row of a rank for each expert when dropless, so the experts
 would multiply (and the all-to-alls carry) experts / top_k = 4 times the chosen rows.
