@@ -59,6 +59,12 @@ def parse_args(argv):
     parser.add_argument('--data_parallel', type=int, help='mesh data size (default: the run)')
     parser.add_argument('--tensor', type=int, help='mesh tensor size (default: the run)')
     parser.add_argument(
+        '--expert',
+        type=int,
+        default=1,
+        help="mesh expert size: an MoE's experts split over it, the batch too (default 1)",
+    )
+    parser.add_argument(
         '--tokenizer', help="sentencepiece .model or GPT-2 BPE files (default: the run's)"
     )
     parser.add_argument('--output', help='JSON file (default: WORKDIR/eval/<name>.json, above)')
@@ -160,7 +166,8 @@ def print_table(title, result):
 
 def main(argv):
     args = parse_args(argv)
-    for name in ('batch_size', 'data_parallel', 'tensor', 'limit', 'max_tokens', 'num_words'):
+    for name in ('batch_size', 'data_parallel', 'tensor', 'expert', 'limit', 'max_tokens',
+                 'num_words'):  # fmt: skip
         value = getattr(args, name)
         if value is not None and value < 1:
             fail(f'--{name} must be a positive integer, got {value}')
@@ -169,7 +176,7 @@ def main(argv):
     output = output_path(args)
     run_mesh = workdir_config(args.workdir)['mesh']
     devices = (args.data_parallel or run_mesh['data']) * (args.tensor or run_mesh['tensor'])
-    cpu_devices(max(1, devices // distributed.requested_process_count(args)))
+    cpu_devices(max(1, devices * args.expert // distributed.requested_process_count(args)))
 
     # Before any JAX call; a bad command line has cost no JAX start-up.
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
@@ -184,7 +191,9 @@ def main(argv):
 
     try:
         saved = workdir_lib.read_saved_config(args.workdir)
-        config = workdir_lib.inference_config(saved, args.data_parallel, args.tensor)
+        config = workdir_lib.inference_config(
+            saved, args.data_parallel, args.tensor, expert=args.expert
+        )
     except (workdir_lib.WorkdirError, config_lib.ConfigError) as e:
         fail(str(e))
 
@@ -210,7 +219,9 @@ def main(argv):
             f'--shots {args.shots} needs more than {args.shots} items, --data has {len(task_data)}'
         )
     try:
-        loaded = workdir_lib.load(args.workdir, args.step, args.data_parallel, args.tensor)
+        loaded = workdir_lib.load(
+            args.workdir, args.step, args.data_parallel, args.tensor, expert=args.expert
+        )
     except (workdir_lib.WorkdirError, config_lib.ConfigError) as e:
         fail(str(e))
     if token_file and identity.read(args.data) is None:  # every check passed: now the warning

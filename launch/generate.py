@@ -54,6 +54,12 @@ def parse_args(argv):
     parser.add_argument('--tensor', type=int, help="mesh tensor size (default: the run's)")
     parser.add_argument('--data_parallel', type=int, default=1, help='mesh data size')
     parser.add_argument(
+        '--expert',
+        type=int,
+        default=1,
+        help="mesh expert size: an MoE's experts split over it, the batch too (default 1)",
+    )
+    parser.add_argument(
         '--context', type=int, default=1, help="mesh context size: the prompts' prefill split"
     )
     parser.add_argument(
@@ -101,14 +107,14 @@ def main(argv):
                 fail(f'--{flag} shapes sampling: add --do_sample (generation is greedy without)')
     if args.max_new_tokens < 1:
         fail(f'--max_new_tokens must be a positive integer, got {args.max_new_tokens}')
-    for name in ('data_parallel', 'context', 'tensor'):
+    for name in ('data_parallel', 'expert', 'context', 'tensor'):
         value = getattr(args, name)
         if value is not None and value < 1:
             fail(f'--{name} must be a positive integer, got {value}')
     if args.output:
         check_output_file(args.output)
     run_mesh = workdir_config(args.workdir)['mesh']
-    devices = args.data_parallel * args.context * (args.tensor or run_mesh['tensor'])
+    devices = args.data_parallel * args.expert * args.context * (args.tensor or run_mesh['tensor'])
     cpu_devices(max(1, devices // distributed.requested_process_count(args)))
 
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)  # first
@@ -134,7 +140,9 @@ def main(argv):
         fail(f'--{e}')
     try:
         saved = workdir_lib.read_saved_config(args.workdir)
-        config = workdir_lib.inference_config(saved, args.data_parallel, args.tensor, args.context)
+        config = workdir_lib.inference_config(
+            saved, args.data_parallel, args.tensor, args.context, args.expert
+        )
         tokenizer, _ = workdir_lib.run_tokenizer(args.workdir, config, args.tokenizer)
     except (workdir_lib.WorkdirError, config_lib.ConfigError) as e:
         fail(str(e))
@@ -145,7 +153,12 @@ def main(argv):
         fail(f'--{e}')
     try:
         loaded = workdir_lib.load(
-            args.workdir, args.step, args.data_parallel, args.tensor, context=args.context
+            args.workdir,
+            args.step,
+            args.data_parallel,
+            args.tensor,
+            context=args.context,
+            expert=args.expert,
         )
     except (workdir_lib.WorkdirError, config_lib.ConfigError) as e:
         fail(str(e))

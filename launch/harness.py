@@ -4,10 +4,11 @@
         --include_path harness_tasks [any other lm_eval flag: --num_fewshot 1 --limit 100
         --output_path results/ --log_samples --batch_size 16 ...]
 
-Our flags (--workdir, --step, --data_parallel, --tensor, --tokenizer, --max_gen_toks) become
-`--model mtnlg_jax --model_args ...` (mtnlg_jax/eval/harness.py); --only_include_path skips
-indexing the harness's built-in tasks (tens of seconds); everything else goes to lm_eval's
-`run` unchanged (--batch_size, rows per model call, defaults to 8 here instead of 1).
+Our flags (--workdir, --step, --data_parallel, --tensor, --expert, --tokenizer,
+--max_gen_toks) become `--model mtnlg_jax --model_args ...` (mtnlg_jax/eval/harness.py);
+--only_include_path skips indexing the harness's built-in tasks (tens of seconds); everything
+else goes to lm_eval's `run` unchanged (--batch_size, rows per model call, defaults to 8 here
+instead of 1).
 Nothing is downloaded: the harness and Hugging Face datasets run offline (HF_DATASETS_OFFLINE,
 HF_HUB_OFFLINE), so tasks must read local files, as harness_tasks/*.yaml do
 (`dataset_path: json` with `data_files`). From Python:
@@ -23,7 +24,7 @@ import sys
 
 from mtnlg_jax.run.cli import ArgumentParser, check_output, cpu_devices, fail, workdir_config
 
-OUR_FLAGS = ('step', 'data_parallel', 'tensor', 'tokenizer', 'max_gen_toks')  # model_args
+OUR_FLAGS = ('step', 'data_parallel', 'tensor', 'expert', 'tokenizer', 'max_gen_toks')
 MODEL_ARG_NAMES = dict(data_parallel='data')  # our flag -> the model class's argument
 DEFAULT_BATCH_SIZE = 8  # rows per model call unless lm_eval's --batch_size says otherwise
 
@@ -36,6 +37,11 @@ def parse_args(argv):
     parser.add_argument('--step', type=int, help='checkpoint step (default: the newest)')
     parser.add_argument('--data_parallel', type=int, help='mesh data size (default: the run)')
     parser.add_argument('--tensor', type=int, help='mesh tensor size (default: the run)')
+    parser.add_argument(
+        '--expert',
+        type=int,
+        help="mesh expert size: an MoE's experts split over it, the batch too (default 1)",
+    )
     parser.add_argument('--tokenizer', help="tokenizer files (default: the run's)")
     parser.add_argument('--max_gen_toks', type=int, help='generate_until default (256)')
     parser.add_argument(
@@ -65,19 +71,22 @@ def model_args(args):
 
 def check(args):
     """The workdir, mesh and tokenizer, read and checked before lm_eval starts."""
-    for name in ('data_parallel', 'tensor', 'max_gen_toks'):
+    for name in ('data_parallel', 'tensor', 'expert', 'max_gen_toks'):
         value = getattr(args, name)
         if value is not None and value < 1:
             fail(f'--{name} must be a positive integer, got {value}')
     run_mesh = workdir_config(args.workdir)['mesh']  # without JAX: then its CPU devices
-    cpu_devices((args.data_parallel or run_mesh['data']) * (args.tensor or run_mesh['tensor']))
+    expert = args.expert or 1
+    cpu_devices(
+        (args.data_parallel or run_mesh['data']) * (args.tensor or run_mesh['tensor']) * expert
+    )
 
     from mtnlg_jax import config as config_lib
     from mtnlg_jax.eval import workdir as workdir_lib
 
     try:
         saved = workdir_lib.read_saved_config(args.workdir)
-        config = workdir_lib.inference_config(saved, args.data_parallel, args.tensor)
+        config = workdir_lib.inference_config(saved, args.data_parallel, args.tensor, expert=expert)
         workdir_lib.run_tokenizer(args.workdir, config, args.tokenizer)
     except (workdir_lib.WorkdirError, config_lib.ConfigError) as e:
         fail(str(e))

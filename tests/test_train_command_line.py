@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from support import ROOT, SMALL_MODEL, TRAIN_ENV, launch_in_process, run_train, train_args
@@ -199,12 +200,14 @@ def tensorboard_tags(folder):
     return tags
 
 
-def test_a_mixture_of_experts_run_logs_each_layers_expert_load(tmp_path, token_data):
+def test_a_mixture_of_experts_run_logs_each_layers_expert_load(
+    tmp_path, token_data, capsys, monkeypatch
+):
     """The reporter's MoE figures of a run over data 2 x expert 2 x tensor 2: every layer's
     largest expert load over the mean and the dropped share in metrics.jsonl, tensorboard
     (one tag a layer) and the run's own output (the progress bar's load and drop, a line by
     layer beside the validation loss); the banner names the experts and the active
-    parameters. The workdir loader restores the run onto expert 1 (data x tensor), where
+    parameters. The workdir loader restores the run onto expert 1 (data x tensor) and 4, where
     generation's KV cache gives the recomputed sequence's tokens."""
     workdir = tmp_path / 'run'
     args = train_args(
@@ -254,3 +257,25 @@ def test_a_mixture_of_experts_run_logs_each_layers_expert_load(tmp_path, token_d
     [cached] = generator([[5, 17, 42, 7]], 6)
     [recomputed] = generator([[5, 17, 42, 7]], 6, use_cache=False)
     assert cached == recomputed and len(cached) == 6
+    # onto 4 expert ranks too (one expert each; the prompts split over them, more data
+    # parallelism for all but the experts): the same greedy tokens
+    prompts = [[5, 17, 42, 7], [3, 9, 11, 2], [8, 8, 1, 30], [40, 2, 6, 13]]
+    whole = generator(prompts, 6)
+    split = workdir_lib.load(str(workdir), data=1, tensor=2, dtype='float32', expert=4)
+    assert split.mesh.shape['expert'] == 4 and whole[0] == cached
+    specs = [leaf.sharding.spec for leaf in jax.tree.leaves(split.params)]
+    routed = [spec for spec in specs if 'expert' in spec]  # GeLU's in and out kernels
+    assert len(routed) == 2 and all(spec[:2] == ('stage', 'expert') for spec in routed), specs
+    generator = Generator(split.graphdef, split.params, split.config.model, split.mesh)
+    assert generator(prompts, 6) == whole
+    needs = dict(
+        generate=('--prompt', 'x'), evaluate=('--task', 'perplexity', '--data', 'x'),
+        harness=('--tasks', 'x'),
+    )  # fmt: skip
+    for script in ('generate', 'evaluate', 'harness'):  # 4 experts over 3 ranks: one line
+        status, _, lines = launch_in_process(
+            script, capsys, monkeypatch, '--workdir', str(workdir), '--expert', '3',
+            *needs.get(script, ()),
+        )  # fmt: skip
+        assert status == 2 and len(lines) == 1, (script, lines)
+        assert 'not divisible by mesh.expert=3' in lines[0], (script, lines)

@@ -52,6 +52,7 @@ class HarnessModel(TemplateLM):
         step=None,
         data=None,
         tensor=None,
+        expert=None,
         tokenizer=None,
         batch_size=8,
         max_gen_toks=256,
@@ -62,9 +63,11 @@ class HarnessModel(TemplateLM):
         super().__init__()
         batch_size = int(batch_size) if str(batch_size).isdigit() else 8
         step, data, tensor = map(_optional_int, (step, data, tensor))
-        config = workdir_lib.inference_config(workdir_lib.read_saved_config(workdir), data, tensor)
+        expert = _optional_int(expert) or 1
+        saved = workdir_lib.read_saved_config(workdir)
+        config = workdir_lib.inference_config(saved, data, tensor, expert=expert)
         self.tokenizer, _ = workdir_lib.run_tokenizer(workdir, config, tokenizer)
-        self.loaded = workdir_lib.load(workdir, step, data, tensor)
+        self.loaded = workdir_lib.load(workdir, step, data, tensor, expert=expert)
         self.batch_size = int(batch_size)
         self.seq_len = self.loaded.config.model.seq_len
         self.max_gen_toks = int(max_gen_toks)

@@ -44,20 +44,20 @@ class LoadedModel:
     step: int
 
 
-def inference_config(saved, data=None, tensor=None, context=1):
+def inference_config(saved, data=None, tensor=None, context=1, expert=1):
     """The config of a run (config.json as a dict) resolved for an inference mesh of
-    data x context x tensor devices (defaults: the run's own data and tensor, context 1,
-    whatever the run's: a prefill splits over `context` only where asked,
-    eval/generation.py); ConfigError if the model cannot be laid out so. A run trained over
-    expert ranks loads onto expert 1: each tensor group holds every expert (checkpoints
-    restore onto any layout)."""
+    data x expert x context x tensor devices (defaults: the run's own data and tensor,
+    context 1, whatever the run's: a prefill splits over `context` only where asked,
+    eval/generation.py; expert 1, whatever the run's: each tensor group holds every expert,
+    or `expert` ranks split a mixture of experts' experts, checkpoints restoring onto any
+    layout); ConfigError if the model cannot be laid out so."""
     config = config_lib.inputs_of(saved.get('inputs') or saved)
     data = saved['mesh']['data'] if data is None else data
     tensor = saved['mesh']['tensor'] if tensor is None else tensor
-    config.mesh.update(dict(data=data, stage=1, expert=1, context=context, tensor=tensor))
+    config.mesh.update(dict(data=data, stage=1, expert=expert, context=context, tensor=tensor))
     # Checkpoints hold the blocks in layer order: no pipeline, whatever the run's schedule.
     config.pipeline.update(dict(repeats=1, schedule='1f1b'))
-    config = config_lib.resolve_model(config, data * context * tensor)
+    config = config_lib.resolve_model(config, data * expert * context * tensor)
     padded_vocab = saved.get('derived', saved)['model'].get('padded_vocab')
     config.model.padded_vocab = padded_vocab or config.model.padded_vocab
     return config
@@ -161,11 +161,11 @@ def layer_reader(workdir, step, config):
     return read, params_shapes
 
 
-def load(workdir, step=None, data=None, tensor=None, dtype=None, context=1):
-    """The model of `workdir` at `step` (default: its newest checkpoint) on a data x context
-    x tensor mesh of the first devices. dtype: compute dtype (default: the run's).
+def load(workdir, step=None, data=None, tensor=None, dtype=None, context=1, expert=1):
+    """The model of `workdir` at `step` (default: its newest checkpoint) on a data x expert x
+    context x tensor mesh of the first devices. dtype: compute dtype (default: the run's).
     WorkdirError or ConfigError, before anything is compiled, if it cannot be read."""
-    config = inference_config(read_saved_config(workdir), data, tensor, context)
+    config = inference_config(read_saved_config(workdir), data, tensor, context, expert)
     if dtype is not None:
         config.model.compute_dtype = dtype
     step = checkpoint_step(workdir, step)
