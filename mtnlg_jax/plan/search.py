@@ -153,10 +153,7 @@ def layouts(inputs, devices, gpus_per_node, fixed=()):
                 continue  # one expert rank over tensor: the batched path's weight copies
             if experts and fold and t > 1 and experts % (x * t):
                 continue  # folding fixed on: the experts do not divide over expert x tensor
-            mesh = {
-                **{'mesh.tensor': t, 'mesh.context': c, 'mesh.stage': p},
-                **{'mesh.data': d, 'mesh.expert': x},
-            }
+            mesh = dict(zip(MESH_KEYS, (t, c, p, d, x)))
             mesh.update({'model.moe.fold_tensor': fold} if experts else {})
             repeats = [v for v in range(1, model.num_layers + 1) if _stage_repeats(inputs, p, v)]
             yield from _schedules(choices, mesh, splits(t, c), batch // (d * x), repeats)
