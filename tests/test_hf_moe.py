@@ -2,6 +2,7 @@
 hf_llama.py's tensors, launch/convert.py), against small random models transformers itself
 saved, with transformers' logits (tests/fixtures/hf_moe, made by make_fixture.py there)."""
 
+import hashlib
 import json
 import pathlib
 import shutil
@@ -244,14 +245,20 @@ def test_the_other_file_layouts_import_into_the_same_parameters(imported, tmp_pa
     assert_same_parameters(imported[name], tmp_path / 'w')
 
 
+@pytest.fixture(scope='module')
+def exports(imported, tmp_path_factory):
+    """Each imported fixture exported (fp32) by launch/convert.py --export_hf's function."""
+    root = tmp_path_factory.mktemp('exports')
+    for name in MODELS:
+        convert.export_hf(str(root / name), str(imported[name]), None)
+    return {name: root / name for name in MODELS}
+
+
 @pytest.mark.parametrize('name', MODELS)
-def test_export_writes_the_hub_layout_back_bit_exact(imported, tmp_path, name):
+def test_export_writes_the_hub_layout_back_bit_exact(exports, name):
     """Export (fp32) writes the fixture's tensors under the fixture's names (the experts one
-    tensor each) and a config.json that reads back into the same keys; transformers loads
-    such a directory into its own logits (make_fixture.py --check-export, outside the suite:
-    what it printed for these exports is exported.json)."""
-    out = tmp_path / 'out'
-    convert.export_hf(str(out), str(imported[name]), None)
+    tensor each) and a config.json that reads back into the same keys."""
+    out = exports[name]
     exported = json.loads((out / 'config.json').read_text())
     assert exported['architectures'] == [CLASSES[name]]
     assert hf_variants.model_keys(exported) == hf_variants.model_keys(transformers_config(name))
@@ -263,14 +270,22 @@ def test_export_writes_the_hub_layout_back_bit_exact(imported, tmp_path, name):
             )
 
 
-def test_transformers_reloaded_our_exports_into_its_logits():
-    """What make_fixture.py --check-export printed for this suite's exports of the three
-    fixtures (written by test_export_writes_the_hub_layout_back_bit_exact)."""
+def test_transformers_reloaded_these_very_exports_into_its_logits(exports):
+    """transformers loaded what this suite's export writes, file for file, into the saved
+    logits: exported.json is what make_fixture.py --check-export printed for each export
+    (torch is no dependency: it ran outside the suite), with the sha256 of every file it
+    loaded. An export that writes other bytes than transformers checked fails here until
+    the check is run again on it."""
     checks = {c['model']: c for c in json.loads((FIXTURE / 'exported.json').read_text())}
     assert sorted(checks) == sorted(MODELS)
     for name, check in checks.items():
         assert check['architecture'] == CLASSES[name]
         assert check['max_abs_logit_difference'] < 1e-4, check
+        written = {
+            path.name: hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(exports[name].iterdir())
+        }
+        assert written == check['files'], name
 
 
 def with_moe_keys(tmp_path, workdir, **moe):
