@@ -20,10 +20,13 @@ them, forward and with its gradients (x and the expert weights). The active work
     one_hot     the dense reference: every row through every expert, the k chosen kept
 
 Columns: compiled / active matmul FLOPs (plan/hlo_module.py's counter over the optimized HLO:
-every dot and GEMM call times its loop trips), the compile's temporary bytes, and on the CPU
-rows/s of the forward and of forward + gradients (median of 3 after a warm-up; a way whose
-compiled work exceeds --max_gflop is compiled only). With --gpu (needs `make gpu-compile`),
-the same compiled for one H100 (compile-only: no time).
+every dot and GEMM call times its loop trips), the bytes its kernels read and write in device
+memory (plan/overlap.py's hbm_bytes: each kernel's operands and result as the replay prices
+them, loops by their trips), and on the CPU rows/s of the forward and of forward + gradients
+(median of 3 after a warm-up; a way whose compiled work exceeds --max_gflop is compiled
+only). With --gpu (needs `make gpu-compile`), the same compiled for one H100 (compile-only:
+no time), with the compile's temporary bytes beside (what the program allocates besides its
+inputs and outputs).
 """
 
 import argparse
@@ -44,7 +47,7 @@ import numpy as np  # noqa: E402
 
 from common import compile_for_one_h100, print_table  # noqa: E402
 from mtnlg_jax.model import grouped_matmul  # noqa: E402
-from mtnlg_jax.plan import hlo_module  # noqa: E402
+from mtnlg_jax.plan import hlo_module, overlap  # noqa: E402
 
 SHAPES = ((8, 2), (128, 8))  # (experts, top_k): Mixtral's, Qwen3-MoE's
 
@@ -140,11 +143,11 @@ def programs(way, args):
 
 
 def measure(compiled, active):
+    """(compiled / active FLOPs, MiB moved in device memory, MiB of temporaries)."""
     text = compiled.as_text()
-    flops = hlo_module.dot_flops(text)
     memory = compiled.memory_analysis()
     temp = getattr(memory, 'temp_size_in_bytes', 0) if memory is not None else 0
-    return flops / active, temp
+    return hlo_module.dot_flops(text) / active, overlap.hbm_bytes(text) / 2**20, temp / 2**20
 
 
 def timed(compiled, args_):
@@ -166,11 +169,13 @@ def cpu_rows(args):
             cells = [f'{experts} x top {top_k}', way]
             for program, work in zip(programs(way, args), (active, 3 * active)):
                 compiled = jax.jit(program).lower(*data).compile()
-                ratio, temp = measure(compiled, work)
-                speed = '(interpreted)' if way == 'grouped' else '(not run)'
-                if way != 'grouped' and ratio * work <= args.max_gflop * 1e9:
+                ratio, moved, _ = measure(compiled, work)
+                moved, speed = f'{moved:.1f}', '(not run)'
+                if way == 'grouped':  # the interpreter's loops: neither says anything
+                    moved = speed = '(interpreted)'
+                elif ratio * work <= args.max_gflop * 1e9:
                     speed = f'{args.tokens * top_k / timed(compiled, data):,.0f}'
-                cells += [f'{ratio:.2f}', f'{temp / 2**20:.1f}', speed]
+                cells += [f'{ratio:.2f}', moved, speed]
             rows.append(cells)
     return rows
 
@@ -184,8 +189,8 @@ def gpu_rows(args):
         for way in WAYS:
             cells = [f'{experts} x top {top_k}', way]
             for program, work in zip(programs(way, args), (active, 3 * active)):
-                ratio, temp = measure(compile_for_one_h100(program, shapes), work)
-                cells += [f'{ratio:.2f}', f'{temp / 2**20:.1f}']
+                ratio, moved, temp = measure(compile_for_one_h100(program, shapes), work)
+                cells += [f'{ratio:.2f}', f'{moved:.1f}', f'{temp:.1f}']
             rows.append(cells)
     return rows
 
@@ -203,15 +208,15 @@ def main():
     shape = f'{args.tokens} tokens, hidden {args.hidden} -> ffn {args.ffn}'
     print_table(
         f'The grouped matmul on the CPU ({shape}, fp32; rows/s: tokens x top_k a second)',
-        ['experts', 'way', 'fwd FLOPs / active', 'fwd temp MiB', 'fwd rows/s',
-         'fwd+grad FLOPs / active', 'fwd+grad temp MiB', 'fwd+grad rows/s'],
+        ['experts', 'way', 'fwd FLOPs / active', 'fwd MiB moved', 'fwd rows/s',
+         'fwd+grad FLOPs / active', 'fwd+grad MiB moved', 'fwd+grad rows/s'],
         cpu_rows(args),
     )  # fmt: skip
     if args.gpu:
         print_table(
             f'The grouped matmul compiled for one H100 ({shape}, bf16; compile only)',
-            ['experts', 'way', 'fwd FLOPs / active', 'fwd temp MiB', 'fwd+grad FLOPs / active',
-             'fwd+grad temp MiB'],
+            ['experts', 'way', 'fwd FLOPs / active', 'fwd MiB moved', 'fwd temp MiB',
+             'fwd+grad FLOPs / active', 'fwd+grad MiB moved', 'fwd+grad temp MiB'],
             gpu_rows(args),
         )  # fmt: skip
 

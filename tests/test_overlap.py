@@ -193,3 +193,50 @@ def test_a_gemm_of_fp8_operands_runs_at_the_fp8_peak_and_a_widened_one_at_the_co
     assert overlap.collective_overlap(FP8_GEMMS, MESH, fp8)['step_s'] == pytest.approx(3e-3)
     none = overlap.Target(1e12, 1e15, 1e6, 1e5, gpus_per_node=2)
     assert overlap.collective_overlap(FP8_GEMMS, MESH, none)['step_s'] == pytest.approx(4e-3)
+
+
+LOOP = """HloModule loop, is_scheduled=true, num_partitions=4
+
+%scale (a: f32[1000]) -> f32[1000] {
+  %a = f32[1000]{0} parameter(0)
+  ROOT %m = f32[1000]{0} multiply(%a, %a)
+}
+
+%body (p: (s32[], f32[1000], f32[1000,1000])) -> (s32[], f32[1000], f32[1000,1000]) {
+  %p = (s32[], f32[1000]{0}, f32[1000,1000]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[1000]{0} get-tuple-element(%p), index=1
+  %buffer = f32[1000,1000]{1,0} get-tuple-element(%p), index=2
+  %zero = s32[] constant(0)
+  %row = f32[1,1000]{1,0} dynamic-slice(%buffer, %i, %zero), dynamic_slice_sizes={1,1000}
+  %y = f32[1000]{0} fusion(%x), kind=kLoop, calls=%scale
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[1000]{0}, f32[1000,1000]{1,0}) tuple(%next, %y, %buffer)
+}
+
+%cond (p: (s32[], f32[1000], f32[1000,1000])) -> pred[] {
+  %p = (s32[], f32[1000]{0}, f32[1000,1000]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(5)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (x: f32[1000], b: f32[1000,1000]) -> (s32[], f32[1000], f32[1000,1000]) {
+  %x = f32[1000]{0} parameter(0)
+  %b = f32[1000,1000]{1,0} parameter(1)
+  %ags = (f32[1000]{0}, f32[2000]{0}) all-gather-start(%x), channel_id=1, replica_groups={{0,1},{2,3}}, dimensions={0}, use_global_device_ids=true
+  %agd = f32[2000]{0} all-gather-done(%ags)
+  %start = s32[] constant(0)
+  %init = (s32[], f32[1000]{0}, f32[1000,1000]{1,0}) tuple(%start, %x, %b)
+  ROOT %w = (s32[], f32[1000]{0}, f32[1000,1000]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+}
+"""
+
+
+def test_hbm_bytes_count_each_kernel_by_its_runs_a_slot_by_its_slice_and_no_collective():
+    """Each of the loop's 5 trips: a 4,000-byte fusion read and written (8,000), a 4,000-byte
+    row sliced from a 4 MB buffer (8,000, not the buffer's 4 MB), the counter's add (12
+    bytes); the all-gather none; the condition none, as the replay prices a loop by its body:
+    80,060 bytes."""
+    assert overlap.hbm_bytes(LOOP) == 5 * (8000 + 8000 + 12)

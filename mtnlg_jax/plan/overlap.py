@@ -251,6 +251,23 @@ class Replay:
                     sizes[index] = min(sizes[index], elements * width) if width else sizes[index]
         return result + sum(sizes)
 
+    def bytes_of(self, name):
+        """Device-memory bytes one run of a computation reads and writes, as the replay prices
+        each kernel (bytes_moved), callees x their runs; collectives left out."""
+        instructions = self.computations.get(name, [])
+        types = {instruction.name: instruction.type_text for instruction in instructions}
+        total = 0.0
+        for instruction in instructions:
+            opcode = instruction.opcode
+            if opcode in _CALLS:
+                called = self.called(instruction, instruction.callees())
+                total += sum(runs * self.bytes_of(callee) for runs, callee in called)
+            elif opcode not in _FREE and opcode.split('-start')[0] not in hlo.COLLECTIVES:
+                if not opcode.endswith('-done'):
+                    fused = [c for a, c in instruction.callees() if a == 'calls']
+                    total += self.bytes_moved(instruction, types, fused[0] if fused else None)
+        return total
+
     def fused_matmul_seconds(self, name):
         instructions = self.computations.get(name, [])
         types = {instruction.name: instruction.type_text for instruction in instructions}
@@ -374,6 +391,16 @@ class Replay:
         branches, calls); fused computations count inside their fusion's roofline."""
         self.num_devices = num_devices
         self.duration(self.entry)
+
+
+def hbm_bytes(hlo_text):
+    """Bytes one run of a compiled module reads and writes in device memory, as the replay
+    prices its kernels (Replay.bytes_moved: operands and result, a slot at its slice; fused
+    computations inside their fusion; a loop's body x its trips), collectives left out: the
+    traffic a memory-bound program waits on, which XLA:GPU's compile-only cost analysis does
+    not give."""
+    computations, entry = hlo_module.parse_module(hlo_text)
+    return Replay(computations, entry, [], None, None).bytes_of(entry)
 
 
 def collective_overlap(hlo_text, mesh, target, branch_weights=None):
