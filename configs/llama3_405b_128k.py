@@ -44,6 +44,9 @@ def get_config():
     # 16 micro-batches a replica: all in flight under any bound, so every projection is kept
     config.model.remat_recompute = ''
     config.pipeline.overlap_grad_reduce = True  # the step's tail: docs/benchmarks.md
+    # XLA's scheduler by measured costs (train/pgle.py): its own estimate starts the context
+    # reduce-scatter too late here; launch/plan.py --target compiles with the replay's costs
+    config.train.pgle_profile_steps = 3
     config.mesh.context = 16
     config.data.reset_attention_mask = True
     config.train.global_batch = SEQUENCES

@@ -60,7 +60,7 @@ def parse_args(argv):
     parser.add_argument(
         '--pgle', action='store_true',
         help='--target: compile twice, the second time XLA scheduling by the first replay\'s '
-        'costs (plan/pgle.py)',
+        'costs (plan/pgle.py); a config with train.pgle_profile_steps does without it',
     )  # fmt: skip
     parser.add_argument(
         '--search', action='store_true',
@@ -238,7 +238,9 @@ def plan_for_gpu(args, config):
         flush=True,
     )
     notes = list(compile_lib.gpu_compile_notes(args.target, args.xla_flags))
-    options = scheduled_by_replay(args, config, per_node, notes) if args.pgle else None
+    # a config whose run schedules by a profile (train.pgle_profile_steps) compiles as it runs
+    pgle = args.pgle or config.train.pgle_profile_steps > 0
+    options = scheduled_by_replay(args, config, per_node, notes) if pgle else None
     compiled, info = compile_for_gpu(args, config, per_node, options)
     report.add_compiled(plan, config, compiled, info, notes, target=args.target)
     show(plan, args.json)
@@ -278,9 +280,10 @@ def scheduled_by_replay(args, config, per_node, notes):
     report.add_compiled(first, config, compiled, info, target=args.target, profile=path)
     o = first['compiled']['overlap']
     lockstep = o['lockstep']['step_s'] if o['lockstep'] else o['step_s']
+    why = '' if args.pgle else ' (train.pgle_profile_steps: the run does it with measured costs)'
     line = (
         f'pgle: compiled again with the first compile\'s replayed costs as XLA\'s latency '
-        f'profile ({path}); the first: exposed {o["exposed_s"]:.3f} s '
+        f'profile{why} ({path}); the first: exposed {o["exposed_s"]:.3f} s '
         f'({100 * o["exposed_vs_compute"]:.1f} % of compute), replayed {o["step_s"]:.3f} s, '
         f'lockstep {lockstep:.3f} s'
     )

@@ -11,10 +11,14 @@ import sys
 import threading
 import time
 
+import jax
+import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
-from mtnlg_jax.train import stragglers
+from mtnlg_jax.train import pgle, stragglers
+from mtnlg_jax.xla import flags
 from support import ROOT, SMALL_MODEL, TRAIN_ENV, run_train, train_args
 
 RUN = [
@@ -29,16 +33,25 @@ RUN = [
 def test_a_profile_of_steps_is_traced_under_the_workdir_with_the_phases_annotated(
     tmp_path, token_data
 ):
-    """Steps 2-3 of 4 traced by process 0: a TensorBoard (.xplane.pb) and a Perfetto trace
-    under WORKDIR/profile, the log line naming it, each step and its batch, step and save
-    phases annotated."""
+    """Steps 2-3 of 5 asked for, moved to 3-4 by PGLE's trace of step 2 (XLA:CPU's trace has
+    no costs to schedule by: the step keeps its schedule), traced by process 0: a
+    TensorBoard (.xplane.pb) and a Perfetto trace under WORKDIR/profile, the log line naming
+    it, each step and its batch, step and save phases annotated."""
     workdir = tmp_path / 'run'
     profile = ['--config.train.profile_start=2', '--config.train.profile_steps=2']
-    result = run_train(workdir, *RUN, '--config.train.steps=4', *profile, data=token_data)
+    pgle = '--config.train.pgle_profile_steps=1'
+    result = run_train(workdir, *RUN, '--config.train.steps=5', *profile, pgle, data=token_data)
     assert result.returncode == 0, result.stderr[-3000:]
-    lines = [line for line in result.stdout.splitlines() if line.startswith('profile ')]
-    assert len(lines) == 1 and lines[0].startswith('profile      steps 2-3 traced: '), lines
-    traced = lines[0].split('traced: ')[1]
+    out = result.stdout.splitlines()
+    lines = [line for line in out if line.startswith(('profile ', 'pgle '))]
+    assert lines[:2] == [
+        'profile      moved to steps 3-4: pgle traces step 2',
+        'pgle         step 2 traced: no instruction costs (XLA:GPU on NVIDIA GPUs gives them): '
+        'the step keeps its schedule',
+    ], lines
+    assert len(lines) == 3 and lines[2].startswith('profile      steps 3-4 traced: '), lines
+    assert list((workdir / 'pgle' / 'trace').rglob('*.xplane.pb')), "no PGLE trace"
+    traced = lines[2].split('traced: ')[1]
     assert traced.startswith(str(workdir / 'profile' / 'process_0')), traced
     assert list((workdir / 'profile').rglob('*.xplane.pb')), 'no TensorBoard trace'
     (perfetto,) = (workdir / 'profile').rglob('perfetto_trace.json.gz')
@@ -47,6 +60,33 @@ def test_a_profile_of_steps_is_traced_under_the_workdir_with_the_phases_annotate
     assert names.count('train') == 2, 'one StepTraceAnnotation per traced step'
     for phase in ('batch', 'step', 'save'):
         assert names.count(phase) == 2, phase
+
+
+def test_pgle_compiles_the_step_again_by_the_traced_steps_costs_on_every_process(
+    tmp_path, monkeypatch
+):
+    """train.pgle_profile_steps 2 from step 10: steps 12 and 13 traced, then the costs (here
+    a profile as XLA:GPU would give, one instruction's) written to WORKDIR/pgle/profile.pb
+    and the step compiled again with XLA reading that file; XLA:CPU takes the option."""
+    costs = b'\n\x0c\n\x01x\x11' + np.float64(2.5).tobytes()  # costs { name: "x" cost_us: 2.5 }
+    monkeypatch.setattr(pgle, 'profiled_costs', lambda directory: costs)
+    config = ml_collections.ConfigDict(dict(train=dict(pgle_profile_steps=2)))
+    said, recompiled = [], []
+    guided = pgle.ProfileGuided(config, str(tmp_path), 10, said.append)
+    compiled = type('Compiled', (), dict(recompile=lambda self, o: recompiled.append(o)))()
+    assert guided.window == (12, 13)
+    for step in range(11, 15):
+        with guided.step(step):
+            tracing = guided._trace is not None
+            assert tracing == (step in (12, 13)), step
+        guided.stepped(step, jnp.zeros(()), compiled)
+    profile = tmp_path / 'pgle' / 'profile.pb'
+    assert profile.read_bytes() == costs
+    assert recompiled == [{flags.PGLE_PROFILE_OPTION: str(profile)}]
+    assert said == [f'pgle         the step compiled again, scheduled by the costs of steps '
+                    f'12-13: {profile}']  # fmt: skip
+    double = jax.jit(lambda x: 2 * x).lower(jnp.ones(3)).compile(recompiled[0])
+    np.testing.assert_array_equal(double(jnp.ones(3)), 2 * np.ones(3))
 
 
 def test_a_straggler_is_the_process_above_the_ratio_times_the_median_of_the_others():

@@ -401,6 +401,14 @@ KEYS = (
     ),
     Key('train.profile_steps', 3, 'int>0', 'steps the profile traces'),
     Key(
+        'train.pgle_profile_steps',
+        0,
+        'int>=0',
+        'XLA:GPU profile-guided scheduling: the steps after the first traced, the step '
+        'compiled again by their measured costs (0: off); launch/plan.py --target does it '
+        'with the replay\'s costs; docs/gpu.md',
+    ),
+    Key(
         'train.straggler_every',
         50,
         'int>=0',

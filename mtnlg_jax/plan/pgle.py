@@ -16,7 +16,9 @@ one row per instruction of the first compile (an async collective by its start),
 `launch/plan.py --pgle` compiles a second time with XLA reading it (OPTION). The second
 compile's instruction names are the first's: the same program through the same passes."""
 
-OPTION = 'xla_gpu_pgle_profile_file_or_directory_path'
+from mtnlg_jax.xla import flags
+
+OPTION = flags.PGLE_PROFILE_OPTION
 
 
 def costs(replay):

@@ -12,5 +12,6 @@ resume.py      where a run starts (fresh, continued, restored)
 faults.py      signals, skipped steps, loss spikes
 watchdog.py    stalled processes
 profile.py     a jax.profiler trace of steps, on request
+pgle.py        the step compiled again, scheduled by the traced steps' costs (XLA:GPU)
 stragglers.py  the slow process named: each measures its own speed, the processes compare
 """

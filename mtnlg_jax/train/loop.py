@@ -7,6 +7,7 @@
         position = position after train_step    (CompiledSteps caches one per micro-step count)
         log      every train.log_every          (reporter.py: step_record, a pure function)
         profile  train.profile_steps from train.profile_start   (profile.py: a jax.profiler trace)
+        pgle     the steps after the first traced, the step compiled again by their costs (pgle.py)
         compare  the processes' own speeds every train.straggler_every  (stragglers.py)
         save     every checkpoint.every, at the end, on SIGTERM   (periodic.py: Saver)
         evaluate every train.eval_every, at the end               (periodic.py: Evaluator)
@@ -42,6 +43,7 @@ from mtnlg_jax.train import banner, faults, resume
 from mtnlg_jax.train import metrics as metrics_lib
 from mtnlg_jax.train.state import make_setup, pipeline_order
 from mtnlg_jax.train.periodic import Evaluator, Saver, due
+from mtnlg_jax.train.pgle import ProfileGuided
 from mtnlg_jax.train.profile import StepProfile
 from mtnlg_jax.train.stragglers import Stragglers
 from mtnlg_jax.train.reporter import Reporter
@@ -67,6 +69,7 @@ class CompiledSteps:
     def __init__(self, config, setup, mesh, state):
         self.config, self.setup, self.mesh, self.state = config, setup, mesh, state
         self._compiled = {}
+        self.options = None  # XLA compiler options (train/pgle.py's profile)
 
     def __contains__(self, micro_steps):
         return (micro_steps, None) in self._compiled
@@ -76,9 +79,19 @@ class CompiledSteps:
         if key not in self._compiled:
             batch = loader_lib.abstract_train_batch(self.config, self.mesh, micro_steps)
             step = make_train_step(self.config, self.setup, inject=drill)
-            self._compiled[key] = step.lower(self.state, *batch, jnp.float32(0)).compile()
+            lowered = step.lower(self.state, *batch, jnp.float32(0))
+            self._compiled[key] = lowered.compile(self.options)
             distributed.wait_for_peers(f'train step {key} compiled')
         return self._compiled[key]
+
+    def recompile(self, options):
+        """Every step compiled again with these compiler options (the drills' and the
+        evaluation's when next used)."""
+        self.options = options
+        counts = [key[0] for key in self._compiled if key != 'evaluation' and key[1] is None]
+        self._compiled = {}
+        for micro_steps in counts:
+            self(micro_steps)
 
     def for_batch(self, batch, drill, report):
         """The step of `batch`'s micro-step count (a new count's compile is reported)."""
@@ -104,7 +117,8 @@ class CompiledSteps:
                 self.config, self.mesh, self.config.train.micro_steps
             )
             step = make_eval_step(self.config, self.setup)
-            self._compiled['evaluation'] = step.lower(params, tokens, *buffers).compile()
+            lowered = step.lower(params, tokens, *buffers)
+            self._compiled['evaluation'] = lowered.compile(self.options)
             distributed.wait_for_peers('evaluation step compiled')
         return self._compiled['evaluation']
 
@@ -142,11 +156,12 @@ def train(config, workdir, identity=None):
             in_layer_order = pipeline_order(config, setup, to='layer')  # what checkpoints hold
             saver = Saver(config, checkpoints, in_layer_order, guard, watchdog)
             evaluator = Evaluator(config, compiled, valid_data, mesh, report, watchdog)
-            profile = StepProfile(config, workdir, report.say_everywhere)
+            guided = ProfileGuided(config, workdir, first_step, report.say)
+            profile = StepProfile(config, workdir, report.say_everywhere, after=guided.window)
             stragglers = Stragglers(config, report.say)
             while position.step < train_cfg.steps:
                 step = position.step + 1
-                with profile.step(step):
+                with profile.step(step), guided.step(step):
                     with watchdog.phase('batch', f'step {step}'), profile.phase('batch'):
                         faults.hang_if_drilled(config, first_step, step)
                         reading = time.perf_counter()
@@ -170,6 +185,7 @@ def train(config, workdir, identity=None):
                     with profile.phase('save'):
                         position = saver.maybe_save(step, position, force=stopping)
                 profile.stepped(step, position.state)
+                guided.stepped(step, position.state, compiled)
                 if guard.error or saver.error:
                     break
                 if stopping:
@@ -184,6 +200,7 @@ def train(config, workdir, identity=None):
                         config, setup, checkpoints, position, guard, report, batches
                     )
             profile.close(position.state)  # a run that ended inside the profiled steps
+            guided.close()
             stragglers.close()
             with watchdog.phase('step', 'the last step'):
                 guard.flush()

@@ -15,6 +15,10 @@ import re
 import subprocess
 import sys
 
+# The XLA:GPU option that reads a latency profile (ProfiledInstructionsProto, .pb binary or
+# .pbtxt text): train/pgle.py's measured costs, plan/pgle.py's replayed ones.
+PGLE_PROFILE_OPTION = 'xla_gpu_pgle_profile_file_or_directory_path'
+
 # (flag, value, why). Each was compared on the GPU compile of the 530 B step, one at a time
 # and together (docs/scale.md, "XLA:GPU flags"); the ones that did not help are not here.
 RECOMMENDED_GPU_FLAGS = (
