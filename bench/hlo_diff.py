@@ -30,11 +30,15 @@ os.environ['XLA_FLAGS'] = ' '.join([os.environ.get('XLA_FLAGS', ''), *_FLAGS]).s
 
 # The small GPT every layout starts from (4 layers, hidden 64, 8 heads, seq 32), then its keys.
 BASE = dict(num_layers=4, hidden=64, heads=8, seq_len=32, vocab_size=256, remat='none')
+INTERLEAVED = dict(stage=2, repeats=2, micro_steps=4, schedule='interleaved')
+STEADY = dict(steady_tick=True)
+FUSED = dict(fused_accumulation=True)
+OVERLAP = dict(overlap_grad_reduce=True, overlap_param_gather=True)
 MOE = dict(experts=8, top_k=2, ffn_hidden=32, shared_experts=1, aux_loss_coeff=0.01)
 LAYOUTS = {
     'sequential': dict(data=2, tensor=2),
     '1f1b': dict(stage=2, tensor=2, micro_steps=4),
-    'interleaved': dict(stage=2, repeats=2, micro_steps=4, schedule='interleaved'),
+    'interleaved': INTERLEAVED,
     'gpipe': dict(stage=2, repeats=2, micro_steps=4, schedule='gpipe'),
     'dropout': dict(stage=2, tensor=2, micro_steps=4, hidden_dropout=0.1, attention_dropout=0.1),
     'remat_full': dict(stage=2, repeats=2, micro_steps=4, remat='full'),
@@ -48,6 +52,14 @@ LAYOUTS = {
     # the split backward's schedules (B and W slots: zero_bubble.py, zero_bubble_v.py)
     'zbh1': dict(stage=2, tensor=2, micro_steps=4, schedule='zbh1'),
     'zbv': dict(stage=2, repeats=2, micro_steps=4, schedule='zbv'),
+    # the engine's other ticks and backwards: pipeline.steady_tick, fused_accumulation (one
+    # chunk a stage, and several: chained.py), overlap_grad_reduce, unequal stages
+    'steady': dict(INTERLEAVED, pipeline=STEADY),
+    'steady_zbh1': dict(stage=2, tensor=2, micro_steps=4, schedule='zbh1', pipeline=STEADY),
+    'fused': dict(stage=2, tensor=2, micro_steps=4, pipeline=FUSED),
+    'fused_interleaved': dict(INTERLEAVED, pipeline=FUSED),
+    'overlap_grad_reduce': dict(INTERLEAVED, data=2, pipeline=OVERLAP),
+    'unequal': dict(stage=2, micro_steps=4, pipeline=dict(first_stage_layers=1)),
 }
 
 
@@ -61,6 +73,7 @@ def config_of(name):
     config.pipeline.update(
         dict(repeats=keys.pop('repeats', 1), schedule=keys.pop('schedule', '1f1b'))
     )
+    config.pipeline.update(keys.pop('pipeline', {}))
     config.model.update(dict(compute_dtype='float32', attention_dropout=0.0, hidden_dropout=0.0))
     config.model.update(keys)
     data = config.mesh.data

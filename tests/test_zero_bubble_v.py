@@ -46,7 +46,7 @@ def test_every_forward_b_and_w_once_in_dependency_order(p, m):
 
 
 def _sent(table, t, s, act, grad):
-    """What stage s's forward and B of tick t send, as the engine's hand-offs (stage.py's
+    """What stage s's forward and B of tick t send, as the engine's hand-offs (tick_by_slot.py's
     send): y down to s + 1 and back up to s - 1, dx up to s - 1 and down to s + 1, the way
     back on stage p - 1 its own too (the turn), into act and grad {(stage, way): value}."""
     p, turn = table.stages, [s] if s == table.stages - 1 else []

@@ -10,7 +10,11 @@ schedule.py          the 1F1B / interleaved schedule as a table
 zero_bubble.py       the ZB-H1 table: each backward split into B and W slots
 zero_bubble_v.py     the ZB-V table: the same, two chunks a stage in a V
 pipeline.py          the 1F1B / interleaved engine in shard_map
-stage.py             one stage's work per tick of that engine
+tick_by_slot.py      that engine's tick, each slot a conditional; the stages' hand-offs
+steady_tick.py       its tick as one switch over the (forward, backward) slot pairs
+reducing_tick.py     its tick with ZeRO-1's reduce-scatter in the backward's switch
+backward_slot.py     a tick's backward slot: gradients into the fp32 accumulators; B, W
+stage.py             a stage and one chunk's work on it: forward, VJP, head, loss
 slots.py             its slot buffers read and written in place, its fp32 adds
 chained.py           the fused accumulation: each chunk's backward a conditional adding its dW
 grad_reduce.py       ZeRO-1's reduce-scatter of a finished chunk inside a later backward slot

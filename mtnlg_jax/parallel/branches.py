@@ -11,7 +11,7 @@ Named scopes wrap those conditionals. XLA keeps them in each conditional's op_na
 plan's HLO inventory (plan/hlo_module.py) weighs a branch by how often the table takes it
 (`branch_fractions`) instead of counting every branch as taken.
 
-Under pipeline.steady_tick (stage.py) one switch, scope STEADY, replaces the slots'
+Under pipeline.steady_tick (steady_tick.py) one switch, scope STEADY, replaces the slots'
 conditionals: a branch per (forward chunk, backward chunk, last?) pair the table holds
 (`steady_pairs`), weighted by its share of the slots.
 
@@ -141,7 +141,7 @@ def chained_fractions(bwd, v):
 
 
 def steady_pairs(table):
-    """(keys, index): the steady tick's switch (pipeline.steady_tick, stage.py) has a branch
+    """(keys, index): the steady tick's switch (pipeline.steady_tick, steady_tick.py) has a branch
     per key (forward repeat, backward repeat, backward is the last chunk's), a repeat -1
     where the slot is idle, for each pair some (tick, stage) of the table holds; index
     (ticks, stages) says which. The layer work of a branch's two slots runs unconditionally,

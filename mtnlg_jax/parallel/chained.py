@@ -27,7 +27,7 @@ into a nested conditional: XLA:GPU copies a buffer handed through a false branch
 one whose other branch hands it to a conditional of its own. So the head is a conditional of
 its own, not nested in the last chunk's (only the last chunk, v - 1, runs the head; only
 chunk 0 the embedding). The shared parameters' accumulators are added to after the chain
-(Stage.add_shared), where the slot touched them: a slot that did not hands on stale values.
+(stage.Stage.add_shared), where the slot touched them: a slot that did not hands on stale values.
 """
 
 import contextlib

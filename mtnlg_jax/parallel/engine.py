@@ -3,7 +3,7 @@
     mesh.stage == 1                   Sequential   value_and_grad of the whole model per
                                                    micro-batch, scanned over the m of a step
     stage > 1, schedule 1f1b /        TableEngine  the static 1F1B table (pipeline.py, one
-      interleaved                                  tick per stage.Stage.tick)
+      interleaved                                  tick per row: tick_by_slot.py)
     stage > 1, schedule gpipe         GPipeEngine  autodiff of a forward scan (gpipe.py)
 
 Every engine has the same face, which the train step, the banner, the reporter and the

@@ -3,10 +3,10 @@
 `TableEngine` is what `engine.engine(config)` returns for `pipeline.schedule` 1f1b or
 interleaved with mesh.stage > 1: a static table (parallel/schedule.py) says, for every tick and
 stage, which forward and which backward to run; one `lax.scan` over the ticks inside
-`jax.shard_map` manual over 'stage' runs it, the scan's body being a stage's tick
-(parallel/stage.py, which draws the tick). Memory is flat in m. The model's pieces come in as
-functions (parallel/stage_functions.py: the engines import nothing from the model), every
-micro-batch's inputs as a MicroBatch.
+`jax.shard_map` manual over 'stage' runs it, the scan's body being a stage's tick (`tick_of`:
+parallel/tick_by_slot.py, which draws the tick, or steady_tick.py, reducing_tick.py). Memory
+is flat in m. The model's pieces come in as functions (parallel/stage_functions.py: the
+engines import nothing from the model), every micro-batch's inputs as a MicroBatch.
 
 A forward keeps what its chunk's backward needs, the residuals of its VJP under
 `model.remat` (every layer's kept values with remat none, the named matmul outputs with
@@ -38,13 +38,14 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from mtnlg_jax.parallel import chained, gpipe, grad_reduce, taps, zero_bubble, zero_bubble_v
+from mtnlg_jax.parallel import reducing_tick, steady_tick, tick_by_slot
 from mtnlg_jax.parallel import stage_functions as side
 from mtnlg_jax.parallel import schedule as schedule_lib
 from mtnlg_jax.parallel.branches import columns as table_columns
 from mtnlg_jax.parallel.branches import steady_pairs
 from mtnlg_jax.parallel.residuals import probe_layout
-from mtnlg_jax.parallel.rules import constrain
-from mtnlg_jax.parallel.stage import ACTIVATION_AXES, STAGE_AXIS, Stage
+from mtnlg_jax.parallel.rules import STAGE_AXIS, constrain
+from mtnlg_jax.parallel.stage import ACTIVATION_AXES, Stage
 from mtnlg_jax.parallel.stage_functions import MicroBatch, shared_params
 
 SCHEDULES = ('gpipe', '1f1b', 'interleaved', 'zbh1', 'zbv')
@@ -88,7 +89,7 @@ class TableEngine:
     max_in_flight: int = 0
     stage_layers: Any = None  # stage_order.StageLayers of unequal stages (None: equal)
     schedule: str = '1f1b'  # or 'interleaved' (the same), 'zbh1', 'zbv'
-    # the tick as one switch over its (forward, backward) pairs (stage.Stage.steady_tick)
+    # the tick as one switch over its (forward, backward) pairs (steady_tick.py)
     steady_tick: bool = False
     # the weight gradients contracted in the accumulators' add (stage.Stage.fused)
     fused_accumulation: bool = False
@@ -234,7 +235,7 @@ def run_table(
     fp32 grads or None, side values: stage_fns.values combined over chunks, micro-batches and
     stages). bubble_fill: what empty slots and idle outputs hold (tests fill NaN:
     it never leaks); stage_layers: a StageLayers of stages of unequal depth (None: equal);
-    steady_tick: with gradients, the tick as one switch over its slot pairs (stage.py);
+    steady_tick: with gradients, the tick as one switch over its slot pairs (steady_tick.py);
     fused_accumulation: unsplit, the weight gradients contracted in the accumulators' add;
     grad_layouts: the block leaves' zero.ShardLayouts, to reduce-scatter the block gradients
     inside the loop (grad_reduce.py; None: they leave it as each replica's sums);
@@ -369,12 +370,12 @@ def scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index=None, warm=Non
     if pair_index is not None:
         xs = (xs, jax.tree.map(jnp.asarray, pair_index))
     if warm is None:
-        carry, _ = jax.lax.scan(stage.tick, init, xs)
+        carry, _ = jax.lax.scan(tick_of(stage), init, xs)
     else:  # (ticks, the chunks they see): a scan of those ticks, then one of the rest
         ticks, early = warm
         first = dataclasses.replace(stage, chunks=early)
-        carry, _ = jax.lax.scan(first.tick, init, jax.tree.map(lambda a: a[:ticks], xs))
-        carry, _ = jax.lax.scan(stage.tick, carry, jax.tree.map(lambda a: a[ticks:], xs))
+        carry, _ = jax.lax.scan(tick_of(first), init, jax.tree.map(lambda a: a[:ticks], xs))
+        carry, _ = jax.lax.scan(tick_of(stage), carry, jax.tree.map(lambda a: a[ticks:], xs))
     acc_blocks, acc_shared, loss, values = carry[6]
     loss = jax.lax.psum(loss, STAGE_AXIS)
     values = side.over_axis(declared, values, STAGE_AXIS)
@@ -386,3 +387,14 @@ def scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index=None, warm=Non
     else:
         acc_blocks = jax.tree.map(lambda *a: jnp.concatenate(a), *acc_blocks)
     return (loss, values, acc_blocks, jax.tree.map(lambda a: a[None], acc_shared))
+
+
+def tick_of(stage):
+    """The scan's body on a stage.Stage, (carry, the tick's columns) -> (carry, None): the
+    steady tick where stage.pairs is set, the reducing tick where stage.reduce is, else the
+    tick by slot."""
+    if stage.pairs is not None:
+        return functools.partial(steady_tick.tick, stage)
+    if stage.reduce is not None:
+        return functools.partial(reducing_tick.tick, stage)
+    return functools.partial(tick_by_slot.tick, stage)

@@ -1,4 +1,4 @@
-"""A stage's slot buffers and fp32 accumulators, as stage.py updates them each tick: a slot read
+"""A stage's slot buffers and fp32 accumulators, as the engine's ticks update them: a slot read
 and written in place (`read`, `write`), zero gradients of a tree (`zeros`), an add in fp32
 (`add`) and one skipped in place under a predicate (`add_unless`)."""
 

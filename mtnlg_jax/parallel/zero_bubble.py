@@ -27,7 +27,7 @@ At p = 4 the stages wait p units a step (ZB-H1: p - 1; 1F1B's table: 7), so the 
 p / (3 m + p), about (p - 1) / (3 m) (`python -m mtnlg_jax.parallel.zero_bubble 4 8` prints a
 table and its bubble; tests/test_zero_bubble.py).
 
-The engine (stage.py) runs B as the chunk's whole VJP (the last chunk's forward, head and
+The engine (backward_slot.py) runs B as the chunk's whole VJP (the last chunk's forward, head and
 loss first) but for its kernels' weight gradients: every kernel matmul is tapped
 (parallel/taps.py), so B hands out each one's input x and output gradient dy, kept in a tap
 slot until W; the norms', biases' and shared parameters' gradients (elementwise reductions,

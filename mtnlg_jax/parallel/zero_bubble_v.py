@@ -37,7 +37,7 @@ in the same (stage) units and ZB-V's own (p - 1) / (6 m + p - 1).
 `python -m mtnlg_jax.parallel.zero_bubble_v 4 8` prints a table and its bubble;
 tests/test_zero_bubble_v.py.
 
-The engine (stage.py) runs B and W as for ZB-H1 with a switch over the two chunks, and moves
+The engine (tick_by_slot.py) runs B and W as for ZB-H1 with a switch over the two chunks, and moves
 hand-offs both ways: activations s -> s + 1 for the first chunk and s -> s - 1 for the second
 (the turn on stage p - 1 local), gradients the opposite ways (schedule.Schedule's back
 columns).

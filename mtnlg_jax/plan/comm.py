@@ -17,12 +17,12 @@ formulas of the literature (ring algorithms: an all-reduce of S bytes over n dev
                  recomputes each layer's forward, less the dead one of a single-layer chunk);
                  the embedding's all-reduce runs m / p times, the head's input gradient m / p;
                  two hand-offs per tick of the table (four in zbv's V: output and gradient
-                 each sent both ways, parallel/stage.py), split over tensor along the sequence
-                 (when it divides), each gathered where it is used: by the forward of every
-                 chunk but the first, and by the backward of every chunk but the last (its
-                 gradient) and of the last (its input: its forward runs in that tick);
-                 each stage sums its own share of the gradients of the parameters outside the
-                 block stack (which every stage holds)
+                 each sent both ways, parallel/tick_by_slot.py), split over tensor along the
+                 sequence (when it divides), each gathered where it is used: by the forward
+                 of every chunk but the first, and by the backward of every chunk but the
+                 last (its gradient) and of the last (its input: its forward runs in that
+                 tick); each stage sums its own share of the gradients of the parameters
+                 outside the block stack (which every stage holds)
     context (c)  context parallelism (parallel/context.py): per layer and micro-batch pass,
                  one all-gather of the layer's keys and values ((b, s, 2 kv_heads / t, d),
                  gathered whole) forward, again where the backward recomputes the layer, and
