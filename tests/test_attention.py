@@ -106,6 +106,27 @@ def test_which_kernel_a_config_gets(overrides, device, kernel):
     assert kernels.attention_kernel(cfg, device) == kernel
 
 
+@pytest.mark.parametrize(
+    'overrides, device, kernel',
+    [
+        (dict(), H100, 'flash'),  # cuDNN would take documents only as a (seq x seq) mask
+        (dict(), A100, 'flash'),
+        (dict(seq_len=40), H100, 'cudnn'),  # no flash tile divides 40: cuDNN and its mask
+        (dict(attention_dropout=0.1), H100, 'flash'),
+        (dict(), CPU, 'plain'),
+        (dict(attention='fused'), CPU, 'xla'),
+    ],
+)
+def test_packed_documents_take_a_kernel_that_reads_their_ids_not_a_mask(overrides, device, kernel):
+    """data.reset_attention_mask: where attention_kernel would run cuDNN, which takes
+    documents only as a (seq x seq) mask, the Pallas flash kernel runs with the segment ids,
+    wherever it takes the shape; the planner prices the same kernel."""
+    cfg = _model_cfg(overrides.pop('attention', 'auto'), compute_dtype='bfloat16', **overrides)
+    assert kernels.attention_kernel(cfg, device, documents=True) == kernel
+    assert kernels.documents_kernel(kernels.attention_kernel(cfg, device), cfg.seq_len, 8,
+                                    kernels.gpu_generation(device)) == kernel  # fmt: skip
+
+
 def test_fused_attention_where_no_kernel_can_is_refused():
     with pytest.raises(config_lib.ConfigError, match='cuDNN cannot fuse float32 compute'):
         kernels.attention_kernel(_model_cfg('fused'), A100)

@@ -331,6 +331,22 @@ def test_a_llama_block_compiles_with_grouped_cudnn_attention_inside_the_pipeline
     assert 1.0 <= ratio < 1.05, (ratio, compiled['flops_vs_model'])
 
 
+def test_packed_documents_compile_to_the_flash_kernel_with_no_sequence_square():
+    """data.reset_attention_mask where 'auto' would run cuDNN (bf16, head dim 32, on the
+    tensor layout): the Pallas flash kernel takes the segment ids, forward and backward, and
+    no (rows, 1, seq, seq) array is left in the step (before: cuDNN was handed that mask and
+    XLA:GPU compiled unfused attention around 50 of them)."""
+    config = support.small_config(
+        **support.PLAN_LAYOUTS['tensor'], hidden=256, vocab_size=1500, compute_dtype='bfloat16'
+    )
+    config.data.update(dict(reset_attention_mask=True, eod_id=3))
+    compiled, info = gpu_target.compile_train_step(config, TARGET)
+    kernels = _gpu_plan(config, compiled, info)['compiled']['attention']['kernels']
+    assert set(kernels) == {'flash_attention_forward', 'flash_attention_dkv', 'flash_attention_dq'}
+    seq = config.model.seq_len
+    assert not re.findall(rf'\[\d+,1,{seq},{seq}\]', compiled.as_text())
+
+
 def test_the_530b_attention_out_weight_gradient_compiles_for_h100s():
     """The fused accumulation's dW GEMM (taps.weight_grads into its fp32 accumulator) at MT-NLG
     530 B's per-device attention-out shape on an H100: 16 heads x head_dim 160 x hidden 20480,

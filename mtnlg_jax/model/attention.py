@@ -16,7 +16,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from mtnlg_jax.model import flash_attention, fp8_sites, rope
-from mtnlg_jax.model.attention_kernel import context_kernel
+from mtnlg_jax.model.attention_kernel import context_kernel, documents_kernel
 from mtnlg_jax.model.layers import (
     ATTN_PROBS,
     add_bias,
@@ -206,23 +206,27 @@ class Attention(nnx.Module):
         context = constrain(context, GROUPED_AXES).reshape(b, s, h, d)
         return checkpoint_name(constrain(context, CONTEXT_AXES), 'context')
 
-    def attend_fused(self, q, k, v, visible_keys=None, row_keys=None, site=0, segment_ids=None):
+    def attend_fused(
+        self, q, k, v, visible_keys=None, row_keys=None, site=0, segment_ids=None, kernel=None
+    ):
         """The same context in one kernel (self.kernel): no (seq x seq) scores are kept, the
         backward recomputes them; q, k, v and the context in the compute dtype. Causal, or
         with visible_keys (a scalar, decoding): keys 0 .. visible_keys - 1 for every query;
         segment_ids (batch, seq): causal within each segment only (packed documents).
         Each device runs the kernel on its own batch rows and heads (rules.local_call:
         cuDNN's partitioning rule fails inside the pipeline). The flash kernel applies
-        attention dropout from per-(sequence, head) seeds drawn from row_keys."""
+        attention dropout from per-(sequence, head) seeds drawn from row_keys. kernel: the
+        one to run (None: self.kernel)."""
+        kernel = kernel or self.kernel
         q = constrain(q, CONTEXT_AXES)
         k, v = (constrain(a.astype(q.dtype), KV_AXES) for a in (k, v))
-        if self.kernel in ('flash', 'flash_interpreted'):
+        if kernel in ('flash', 'flash_interpreted'):
             rate = self.dropout_rate if row_keys is not None else 0.0
             if rate:
                 seeds = flash_attention.head_seeds(row_keys.reshape(-1), site, q.shape[2])
             else:
                 seeds = jnp.zeros(q.shape[0:1] + q.shape[2:3], jnp.uint32)
-            interpret = self.kernel == 'flash_interpreted'  # decided by the mesh's device
+            interpret = kernel == 'flash_interpreted'  # decided by the mesh's device
 
             def flash(q, k, v, seeds, *segments):  # k, v hold kv_heads: never repeated
                 return flash_attention.flash_attention(
@@ -239,7 +243,7 @@ class Attention(nnx.Module):
             # log-sum-exp) by name, and the same values twice would cost a context per layer
             return constrain(context, CONTEXT_AXES)
 
-        def kernel(q, k, v, *segments_or_visible):
+        def fused(q, k, v, *segments_or_visible):
             lengths = mask = None
             if visible_keys is not None:
                 lengths = jnp.full((q.shape[0],), segments_or_visible[0], jnp.int32)
@@ -252,18 +256,18 @@ class Attention(nnx.Module):
                 mask=mask,
                 is_causal=visible_keys is None,
                 key_value_seq_lengths=lengths,
-                implementation=self.kernel,
+                implementation=kernel,
             )
 
         if segment_ids is not None:
             args = (q, k, v, segment_ids)
             axes = (CONTEXT_AXES, KV_AXES, KV_AXES, SEGMENT_AXES)
-            context = local_call(kernel, args, CONTEXT_AXES, args_axes=axes)
+            context = local_call(fused, args, CONTEXT_AXES, args_axes=axes)
         else:
             extra = () if visible_keys is None else (jnp.asarray(visible_keys, jnp.int32),)
             axes = (CONTEXT_AXES, KV_AXES, KV_AXES)
-            context = local_call(kernel, (q, k, v), CONTEXT_AXES, extra, args_axes=axes)
-        if self.kernel == 'cudnn':  # kept as the kernel's output (gpt.remat_policy), not twice
+            context = local_call(fused, (q, k, v), CONTEXT_AXES, extra, args_axes=axes)
+        if kernel == 'cudnn':  # kept as the kernel's output (gpt.remat_policy), not twice
             return constrain(context, CONTEXT_AXES)
         return checkpoint_name(constrain(context, CONTEXT_AXES), 'context')
 
@@ -295,7 +299,12 @@ class Attention(nnx.Module):
                 return self.context_flash(q, k, v, row_keys, site, segment_ids, kernel)
             return self.context_parallel(q, k, v, row_keys, site, segment_ids, order)
         if self.kernel != 'plain':
-            return self.attend_fused(q, k, v, row_keys=row_keys, site=site, segment_ids=segment_ids)
+            kernel = self.kernel
+            if segment_ids is not None:  # packed documents: a kernel that takes their ids
+                kernel = documents_kernel(kernel, q.shape[1], q.shape[-1], self.gpu_generation)
+            return self.attend_fused(
+                q, k, v, row_keys=row_keys, site=site, segment_ids=segment_ids, kernel=kernel
+            )
         seq = q.shape[1]
         visible = jnp.tril(jnp.ones((seq, seq), bool))
         if segment_ids is not None:  # fused by XLA into the select on the scores

@@ -15,9 +15,10 @@ from mtnlg_jax.model.layers import attention_dims
 CUDNN_MAX_HEAD_DIM = {8: 128, 9: 256}
 
 
-def attention_kernel(cfg, device=None, context=1):
+def attention_kernel(cfg, device=None, context=1, documents=False):
     """What Attention runs under model.attention on `device` (the mesh's first; None: the CPU)
-    with each sequence over `context` ranks (mesh.context; context_kernel):
+    with each sequence over `context` ranks (mesh.context; context_kernel), over packed
+    documents masked apart if `documents` (data.reset_attention_mask; documents_kernel):
 
         'cudnn'  jax.nn.dot_product_attention's cuDNN flash attention (a GPU; no dropout)
         'flash'  the Pallas flash kernel (model/flash_attention.py) as Triton on a GPU, where
@@ -30,10 +31,23 @@ def attention_kernel(cfg, device=None, context=1):
     auto takes the first of cudnn, flash, plain that can run; fused the first of cudnn, flash
     and refuses what neither can (one ConfigError naming why)."""
     kernel = _kernel(cfg, device)
-    if context == 1:
-        return kernel
     _, _, head_dim = attention_dims(cfg)
+    if context == 1:
+        if documents:
+            return documents_kernel(kernel, cfg.seq_len, head_dim, gpu_generation(device))
+        return kernel
     return context_kernel(kernel, cfg.seq_len // (2 * context), head_dim, gpu_generation(device))
+
+
+def documents_kernel(kernel, seq, head_dim, generation):
+    """The kernel attention runs over packed documents (segment ids) where `kernel` is
+    attention_kernel's choice without them: cuDNN's takes documents only as a (seq x seq)
+    mask, which the device builds a sequence at a time (8192 tokens: 64 MiB a sequence, a
+    bias cuDNN reads for every head), so the Pallas flash kernel runs in its place where it
+    takes the sequence (the segment ids themselves, no mask), else cuDNN with the mask."""
+    if kernel != 'cudnn':
+        return kernel
+    return 'cudnn' if flash_attention.refusal(seq, head_dim, generation) else 'flash'
 
 
 def context_kernel(kernel, chunk, head_dim, generation):

@@ -138,13 +138,14 @@ def _ring(kind, size, group):
     return (2.0 if kind == 'all-reduce' else 1.0) * (group - 1) / group * size
 
 
-def kernel_on(model_cfg, cluster, context=1):
+def kernel_on(model_cfg, cluster, context=1, documents=False):
     """The attention kernel model/attention_kernel.py picks on `cluster`'s GPUs with each
-    sequence over `context` ranks; 'plain' on the CPU (cluster None)."""
+    sequence over `context` ranks, over packed documents masked apart if `documents`; 'plain'
+    on the CPU (cluster None)."""
     if cluster is None:
         return 'plain'
     gpu = types.SimpleNamespace(platform='gpu', compute_capability=cluster.compute_capability)
-    return attention_kernel.attention_kernel(model_cfg, gpu, context)
+    return attention_kernel.attention_kernel(model_cfg, gpu, context, documents)
 
 
 def fused_attention(model_cfg, cluster, context=1):
@@ -322,7 +323,8 @@ def slot_costs(
     accumulators: `accumulate` seconds), flops."""
     kernel = 'plain'
     if semantics == 'ours':
-        kernel = kernel_on(config.model, rates.cluster, config.mesh.context)
+        documents = config.data.get('reset_attention_mask', False)
+        kernel = kernel_on(config.model, rates.cluster, config.mesh.context, documents)
     flash = kernel.startswith('flash')
     layer = layer_forward(
         config, rates, exposed, kernel != 'plain', exposed_experts, exposed_context, flash
