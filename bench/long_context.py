@@ -168,6 +168,7 @@ def gpu405_cells(plan, seq):
     lockstep = over['lockstep']['step_s'] if over.get('lockstep') else None
     fits = compiled['peak_bytes'] <= cluster['hbm_bytes']
     planned = plan['per_device_bytes']['total'] / GIB
+    mfu = cluster['predicted_mfu']  # model FLOPs (6N + 12LHQT) a GPU: x peak, the issue's figure
     return [
         f'{compiled["peak_bytes"] / GIB:.1f}',
         'yes' if fits else f'NO (planned {planned:.1f} GiB)',
@@ -178,7 +179,7 @@ def gpu405_cells(plan, seq):
         '-' if lockstep is None else f'{lockstep:.3f}',
         f'{over["step_s"] / tokens * 1e6:.3f}',
         f'{cluster["predicted_step_s"]:.3f}',
-        f'{100 * cluster["predicted_mfu"]:.1f} % ({cluster["predicted_tflops_per_gpu"]:.0f})',
+        f'{100 * mfu:.1f} % ({mfu * cluster["peak_tflops"]:.0f})',
     ]
 
 

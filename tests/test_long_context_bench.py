@@ -60,7 +60,7 @@ def _plan(peak_gib, lockstep):
     compiled = dict(peak_bytes=peak_gib * GIB, flops_vs_model=0.87, overlap=over,
                     attention=dict(kernels={'flash_dq': 64, 'flash_forward': 64}))  # fmt: skip
     cluster = dict(hbm_bytes=80e9, predicted_step_s=10.84, predicted_mfu=0.543,
-                   predicted_tflops_per_gpu=537.1)  # fmt: skip
+                   peak_tflops=989.0)  # fmt: skip
     return dict(config=dict(global_batch=128), compiled=compiled, cluster=cluster,
                 per_device_bytes=dict(total=76.5 * GIB))  # fmt: skip
 
