@@ -53,6 +53,12 @@ def cause(stderr):
     return (errors or lines or ['no output'])[-1][:300]
 
 
+def failed_row(header, lead, why):
+    """A table row of a compile that failed: its name (and target), the cause, '-' elsewhere."""
+    cells = [*lead, f'failed: {why}'.replace('|', '/')]
+    return cells + ['-'] * (len(header) - len(cells))
+
+
 def read_plan(path):
     return json.loads(pathlib.Path(path).read_text())
 

@@ -39,7 +39,7 @@ import sys
 
 
 from mtnlg_jax.xla import gpu_compile
-from plan_runs import ROOT, argument_parser, print_markdown, read_plan, run_plans
+from plan_runs import ROOT, argument_parser, failed_row, print_markdown, read_plan, run_plans
 from mtnlg_jax.plan.comm import by_axis
 
 RUNS = {  # name: launch/plan.py arguments after --config
@@ -169,12 +169,6 @@ GPU_HEADER = [
     'compile s',
     'fits 80 GB',
 ]
-
-
-def failed_row(header, lead, why):
-    """A table row of a compile that failed: its name (and target), the cause, '-' elsewhere."""
-    cells = [*lead, f'failed: {why}'.replace('|', '/')]
-    return cells + ['-'] * (len(header) - len(cells))
 
 
 def job_name(name, target):

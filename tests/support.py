@@ -365,3 +365,14 @@ def launch_in_process(script, capsys, monkeypatch, *args):
     status = _status(launch_module(script).main, args)
     captured = capsys.readouterr()
     return status, captured.out, captured.err.strip().splitlines()
+
+
+def bench_with_stubbed_compiles(bench, monkeypatch, compile_stub, *args):
+    """bench/BENCH.py's main() with `args`, each launch/plan.py subprocess replaced by
+    compile_stub(command) and the XLA:GPU compiler taken as installed: its exit status."""
+    import plan_runs  # noqa: PLC0415 (bench/ on the path: the bench tests put it there)
+
+    monkeypatch.setattr(plan_runs.subprocess, 'run', lambda command, **_: compile_stub(command))
+    monkeypatch.setattr(bench.gpu_compile, 'missing', lambda: None)
+    monkeypatch.setattr(sys, 'argv', [f'bench/{bench.__name__}.py', *map(str, args)])
+    return _status(lambda _: bench.main(), ())

@@ -75,6 +75,39 @@ def test_flash_kernels_count_the_score_blocks_they_compute():
         assert 2 * flash_attention.score_area(n, keys, 64) == walked
 
 
+CUDNN_TYPE = '(bf16[1,4,8192,128]{3,1,2,0}, f32[1,4,8192]{2,1,0}, u8[0]{0})'
+
+
+def _cudnn_operands(target):
+    """A cuDNN attention call's operands and attributes as XLA:GPU's optimized HLO writes them
+    (Llama 3 405B's 8K step with packed documents masked: 1 row, 4 query heads, 8192 x 8192
+    scores; trimmed)."""
+    bias = ', bf16[1,1,8192,8192]{3,2,1,0}' if 'Bias' in target else ''
+    return (
+        f'(%q, %k, %v), custom_call_target="{target}", operand_layout_constraints='
+        f'{{bf16[1,8192,4,128]{{3,2,1,0}}, bf16[1,8192,2,128]{{3,2,1,0}}{bias}}}, backend_config='
+        '{"cudnn_fmha_backend_config": {"intermediate_tensor_shape": {"element_type": "BF16", '
+        '"dimensions": ["1", "4", "8192", "8192"], "tuple_shapes": []}, "mask_type": "CAUSAL"}}'
+    )
+
+
+def test_cudnn_attention_with_a_mask_is_fused_attention_too():
+    """A segment mask (data.reset_attention_mask) reaches cuDNN as a bias, its calls named
+    ScaleBias: counted and priced as the unmasked ones (the 405B's 8K point read as unfused,
+    its attention neither in the FLOPs nor in the replay)."""
+    names = [
+        f'__cudnn$fmha{bias}Softmax{bwd}' for bias in ('', 'ScaleBias') for bwd in ('', 'Backward')
+    ]
+    text = '\n'.join(
+        f'  %a{i} = {CUDNN_TYPE} custom-call{_cudnn_operands(n)}' for i, n in enumerate(names)
+    )
+    assert hlo_module.attention_kernel_counts(text) == dict.fromkeys(names, 1)
+    for name in names:
+        call = hlo_module.Instruction('a', CUDNN_TYPE, 'custom-call', _cudnn_operands(name))
+        matmuls = 5 if name.endswith('Backward') else 2
+        assert hlo_module.fused_attention_flops(call) == 2 * matmuls * 4 * 8192 * 8192 * 128
+
+
 def _llama_128k():
     config = config_lib.load(str(support.ROOT / 'configs/llama3_405b_128k.py'))
     return config_lib.resolve(config, 16384)

@@ -6,12 +6,9 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 import support
 
 sys.path.insert(0, str(support.ROOT / 'bench'))
-import plan_runs  # noqa: E402
 import scale  # noqa: E402
 
 CAUSE = (
@@ -39,7 +36,7 @@ def a_plan(peak_gb):
 def test_a_failed_compile_is_a_row_of_its_cause_and_the_tables_are_printed(
     tmp_path, monkeypatch, capsys
 ):
-    def compile_stub(command, **_):
+    def compile_stub(command):
         path = command[command.index('--json') + 1]
         if 'h100-80gb' in command:
             return subprocess.CompletedProcess(command, 1, '', 'compiling ...\n' + CAUSE + '\n')
@@ -47,13 +44,10 @@ def test_a_failed_compile_is_a_row_of_its_cause_and_the_tables_are_printed(
             json.dump(a_plan(30.3), f)
         return subprocess.CompletedProcess(command, 0, '', '')
 
-    monkeypatch.setattr(plan_runs.subprocess, 'run', compile_stub)
-    monkeypatch.setattr(scale.gpu_compile, 'missing', lambda: None)
-    argv = ['bench/scale.py', '--results', str(tmp_path), '--only', 'mtnlg_530b']
-    monkeypatch.setattr(sys, 'argv', argv)
-    with pytest.raises(SystemExit) as done:
-        scale.main()
-    assert 'mtnlg_530b h100-80gb' in str(done.value.code), done.value.code  # status 1
+    status = support.bench_with_stubbed_compiles(
+        scale, monkeypatch, compile_stub, '--results', tmp_path, '--only', 'mtnlg_530b'
+    )
+    assert 'mtnlg_530b h100-80gb' in str(status), status  # status 1
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith('| mtnlg')]
     assert len(rows) == 3, rows  # XLA:CPU's, then A100's and H100's
     cpu, a100, h100 = (line.split(' | ') for line in rows)

@@ -272,12 +272,16 @@ def _dims(type_text):
 
 # Fused attention kernels and the matmuls each runs over the (batch, heads, q, k) scores:
 # cuDNN's (forward 2; backward 5: flash attention recomputes the scores, then dV, dP, dQ, dK),
-# named by their custom call targets, and the Pallas flash kernels of model/flash_attention.py
-# (forward 2; dK/dV 4 and dQ 3: each backward kernel recomputes the scores and their
-# gradient), Triton custom calls named by their op_name (`jvp(name)/pallas_call` and kin).
+# named by their custom call targets, with a bias where a mask is given (JAX makes packed
+# documents' segment mask a (rows, 1, seq, seq) bias: data.reset_attention_mask), and the
+# Pallas flash kernels of model/flash_attention.py (forward 2; dK/dV 4 and dQ 3: each
+# backward kernel recomputes the scores and their gradient), Triton custom calls named by
+# their op_name (`jvp(name)/pallas_call` and kin).
 FUSED_ATTENTION_MATMULS = {
     '__cudnn$fmhaSoftmax': 2,
     '__cudnn$fmhaSoftmaxBackward': 5,
+    '__cudnn$fmhaScaleBiasSoftmax': 2,
+    '__cudnn$fmhaScaleBiasSoftmaxBackward': 5,
     **flash_attention.KERNEL_MATMULS,
 }
 _CUSTOM_TARGET = re.compile(r'custom_call_target="([^"]+)"')
