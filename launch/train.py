@@ -143,7 +143,7 @@ def main(argv):
     from mtnlg_jax.checkpoint.store import CheckpointError
     from mtnlg_jax.data.indexed import DataError
     from mtnlg_jax.run.storage import StorageError
-    from mtnlg_jax.train import faults, loop
+    from mtnlg_jax.train import faults
 
     try:
         config = config_lib.resolve(args.config, jax.device_count())
@@ -163,6 +163,8 @@ def main(argv):
     if run_dir.has_config():
         record = check_continuation(args, run_dir, config, record)
     warn_unchecked(record)
+    from mtnlg_jax.train import loop  # the model and its step: 0.4 CPU-s no refusal needs
+
     try:
         loop.train(config, args.workdir, identity=record)
     except (DataError, CheckpointError, config_lib.ConfigError) as e:

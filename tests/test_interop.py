@@ -13,7 +13,16 @@ import tempfile
 import pytest
 import tokenizers
 from lm_eval.api.instance import Instance
-from support import ROOT, SMALL_MODEL, TRAIN_ENV, launch_module, run_launch, run_train
+from support import (
+    ROOT,
+    SMALL_MODEL,
+    TRAIN_ENV,
+    launch_in_process,
+    launch_module,
+    run_launch,
+    run_train,
+    train_args,
+)
 from test_data import synthetic_documents
 from test_hf_gpt2 import convert  # launch/convert.py, imported once per process
 from test_preprocess import preprocess
@@ -166,14 +175,19 @@ def test_harness_command_line_errors_are_one_line(bpe_run):
         assert lines[0].startswith('error: ') and message in lines[0], lines
 
 
-def test_training_refuses_a_tokenizer_that_does_not_fit_the_model(bpe_run, tmp_path):
+def test_training_refuses_a_tokenizer_that_does_not_fit_the_model(
+    bpe_run, tmp_path, capsys, monkeypatch
+):
+    """train's main(argv) in this process (its command line's bad input:
+    test_command_line_contract.py)."""
     workdir, _ = bpe_run
     bpe_dir = workdir.parent / 'bpe'
-    result = run_train(tmp_path / 'w', *SMALL_MODEL, '--config.model.vocab_size=320',
-                       f'--config.data.tokenizer={bpe_dir}',
-                       data=workdir.parent / 'corpus_text_document')  # fmt: skip
-    assert result.returncode == 2 and not (tmp_path / 'w').exists()
-    assert result.stderr.strip().splitlines() == [
+    args = train_args(tmp_path / 'w', *SMALL_MODEL, '--config.model.vocab_size=320',
+                      f'--config.data.tokenizer={bpe_dir}',
+                      data=workdir.parent / 'corpus_text_document')[2:]  # fmt: skip
+    status, _, lines = launch_in_process('train', capsys, monkeypatch, *args)
+    assert status == 2 and not (tmp_path / 'w').exists()
+    assert lines == [
         f'error: config key data.tokenizer: {bpe_dir} (GPT2BPETokenizer) has 300 pieces, but '
         "the model's vocabulary (model.vocab_size) is 320 (--config.data.tokenizer= trains on "
         'token ids with none)'

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from mtnlg_jax.checkpoint.store import TMP_MARKER
-from support import ROOT, SMALL_MODEL, TRAIN_ENV, run_train, train_args
+from support import ROOT, SMALL_MODEL, TRAIN_ENV, launch_in_process, run_train, train_args
 
 RUN = [
     *SMALL_MODEL,
@@ -124,13 +124,17 @@ def incomplete_saves(checkpoints):
     return list(checkpoints.glob(f'*{TMP_MARKER}*'))
 
 
-def test_a_kill_in_a_save_and_then_a_signal_each_resume_the_run_exactly(tmp_path, runs, token_data):
+def test_a_kill_in_a_save_and_then_a_signal_each_resume_the_run_exactly(
+    tmp_path, runs, token_data, capsys, monkeypatch
+):
     """A run killed during an async save (checkpoint.every 1) resumes from the newest complete
     checkpoint, naming the incomplete save it ignores. That run (checkpoint.every 0: no save
     of its own before its end) stopped by SIGTERM finishes the step, saves it and exits 0
     (SIGINT takes the same handler, faults.StopSignals). The same command with train.steps 10
     resumes from there, saying what changed, and ends with the uninterrupted losses bit for
-    bit; once more it has nothing to do and leaves config.json as it was. (A run that ended
+    bit; once more (main(argv) in this process: a JAX start-up fewer; the command line's
+    nothing to do: test_command_line_contract.py) it has nothing to do and leaves
+    config.json as it was. (A run that ended
     at its train.steps and went on with more: the same resume, step for step; its save of the
     last step: the failed-save test's.)"""
     workdir = tmp_path / 'run'
@@ -163,8 +167,9 @@ def test_a_kill_in_a_save_and_then_a_signal_each_resume_the_run_exactly(tmp_path
     assert 'changed: train.steps: 1000 -> 10' in resumed.stdout
     assert losses(workdir) == losses(runs.uninterrupted())  # every step, bit for bit
     config = (workdir / 'config.json').read_text()
-    again = train_ok(workdir, f'--config.train.steps={STEPS}', data=token_data)
-    assert again.stdout.startswith(f'nothing to do: {workdir} is at step {STEPS}')
+    args = train_args(workdir, *RUN, f'--config.train.steps={STEPS}', data=token_data)[2:]
+    status, printed, _ = launch_in_process('train', capsys, monkeypatch, *args)
+    assert status == 0 and printed.startswith(f'nothing to do: {workdir} is at step {STEPS}')
     assert (workdir / 'config.json').read_text() == config
 
 

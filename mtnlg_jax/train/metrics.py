@@ -18,15 +18,11 @@ import math
 import os
 import sys
 
-import matplotlib
+from tensorboardX import SummaryWriter
+from tqdm import tqdm
 
-matplotlib.use('Agg')  # no display on training machines
-import matplotlib.pyplot as plt  # noqa: E402
-from tensorboardX import SummaryWriter  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from mtnlg_jax.run import storage  # noqa: E402
-from mtnlg_jax.run.rundir import RunDir  # noqa: E402
+from mtnlg_jax.run import storage
+from mtnlg_jax.run.rundir import RunDir
 
 
 class MetricsWriter:
@@ -131,11 +127,16 @@ def read_metrics(path):
 
 
 def plot_loss_curve(metrics_path, png_path, title=''):
-    """Training and validation loss against tokens seen, saved as a PNG."""
+    """Training and validation loss against tokens seen, saved as a PNG. Matplotlib is
+    imported here, by the one process that plots at a run's end (0.3 s of every train
+    process's start-up before: the others', and a run that fails, never plot)."""
+    from matplotlib.figure import Figure  # noqa: PLC0415 (no pyplot: no display, no state)
+
     records = read_metrics(metrics_path)
     train = [r for r in records if not r.get('eval')]
     evals = [r for r in records if r.get('eval')]
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    fig = Figure(figsize=(8, 4.5), dpi=110)
+    ax = fig.subplots()
     ax.plot([r['tokens_seen'] for r in train], [r['loss'] for r in train], label='train')
     if evals:
         ax.plot(
@@ -148,7 +149,6 @@ def plot_loss_curve(metrics_path, png_path, title=''):
     ax.legend()
     fig.tight_layout()
     fig.savefig(png_path)
-    plt.close(fig)
 
 
 def perplexity(loss):
