@@ -244,67 +244,97 @@ def run_table(
     and the loop split where its first ticks, which run only chunk 0, end: the other chunks'
     all-gathers may run beside those ticks."""
     shared = shared_params(params)
-    p, v = table.stages, table.repeats
-    num_layers = jax.tree.leaves(params['blocks'])[0].shape[0]
-    per_chunk = num_layers // (p * v)
-    rows, seq = batch.rows, batch.seq
     mesh = jax.sharding.get_abstract_mesh()
     tensor = 1 if mesh.empty else dict(mesh.shape).get('tensor', 1)
-    handoff_axes = HANDOFF_AXES if seq % tensor == 0 else ACTIVATION_AXES
+    handoff_axes = HANDOFF_AXES if batch.seq % tensor == 0 else ACTIVATION_AXES
 
     def per_stage(blocks, shared, batch):
-        index = jax.lax.axis_index(STAGE_AXIS)
-        stacked = jax.tree.map(lambda a: a.reshape(v, per_chunk, *a.shape[1:]), blocks)
-        chunks = tuple(jax.tree.map(lambda a: a[k], stacked) for k in range(v))
-        if gather_params:
-            chunks = tuple(grad_reduce.gather_chunk(c, grad_layouts) for c in chunks)
-        embedded = jax.eval_shape(lambda sh, b: stage_fns.embed(sh, b.at(0)), shared, batch)
-        hidden = embedded.shape[-1]
-        stage = Stage(
-            fns=stage_fns,
-            chunks=chunks,
-            shared=shared,
-            batch=batch,
-            index=index,
-            stages=p,
-            per_chunk=per_chunk,
-            fill=jnp.full((rows, seq, hidden), bubble_fill, stage_fns.dtype),
-            layout=None,
-            handoff_axes=handoff_axes,
-            stage_layers=stage_layers,
-            split=table.split,
-            v_shape=table.v_shape,
-            # the steady tick's layers unrolled: a while loop per chunk would keep the
-            # forward's and the backward's collectives in computations of their own
-            unroll=with_grads and steady_tick,
-            prepared=None if stage_fns.prepare is None else tuple(map(stage_fns.prepare, chunks)),
-        )
-        kept_shapes = []
-        if with_grads:  # the layout of a forward's residuals: every forward has the same
-            zero = jnp.zeros((), jnp.int32)
-            # B hands W each kernel matmul's taps (taps.py); not split, B's own branch or
-            # the accumulators' add contracts them (Stage.fused), held as the matmuls had them
-            fused = fused_accumulation and not table.split
-            if table.split or fused:
-                sites = taps.probe(stage.apply, chunks[0], stage.fill, zero, 0, [])
-                sites = taps.as_read(sites) if fused else sites
-                stage = dataclasses.replace(stage, sites=sites, fused=fused)
-            first = functools.partial(stage.forward_with_residuals, repeat=0)  # chunk 0, static
-            kept_shapes, layout = probe_layout(first, chunks[0], zero, stage.fill, zero)
-            stage = dataclasses.replace(stage, layout=layout)
-        pair_index = None
-        if with_grads and grad_layouts is not None:
-            reduce = grad_reduce.plan(table, per_chunk)
-            stage = dataclasses.replace(stage, reduce=(reduce, grad_layouts))
-            pair_index = reduce.columns()
-        elif with_grads and steady_tick:
-            keys, pair_index = steady_pairs(table)
-            stage = dataclasses.replace(stage, pairs=keys)
+        gathered = grad_layouts if gather_params else None
+        # the steady tick's layers unrolled: a while loop per chunk would keep the forward's
+        # and the backward's collectives in computations of their own
+        unroll = with_grads and steady_tick
+        stage = _stage_of(
+            stage_fns, blocks, shared, batch, table, bubble_fill, stage_layers, unroll,
+            gathered, handoff_axes,
+        )  # fmt: skip
+        kept_shapes, pair_index = [], None
+        if with_grads:
+            stage, kept_shapes, pair_index = _for_gradients(
+                stage, table, steady_tick, fused_accumulation, grad_layouts
+            )
         warm = None
         if gather_params:  # the first ticks see chunk 0 in every chunk's place
-            warm = (grad_reduce.first_tick_of_later_chunks(table), (chunks[0],) * v)
+            warm = (
+                grad_reduce.first_tick_of_later_chunks(table),
+                (stage.chunks[0],) * table.repeats,
+            )
         return scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index, warm)
 
+    return _over_stages(per_stage, params, shared, batch, stage_fns, with_grads)
+
+
+def _stage_of(
+    stage_fns, blocks, shared, batch, table, bubble_fill, stage_layers, unroll, gathered,
+    handoff_axes,
+):  # fmt: skip
+    """This stage's Stage inside shard_map: its chunks of the stacked blocks (gathered from
+    their ZeRO shards with `gathered`, the leaves' ShardLayouts), the fill of idle slots."""
+    p, v = table.stages, table.repeats
+    per_chunk = jax.tree.leaves(blocks)[0].shape[0] // v
+    stacked = jax.tree.map(lambda a: a.reshape(v, per_chunk, *a.shape[1:]), blocks)
+    chunks = tuple(jax.tree.map(lambda a: a[k], stacked) for k in range(v))
+    if gathered is not None:
+        chunks = tuple(grad_reduce.gather_chunk(c, gathered) for c in chunks)
+    embedded = jax.eval_shape(lambda sh, b: stage_fns.embed(sh, b.at(0)), shared, batch)
+    return Stage(
+        fns=stage_fns,
+        chunks=chunks,
+        shared=shared,
+        batch=batch,
+        index=jax.lax.axis_index(STAGE_AXIS),
+        stages=p,
+        per_chunk=per_chunk,
+        fill=jnp.full((batch.rows, batch.seq, embedded.shape[-1]), bubble_fill, stage_fns.dtype),
+        layout=None,
+        handoff_axes=handoff_axes,
+        stage_layers=stage_layers,
+        split=table.split,
+        v_shape=table.v_shape,
+        unroll=unroll,
+        prepared=None if stage_fns.prepare is None else tuple(map(stage_fns.prepare, chunks)),
+    )
+
+
+def _for_gradients(stage, table, steady, fused_accumulation, grad_layouts):
+    """(stage, the residuals' shapes, the tick's pair index or None) of a step with gradients:
+    the taps B hands W (or the accumulators' add contracts), the residuals' layout probed on
+    chunk 0, and the reducing or steady tick's pairing."""
+    zero = jnp.zeros((), jnp.int32)
+    chunk = stage.chunks[0]
+    # B hands W each kernel matmul's taps (taps.py); not split, B's own branch or the
+    # accumulators' add contracts them (Stage.fused), held as the matmuls had them
+    fused = fused_accumulation and not table.split
+    if table.split or fused:
+        sites = taps.probe(stage.apply, chunk, stage.fill, zero, 0, [])
+        sites = taps.as_read(sites) if fused else sites
+        stage = dataclasses.replace(stage, sites=sites, fused=fused)
+    first = functools.partial(stage.forward_with_residuals, repeat=0)  # chunk 0, static
+    kept_shapes, layout = probe_layout(first, chunk, zero, stage.fill, zero)
+    stage = dataclasses.replace(stage, layout=layout)
+    pair_index = None
+    if grad_layouts is not None:
+        reduce = grad_reduce.plan(table, stage.per_chunk)
+        stage = dataclasses.replace(stage, reduce=(reduce, grad_layouts))
+        pair_index = reduce.columns()
+    elif steady:
+        keys, pair_index = steady_pairs(table)
+        stage = dataclasses.replace(stage, pairs=keys)
+    return stage, kept_shapes, pair_index
+
+
+def _over_stages(per_stage, params, shared, batch, stage_fns, with_grads):
+    """per_stage in shard_map manual over 'stage': (loss sum, token count, grads or None,
+    side values)."""
     stage_spec = jax.tree.map(lambda _: PartitionSpec(STAGE_AXIS), params['blocks'])
     shared_spec = jax.tree.map(lambda _: PartitionSpec(), shared)
     by_stage = jax.tree.map(lambda _: PartitionSpec(STAGE_AXIS), shared)
