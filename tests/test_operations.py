@@ -17,7 +17,10 @@ import ml_collections
 import numpy as np
 import pytest
 
-from mtnlg_jax.train import pgle, stragglers
+import support
+from mtnlg_jax.data import batch as batch_lib
+from mtnlg_jax.train import loop, pgle, stragglers
+from mtnlg_jax.train import state as state_lib
 from mtnlg_jax.xla import flags
 from support import ROOT, SMALL_MODEL, TRAIN_ENV, run_train, train_args
 
@@ -73,20 +76,55 @@ def test_pgle_compiles_the_step_again_by_the_traced_steps_costs_on_every_process
     config = ml_collections.ConfigDict(dict(train=dict(pgle_profile_steps=2)))
     said, recompiled = [], []
     guided = pgle.ProfileGuided(config, str(tmp_path), 10, said.append)
-    compiled = type('Compiled', (), dict(recompile=lambda self, o: recompiled.append(o)))()
+    compiled = type('Compiled', (), dict(recompile=lambda self, m, o: recompiled.append((m, o))))()
     assert guided.window == (12, 13)
     for step in range(11, 15):
         with guided.step(step):
             tracing = guided._trace is not None
             assert tracing == (step in (12, 13)), step
-        guided.stepped(step, jnp.zeros(()), compiled)
+        guided.stepped(step, jnp.zeros(()), compiled, 4)
     profile = tmp_path / 'pgle' / 'profile.pb'
     assert profile.read_bytes() == costs
-    assert recompiled == [{flags.PGLE_PROFILE_OPTION: str(profile)}]
+    assert recompiled == [(4, {flags.PGLE_PROFILE_OPTION: str(profile)})]
     assert said == [f'pgle         the step compiled again, scheduled by the costs of steps '
                     f'12-13: {profile}']  # fmt: skip
-    double = jax.jit(lambda x: 2 * x).lower(jnp.ones(3)).compile(recompiled[0])
+    double = jax.jit(lambda x: 2 * x).lower(jnp.ones(3)).compile(recompiled[0][1])
     np.testing.assert_array_equal(double(jnp.ones(3)), 2 * np.ones(3))
+
+
+def test_the_step_compiled_by_a_profile_computes_the_same_and_only_its_own_size_reads_it(
+    tmp_path, monkeypatch
+):
+    """CompiledSteps.recompile: the step of the profiled micro-step count compiled again with
+    XLA reading the profile (XLA:CPU schedules nothing by it), the same loss to the bit; the
+    step of another count (the batch ramp-up's next size) compiles without it, its program
+    not the profile's."""
+    options, compile_ = [], jax.stages.Lowered.compile
+
+    def recorded(self, compiler_options=None, **kwargs):
+        options.append(compiler_options)
+        return compile_(self, compiler_options, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, 'compile', recorded)
+    config = support.small_config()
+    mesh, setup = support.layout(config)
+    window = support.random_batches(1)[0].astype(np.int32)
+    count = config.train.micro_steps
+    profile = tmp_path / 'profile.pb'
+    profile.write_bytes(b'')
+    with jax.set_mesh(mesh):
+        state = state_lib.init_state(config, setup)
+        compiled = loop.CompiledSteps(config, setup, mesh, state)
+        batch = batch_lib.place_batch(*batch_lib.to_micro_steps(window, count), mesh)
+        losses, steps = [], [compiled(count)]
+        compiled.recompile(count, {flags.PGLE_PROFILE_OPTION: str(profile)})
+        steps.append(compiled(count))
+        for step in steps:
+            fresh = jax.tree.map(jnp.copy, state)  # the step donates its state
+            losses.append(float(step(fresh, *batch, jnp.float32(1))[1]['loss']))
+        compiled(2 * count)
+    assert steps[1] is not steps[0] and losses[0] == losses[1]
+    assert options == [None, {flags.PGLE_PROFILE_OPTION: str(profile)}, None]
 
 
 def test_a_straggler_is_the_process_above_the_ratio_times_the_median_of_the_others():

@@ -69,7 +69,7 @@ class CompiledSteps:
     def __init__(self, config, setup, mesh, state):
         self.config, self.setup, self.mesh, self.state = config, setup, mesh, state
         self._compiled = {}
-        self.options = None  # XLA compiler options (train/pgle.py's profile)
+        self.profiled = {}  # micro-step count -> compiler options (train/pgle.py's profile)
 
     def __contains__(self, micro_steps):
         return (micro_steps, None) in self._compiled
@@ -80,18 +80,18 @@ class CompiledSteps:
             batch = loader_lib.abstract_train_batch(self.config, self.mesh, micro_steps)
             step = make_train_step(self.config, self.setup, inject=drill)
             lowered = step.lower(self.state, *batch, jnp.float32(0))
-            self._compiled[key] = lowered.compile(self.options)
+            options = self.profiled.get(micro_steps) if drill is None else None
+            self._compiled[key] = lowered.compile(options)
             distributed.wait_for_peers(f'train step {key} compiled')
         return self._compiled[key]
 
-    def recompile(self, options):
-        """Every step compiled again with these compiler options (the drills' and the
-        evaluation's when next used)."""
-        self.options = options
-        counts = [key[0] for key in self._compiled if key != 'evaluation' and key[1] is None]
-        self._compiled = {}
-        for micro_steps in counts:
-            self(micro_steps)
+    def recompile(self, micro_steps, options):
+        """The train step of `micro_steps` compiled again with these compiler options: a
+        profile's instruction names are that program's, so another micro-step count (the
+        batch ramp-up), a drill's variant and the evaluation step keep XLA's own schedule."""
+        self.profiled[micro_steps] = options
+        self._compiled.pop((micro_steps, None), None)
+        self(micro_steps)
 
     def for_batch(self, batch, drill, report):
         """The step of `batch`'s micro-step count (a new count's compile is reported)."""
@@ -118,7 +118,7 @@ class CompiledSteps:
             )
             step = make_eval_step(self.config, self.setup)
             lowered = step.lower(params, tokens, *buffers)
-            self._compiled['evaluation'] = lowered.compile(self.options)
+            self._compiled['evaluation'] = lowered.compile()
             distributed.wait_for_peers('evaluation step compiled')
         return self._compiled['evaluation']
 
@@ -185,7 +185,7 @@ def train(config, workdir, identity=None):
                     with profile.phase('save'):
                         position = saver.maybe_save(step, position, force=stopping)
                 profile.stepped(step, position.state)
-                guided.stepped(step, position.state, compiled)
+                guided.stepped(step, position.state, compiled, batch.micro_steps)
                 if guard.error or saver.error:
                     break
                 if stopping:

@@ -67,9 +67,9 @@ class ProfileGuided:
                 self._trace.__enter__()
         return contextlib.nullcontext()
 
-    def stepped(self, step, state, compiled):
-        """After the window's last step: the costs written, the step compiled again by them
-        (compiled.recompile), on every process."""
+    def stepped(self, step, state, compiled, micro_steps):
+        """After the window's last step (of `micro_steps` micro-steps): the costs written,
+        that step compiled again by them (compiled.recompile), on every process."""
         if not self.steps or step != self.last:
             return
         jax.block_until_ready(state)
@@ -86,7 +86,7 @@ class ProfileGuided:
                 f'(XLA:GPU on NVIDIA GPUs gives them): the step keeps its schedule'
             )
             return
-        compiled.recompile({flags.PGLE_PROFILE_OPTION: profile})
+        compiled.recompile(micro_steps, {flags.PGLE_PROFILE_OPTION: profile})
         self.say(
             f'pgle         the step compiled again, scheduled by the costs of '
             f'{steps_text(self.first, self.last)}: {profile}'
