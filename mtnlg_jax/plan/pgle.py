@@ -5,8 +5,9 @@ XLA:GPU's latency-hiding scheduler orders each computation by its own estimate o
 instruction's cost; compile-only, with nothing measured, that estimate is its analytical
 model, which may price a collective below the matmul beside it and so start it too late
 (Llama 3 405B at 128K: the keys' and values' reduce-scatter over `context` started after the
-queries' backward, 22 % hidden: docs/benchmarks.md). On a GPU, JAX's PGLE
-(`jax_enable_pgle`) profiles a few steps and compiles again with the measured costs. Here the
+queries' backward, 22 % hidden: docs/benchmarks.md). On a GPU, the training loop profiles a
+few steps and compiles again with the measured costs (train/pgle.py, as JAX's
+`jax_enable_pgle` does for what `jax.jit` calls). Here the
 costs are the replay's (plan/overlap.py: matmuls at peak, the rest at HBM bandwidth,
 collectives at their link's bandwidth), written as XLA's ProfiledInstructionsProto in text:
 
