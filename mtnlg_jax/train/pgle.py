@@ -26,12 +26,8 @@ import jax
 
 from mtnlg_jax.run import distributed
 from mtnlg_jax.run.rundir import RunDir
-from mtnlg_jax.train.profile import tracing
+from mtnlg_jax.train.profile import steps_text, tracing
 from mtnlg_jax.xla import flags
-
-
-def steps_text(first, last):
-    return f'step {first}' if first == last else f'steps {first}-{last}'
 
 
 def profiled_costs(trace_directory):
@@ -75,8 +71,7 @@ class ProfileGuided:
         jax.block_until_ready(state)
         profile = os.path.join(self.directory, 'profile.pb')
         if self._trace is not None:
-            self._trace.__exit__(None, None, None)
-            self._trace = None
+            self.close()
             with open(profile, 'wb') as f:
                 f.write(profiled_costs(self.traces))
         distributed.wait_for_peers('pgle profile written')
@@ -93,7 +88,7 @@ class ProfileGuided:
         )
 
     def close(self):
-        """A run that ended inside the window: the trace stopped, nothing compiled."""
+        """The trace stopped (a run that ended inside the window: nothing compiled)."""
         if self._trace is not None:
             self._trace.__exit__(None, None, None)
             self._trace = None

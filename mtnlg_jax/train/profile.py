@@ -38,6 +38,10 @@ def tracing(directory):
         jax.profiler.stop_trace()
 
 
+def steps_text(first, last):
+    return f'step {first}' if first == last else f'steps {first}-{last}'
+
+
 def directory_of(workdir, process=None):
     process = jax.process_index() if process is None else process
     return os.path.join(RunDir(workdir).path, 'profile', f'process_{process}')
@@ -56,8 +60,8 @@ class StepProfile:
         self.wanted = bool(self.first) and here
         if self.wanted and after and self.first <= after[1] and self.last >= after[0]:
             self.first, self.last = after[1] + 1, after[1] + train_cfg.profile_steps
-            window = f'step {after[0]}' if after[0] == after[1] else f'steps {after[0]}-{after[1]}'
-            say(f'profile      moved to steps {self.first}-{self.last}: pgle traces {window}')
+            say(f'profile      moved to steps {self.first}-{self.last}: pgle traces '
+                f'{steps_text(*after)}')  # fmt: skip
         self.directory = directory_of(workdir)
         self.say = say
         self._trace = None  # the tracing context while a trace runs
