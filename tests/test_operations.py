@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 
 import support
+from mtnlg_jax import config as config_lib
+from mtnlg_jax.config import rampup
 from mtnlg_jax.data import batch as batch_lib
 from mtnlg_jax.train import loop, pgle, stragglers
 from mtnlg_jax.train import state as state_lib
@@ -53,7 +55,7 @@ def test_a_profile_of_steps_is_traced_under_the_workdir_with_the_phases_annotate
         'the step keeps its schedule',
     ], lines
     assert len(lines) == 3 and lines[2].startswith('profile      steps 3-4 traced: '), lines
-    assert list((workdir / 'pgle' / 'trace').rglob('*.xplane.pb')), "no PGLE trace"
+    assert list((workdir / 'pgle' / 'trace-m2').rglob('*.xplane.pb')), 'no PGLE trace'
     traced = lines[2].split('traced: ')[1]
     assert traced.startswith(str(workdir / 'profile' / 'process_0')), traced
     assert list((workdir / 'profile').rglob('*.xplane.pb')), 'no TensorBoard trace'
@@ -65,31 +67,93 @@ def test_a_profile_of_steps_is_traced_under_the_workdir_with_the_phases_annotate
         assert names.count(phase) == 2, phase
 
 
-def test_pgle_compiles_the_step_again_by_the_traced_steps_costs_on_every_process(
+def costs_of(name):
+    """A ProfiledInstructionsProto as XLA:GPU would give: one instruction's cost,
+    costs { name: NAME cost_us: 2.5 }."""
+    cost = b'\n' + bytes([len(name)]) + name.encode() + b'\x11' + np.float64(2.5).tobytes()
+    return b'\n' + bytes([len(cost)]) + cost
+
+
+def test_pgle_compiles_each_counts_step_again_by_its_own_windows_costs_on_every_process(
     tmp_path, monkeypatch
 ):
-    """train.pgle_profile_steps 2 from step 10: steps 12 and 13 traced, then the costs (here
-    a profile as XLA:GPU would give, one instruction's) written to WORKDIR/pgle/profile.pb
-    and the step compiled again with XLA reading that file; XLA:CPU takes the option."""
-    costs = b'\n\x0c\n\x01x\x11' + np.float64(2.5).tobytes()  # costs { name: "x" cost_us: 2.5 }
-    monkeypatch.setattr(pgle, 'profiled_costs', lambda directory: costs)
+    """train.pgle_profile_steps 2, a run from step 10 at 4 micro-steps, 8 at step 15 (a
+    stage too short for its window), 16 from step 16: steps 12-13 and 17-18 traced, each
+    window's costs (as XLA:GPU would give) written to WORKDIR/pgle/profile-mM.pb and the
+    step of that count compiled again with XLA reading that file (XLA:CPU takes the option);
+    a window whose steps ran another count (a roll-back) compiles nothing."""
+    monkeypatch.setattr(pgle, 'profiled_costs', lambda traces: costs_of(os.path.basename(traces)))
     config = ml_collections.ConfigDict(dict(train=dict(pgle_profile_steps=2)))
     said, recompiled = [], []
-    guided = pgle.ProfileGuided(config, str(tmp_path), 10, said.append)
+    guided = pgle.ProfileGuided(config, str(tmp_path), [(11, 4), (15, 8), (16, 16)], said.append)
     compiled = type('Compiled', (), dict(recompile=lambda self, m, o: recompiled.append((m, o))))()
-    assert guided.window == (12, 13)
-    for step in range(11, 15):
+    assert guided.windows == [(12, 13, 4), (17, 18, 16)]
+    for step in range(11, 20):
         with guided.step(step):
-            tracing = guided._trace is not None
-            assert tracing == (step in (12, 13)), step
-        guided.stepped(step, jnp.zeros(()), compiled, 4)
-    profile = tmp_path / 'pgle' / 'profile.pb'
-    assert profile.read_bytes() == costs
-    assert recompiled == [(4, {flags.PGLE_PROFILE_OPTION: str(profile)})]
+            assert (guided._trace is not None) == (step in (12, 13, 17, 18)), step
+        guided.stepped(step, jnp.zeros(()), compiled, 4 if step < 15 else 8 if step < 16 else 16)
+    profiles = [tmp_path / 'pgle' / f'profile-m{count}.pb' for count in (4, 16)]
+    assert [profile.read_bytes() for profile in profiles] == [
+        costs_of('trace-m4'), costs_of('trace-m16')]  # fmt: skip
+    assert recompiled == [(4, {flags.PGLE_PROFILE_OPTION: str(profiles[0])}),
+                          (16, {flags.PGLE_PROFILE_OPTION: str(profiles[1])})]  # fmt: skip
     assert said == [f'pgle         the step compiled again, scheduled by the costs of steps '
-                    f'12-13: {profile}']  # fmt: skip
+                    f'{steps}: {profile}' for steps, profile in zip(('12-13', '17-18'), profiles)
+                    ]  # fmt: skip
     double = jax.jit(lambda x: 2 * x).lower(jnp.ones(3)).compile(recompiled[0][1])
     np.testing.assert_array_equal(double(jnp.ones(3)), 2 * np.ones(3))
+    rolled = pgle.ProfileGuided(config, str(tmp_path), [(1, 4)], said.append)
+    for step, count in ((1, 4), (2, 4), (3, 2), (4, 4)):  # a roll-back to an earlier size
+        with rolled.step(step):
+            rolled.stepped(step, jnp.zeros(()), compiled, count)
+    assert len(recompiled) == 2 and rolled.windows == [], recompiled
+    assert said[2:] == ['pgle         steps 2-3 traced: step 3 ran 2 micro-steps, not 4: '
+                        'nothing compiled again']  # fmt: skip
+
+
+def test_a_ramped_run_profiles_each_size_and_compiles_its_step_by_its_own_profile(
+    tmp_path, token_data, capsys, monkeypatch
+):
+    """launch/train.py in this process, the batch 8 then 16 (1 then 2 micro-steps from step
+    3), train.pgle_profile_steps 1, a profile of steps 2-3 asked: steps 2 and 4 traced, each
+    size's step compiled again reading its own count's file, no compile of one size reading
+    the other's (the first compile of each and the evaluation step: none); the profile moved
+    past both windows to steps 5-6, traced. count_starts: rampup.schedule's changes of size."""
+    monkeypatch.setattr(pgle, 'profiled_costs', lambda traces: costs_of(os.path.basename(traces)))
+    compiles, compile_ = [], jax.stages.Lowered.compile
+
+    def recorded(self, compiler_options=None, **kwargs):
+        option = (compiler_options or {}).get(flags.PGLE_PROFILE_OPTION, '')
+        compiles.append((self.args_info[0][1].shape[0], os.path.basename(option)))
+        return compile_(self, compiler_options, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, 'compile', recorded)
+    ramp = ['--config.train.rampup.start=8', '--config.train.rampup.increment=8',
+            '--config.train.rampup.tokens=512', '--config.train.pgle_profile_steps=1',
+            '--config.train.profile_start=2', '--config.train.profile_steps=2']  # fmt: skip
+    args = train_args(tmp_path, *RUN, *ramp, '--config.train.steps=6', data=token_data)
+    status, out, err = support.launch_in_process('train', capsys, monkeypatch, *args[2:])
+    assert not status, err[-20:]
+    lines = [line for line in out.splitlines() if line.startswith(('profile ', 'pgle '))]
+    files = [tmp_path / 'pgle' / f'profile-m{count}.pb' for count in (1, 2)]
+    assert lines[:3] == [
+        'profile      moved to steps 5-6: pgle traces step 2, step 4',
+        f'pgle         the step compiled again, scheduled by the costs of step 2: {files[0]}',
+        f'pgle         the step compiled again, scheduled by the costs of step 4: {files[1]}',
+    ], lines
+    assert len(lines) == 4 and lines[3].startswith('profile      steps 5-6 traced: '), lines
+    assert [file.read_bytes() for file in files] == [costs_of('trace-m1'), costs_of('trace-m2')]
+    assert [(count, name) for count, name in compiles if name] == [
+        (1, 'profile-m1.pb'), (2, 'profile-m2.pb')]  # fmt: skip
+    assert len(compiles) == 5, compiles  # 1, 1 profiled, 2, 2 profiled, the evaluation step
+    config = config_lib.load(str(ROOT / 'configs/tiny.py'))
+    config.train.update(dict(global_batch=64, micro_batch=2, steps=40))
+    config.train.rampup.update(dict(start=8, increment=8, tokens=200 * config.model.seq_len))
+    batches = rampup.schedule(config.train, config.model.seq_len, 40, samples_consumed=16)
+    per_row = 2 * config_lib.replicas(config.mesh)
+    changes = [(step, batch // per_row) for step, batch in enumerate(batches, 4)
+               if step == 4 or batch != batches[step - 5]]  # fmt: skip
+    assert pgle.count_starts(config, 3, 16) == changes and len(changes) == 7, changes  # no 56
 
 
 def test_the_step_compiled_by_a_profile_computes_the_same_and_only_its_own_size_reads_it(

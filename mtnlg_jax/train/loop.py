@@ -7,7 +7,7 @@
         position = position after train_step    (CompiledSteps caches one per micro-step count)
         log      every train.log_every          (reporter.py: step_record, a pure function)
         profile  train.profile_steps from train.profile_start   (profile.py: a jax.profiler trace)
-        pgle     the steps after the first traced, the step compiled again by their costs (pgle.py)
+        pgle     steps of each micro-step count traced, its step compiled again by them (pgle.py)
         compare  the processes' own speeds every train.straggler_every  (stragglers.py)
         save     every checkpoint.every, at the end, on SIGTERM   (periodic.py: Saver)
         evaluate every train.eval_every, at the end               (periodic.py: Evaluator)
@@ -43,7 +43,7 @@ from mtnlg_jax.train import banner, faults, resume
 from mtnlg_jax.train import metrics as metrics_lib
 from mtnlg_jax.train.state import make_setup, pipeline_order
 from mtnlg_jax.train.periodic import Evaluator, Saver, due
-from mtnlg_jax.train.pgle import ProfileGuided
+from mtnlg_jax.train.pgle import ProfileGuided, count_starts
 from mtnlg_jax.train.profile import StepProfile
 from mtnlg_jax.train.stragglers import Stragglers
 from mtnlg_jax.train.reporter import Reporter
@@ -156,8 +156,9 @@ def train(config, workdir, identity=None):
             in_layer_order = pipeline_order(config, setup, to='layer')  # what checkpoints hold
             saver = Saver(config, checkpoints, in_layer_order, guard, watchdog)
             evaluator = Evaluator(config, compiled, valid_data, mesh, report, watchdog)
-            guided = ProfileGuided(config, workdir, first_step, report.say)
-            profile = StepProfile(config, workdir, report.say_everywhere, after=guided.window)
+            starts = count_starts(config, first_step, samples_of(position))
+            guided = ProfileGuided(config, workdir, starts, report.say)
+            profile = StepProfile(config, workdir, report.say_everywhere, after=guided.windows)
             stragglers = Stragglers(config, report.say)
             while position.step < train_cfg.steps:
                 step = position.step + 1

@@ -50,18 +50,23 @@ def directory_of(workdir, process=None):
 class StepProfile:
     """Traces steps [train.profile_start, + train.profile_steps) of this process, if asked."""
 
-    def __init__(self, config, workdir, say, after=None):
-        """after: (first, last) steps another trace takes (train/pgle.py's); a range that
-        meets them moves to the step after, where the step runs its new schedule."""
+    def __init__(self, config, workdir, say, after=()):
+        """after: [(first, last, ...)] steps other traces take (train/pgle.py's windows); a
+        range that meets one moves to the step after it, where the step runs its new
+        schedule, and on past any other it then meets."""
         train_cfg = config.train
         self.first = train_cfg.profile_start
         self.last = self.first + train_cfg.profile_steps - 1
         here = jax.process_index() == 0 or train_cfg.profile_all_processes
         self.wanted = bool(self.first) and here
-        if self.wanted and after and self.first <= after[1] and self.last >= after[0]:
-            self.first, self.last = after[1] + 1, after[1] + train_cfg.profile_steps
+        met = []
+        for first, last, *_ in sorted(after) if self.wanted else ():
+            if self.first <= last and self.last >= first:
+                self.first, self.last = last + 1, last + train_cfg.profile_steps
+                met.append(steps_text(first, last))
+        if met:
             say(f'profile      moved to steps {self.first}-{self.last}: pgle traces '
-                f'{steps_text(*after)}')  # fmt: skip
+                f'{", ".join(met)}')  # fmt: skip
         self.directory = directory_of(workdir)
         self.say = say
         self._trace = None  # the tracing context while a trace runs
