@@ -15,22 +15,26 @@ last_stage_layers; docs/training.md, "Pipeline stages of unequal depth"); their 
 as chunks of 1, 2, 2, 2 (stage 0, whose first chunk holds the embedding) and 2, 2, 2, 1
 (stage 15, the head's last). Each block runs on two pieces of the sequence
 (model.sequence_pieces), so that one piece's tensor collectives overlap the other's matmuls.
-XLA:GPU compiles it to 71.4 GiB a GPU, 9.0 % of its compute waiting on communication;
-predicted 11.7 s a step, MFU 46.6 %: 461 model TFLOP/s a GPU (6N + 12LHQT) against Meta's
-430; replayed
-8.29 s, 10.19 s with each lockstep tick at its slowest stage. The bound and the recompute are
-the pair that fits fastest: 16 micro-batches keeping every projection compile to 70.8 GiB
+ZeRO-1's reduce-scatter runs inside the loop, a layer in each backward slot after its chunk's
+last (pipeline.overlap_grad_reduce), and XLA:GPU's scheduler orders the step by profiled costs
+(train.pgle_profile_steps: the run profiles three steps at each batch size of its ramp-up,
+1,024 then 2,048 sequences, and compiles that size's step again; train/pgle.py). launch/plan.py
+--target compiles it so, the replay's costs standing in for the profile: 72.5 GiB a GPU, 6.7 %
+of its compute waiting on communication; predicted 11.7 s a step, MFU 46.7 %: 462 model
+TFLOP/s a GPU (6N + 12LHQT) against Meta's 430; replayed 8.21 s, 10.12 s with each lockstep
+tick at its slowest stage. By XLA's own estimate the reduce-scatter in the loop makes the ticks
+that run it the slowest of their stages (lockstep 10.56 s); after the loop the step is 71.4
+GiB, 9.0 % exposed, lockstep 10.19 s, predicted 11.73 s (docs/gpu.md, "Scheduled by the
+replay's costs"). The bound and the recompute are the pair that fits fastest (measured with the
+reduce-scatter after the loop): 16 micro-batches keeping every projection compile to 70.8 GiB
 and 10.71 s, 19 with 'qkv' to 73.8 GiB and 9.94 s (0.7 GiB from the 74.5 GiB of 80 GB),
 unbounded with 'qkv,attn_out' to 70.5 GiB and 10.22 s (docs/benchmarks.md, "More
 micro-batches in flight for the attention's projections"; "Llama blocks" has the other
 layouts: full recompute is slower).
-ZeRO-1's reduce-scatter inside the loop (pipeline.overlap_grad_reduce) hides more (7.8 %
-exposed) but makes the ticks that run it the slowest of their stages: 11.08 s with each tick
-at its slowest stage, so it stays off ("ZeRO-1 inside the step").
 
 What differs from Meta's run:
 - The in-flight bound: unbounded, selective recompute holds 119.1 GiB a GPU on one chunk a
-  stage (80.7 GiB on four); bounded it costs idle ticks (predicted bubble 1.58 s of 11.7).
+  stage (80.7 GiB on four); bounded it costs idle ticks (predicted bubble 1.60 s of 11.7).
 - Meta ramped the sequence as well as the batch: 4 M tokens at sequence 4096, 8 M at 8192
   after 252 M tokens, 16 M after 2.87 T. Here the sequence is 8192 throughout: 8 M tokens
   (1024 sequences) until 2.87 T tokens (train.rampup), then 16 M. The warm-up and decay,
@@ -71,6 +75,10 @@ def get_config():
     config.pipeline.update(
         dict(first_stage_layers=7, last_stage_layers=7, repeats=4, max_in_flight=18)
     )
+    # ZeRO-1's reduce-scatter in the loop, scheduled by measured costs (train/pgle.py: each
+    # batch size of the ramp-up profiled): better than after the loop in every figure
+    config.pipeline.overlap_grad_reduce = True
+    config.train.pgle_profile_steps = 3
     config.train.update(dict(global_batch=2048, micro_batch=1, steps=DECAY_STEPS))
     config.train.rampup.update(dict(start=1024, increment=1024, tokens=int(META_SWITCHES[1])))
     config.optimizer.update(

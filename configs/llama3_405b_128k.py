@@ -11,9 +11,9 @@ the 8K run's. Attention is the Pallas flash kernel, once per query chunk at its 
 the gathered keys (cuDNN's kernel takes no offset); documents are masked inside packed
 sequences (data.reset_attention_mask), Meta's reason for gathering keys and values.
 ZeRO-1's reduce-scatter over data x context runs inside the loop, a layer in each backward
-slot after its chunk's last (pipeline.overlap_grad_reduce), where the 8K run keeps it after
-the loop. XLA:GPU's scheduler orders the step by profiled costs (train.pgle_profile_steps:
-the run profiles three steps and compiles again; its own estimate starts the context
+slot after its chunk's last (pipeline.overlap_grad_reduce), as the 8K run. XLA:GPU's
+scheduler orders the step by profiled costs (train.pgle_profile_steps, as the 8K run: the
+run profiles three steps and compiles again; its own estimate starts the context
 reduce-scatter too late here). launch/plan.py --target compiles it so, the replay's costs
 standing in for the profile: 71.1 GiB a GPU (fits 80 GB) at 0.87 x the model's FLOPs (the
 flash kernels by the score blocks they compute), **9.6 %** of its compute waiting on
