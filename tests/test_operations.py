@@ -24,7 +24,7 @@ from mtnlg_jax.data import batch as batch_lib
 from mtnlg_jax.train import loop, pgle, stragglers
 from mtnlg_jax.train import state as state_lib
 from mtnlg_jax.xla import flags
-from support import ROOT, SMALL_MODEL, TRAIN_ENV, run_train, train_args
+from support import ROOT, SMALL_MODEL, TRAIN_ENV, train_args
 
 RUN = [
     *SMALL_MODEL,
@@ -33,38 +33,6 @@ RUN = [
     '--config.train.eval_batches=1',
     '--config.checkpoint.every=3',
 ]
-
-
-def test_a_profile_of_steps_is_traced_under_the_workdir_with_the_phases_annotated(
-    tmp_path, token_data
-):
-    """Steps 2-3 of 5 asked for, moved to 3-4 by PGLE's trace of step 2 (XLA:CPU's trace has
-    no costs to schedule by: the step keeps its schedule), traced by process 0: a
-    TensorBoard (.xplane.pb) and a Perfetto trace under WORKDIR/profile, the log line naming
-    it, each step and its batch, step and save phases annotated."""
-    workdir = tmp_path / 'run'
-    profile = ['--config.train.profile_start=2', '--config.train.profile_steps=2']
-    pgle = '--config.train.pgle_profile_steps=1'
-    result = run_train(workdir, *RUN, '--config.train.steps=5', *profile, pgle, data=token_data)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout.splitlines()
-    lines = [line for line in out if line.startswith(('profile ', 'pgle '))]
-    assert lines[:2] == [
-        'profile      moved to steps 3-4: pgle traces step 2',
-        'pgle         step 2 traced: no instruction costs (XLA:GPU on NVIDIA GPUs gives them): '
-        'the step keeps its schedule',
-    ], lines
-    assert len(lines) == 3 and lines[2].startswith('profile      steps 3-4 traced: '), lines
-    assert list((workdir / 'pgle' / 'trace-m2').rglob('*.xplane.pb')), 'no PGLE trace'
-    traced = lines[2].split('traced: ')[1]
-    assert traced.startswith(str(workdir / 'profile' / 'process_0')), traced
-    assert list((workdir / 'profile').rglob('*.xplane.pb')), 'no TensorBoard trace'
-    (perfetto,) = (workdir / 'profile').rglob('perfetto_trace.json.gz')
-    events = json.loads(gzip.decompress(perfetto.read_bytes()))['traceEvents']
-    names = [event.get('name') for event in events]
-    assert names.count('train') == 2, 'one StepTraceAnnotation per traced step'
-    for phase in ('batch', 'step', 'save'):
-        assert names.count(phase) == 2, phase
 
 
 def costs_of(name):
@@ -111,15 +79,24 @@ def test_pgle_compiles_each_counts_step_again_by_its_own_windows_costs_on_every_
                         'nothing compiled again']  # fmt: skip
 
 
-def test_a_ramped_run_profiles_each_size_and_compiles_its_step_by_its_own_profile(
+def test_a_ramped_run_profiles_each_size_and_the_steps_asked_for_after_its_windows(
     tmp_path, token_data, capsys, monkeypatch
 ):
     """launch/train.py in this process, the batch 8 then 16 (1 then 2 micro-steps from step
-    3), train.pgle_profile_steps 1, a profile of steps 2-3 asked: steps 2 and 4 traced, each
-    size's step compiled again reading its own count's file, no compile of one size reading
-    the other's (the first compile of each and the evaluation step: none); the profile moved
-    past both windows to steps 5-6, traced. count_starts: rampup.schedule's changes of size."""
-    monkeypatch.setattr(pgle, 'profiled_costs', lambda traces: costs_of(os.path.basename(traces)))
+    3), train.pgle_profile_steps 1, steps 2-3 asked to be profiled. PGLE traces steps 2 and
+    4: XLA:CPU's trace of step 2 has no costs (the step keeps its schedule), step 4's are
+    made as XLA:GPU would give them, and the step of 2 micro-steps is compiled again reading
+    its own file, no other compile reading one (each size's first and the evaluation step).
+    The profile moves past both windows to steps 5-6, traced by process 0: a TensorBoard
+    (.xplane.pb) and a Perfetto trace under WORKDIR/profile, the log line naming it, each
+    step and its batch, step and save phases annotated. count_starts: rampup.schedule's
+    changes of size."""
+    real = pgle.profiled_costs
+
+    def made_at_2(traces):
+        return costs_of('m2') if traces.endswith('m2') else real(traces)
+
+    monkeypatch.setattr(pgle, 'profiled_costs', made_at_2)
     compiles, compile_ = [], jax.stages.Lowered.compile
 
     def recorded(self, compiler_options=None, **kwargs):
@@ -135,17 +112,28 @@ def test_a_ramped_run_profiles_each_size_and_compiles_its_step_by_its_own_profil
     status, out, err = support.launch_in_process('train', capsys, monkeypatch, *args[2:])
     assert not status, err[-20:]
     lines = [line for line in out.splitlines() if line.startswith(('profile ', 'pgle '))]
-    files = [tmp_path / 'pgle' / f'profile-m{count}.pb' for count in (1, 2)]
+    profile = tmp_path / 'pgle' / 'profile-m2.pb'
     assert lines[:3] == [
         'profile      moved to steps 5-6: pgle traces step 2, step 4',
-        f'pgle         the step compiled again, scheduled by the costs of step 2: {files[0]}',
-        f'pgle         the step compiled again, scheduled by the costs of step 4: {files[1]}',
+        'pgle         step 2 traced: no instruction costs (XLA:GPU on NVIDIA GPUs gives them): '
+        'the step keeps its schedule',
+        f'pgle         the step compiled again, scheduled by the costs of step 4: {profile}',
     ], lines
     assert len(lines) == 4 and lines[3].startswith('profile      steps 5-6 traced: '), lines
-    assert [file.read_bytes() for file in files] == [costs_of('trace-m1'), costs_of('trace-m2')]
-    assert [(count, name) for count, name in compiles if name] == [
-        (1, 'profile-m1.pb'), (2, 'profile-m2.pb')]  # fmt: skip
-    assert len(compiles) == 5, compiles  # 1, 1 profiled, 2, 2 profiled, the evaluation step
+    assert profile.read_bytes() == costs_of('m2')
+    assert (tmp_path / 'pgle' / 'profile-m1.pb').read_bytes() == b''
+    assert list((tmp_path / 'pgle' / 'trace-m1').rglob('*.xplane.pb')), 'no PGLE trace'
+    assert [(count, name) for count, name in compiles if name] == [(2, 'profile-m2.pb')]
+    assert len(compiles) == 4, compiles  # 1, 2, 2 profiled, the evaluation step
+    traced = lines[3].split('traced: ')[1]
+    assert traced.startswith(str(tmp_path / 'profile' / 'process_0')), traced
+    assert list((tmp_path / 'profile').rglob('*.xplane.pb')), 'no TensorBoard trace'
+    (perfetto,) = (tmp_path / 'profile').rglob('perfetto_trace.json.gz')
+    events = json.loads(gzip.decompress(perfetto.read_bytes()))['traceEvents']
+    names = [event.get('name') for event in events]
+    assert names.count('train') == 2, 'one StepTraceAnnotation per traced step'
+    for phase in ('batch', 'step', 'save'):
+        assert names.count(phase) == 2, phase
     config = config_lib.load(str(ROOT / 'configs/tiny.py'))
     config.train.update(dict(global_batch=64, micro_batch=2, steps=40))
     config.train.rampup.update(dict(start=8, increment=8, tokens=200 * config.model.seq_len))
