@@ -404,7 +404,8 @@ KEYS = (
         'train.pgle_profile_steps',
         0,
         'int>=0',
-        'XLA:GPU profile-guided scheduling: the steps after the first traced, the step '
+        'XLA:GPU profile-guided scheduling: at each micro-step count the run reaches (its '
+        'first, each ramp-up size) this many steps after the first traced, that count\'s step '
         'compiled again by their measured costs (0: off); launch/plan.py --target does it '
         'with the replay\'s costs; docs/gpu.md',
     ),
