@@ -27,12 +27,22 @@ along the layers with 'stage' (a bias split over 'tensor': `whole`), are summed 
 all-reduce in the same place and leave whole (the state's sharding then takes each replica's
 slice, no communication).
 
-pipeline.overlap_param_gather (with the above): the blocks' compute copy comes into the engine
-as each replica's compute-dtype ZeRO shards and `gather_chunk` all-gathers it a chunk at a
-time; the engine splits its loop where the ticks that run only chunk 0 end
-(`first_tick_of_later_chunks`), so that chunks 1.. are needed only by the second loop. On the
-405B XLA:GPU still ran those all-gathers before the first loop (docs/gpu.md): inside chunk 0's
-forward branches, as the reduce-scatter is inside the backward's, is what would hide them.
+pipeline.overlap_param_gather (with the above), the mirror: the blocks' compute copy comes
+into the engine as each replica's compute-dtype ZeRO shards; chunk 0 is all-gathered before
+the loop (`gather_chunk`), and chunks 1..v-1 a layer at a time inside the forward branches of
+the first ticks, those before any stage runs another chunk (`first_tick_of_later_chunks`),
+which run chunk 0's forwards alone (parallel/gathering_tick.py, a scan of their own):
+
+    stage s, interleaved (v = 4), ticks 0 .. p-1:
+    idle ... | F(0, 0)+AG(1, layer 0) | F(0, 1)+AG(1, layer 1) | ... | F(0, .)+AG(3, layer 1)
+    a stage with fewer forwards there than layers (the last ones) gathers the rest in its
+    idle slots of those ticks; what finds no slot at all, before the loop
+
+The forward's switch gets a branch per (forward or idle, chunk k, layer l) the plan uses
+(`gather_plan`, the same Plan as the reduce-scatter's), a column of that scan says which each
+(tick, stage) takes and which chunk's layer the slot writes into a carried buffer of the
+gathered views; the second scan runs on the chunks so gathered: the same bf16 compute copy,
+gathered by the same collective as zero.gather_compute_copy's.
 """
 
 import dataclasses
