@@ -314,14 +314,39 @@ def gather_layer(views, layer, layouts):
 
 
 def _gathered(views, layouts, lead):
-    """The views (`lead` leading layer axes) all-gathered over the replicas, in the view."""
+    """The views (`lead` leading layer axes) all-gathered over the replicas, in the view; a
+    layer's (lead 0) by one all-gather (`_one_gather`)."""
 
     def gather(x, lay):
         if whole(lay) or lay.data == 1:
             return x
         return jax.lax.all_gather(x, rules.entry(lay.axes), axis=lay.dim + lead, tiled=True)
 
-    return _manual(lambda views: jax.tree.map(gather, views, layouts), views, layouts, lead)
+    def gather_all(views):
+        return _one_gather(views, layouts) if lead == 0 else jax.tree.map(gather, views, layouts)
+
+    return _manual(gather_all, views, layouts, lead)
+
+
+def _one_gather(views, layouts):
+    """A layer's views all-gathered by one collective (per replica axes and dtype): each
+    leaf's data axis first, flattened, concatenated, gathered, split, moved back. XLA:GPU's
+    combiner leaves all-gathers above its threshold apart, and its scheduler started two of
+    a 405B layer's six before the forward beside them, the rest after it."""
+    leaves, tree = jax.tree.flatten(views)
+    lays = jax.tree.leaves(layouts, is_leaf=_is_layout)
+    groups = {}
+    for i, (x, lay) in enumerate(zip(leaves, lays)):
+        if not whole(lay) and lay.data > 1:
+            groups.setdefault((lay.axes, x.dtype), []).append(i)
+    for (axes, _), picked in groups.items():
+        moved = [jnp.moveaxis(leaves[i], lays[i].dim, 0) for i in picked]
+        flat = jnp.concatenate([m.reshape(1, -1) for m in moved], axis=1)
+        gathered = jax.lax.all_gather(flat, rules.entry(axes), axis=0, tiled=True)
+        pieces = jnp.split(gathered, np.cumsum([m.size for m in moved])[:-1], axis=1)
+        for i, m, piece in zip(picked, moved, pieces):
+            leaves[i] = jnp.moveaxis(piece.reshape(-1, *m.shape[1:]), 0, lays[i].dim)
+    return jax.tree.unflatten(tree, leaves)
 
 
 def unview_chunk(gathered, layouts):

@@ -289,7 +289,9 @@ def branch_weights(config, micro_steps=None, where=None):
     if gather is not None:
         rest = np.zeros(table.fwd_micro.shape, bool)
         rest[gather.branch.shape[0] :] = True
-        where, warm = rest if where is None else where & rest, where
+        # slots of the first ticks alone (plan/lockstep.py's): the other loop's are moot
+        main = rest if where is None or not (where & rest).any() else where & rest
+        where, warm = main, where
     weights = branches.branch_fractions(table, where)
     if config.pipeline.get('overlap_grad_reduce', False):  # its switch (grad_reduce.py)
         weights = grad_reduce.fractions(table, _reduce_plan(config, table), weights, where)
