@@ -314,56 +314,17 @@ def gather_layer(views, layer, layouts):
 
 
 def _gathered(views, layouts, lead):
-    """The views (`lead` leading layer axes) all-gathered over the replicas, in the view; a
-    layer's (lead 0) by a few all-gathers (`_few_gathers`)."""
+    """The views (`lead` leading layer axes) all-gathered over the replicas, in the view, a
+    collective a leaf. (A layer's leaves concatenated into one or two all-gathers, XLA:GPU
+    kept none in flight across the forward beside it, where it keeps two of the six a leaf:
+    docs/benchmarks.md.)"""
 
     def gather(x, lay):
         if whole(lay) or lay.data == 1:
             return x
         return jax.lax.all_gather(x, rules.entry(lay.axes), axis=lay.dim + lead, tiled=True)
 
-    def gather_all(views):
-        return _few_gathers(views, layouts) if lead == 0 else jax.tree.map(gather, views, layouts)
-
-    return _manual(gather_all, views, layouts, lead)
-
-
-# a layer's leaves all-gathered by this many collectives (`_few_gathers`)
-GATHERS_A_LAYER = 2
-
-
-def _few_gathers(views, layouts):
-    """A layer's views all-gathered by GATHERS_A_LAYER collectives (per replica axes and
-    dtype), the leaves dealt to them largest first, to the one with the fewest bytes: each
-    leaf's data axis first, flattened, concatenated, gathered, split, moved back. On the
-    405B XLA:GPU's scheduler kept two of a layer's six all-gathers (one a leaf) in flight
-    across the forward beside them, the rest after it, and one of the whole layer not at all
-    (docs/benchmarks.md)."""
-    leaves, tree = jax.tree.flatten(views)
-    lays = jax.tree.leaves(layouts, is_leaf=_is_layout)
-    groups = {}
-    for i, (x, lay) in enumerate(zip(leaves, lays)):
-        if not whole(lay) and lay.data > 1:
-            groups.setdefault((lay.axes, x.dtype), []).append(i)
-    for (axes, _), picked in groups.items():
-        for dealt in _dealt(picked, [leaves[i].size for i in picked], GATHERS_A_LAYER):
-            moved = [jnp.moveaxis(leaves[i], lays[i].dim, 0) for i in dealt]
-            flat = jnp.concatenate([m.reshape(1, -1) for m in moved], axis=1)
-            gathered = jax.lax.all_gather(flat, rules.entry(axes), axis=0, tiled=True)
-            pieces = jnp.split(gathered, np.cumsum([m.size for m in moved])[:-1], axis=1)
-            for i, m, piece in zip(dealt, moved, pieces):
-                leaves[i] = jnp.moveaxis(piece.reshape(-1, *m.shape[1:]), 0, lays[i].dim)
-    return jax.tree.unflatten(tree, leaves)
-
-
-def _dealt(items, sizes, n):
-    """items dealt to at most n lists, largest first, each to the list with the least size."""
-    lists, loads = [[] for _ in range(n)], [0] * n
-    for size, item in sorted(zip(sizes, items), reverse=True):
-        k = loads.index(min(loads))
-        lists[k].append(item)
-        loads[k] += size
-    return [sorted(x) for x in lists if x]
+    return _manual(lambda views: jax.tree.map(gather, views, layouts), views, layouts, lead)
 
 
 def unview_chunk(gathered, layouts):
