@@ -214,28 +214,28 @@ def test_overlap_grad_reduce_scatters_a_finished_chunk_beside_a_backwards_matmul
     in the loop, in the computation of another chunk's backward (its switch's branch), its
     start before and its done after that backward's matmuls (or the loop over its layers that
     runs them), so XLA:GPU's scheduler has them to hide it behind; no copy of a MiB in the
-    loop. Hidden 512, fp32."""
+    loop. With pipeline.overlap_param_gather, the mirror: chunk 1's all-gather over 'data'
+    runs in the first ticks' loop, in chunk 0's forward branch (gathering_tick.py), around
+    its matmuls. Hidden 512, fp32."""
     config = support.small_config(
         data=2, stage=2, tensor=2, repeats=2, schedule='interleaved', micro_steps=4,
         num_layers=4, hidden=512, compute_dtype='float32', remat='selective',
     )  # fmt: skip
-    config.pipeline.overlap_grad_reduce = True
+    config.pipeline.update(overlap_grad_reduce=True, overlap_param_gather=True)
     text = assert_no_copy_in_a_loop(config)
     computations, _ = hlo_module.parse_module(text)
     inventory = hlo.collective_inventory(text, dict(data=2, stage=2, tensor=2))
-    scattered = [
-        op
-        for op in inventory
-        if op['kind'] == 'reduce-scatter' and op['axes'] == ('data',) and op['in_loop']
-    ]
-    variants = set(branches_of(computations, f'{branches.REDUCE}/cond'))
-    assert scattered and all(op['computation'] in variants for op in scattered), scattered
-    for op in scattered:
-        body = computations[op['computation']]
-        names = [i.name for i in body]
-        start = names.index(op['name'])
-        done = next(k for k, i in enumerate(body) if op['name'] in i.rest and k > start)
-        assert any(runs_gemm(computations, i) for i in body[start:done]), names[start:done]
+    for kind, scope in (('reduce-scatter', branches.REDUCE), ('all-gather', branches.GATHER)):
+        ops = [op for op in inventory if op['kind'] == kind and op['axes'] == ('data',)]
+        looped = [op for op in ops if op['in_loop']]
+        variants = set(branches_of(computations, f'{scope}/cond'))
+        assert looped and all(op['computation'] in variants for op in looped), ops
+        for op in looped:
+            body = computations[op['computation']]
+            names = [i.name for i in body]
+            start = names.index(op['name'])
+            done = next(k for k, i in enumerate(body) if op['name'] in i.rest and k > start)
+            assert any(runs_gemm(computations, i) for i in body[start:done]), names[start:done]
 
 
 def runs_gemm(computations, instruction):

@@ -350,3 +350,29 @@ def test_overlap_grad_reduce_plans_each_finished_layer_once_after_its_chunks_las
             )
     weights = grad_reduce.fractions(table, plan, branches.branch_fractions(table))
     assert np.isclose(sum(weights[(branches.BACKWARD, branches.REDUCE)]), 1.0)
+
+
+def test_overlap_param_gather_plans_each_later_layer_once_in_the_first_ticks():
+    """grad_reduce.gather_plan on the 405B's table: the 16 ticks before any stage runs chunk 1
+    run chunk 0's forwards alone; on every stage each layer of chunks 1, 2 and 3 is gathered
+    once there, in a forward slot while the stage has one (stage s has 16 - s), then in an
+    idle one; the weights of the forward's switch there sum to one."""
+    table = pipeline.build_table(16, 4, 32, 16, 'interleaved')
+    plan = grad_reduce.gather_plan(table, 2)
+    assert plan.branch.shape == (16, 16) and plan.after == ()
+    fwd, _ = branches.slot_kinds(table)
+    assert (table.fwd_repeat[:16][fwd[:16] != branches.SLOT_IDLE] == 0).all()
+    for s in range(16):
+        slots = np.nonzero(plan.chunk[:, s] >= 0)[0]
+        gathered = sorted(zip(plan.chunk[slots, s], plan.layer[slots, s]))
+        assert gathered == [(k, n) for k in (1, 2, 3) for n in (0, 1)]
+        ran = fwd[slots, s] != branches.SLOT_IDLE
+        assert ran.sum() == min(6, 16 - s)
+        for t in slots:
+            assert plan.variants[plan.branch[t, s] - 2] == (
+                int(fwd[t, s] != branches.SLOT_IDLE),
+                plan.chunk[t, s],
+                plan.layer[t, s],
+            )
+    weights = grad_reduce.gather_fractions(table, plan, {})
+    assert np.isclose(sum(weights[(branches.FORWARD, branches.GATHER)]), 1.0)

@@ -47,6 +47,9 @@ STEADY = 'pipeline_steady'
 # pipeline.overlap_grad_reduce's switch over a backward's chunks and (chunk, reduce-scatter of a
 # finished chunk's layer) variants (grad_reduce.py): its weights are grad_reduce.fractions'
 REDUCE = 'pipeline_reduce_chunk'
+# pipeline.overlap_param_gather's switch in the first ticks' forward over (idle, chunk 0's
+# forward) and their variants beside a later chunk's layer's all-gather (gathering_tick.py)
+GATHER = 'pipeline_gather_chunk'
 
 
 def slot_kinds(table):

@@ -27,12 +27,22 @@ along the layers with 'stage' (a bias split over 'tensor': `whole`), are summed 
 all-reduce in the same place and leave whole (the state's sharding then takes each replica's
 slice, no communication).
 
-pipeline.overlap_param_gather (with the above): the blocks' compute copy comes into the engine
-as each replica's compute-dtype ZeRO shards and `gather_chunk` all-gathers it a chunk at a
-time; the engine splits its loop where the ticks that run only chunk 0 end
-(`first_tick_of_later_chunks`), so that chunks 1.. are needed only by the second loop. On the
-405B XLA:GPU still ran those all-gathers before the first loop (docs/gpu.md): inside chunk 0's
-forward branches, as the reduce-scatter is inside the backward's, is what would hide them.
+pipeline.overlap_param_gather (with the above), the mirror: the blocks' compute copy comes
+into the engine as each replica's compute-dtype ZeRO shards; chunk 0 is all-gathered before
+the loop (`gather_chunk`), and chunks 1..v-1 a layer at a time inside the forward branches of
+the first ticks, those before any stage runs another chunk (`first_tick_of_later_chunks`),
+which run chunk 0's forwards alone (parallel/gathering_tick.py, a scan of their own):
+
+    stage s, interleaved (v = 4), ticks 0 .. p-1:
+    idle ... | F(0, 0)+AG(1, layer 0) | F(0, 1)+AG(1, layer 1) | ... | F(0, .)+AG(3, layer 1)
+    a stage with fewer forwards there than layers (the last ones) gathers the rest in its
+    idle slots of those ticks; what finds no slot at all, before the loop
+
+The forward's switch gets a branch per (forward or idle, chunk k, layer l) the plan uses
+(`gather_plan`, the same Plan as the reduce-scatter's), a column of that scan says which each
+(tick, stage) takes and which chunk's layer the slot writes into a carried buffer of the
+gathered views; the second scan runs on the chunks so gathered: the same bf16 compute copy,
+gathered by the same collective as zero.gather_compute_copy's.
 """
 
 import dataclasses
@@ -46,6 +56,9 @@ from mtnlg_jax.parallel import rules, zero
 from mtnlg_jax.parallel.branches import (
     BACKWARD,
     CHUNK,
+    FIRST,
+    FORWARD,
+    GATHER,
     LAST,
     REDUCE,
     SLOT_FIRST,
@@ -59,11 +72,13 @@ from mtnlg_jax.parallel.slots import write
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Where each chunk's layers are reduce-scattered. variants: ((j, k, l), ...), a backward
-    of chunk j beside the reduce-scatter of chunk k's layer l; branch (ticks, stages): the
-    backward switch's branch (the chunk, < v, or v + a variant's index); chunk, layer (ticks,
-    stages): the shard the slot writes (-1: none); after: ((k, l), ...) the layers some stage
-    reduces after the loop; done (stages, v, layers): whether the loop reduced it there."""
+    """Where each chunk's layers are reduce-scattered (`plan`) or all-gathered (`gather_plan`).
+    variants: ((head, k, l), ...), the slot's own work (`plan`: a backward of chunk head;
+    `gather_plan`: chunk 0's forward or none) beside the collective of chunk k's layer l;
+    branch (ticks, stages): the switch's branch (below a base, the slot's work alone; the
+    base + a variant's index); chunk, layer (ticks, stages): the piece the slot writes (-1:
+    none); after: ((k, l), ...) the layers some stage leaves to outside the loop; done (stages,
+    v, layers): whether the loop did it there."""
 
     variants: tuple
     branch: np.ndarray
@@ -82,29 +97,62 @@ def plan(table, layers):
     slots after the chunk's last one that run another chunk from its stash (SLOT_MIDDLE or
     SLOT_FIRST: the head's path of the last chunk is left alone), one layer a slot."""
     _, kinds = slot_kinds(table)
-    ticks, stages, v = table.ticks, table.stages, table.repeats
+    v = table.repeats
     branch = np.where(table.bwd_repeat >= 0, table.bwd_repeat, 0).astype(np.int32)
-    chunk = np.full((ticks, stages), -1, np.int32)
-    layer = np.full((ticks, stages), -1, np.int32)
-    done = np.zeros((stages, v, layers), bool)
-    variants = {}
-    for s in range(stages):
+
+    def pieces(s):
         ran = table.bwd_micro[:, s] >= 0
         last = {
             k: int(np.max(np.nonzero(ran & (table.bwd_repeat[:, s] == k))[0])) for k in range(v)
         }
-        pieces = [(last[k], k, n) for k in sorted(last, key=last.get) for n in range(layers)]
-        free = [t for t in range(ticks) if kinds[t, s] in (SLOT_MIDDLE, SLOT_FIRST)]
-        for finished, k, n in pieces:
-            slot = next((t for t in free if t > finished), None)
+        return [(last[k], k, n) for k in sorted(last, key=last.get) for n in range(layers)]
+
+    def free(s):
+        return [t for t in range(table.ticks) if kinds[t, s] in (SLOT_MIDDLE, SLOT_FIRST)]
+
+    return _placed(branch, v, (table.stages, v, layers), pieces, free, table.bwd_repeat)
+
+
+def gather_plan(table, layers):
+    """pipeline.overlap_param_gather's Plan, of the ticks before first_tick_of_later_chunks
+    (those that run chunk 0's forwards alone): on each stage, the layers of chunks 1..v-1
+    (in order) go to its forward slots, then to its idle ones, one layer a slot. The forward's
+    switch: branch 0 idle, 1 chunk 0's forward, 2 + a variant's index; a variant (ran, k, l):
+    the slot's forward (ran 1) or none (0) beside the all-gather of chunk k's layer l."""
+    warm = first_tick_of_later_chunks(table)
+    ran = (slot_kinds(table)[0][:warm] != SLOT_IDLE).astype(np.int32)
+    v = table.repeats
+
+    def pieces(s):
+        return [(-1, k, n) for k in range(1, v) for n in range(layers)]
+
+    def free(s):
+        return [t for t in range(warm) if ran[t, s]] + [t for t in range(warm) if not ran[t, s]]
+
+    return _placed(ran, 2, (table.stages, v, layers), pieces, free, ran)
+
+
+def _placed(branch, base, shape, pieces_of, free_of, head):
+    """The Plan that puts each stage s's pieces (pieces_of(s): (after, k, l), in order) in its
+    free slots (free_of(s): ticks, in order of preference), each in the first after `after`,
+    one a slot: the slot's variant (head[t, s], k, l), its branch base + the variant's index
+    (branch: each (tick, stage)'s branch where it takes none); shape (stages, v, layers)."""
+    branch = branch.astype(np.int32)
+    chunk, layer = np.full(branch.shape, -1, np.int32), np.full(branch.shape, -1, np.int32)
+    done = np.zeros(shape, bool)
+    variants, left = {}, set()
+    for s in range(shape[0]):
+        free = free_of(s)
+        for after, k, n in pieces_of(s):
+            slot = next((t for t in free if t > after), None)
             if slot is None:
+                left.add((k, n))
                 continue
             free.remove(slot)
-            key = (int(table.bwd_repeat[slot, s]), k, n)
-            branch[slot, s] = v + variants.setdefault(key, len(variants))
+            key = (int(head[slot, s]), k, n)
+            branch[slot, s] = base + variants.setdefault(key, len(variants))
             chunk[slot, s], layer[slot, s], done[s, k, n] = k, n, True
-    after = tuple((k, n) for k in range(v) for n in range(layers) if not done[:, k, n].all())
-    return Plan(tuple(variants), branch, chunk, layer, after, done)
+    return Plan(tuple(variants), branch, chunk, layer, tuple(sorted(left)), done)
 
 
 def fractions(table, plan, weights, where=None):
@@ -134,17 +182,44 @@ def fractions(table, plan, weights, where=None):
     }
 
 
+def gather_fractions(table, plan, weights, where=None):
+    """`weights` with those of the first ticks' forward switch (gather_plan's; GATHER: each
+    branch's share of those ticks' slots) and of the embedding's conditional inside chunk
+    0's forward there; where: of those slots alone (a (ticks, stages) mask)."""
+    warm = plan.branch.shape[0]
+    mask = np.ones(plan.branch.shape, bool) if where is None else np.asarray(where)[:warm]
+    branch, kinds = plan.branch[mask], slot_kinds(table)[0][:warm][mask]
+    runs = max(int(branch.size), 1)
+    shares = [float((branch == b).sum() / runs) for b in range(2 + len(plan.variants))]
+    first = float((kinds == SLOT_FIRST).sum() / max(int((kinds != SLOT_IDLE).sum()), 1))
+    return {**weights, (FORWARD, GATHER): shares, (FORWARD, GATHER, FIRST): [1.0 - first, first]}
+
+
 def whole(lay):
     """Whether a block leaf's gradients are all-reduced, not reduce-scattered, here: too small
     to split, or split along the layers (which a layer's piece does not have)."""
     return lay.dim is None or lay.dim == 0
 
 
-def _piece_spec(lay):
-    """The PartitionSpec of one layer of a block leaf's view, less the axes manual here."""
+def _view_spec(lay, lead=0):
+    """The PartitionSpec of a block leaf's view (unless `whole`) with `lead` leading layer axes
+    (0: one layer, 1: a chunk), less the axes manual here."""
     spec = PartitionSpec(*lay.spec) if whole(lay) else lay.view_spec(with_data=False)
     manual = set(jax.sharding.get_abstract_mesh().manual_axes)
-    return PartitionSpec(*(rules._without(a, manual) for a in tuple(spec)[1:]))
+    return PartitionSpec(*(rules._without(a, manual) for a in tuple(spec)[1 - lead :]))
+
+
+def _manual(fn, views, layouts, lead):
+    """fn(views) in a region manual over the mesh axes not manual here (views: a tree like
+    `layouts` of block leaves' views with `lead` leading layer axes)."""
+    specs = jax.tree.map(lambda lay: _view_spec(lay, lead), layouts, is_leaf=_is_layout)
+    mesh = jax.sharding.get_abstract_mesh()
+    names = set(mesh.axis_names) - set(mesh.manual_axes)
+    if not names:
+        return fn(views)
+    return jax.shard_map(fn, in_specs=(specs,), out_specs=specs, axis_names=names, check_vma=False)(
+        views
+    )
 
 
 def reduce_layer(acc, layer, layouts):
@@ -153,9 +228,6 @@ def reduce_layer(acc, layer, layouts):
     this replica's ZeRO shard, in the view (the leaf's ZeRO dimension as (groups, 1, rest));
     inside the region manual over the replicas and 'stage', in one manual over the rest."""
     views = jax.tree.map(lambda a, lay: _view(a[layer], lay), acc, layouts)
-    specs = jax.tree.map(_piece_spec, layouts, is_leaf=_is_layout)
-    mesh = jax.sharding.get_abstract_mesh()
-    names = set(mesh.axis_names) - set(mesh.manual_axes)
 
     def scatter(x, lay):
         if whole(lay):  # over the replicas alone: 'stage' leads a split along the layers
@@ -164,14 +236,7 @@ def reduce_layer(acc, layer, layouts):
             return x
         return jax.lax.psum_scatter(x, rules.entry(lay.axes), scatter_dimension=lay.dim, tiled=True)
 
-    def reduce(views):
-        return jax.tree.map(scatter, views, layouts)
-
-    if not names:
-        return reduce(views)
-    return jax.shard_map(
-        reduce, in_specs=(specs,), out_specs=specs, axis_names=names, check_vma=False
-    )(views)
+    return _manual(lambda views: jax.tree.map(scatter, views, layouts), views, layouts, 0)
 
 
 def _view(x, lay):
@@ -198,7 +263,8 @@ def shard_buffers(chunks, layouts):
 
 
 def no_piece(shards):
-    """What a branch that reduces nothing hands out: zeros of one layer's shards."""
+    """What a branch that reduces (gathers) nothing hands out: zeros of one layer's shards
+    (gathered views)."""
     return jax.tree.map(lambda b: jnp.zeros(b.shape[1:], b.dtype), shards[0])
 
 
@@ -214,14 +280,22 @@ def finish(plan, index, acc_chunks, shards, layouts):
     """The stage's block gradients on the ZeRO shards, chunks concatenated in stored order:
     what the loop did not reduce (plan.after) reduced now, where this stage (index, traced)
     left it."""
-    shards = list(shards)
+    shards = _left_over(plan, index, shards, lambda k, n: reduce_layer(acc_chunks[k], n, layouts))
+    return jax.tree.map(lambda *a: jnp.concatenate(a), *shards)
+
+
+def _left_over(plan, index, buffers, piece, first=0):
+    """buffers (a tree a chunk, from chunk `first`) with piece(k, l) written at each layer
+    plan.after names, where this stage (index, traced) left it to outside the loop."""
+    buffers = list(buffers)
     done = jnp.asarray(plan.done)
     for k, n in plan.after:
-        piece = reduce_layer(acc_chunks[k], n, layouts)
-        shards[k] = jax.tree.map(
-            lambda b, x, k=k, n=n: write(b, n, ~done[index, k, n], x), shards[k], piece
+        buffers[k - first] = jax.tree.map(
+            lambda b, x, k=k, n=n: write(b, n, ~done[index, k, n], x),
+            buffers[k - first],
+            piece(k, n),
         )
-    return jax.tree.map(lambda *a: jnp.concatenate(a), *shards)
+    return tuple(buffers)
 
 
 def gather_chunk(views, layouts):
@@ -230,34 +304,48 @@ def gather_chunk(views, layouts):
     a `whole` leaf comes gathered already), all-gathered over the replicas: the all-gather
     zero.gather_compute_copy runs before the step's region, here per chunk, inside the
     region manual over the replicas and 'stage', in one manual over the rest."""
-    specs = jax.tree.map(_chunk_spec, layouts, is_leaf=_is_layout)
-    mesh = jax.sharding.get_abstract_mesh()
-    names = set(mesh.axis_names) - set(mesh.manual_axes)
+    return unview_chunk(_gathered(views, layouts, 1), layouts)
+
+
+def gather_layer(views, layer, layouts):
+    """gather_chunk's of layer `layer` (static) of a chunk's views, left in the view (the data
+    axis whole): what a gathering forward slot writes into gather_buffers'."""
+    return _gathered(jax.tree.map(lambda x: x[layer], views), layouts, 0)
+
+
+def _gathered(views, layouts, lead):
+    """The views (`lead` leading layer axes) all-gathered over the replicas, in the view, a
+    collective a leaf. (A layer's leaves concatenated into one or two all-gathers, XLA:GPU
+    kept none in flight across the forward beside it, where it keeps two of the six a leaf:
+    docs/benchmarks.md.)"""
 
     def gather(x, lay):
         if whole(lay) or lay.data == 1:
             return x
-        return jax.lax.all_gather(x, rules.entry(lay.axes), axis=lay.dim + 1, tiled=True)
+        return jax.lax.all_gather(x, rules.entry(lay.axes), axis=lay.dim + lead, tiled=True)
 
-    def gather_all(views):
-        return jax.tree.map(gather, views, layouts)
+    return _manual(lambda views: jax.tree.map(gather, views, layouts), views, layouts, lead)
 
-    gathered = (
-        gather_all(views)
-        if not names
-        else jax.shard_map(
-            gather_all, in_specs=(specs,), out_specs=specs, axis_names=names, check_vma=False
-        )(views)
-    )
+
+def unview_chunk(gathered, layouts):
+    """A chunk's compute copy from its gathered views."""
     return jax.tree.map(lambda x, lay: x if whole(lay) else lay.unview(x), gathered, layouts)
 
 
-def _chunk_spec(lay):
-    """The PartitionSpec of a chunk of a block leaf (its view unless `whole`), less the axes
-    manual here."""
-    spec = PartitionSpec(*lay.spec) if whole(lay) else lay.view_spec(with_data=False)
-    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
-    return PartitionSpec(*(rules._without(a, manual) for a in tuple(spec)))
+def gather_buffers(plan, index, views, layouts):
+    """The carried gathered views of chunks 1..v-1 (views: their ZeRO shards' views), zeros
+    but for the layers plan.after leaves to before the loop, gathered here where this stage
+    (index, traced) left them."""
+    buffers = [
+        jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), _gathered_shape(c, layouts))
+        for c in views
+    ]
+    piece = lambda k, n: gather_layer(views[k - 1], n, layouts)  # noqa: E731
+    return _left_over(plan, index, buffers, piece, first=1)
+
+
+def _gathered_shape(views, layouts):
+    return jax.eval_shape(lambda v: _gathered(v, layouts, 1), views)
 
 
 def first_tick_of_later_chunks(table):

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from mtnlg_jax.parallel import chained, gpipe, grad_reduce, taps, zero_bubble, zero_bubble_v
-from mtnlg_jax.parallel import reducing_tick, steady_tick, tick_by_slot
+from mtnlg_jax.parallel import gathering_tick, reducing_tick, steady_tick, tick_by_slot
 from mtnlg_jax.parallel import stage_functions as side
 from mtnlg_jax.parallel import schedule as schedule_lib
 from mtnlg_jax.parallel.branches import columns as table_columns
@@ -96,8 +96,9 @@ class TableEngine:
     # ZeRO-1's reduce-scatter of the block gradients inside the loop (grad_reduce.py): the
     # block gradients leave loss_and_grads on the ZeRO shards, in zero.ShardLayout's view
     overlap_grad_reduce: bool = False
-    # with it: the blocks' compute copy comes as ZeRO shards, each chunk all-gathered in the
-    # engine, chunks 1.. during the ticks that run only chunk 0 (grad_reduce.gather_chunk)
+    # with it: the blocks' compute copy comes as ZeRO shards, chunk 0 all-gathered in the
+    # engine before the loop, chunks 1.. a layer at a time inside the forwards of the ticks
+    # that run only chunk 0 (gathering_tick.py)
     overlap_param_gather: bool = False
     pipelined = True
     shared_grads_by_stage = True  # each stage's own share, stacked (scan_ticks)
@@ -240,51 +241,66 @@ def run_table(
     grad_layouts: the block leaves' zero.ShardLayouts, to reduce-scatter the block gradients
     inside the loop (grad_reduce.py; None: they leave it as each replica's sums);
     gather_params: with grad_layouts, params['blocks'] holds this replica's compute-dtype ZeRO
-    shards (grad_reduce.gather_chunk's views), each chunk gathered here, before the loop,
-    and the loop split where its first ticks, which run only chunk 0, end: the other chunks'
-    all-gathers may run beside those ticks."""
+    shards (grad_reduce.gather_chunk's views): chunk 0 gathered here, before the loop, the
+    others a layer at a time inside the forwards of the first ticks, which run only chunk 0
+    (gathering_tick.py), in a scan of their own before the rest's."""
     shared = shared_params(params)
     mesh = jax.sharding.get_abstract_mesh()
     tensor = 1 if mesh.empty else dict(mesh.shape).get('tensor', 1)
     handoff_axes = HANDOFF_AXES if batch.seq % tensor == 0 else ACTIVATION_AXES
 
     def per_stage(blocks, shared, batch):
-        gathered = grad_layouts if gather_params else None
+        chunks, warm = _chunks(blocks, table, grad_layouts if gather_params else None)
         # the steady tick's layers unrolled: a while loop per chunk would keep the forward's
         # and the backward's collectives in computations of their own
         unroll = with_grads and steady_tick
         stage = _stage_of(
-            stage_fns, blocks, shared, batch, table, bubble_fill, stage_layers, unroll,
-            gathered, handoff_axes,
+            stage_fns, chunks, shared, batch, table, bubble_fill, stage_layers, unroll,
+            handoff_axes,
         )  # fmt: skip
         kept_shapes, pair_index = [], None
         if with_grads:
             stage, kept_shapes, pair_index = _for_gradients(
                 stage, table, steady_tick, fused_accumulation, grad_layouts
             )
-        warm = None
-        if gather_params:  # the first ticks see chunk 0 in every chunk's place
-            warm = (
-                grad_reduce.first_tick_of_later_chunks(table),
-                (stage.chunks[0],) * table.repeats,
-            )
         return scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index, warm)
 
     return _over_stages(per_stage, params, shared, batch, stage_fns, with_grads)
 
 
-def _stage_of(
-    stage_fns, blocks, shared, batch, table, bubble_fill, stage_layers, unroll, gathered,
-    handoff_axes,
-):  # fmt: skip
-    """This stage's Stage inside shard_map: its chunks of the stacked blocks (gathered from
-    their ZeRO shards with `gathered`, the leaves' ShardLayouts), the fill of idle slots."""
-    p, v = table.stages, table.repeats
+@dataclasses.dataclass(frozen=True)
+class Warm:
+    """pipeline.overlap_param_gather's first ticks (gathering_tick.py): how many, where they
+    gather which layer (grad_reduce.gather_plan), the ZeRO shards' views of chunks 1.."""
+
+    ticks: int
+    plan: Any
+    views: tuple
+
+
+def _chunks(blocks, table, gathered):
+    """(this stage's chunks of the stacked blocks, Warm or None); with `gathered` (the
+    leaves' ShardLayouts) the blocks are ZeRO shards' views: chunk 0 gathered here, in
+    every chunk's place until the gathering ticks have gathered the others."""
+    v = table.repeats
     per_chunk = jax.tree.leaves(blocks)[0].shape[0] // v
     stacked = jax.tree.map(lambda a: a.reshape(v, per_chunk, *a.shape[1:]), blocks)
     chunks = tuple(jax.tree.map(lambda a: a[k], stacked) for k in range(v))
-    if gathered is not None:
-        chunks = tuple(grad_reduce.gather_chunk(c, gathered) for c in chunks)
+    if gathered is None:
+        return chunks, None
+    first = grad_reduce.gather_chunk(chunks[0], gathered)
+    if v == 1:
+        return (first,), None
+    plan = grad_reduce.gather_plan(table, per_chunk)
+    warm = Warm(grad_reduce.first_tick_of_later_chunks(table), plan, chunks[1:])
+    return (first,) * v, warm
+
+
+def _stage_of(
+    stage_fns, chunks, shared, batch, table, bubble_fill, stage_layers, unroll, handoff_axes,
+):  # fmt: skip
+    """This stage's Stage inside shard_map on its chunks, the fill of idle slots."""
+    p = table.stages
     embedded = jax.eval_shape(lambda sh, b: stage_fns.embed(sh, b.at(0)), shared, batch)
     return Stage(
         fns=stage_fns,
@@ -293,7 +309,7 @@ def _stage_of(
         batch=batch,
         index=jax.lax.axis_index(STAGE_AXIS),
         stages=p,
-        per_chunk=per_chunk,
+        per_chunk=jax.tree.leaves(chunks[0])[0].shape[0],
         fill=jnp.full((batch.rows, batch.seq, embedded.shape[-1]), bubble_fill, stage_fns.dtype),
         layout=None,
         handoff_axes=handoff_axes,
@@ -301,8 +317,7 @@ def _stage_of(
         split=table.split,
         v_shape=table.v_shape,
         unroll=unroll,
-        prepared=None if stage_fns.prepare is None else tuple(map(stage_fns.prepare, chunks)),
-    )
+    ).with_chunks(chunks)
 
 
 def _for_gradients(stage, table, steady, fused_accumulation, grad_layouts):
@@ -360,7 +375,8 @@ def scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index=None, warm=Non
     values, fp32 block grads in stored form, fp32 shared grads), the loss and the values
     combined over 'stage', the shared grads this stage's own share (stacked over 'stage'
     outside: zero.reduce_scatter sums them). pair_index: the steady tick's (ticks, stages)
-    branch of each slot pair (branches.steady_pairs), or None."""
+    branch of each slot pair (branches.steady_pairs), or None; warm: a Warm, whose gathering
+    ticks scan first (the stage's chunks all chunk 0 until then), or None."""
     rows, seq, hidden = stage.fill.shape
 
     def buffer(slots):
@@ -399,13 +415,10 @@ def scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index=None, warm=Non
     xs = jax.tree.map(jnp.asarray, table_columns(table))
     if pair_index is not None:
         xs = (xs, jax.tree.map(jnp.asarray, pair_index))
-    if warm is None:
-        carry, _ = jax.lax.scan(tick_of(stage), init, xs)
-    else:  # (ticks, the chunks they see): a scan of those ticks, then one of the rest
-        ticks, early = warm
-        first = dataclasses.replace(stage, chunks=early)
-        carry, _ = jax.lax.scan(tick_of(first), init, jax.tree.map(lambda a: a[:ticks], xs))
-        carry, _ = jax.lax.scan(tick_of(stage), carry, jax.tree.map(lambda a: a[ticks:], xs))
+    if warm is not None:  # the gathering ticks first, then the rest on every chunk
+        init, stage = gathering_tick.run(stage, init, xs[0], warm)
+        xs = jax.tree.map(lambda a: a[warm.ticks :], xs)
+    carry, _ = jax.lax.scan(tick_of(stage), init, xs)
     acc_blocks, acc_shared, loss, values = carry[6]
     loss = jax.lax.psum(loss, STAGE_AXIS)
     values = side.over_axis(declared, values, STAGE_AXIS)

@@ -68,6 +68,11 @@ class Stage:
     # pipeline.overlap_grad_reduce: (grad_reduce.Plan, the block leaves' zero.ShardLayouts)
     reduce: Any = None
 
+    def with_chunks(self, chunks):
+        """This stage on `chunks` (fns.prepare made of each once)."""
+        prepared = None if self.fns.prepare is None else tuple(map(self.fns.prepare, chunks))
+        return dataclasses.replace(self, chunks=chunks, prepared=prepared)
+
     @property
     def with_grads(self):
         return self.layout is not None

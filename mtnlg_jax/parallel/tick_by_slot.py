@@ -66,10 +66,12 @@ def tick(stage, carry, columns):
     return (act_in, grad_in, stash, resids, grad_buf, tap_bufs, sums), None
 
 
-def forward(stage, fwd, stash, resids):
+def forward(stage, fwd, stash, resids, pick=None):
     """One chunk's forward (branches.Forward): (y to the next stage, resids with its
     residuals in resids[fwd.resid_slot], its side values: the identities where the slot
-    is idle, as the last chunk's is: its backward slot runs it)."""
+    is idle, as the last chunk's is: its backward slot runs it). pick: None, or
+    pick(idle, run) -> (what the one that runs returns, more): the slot's own conditional
+    (gathering_tick.py's), `more` then returned after the side values."""
 
     def run_chunk(chunk, repeat):
         return stage.forward_chunk(chunk, repeat, fwd, stash[fwd.slot])
@@ -77,12 +79,18 @@ def forward(stage, fwd, stash, resids):
     def run():
         return stage.on_chunk(fwd.repeat, run_chunk)
 
+    def idle():
+        return stage.idle_forward(resids)
+
     with jax.named_scope(FORWARD):
-        (y, values), kept = jax.lax.cond(
-            fwd.kind == SLOT_IDLE, lambda: stage.idle_forward(resids), run
-        )
+        if pick is None:
+            out, more = jax.lax.cond(fwd.kind == SLOT_IDLE, idle, run), None
+        else:
+            out, more = pick(idle, run)
+    (y, values), kept = out
     ran = (fwd.kind != SLOT_IDLE) & (fwd.kind != SLOT_LAST)
-    return y, [write(b, fwd.resid_slot, ran, r) for b, r in zip(resids, kept)], values
+    resids = [write(b, fwd.resid_slot, ran, r) for b, r in zip(resids, kept)]
+    return (y, resids, values) if pick is None else (y, resids, values, more)
 
 
 def receive(stage, row, act_in, grad_in, stash, grad_buf):

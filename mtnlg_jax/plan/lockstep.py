@@ -34,23 +34,24 @@ def slot_patterns(table, extra=()):
     return len(keys), index.reshape(np.shape(columns[0]))
 
 
-def pipeline_loop(computations):
+def pipeline_loop(computations, scope='pipeline_', without=None):
     """(computation holding it, the while instruction) of the pipeline's loop, the while whose
-    body holds the engine's slot conditionals; None if there is none."""
+    body holds the engine's slot conditionals (op names with `scope`, none with `without`);
+    None if there is none."""
     for name, instructions in computations.items():
         for instruction in instructions:
             if instruction.opcode != 'while':
                 continue
             body = dict(instruction.callees())['body']
-            if any(
-                i.opcode == 'conditional' and 'pipeline_' in i.op_name()
-                for i in computations.get(body, [])
+            names = [i.op_name() for i in computations.get(body, []) if i.opcode == 'conditional']
+            if any(scope in n for n in names) and not (
+                without and any(without in n for n in names)
             ):
                 return name, instruction
     return None
 
 
-def lockstep(replay, table, weights_of, extra=()):
+def lockstep(replay, table, weights_of, extra=(), warm=0):
     """The replayed step with each tick at its slowest stage's slot:
 
         {'ticks', 'slot_kinds', 'mean_tick_s': one tick of the replay's average stage,
@@ -62,29 +63,47 @@ def lockstep(replay, table, weights_of, extra=()):
     the mean weights; reweighed here); weights_of(where): the branch weights of the slots
     `where` (a (ticks, stages) mask), as report.branch_weights gives; extra: (ticks, stages)
     columns that tell slots apart beyond the table's (the engine's other switches,
-    report.slot_columns)."""
-    found = pipeline_loop(replay.computations)
-    if found is None:
+    report.slot_columns); warm: the first ticks that run in a loop of their own, the one
+    that holds the forward's GATHER switch (pipeline.overlap_param_gather), 0: none."""
+    parts = _loops(replay, table, warm)
+    if parts is None:
         return None
-    holder, loop = found
-    body = dict(loop.callees())['body']
-    # XLA:GPU's while-loop double buffering runs two ticks a trip (one more peeled if odd)
-    trips = hlo_module.trip_count(loop, replay.computations) or 1
-    unrolled = max(1, round(table.ticks / trips))
-    runs = replay.counts.get(holder, (1, False))[0]
-    mean_tick = replay.duration(body) / unrolled
     count, index = slot_patterns(table, extra)
-    tick_of_kind = np.zeros(count)
-    for kind in range(count):
-        replay.reweigh(weights_of(index == kind))
-        tick_of_kind[kind] = replay.duration(body) / unrolled
-    per_slot = tick_of_kind[index]  # (ticks, stages)
-    loop_s = float(per_slot.max(axis=1).sum())
+    loop_s, bubble_s, per_slot = 0.0, 0.0, []
+    for body, runs, unrolled, start, end, mean_tick in parts:
+        tick_of_kind = np.zeros(count)
+        for kind in np.unique(index[start:end]):
+            replay.reweigh(weights_of(index == kind))
+            tick_of_kind[kind] = replay.duration(body) / unrolled
+        slowest = float(tick_of_kind[index[start:end]].max(axis=1).sum())
+        loop_s += runs * slowest
+        bubble_s += runs * (slowest - (end - start) * mean_tick)
+        per_slot.append(tick_of_kind[index[start:end]])
     return dict(
         ticks=table.ticks,
         slot_kinds=count,
-        mean_tick_s=mean_tick,
-        slots_mean_tick_s=float(per_slot.mean()),
-        lockstep_loop_s=runs * loop_s,
-        bubble_s=runs * (loop_s - table.ticks * mean_tick),
+        mean_tick_s=parts[-1][-1],
+        slots_mean_tick_s=float(np.concatenate(per_slot).mean()),
+        lockstep_loop_s=loop_s,
+        bubble_s=bubble_s,
     )
+
+
+def _loops(replay, table, warm):
+    """[(body, runs a step, ticks a trip, first tick, end, its tick under the mean weights)]
+    of the pipeline's loops, in the order they run; None without one."""
+    found = pipeline_loop(replay.computations, without=branches.GATHER if warm else None)
+    if found is None:
+        return None
+    loops = [(found, warm, table.ticks)]
+    if warm:
+        loops.insert(0, (pipeline_loop(replay.computations, branches.GATHER), 0, warm))
+    parts = []
+    for (holder, loop), start, end in loops:
+        body = dict(loop.callees())['body']
+        # XLA:GPU's while-loop double buffering runs two ticks a trip (one more peeled if odd)
+        trips = hlo_module.trip_count(loop, replay.computations) or 1
+        unrolled = max(1, round((end - start) / trips))
+        runs = replay.counts.get(holder, (1, False))[0]
+        parts.append((body, runs, unrolled, start, end, replay.duration(body) / unrolled))
+    return parts

@@ -5,6 +5,8 @@
     add_compiled(plan, compiled, info)                 + memory_analysis, collectives, FLOPs
 """
 
+import numpy as np
+
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.model import counts
 from mtnlg_jax.parallel import branches, grad_reduce, stage_order
@@ -211,6 +213,7 @@ def add_gpu_figures(compiled, config, text, mesh, target, weights, profile=None)
         table,
         lambda where: branch_weights(config, where=where),
         slot_columns(config, table),
+        gathering_ticks(config, table),
     )
     compiled['overlap'] = dict(
         table=replay['table'],
@@ -276,13 +279,24 @@ def not_charged(over):
 def branch_weights(config, micro_steps=None, where=None):
     """How often the 1F1B engine's conditionals take each branch, from its table (mean over
     stages; where: over those slots alone, a (ticks, stages) mask), for the HLO inventory;
-    None without one (no pipeline, or GPipe's scan)."""
+    None without one (no pipeline, or GPipe's scan). Under pipeline.overlap_param_gather the
+    first ticks are a loop of their own (parallel/gathering_tick.py): the other loop's
+    conditionals are weighed over the rest."""
     table = arithmetic.engine_table(config, micro_steps)
     if table is None:
         return None
+    gather = _gather_plan(config, table)
+    if gather is not None:
+        rest = np.zeros(table.fwd_micro.shape, bool)
+        rest[gather.branch.shape[0] :] = True
+        # slots of the first ticks alone (plan/lockstep.py's): the other loop's are moot
+        main = rest if where is None or not (where & rest).any() else where & rest
+        where, warm = main, where
     weights = branches.branch_fractions(table, where)
     if config.pipeline.get('overlap_grad_reduce', False):  # its switch (grad_reduce.py)
         weights = grad_reduce.fractions(table, _reduce_plan(config, table), weights, where)
+    if gather is not None:
+        weights = grad_reduce.gather_fractions(table, gather, weights, warm)
     return weights
 
 
@@ -291,12 +305,34 @@ def _reduce_plan(config, table):
     return grad_reduce.plan(table, stage_order.of_config(config).slots)  # a chunk's places
 
 
+def _gather_plan(config, table):
+    """pipeline.overlap_param_gather's placement of the all-gathers in the table's first
+    ticks (parallel/gathering_tick.py), or None where the engine runs none."""
+    if not config.pipeline.get('overlap_param_gather', False) or table.repeats == 1:
+        return None
+    return grad_reduce.gather_plan(table, stage_order.of_config(config).slots)
+
+
 def slot_columns(config, table):
     """(ticks, stages) arrays beyond the table's kinds that tell slots apart: the backward's
-    reduce-scatter variant under pipeline.overlap_grad_reduce (plan/lockstep.py)."""
+    reduce-scatter variant under pipeline.overlap_grad_reduce, the first ticks' all-gather
+    variant under pipeline.overlap_param_gather (plan/lockstep.py)."""
+    columns = []
     if config.pipeline.get('overlap_grad_reduce', False):
-        return [_reduce_plan(config, table).branch]
-    return []
+        columns.append(_reduce_plan(config, table).branch)
+    gather = _gather_plan(config, table)
+    if gather is not None:
+        padded = np.full(table.fwd_micro.shape, -1, np.int32)
+        padded[: gather.branch.shape[0]] = gather.branch
+        columns.append(padded)
+    return columns
+
+
+def gathering_ticks(config, table):
+    """How many first ticks run in a loop of their own (pipeline.overlap_param_gather): 0 if
+    none do."""
+    gather = _gather_plan(config, table)
+    return 0 if gather is None else gather.branch.shape[0]
 
 
 def per_iteration_arrays(hlo_text, config, top=3):
