@@ -18,11 +18,14 @@ as chunks of 1, 2, 2, 2 (stage 0, whose first chunk holds the embedding) and 2, 
 ZeRO-1's reduce-scatter runs inside the loop, a layer in each backward slot after its chunk's
 last (pipeline.overlap_grad_reduce), and XLA:GPU's scheduler orders the step by profiled costs
 (train.pgle_profile_steps: the run profiles three steps at each batch size of its ramp-up,
-1,024 then 2,048 sequences, and compiles that size's step again; train/pgle.py). launch/plan.py
---target compiles it so, the replay's costs standing in for the profile: 72.5 GiB a GPU, 6.7 %
-of its compute waiting on communication; predicted 11.7 s a step, MFU 46.7 %: 462 model
-TFLOP/s a GPU (6N + 12LHQT) against Meta's 430; replayed 8.21 s, 10.12 s with each lockstep
-tick at its slowest stage. By XLA's own estimate the reduce-scatter in the loop makes the ticks
+1,024 then 2,048 sequences, and compiles that size's step again; train/pgle.py). The compute
+copy's all-gather of chunks 1 to 3 runs a layer at a time inside chunk 0's first forwards
+(pipeline.overlap_param_gather, parallel/gathering_tick.py; its step asks XLA for 8
+collectives in flight). launch/plan.py --target compiles it so, the replay's costs standing in
+for the profile: 72.5 GiB a GPU, 6.2 % of its compute waiting on communication; predicted
+11.6 s a step, MFU 47.0 %: 465 model TFLOP/s a GPU (6N + 12LHQT) against Meta's 430; replayed
+8.20 s, 10.09 s with each lockstep tick at its slowest stage (6.7 % and 10.12 s without the
+in-loop all-gather). By XLA's own estimate the reduce-scatter in the loop makes the ticks
 that run it the slowest of their stages (lockstep 10.56 s); after the loop the step is 71.4
 GiB, 9.0 % exposed, lockstep 10.19 s, predicted 11.73 s (docs/gpu.md, "Scheduled by the
 replay's costs"). The bound and the recompute are the pair that fits fastest (measured with the
@@ -78,6 +81,8 @@ def get_config():
     # ZeRO-1's reduce-scatter in the loop, scheduled by measured costs (train/pgle.py: each
     # batch size of the ramp-up profiled): better than after the loop in every figure
     config.pipeline.overlap_grad_reduce = True
+    # and the compute copy's all-gather inside chunk 0's first forwards (parallel/gathering_tick.py)
+    config.pipeline.overlap_param_gather = True
     config.train.pgle_profile_steps = 3
     config.train.update(dict(global_batch=2048, micro_batch=1, steps=DECAY_STEPS))
     config.train.rampup.update(dict(start=1024, increment=1024, tokens=int(META_SWITCHES[1])))

@@ -49,6 +49,8 @@ def get_config():
     # XLA's scheduler by measured costs (train/pgle.py): its own estimate starts the context
     # reduce-scatter too late here; launch/plan.py --target compiles with the replay's costs
     config.train.pgle_profile_steps = 3
+    # the 8K run's in-loop all-gather of the compute copy: not measured at 128K, so off
+    config.pipeline.overlap_param_gather = False
     config.mesh.context = 16
     config.data.reset_attention_mask = True
     config.train.global_batch = SEQUENCES

@@ -12,9 +12,11 @@ from jax.sharding import PartitionSpec
 import support
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.data import batch as batch_lib
+from mtnlg_jax.data import loader as loader_lib
 from mtnlg_jax.model import gpt
 from mtnlg_jax.parallel import branches, grad_reduce, pipeline, stage_order
 from mtnlg_jax.parallel import schedule as schedule_lib
+from mtnlg_jax.plan import compile as compile_lib
 from mtnlg_jax.train import state as state_lib
 from mtnlg_jax.train import step as step_lib
 
@@ -376,3 +378,26 @@ def test_overlap_param_gather_plans_each_later_layer_once_in_the_first_ticks():
             )
     weights = grad_reduce.gather_fractions(table, plan, {})
     assert np.isclose(sum(weights[(branches.FORWARD, branches.GATHER)]), 1.0)
+
+
+@pytest.mark.parametrize('gather', [False, True])
+def test_the_step_with_gathering_ticks_asks_xla_for_more_collectives_in_flight(gather):
+    """pipeline.overlap_param_gather's train step carries XLA's option for 8 collectives in
+    flight (grad_reduce.compiler_options: at the process's 4 the 405B's gathers start after
+    the forward they should hide behind); the reduce-scatter alone asks nothing of the kind.
+    Lowered only."""
+    keys = GATHER if gather else dict(overlap_grad_reduce=True)
+    config = support.small_config(
+        data=2, stage=2, repeats=2, schedule='interleaved', micro_steps=4, num_layers=4
+    )
+    config = config_lib.inputs_of(config)
+    config.pipeline.update(keys)
+    config = config_lib.resolve(config, 4)
+    mesh, setup = compile_lib.layout(config)
+    batch = loader_lib.abstract_train_batch(config, mesh, config.train.micro_steps)
+    args = (compile_lib.abstract_state(setup), *batch, jax.ShapeDtypeStruct((), jnp.float32))
+    with jax.set_mesh(mesh):
+        lowered = step_lib.make_train_step(config, setup).lower(*args)
+    options = dict(lowered._lowering._compiler_options_kvs)
+    limit = options.get(grad_reduce.OVERLAP_LIMIT_OPTION)
+    assert limit == (grad_reduce.GATHER_COLLECTIVES_IN_FLIGHT if gather else None)

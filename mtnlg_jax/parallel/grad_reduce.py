@@ -348,6 +348,20 @@ def _gathered_shape(views, layouts):
     return jax.eval_shape(lambda v: _gathered(v, layouts, 1), views)
 
 
+# XLA's option for asynchronous collectives in flight at once (mtnlg_jax/xla/flags.py
+# recommends 4 process-wide): the gathering ticks' forwards keep a layer's per-leaf all-gathers
+# beside chunk 0's own tensor collectives, and at 4 XLA:GPU starts most of them after the
+# forward (the 405B: 39 % of the all-gather hidden at 4, 67 % at 8; docs/benchmarks.md).
+GATHER_COLLECTIVES_IN_FLIGHT = 8
+OVERLAP_LIMIT_OPTION = 'xla_gpu_experimental_parallel_collective_overlap_limit'
+
+
+def compiler_options(overlap_param_gather):
+    """jax.jit's compiler_options for a train step (XLA:CPU ignores them): more collectives in
+    flight where the gathering ticks run (pipeline.overlap_param_gather), else none."""
+    return {OVERLAP_LIMIT_OPTION: GATHER_COLLECTIVES_IN_FLIGHT} if overlap_param_gather else {}
+
+
 def first_tick_of_later_chunks(table):
     """The first tick any stage runs a chunk other than its first (a forward of repeat > 0 or
     any backward): before it only each stage's chunk 0 runs."""

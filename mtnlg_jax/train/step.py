@@ -102,7 +102,7 @@ def gradients_and_values(config, setup, params, tokens, row_ids, step, buffers=N
     by_stage = _stage_shares(config, params)
     # pipeline.overlap_grad_reduce: the blocks' come out of the engine on the ZeRO shards
     in_loop = layouts['blocks'] if _reduces_in_loop(config) else None
-    gathers = in_loop is not None and engine_lib.engine(config).overlap_param_gather
+    gathers = _gathers_in_loop(config)
     model_specs = _replica_specs((setup.logical_axes, setup.buffer_axes if buffers else {}))
     if gathers:  # pipeline.overlap_param_gather: the engine gathers the blocks
         compute_params = _shards_for_the_loop(config, setup, params, layouts)
@@ -211,6 +211,14 @@ def _reduces_in_loop(config):
     """Whether the engine reduce-scatters the block gradients inside its loop
     (pipeline.overlap_grad_reduce, parallel/grad_reduce.py)."""
     return getattr(engine_lib.engine(config), 'overlap_grad_reduce', False)
+
+
+def _gathers_in_loop(config):
+    """Whether the engine all-gathers the blocks' compute copy inside its loop
+    (pipeline.overlap_param_gather, with the above)."""
+    return _reduces_in_loop(config) and getattr(
+        engine_lib.engine(config), 'overlap_param_gather', False
+    )
 
 
 def _shard_spec(layout):
@@ -360,7 +368,10 @@ def make_train_step(config, setup, inject=None):
         train_step,
         out_shardings=(setup.state_shardings, None),
         donate_argnums=0,
-        compiler_options=fp8_sites.compiler_options(config.model),
+        compiler_options={
+            **fp8_sites.compiler_options(config.model),
+            **grad_reduce.compiler_options(_gathers_in_loop(config)),
+        },
     )
 
 
