@@ -98,8 +98,8 @@ PLAN_LAYOUTS = {
 }
 
 
-def plan_config(name):
-    return small_config(**PLAN_LAYOUTS[name], remat='none', hidden=256, vocab_size=1500)
+def plan_config(name, remat='none'):
+    return small_config(**PLAN_LAYOUTS[name], remat=remat, hidden=256, vocab_size=1500)
 
 
 def layout(config):

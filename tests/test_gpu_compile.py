@@ -190,9 +190,9 @@ def test_plan_pgle_compiles_again_with_the_replayed_costs_as_the_latency_profile
 
 @pytest.mark.parametrize('name', list(support.PLAN_LAYOUTS))
 def test_planned_memory_per_device_against_the_gpu_compile(name):
-    """The plan of the step as configured (bf16 as bf16: no fp32 twin, as on XLA:CPU) against
-    XLA:GPU's arguments + unaliased outputs + temporaries."""
-    plan = gpu_plan(name)
+    """The plan of the step as configured, under selective recompute (bf16 as bf16: no fp32
+    twin, as on XLA:CPU) against XLA:GPU's arguments + unaliased outputs + temporaries."""
+    plan = _gpu_plan(support.plan_config(name, remat='selective'))
     planned, compiled = plan['per_device_bytes']['total'], plan['compiled']['peak_bytes']
     assert abs(compiled - planned) <= TOLERANCE * planned, (compiled, planned)
 

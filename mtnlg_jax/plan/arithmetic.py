@@ -281,7 +281,9 @@ def layer_activation_bytes(
         and the MLP's two (s, b, 4h) tensors (split over tensor; GQA's K and V are kv_heads
         wide, SwiGLU keeps three (s, b, f): gate, up and their product), fp32 scores and
         compute-dtype probabilities (split over heads): Korthikanti et al.'s count (arXiv
-        2205.05198) for this block, without dropout masks.
+        2205.05198) for this block, without dropout masks. XLA:CPU keeps 1.2 x it a layer
+        (GPT's and Llama's blocks at hidden 64, seq 256: the causal mask's select and the
+        activations' own intermediates); not fitted, as no config trains without recompute.
     selective: what model.block.SELECTIVE_SAVED names, no more: the two residual branches'
         outputs (2 x (s, b, h), split over t under sequence parallelism), QKV and the context
         (split over tensor), the MLP's input projections (GeLU's one (s, b, 4h); SwiGLU's gate
