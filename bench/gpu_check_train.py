@@ -153,15 +153,15 @@ def memory():
                 - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)  # fmt: skip
     stats = jax.devices()[0].memory_stats() or {}
     target = _target()
-    planned = None
-    if target:
-        planned = report.make_plan(step.config, target)['per_device_bytes']['total']
+    parts = report.make_plan(step.config, target)['per_device_bytes'] if target else {}
+    planned = parts.get('total')
     peak = stats.get('peak_bytes_in_use')
     return dict(
         config=f'attention {step.config.model.attention}, target {target}',
         device_peak_gib=peak and round(peak / 2**30, 2),
         memory_analysis_gib=round(compiled / 2**30, 2),
         planned_gib=planned and round(planned / 2**30, 2),
+        planned_parts_gib={key: round(value / 2**30, 2) for key, value in parts.items()},
         device_vs_compiled=peak and round(peak / compiled, 3),
         device_vs_planned=peak and planned and round(peak / planned, 3),
     )
