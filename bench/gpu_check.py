@@ -14,8 +14,8 @@ gpu_check_matmuls.py or gpu_check_collectives.py):
                    reference draws the kernel's own dropout bits; cuDNN and jax's kernel
                    have none of ours, so they are compared at dropout 0)
     kernel_speed   forward and forward + backward ms and TFLOP/s at seq 2048 (ours, cuDNN,
-                   jax's Pallas kernel, the plain einsums), and a small sweep of our blocks
-                   and warps
+                   jax's Pallas kernel, the plain einsums), ours and cuDNN's at seq 8192
+                   (head dim 128), and a small sweep of our blocks and warps (head dim 160)
     train_step     a ~2 B GPT (head dim 160, bf16, selective recompute) on one GPU: tokens/s
                    and MFU after warm-up, with the flash kernel (attention dropout 0.1) and
                    with 'auto' at dropout 0; the loss of flash / cuDNN / plain on one batch

@@ -161,20 +161,30 @@ def sweep_tiles(head_dim):
     return chosen, sorted(variants)
 
 
+# Llama 3's sequence at its head dim: the rates the plan's attention would be priced at
+# (batch 1 of 8192 is 4 x the work of 4 of 2048), ours and cuDNN's
+LONG = dict(batch=1, seq=8192, head_dim=128, kinds=('flash', 'cudnn'))
+
+
 def kernel_speed(batch=4, seq=2048, heads=16, head_dims=(128, 160), kinds=KINDS, rate=0.0,
-                 sweep=True, interpret=False):  # fmt: skip
-    """The kernel_speed section: every kind at each head dim, then our blocks and warps."""
+                 sweep_head_dims=(160,), long=LONG, interpret=False):  # fmt: skip
+    """The kernel_speed section: every kind at each head dim, ours and cuDNN's at the long
+    sequence, then our blocks and warps at sweep_head_dims (128's were settled by two
+    checks: the chosen within 5 % of the best)."""
+    shapes = [(kind, (batch, seq, heads, head_dim)) for head_dim in head_dims for kind in kinds]
+    if long:
+        shapes += [(kind, (long['batch'], long['seq'], heads, long['head_dim']))
+                   for kind in long['kinds']]  # fmt: skip
     rows = []
-    for head_dim in head_dims:
-        for kind in kinds:
-            row = dict(kind=kind, head_dim=head_dim)
-            try:
-                row.update(speed_row(kind, (batch, seq, heads, head_dim), rate, None, interpret))
-            except Exception as error:  # noqa: BLE001
-                row['error'] = f'{type(error).__name__}: {str(error).splitlines()[0][:200]}'
-            rows.append(row)
+    for kind, shape in shapes:
+        row = dict(kind=kind, seq=shape[1], head_dim=shape[3])
+        try:
+            row.update(speed_row(kind, shape, rate, None, interpret))
+        except Exception as error:  # noqa: BLE001
+            row['error'] = f'{type(error).__name__}: {str(error).splitlines()[0][:200]}'
+        rows.append(row)
     sweep_rows = []
-    for head_dim in head_dims if sweep else ():
+    for head_dim in sweep_head_dims:
         chosen, variants = sweep_tiles(head_dim)
         for tiles in variants:
             row = dict(head_dim=head_dim, tiles=tiles._asdict(), chosen=tiles == chosen)
