@@ -10,8 +10,8 @@ on CPU devices and measured.
     python launch/plan.py --config configs/mtnlg_530b.py --search --cluster a100-80gb \\
         --nodes 280 [--json best.json]     the ten fastest layouts that fit (plan/search.py)
 
---target a100-80gb | h100-80gb compiles the step with XLA:GPU for that GPU on compile-only
-devices, the whole layout in one process and on a machine without a GPU (after `make
+--target a100-80gb | h100-80gb | h200-141gb compiles the step with XLA:GPU for that GPU on
+compile-only devices, the whole layout in one process and on a machine without a GPU (after `make
 gpu-compile`: mtnlg_jax/xla/gpu_compile.py), with the recommended XLA:GPU flags
 (mtnlg_jax/xla/flags.py; your own XLA_FLAGS win). It adds what only a GPU compile shows: the
 fused attention kernels, and the overlap of each collective with compute, replayed on the

@@ -371,3 +371,22 @@ def test_the_530b_attention_out_weight_gradient_compiles_for_h100s():
     text = jax.jit(accumulate, donate_argnums=0).lower(*args).compile().as_text()
     gemms = re.findall(r'%gemm_fusion\S* = (f32\[[\d,]+\])', text)
     assert gemms == ['f32[20480,2560]'], gemms  # one GEMM, x its right-hand side
+
+
+def test_an_h200_compiles_as_an_h100_with_the_h200s_memory():
+    """--target h200-141gb: the H100's description (the same chip) with the H200's memory
+    bandwidth and size; a step compiles for it and is priced on the H200's figures."""
+    fields = [
+        dict(re.findall(r'^  (\w+): (\S+)$', gpu_target.target_config(name), re.M))
+        for name in ('h100-80gb', 'h200-141gb')
+    ]
+    differ = {key for key in fields[0] if fields[0][key] != fields[1].get(key)}
+    assert differ == {'memory_bandwidth', 'device_memory_size'}
+    assert float(fields[1]['memory_bandwidth']) == clusters.CLUSTERS['h200-141gb'].hbm_bandwidth
+    config = support.plan_config('tensor', remat='selective')
+    compiled, info = gpu_target.compile_train_step(config, 'h200-141gb')
+    plan = report.add_compiled(
+        report.make_plan(config, 'h200-141gb'), config, compiled, info, target='h200-141gb'
+    )
+    assert plan['compiled']['target'] == 'h200-141gb' and plan['cluster']['fits']
+    assert plan['cluster']['hbm_bytes'] == clusters.CLUSTERS['h200-141gb'].hbm_bytes

@@ -72,7 +72,7 @@ def test_a_bf16_pipelined_step_compiles_through_the_tool(tmp_path):
         (['--devices', '0'], '--devices must be a positive integer, got 0'),
         (['--config.model.hidden=abc'], 'config.model.hidden'),
         (['--json', 'README.md/plan.json'], '--json README.md/plan.json: '),  # its folder a file
-        (['--target', 'h200'], "--target 'h200' is not one of a100-80gb, h100-80gb"),
+        (['--target', 'h200'], "--target 'h200' is not one of a100-80gb, h100-80gb, h200-141gb"),
         (['--target', 'a100-80gb', '--num_processes', '2'], 'leave out --num_processes'),
         (
             [

@@ -18,7 +18,11 @@ import os
 from mtnlg_jax.config.keys import mesh_devices
 from mtnlg_jax.xla.gpu_compile import TARGETS
 
-TARGET_FILES = {'a100-80gb': 'a100_sxm_80.txtpb', 'h100-80gb': 'h100_sxm.txtpb'}
+TARGET_FILES = {
+    'a100-80gb': 'a100_sxm_80.txtpb',
+    'h100-80gb': 'h100_sxm.txtpb',
+    'h200-141gb': 'h200_sxm.txtpb',
+}
 assert set(TARGET_FILES) == set(TARGETS)
 
 

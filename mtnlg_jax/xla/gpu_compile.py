@@ -29,7 +29,7 @@ import tempfile
 
 from mtnlg_jax.xla import flags as xla_flags
 
-TARGETS = ('a100-80gb', 'h100-80gb')
+TARGETS = ('a100-80gb', 'h100-80gb', 'h200-141gb')
 COMPILER_DIR = pathlib.Path(
     os.environ.get(
         'MTNLG_GPU_COMPILE_DIR', pathlib.Path(__file__).resolve().parents[2] / '.gpu-compile'
