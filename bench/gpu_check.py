@@ -25,7 +25,8 @@ gpu_check_matmuls.py or gpu_check_collectives.py):
                    kernels and how often the forward runs, compiled / model FLOPs
     profile        a jax.profiler trace of two steps, device time split by kind (matmuls,
                    attention, copies, slicing, transposes, collectives, elementwise) beside
-                   the replay of the same compile (plan/overlap.py)
+                   the replay of the same compile (plan/overlap.py), and again by the kinds
+                   the replay gives the kernels' fusions
     grouped_matmul the MoE's Pallas grouped matmul against the fp32 reference (output and
                    both gradients), then timed beside ragged_dot, capacity padding, blocks
     collectives    the MoE exchange's all-to-all and ragged all-to-all beside all-gather and

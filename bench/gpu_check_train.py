@@ -7,6 +7,7 @@ profile read the step train_step timed.
 
 import collections
 import pathlib
+import re
 import statistics
 
 import jax
@@ -217,12 +218,13 @@ def kind_of(kernel_name):
                 'elementwise')  # fmt: skip
 
 
-def device_time_by_kind(trace_dir):
-    """Seconds of GPU kernels by kind in the newest trace under trace_dir, from the device
-    planes' stream lines (not the 'XLA Ops' / 'XLA Modules' summary lines)."""
+def kernel_seconds(trace_dir):
+    """({kernel name: seconds}, the line names seen) of the GPU kernels in the newest trace
+    under trace_dir, from the device planes' stream lines (not the 'XLA Ops' / 'XLA Modules'
+    summary lines)."""
     paths = sorted(pathlib.Path(trace_dir).rglob('*.xplane.pb'), key=lambda p: p.stat().st_mtime)
     data = jax.profiler.ProfileData.from_file(str(paths[-1]))
-    seconds, kernels, lines_seen = collections.Counter(), collections.Counter(), set()
+    kernels, lines_seen = collections.Counter(), set()
     for plane in data.planes:
         if not plane.name.startswith('/device:GPU'):
             continue
@@ -230,10 +232,34 @@ def device_time_by_kind(trace_dir):
             lines_seen.add(line.name)
             if line.name.startswith('Stream'):
                 for event in line.events:
-                    seconds[kind_of(event.name)] += event.duration_ns / 1e9
-                    kernels[event.name[:80]] += event.duration_ns / 1e9
-    by_kind = {kind: round(s, 4) for kind, s in seconds.most_common()}
-    return by_kind, kernels.most_common(12), sorted(lines_seen)
+                    kernels[event.name] += event.duration_ns / 1e9
+    return kernels, sorted(lines_seen)
+
+
+# kind_of's kinds as the replay names them (plan/overlap.py's KINDS)
+REPLAY_KIND = {'attention': 'attention kernels', 'slicing': 'slicing and slot writes'}
+
+
+def replay_kinds(replay):
+    """{kernel name: the replay's kind} of every instruction of the compiled module: XLA:GPU
+    names a fusion's kernel after the fusion, '.' and '-' written '_'."""
+    kinds = {}
+    for computation in replay.computations.values():
+        types = {instruction.name: instruction.type_text for instruction in computation}
+        for instruction in computation:
+            kinds[re.sub(r'[.\-]', '_', instruction.name)] = replay.kind(instruction, types)
+    return kinds
+
+
+def by_replay_kind(kernels, kinds):
+    """Measured seconds by the replay's kinds: a kernel named after an instruction counts as
+    the replay counts that instruction, any other (cuBLAS's GEMMs, Pallas kernels, memcpys) by
+    its name (kind_of), so measured and replayed time split alike."""
+    seconds = collections.Counter()
+    for name, spent in kernels.items():
+        kind = kinds.get(name) or REPLAY_KIND.get(kind_of(name), kind_of(name))
+        seconds[kind] += spent
+    return seconds
 
 
 def profile(trace_dir, steps=2):
@@ -241,21 +267,29 @@ def profile(trace_dir, steps=2):
     step = next(iter(STEPS.values()))
     with profile_lib.tracing(trace_dir):  # the trace train.profile_start takes
         step.step_times(steps, warmup=0)
-    by_kind, kernels, lines = device_time_by_kind(trace_dir)
+    kernels, lines = kernel_seconds(trace_dir)
+    by_name = collections.Counter()
+    for name, spent in kernels.items():
+        by_name[kind_of(name)] += spent
     target = _target()
     replay = {}
     if target:
         cluster = overlap.Target.of_cluster(CLUSTERS[target], step.config.model.compute_dtype)
         replay = overlap.collective_overlap(step.compiled.as_text(), step.mesh, target=cluster)
-    per_step = {kind: round(s / steps, 4) for kind, s in by_kind.items()}
+    by_replay = by_replay_kind(kernels, replay_kinds(replay['replay'])) if replay else {}
+
+    def per_step(seconds):
+        return {kind: round(s / steps, 4) for kind, s in seconds.most_common()}
+
     return dict(
         trace=str(trace_dir),
-        device_s_per_step_by_kind=per_step,
+        device_s_per_step_by_kind=per_step(by_name),
+        device_s_per_step_by_replay_kind=per_step(by_replay) if replay else None,
         replay_step_s=replay.get('step_s'),
-        replay_time_by_kind=replay.get('time_by_kind', 'not in this version of plan/overlap.py'),
+        replay_time_by_kind=replay.get('time_by_kind'),
         device_lines=lines,
         top_kernels=[
-            dict(kernel=name, kind=kind_of(name), ms_per_step=round(1e3 * s / steps, 2))
-            for name, s in kernels
+            dict(kernel=name[:80], kind=kind_of(name), ms_per_step=round(1e3 * s / steps, 2))
+            for name, s in kernels.most_common(12)
         ],  # fmt: skip
     )

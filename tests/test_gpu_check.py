@@ -72,6 +72,55 @@ def test_profiled_kernels_are_split_by_kind(name, kind):
     assert gpu_check_train.kind_of(name) == kind
 
 
+SLOT_WRITE = """HloModule scheduled, is_scheduled=true, num_partitions=1
+
+%fused_dot (a: f32[100,100], b: f32[100,100]) -> f32[100,100] {
+  %a = f32[100,100]{1,0} parameter(0)
+  %b = f32[100,100]{1,0} parameter(1)
+  ROOT %d = f32[100,100]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_write (buffer: f32[8,100], row: f32[1,100], i: s32[]) -> f32[8,100] {
+  %buffer = f32[8,100]{1,0} parameter(0)
+  %row = f32[1,100]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  %sum = f32[1,100]{1,0} add(%row, %row)
+  ROOT %write = f32[8,100]{1,0} dynamic-update-slice(%buffer, %sum, %i, %zero)
+}
+
+ENTRY %m (w: f32[100,100], b: f32[8,100], r: f32[1,100], i: s32[]) -> (f32[100,100], f32[8,100]) {
+  %w = f32[100,100]{1,0} parameter(0)
+  %b = f32[8,100]{1,0} parameter(1)
+  %r = f32[1,100]{1,0} parameter(2)
+  %i = s32[] parameter(3)
+  %gemm.1 = f32[100,100]{1,0} fusion(%w, %w), kind=kCustom, calls=%fused_dot
+  %loop_add_fusion.2 = f32[8,100]{1,0} fusion(%b, %r, %i), kind=kLoop, calls=%fused_write
+  ROOT %out = (f32[100,100]{1,0}, f32[8,100]{1,0}) tuple(%gemm.1, %loop_add_fusion.2)
+}
+"""
+
+
+def test_profiled_kernels_split_as_the_replay_splits_its_instructions():
+    """A kernel named after a fusion of the compiled module counts as the replay counts the
+    fusion (this slot write's name reads as elementwise, its root is a dynamic-update-slice),
+    the others by their names."""
+    pytest.importorskip('flax')
+    import gpu_check_train  # noqa: PLC0415
+
+    from mtnlg_jax.plan import overlap  # noqa: PLC0415
+
+    target = overlap.Target(1e12, 1e9, 1e6, 1e5, gpus_per_node=2)
+    replay = overlap.collective_overlap(SLOT_WRITE, dict(data=1, stage=1, tensor=1), target)
+    kinds = gpu_check_train.replay_kinds(replay['replay'])
+    assert gpu_check_train.kind_of('loop_add_fusion_2') == 'elementwise'
+    measured = {'loop_add_fusion_2': 1.0, 'gemm_1': 2.0, 'nvjet_sm90_tst_NTT': 4.0,
+                'flash_attention_dq': 8.0, 'MemcpyD2D': 16.0}  # fmt: skip
+    assert gpu_check_train.by_replay_kind(measured, kinds) == {
+        'slicing and slot writes': 1.0, 'matmuls': 6.0, 'attention kernels': 8.0, 'copies': 16.0
+    }  # fmt: skip
+
+
 def test_the_matmul_sections_check_the_kernels_against_their_references():
     # Interpreted on the CPU at small shapes: the agreement is the GPU check's own measure,
     # and a kernel broken on purpose would fail it.
