@@ -14,23 +14,31 @@ its default GEMM and fusion configurations rather than the fastest measured ones
 
 import contextlib
 import os
+import re
 
 from mtnlg_jax.config.keys import mesh_devices
 from mtnlg_jax.xla.gpu_compile import TARGETS
 
-TARGET_FILES = {
-    'a100-80gb': 'a100_sxm_80.txtpb',
-    'h100-80gb': 'h100_sxm.txtpb',
-    'h200-141gb': 'h200_sxm.txtpb',
-}
-assert set(TARGET_FILES) == set(TARGETS)
+TARGET_FILES = {'a100-80gb': 'a100_sxm_80.txtpb', 'h100-80gb': 'h100_sxm.txtpb'}
+# An H200 is the H100's chip (its SMs, clocks and caches) with more and faster memory: 4.8 TB/s
+# (the datasheet) and 143,771 MiB (what nvidia-smi reports on one).
+DERIVED = {
+    'h200-141gb': ('h100-80gb', dict(memory_bandwidth=4_800_000_000_000,
+                                     device_memory_size=143_771 * 2**20)),
+}  # fmt: skip
+assert set(TARGET_FILES) | set(DERIVED) == set(TARGETS)
 
 
 def target_config(target):
     """The GpuTargetConfigProto text of a target name (KeyError if unknown)."""
-    path = os.path.join(os.path.dirname(__file__), 'targets', TARGET_FILES[target])
+    base, fields = DERIVED.get(target, (target, {}))
+    path = os.path.join(os.path.dirname(__file__), 'targets', TARGET_FILES[base])
     with open(path) as f:
-        return f.read()
+        text = f.read()
+    for field, value in fields.items():
+        text, found = re.subn(rf'^(  {field}: )\d+$', rf'\g<1>{value}', text, flags=re.M)
+        assert found == 1, (target, field)
+    return text
 
 
 def devices(target, count, gpus_per_node=8):
