@@ -18,7 +18,8 @@ gpu_check_matmuls.py or gpu_check_collectives.py):
                    (head dim 128), and a small sweep of our blocks and warps (head dim 160)
     train_step     a ~2 B GPT (head dim 160, bf16, selective recompute) on one GPU: tokens/s
                    and MFU after warm-up, with the flash kernel (attention dropout 0.1) and
-                   with 'auto' at dropout 0; the loss of flash / cuDNN / plain on one batch
+                   with 'auto' at dropout 0, each beside the plan's predicted step; the loss
+                   of flash / cuDNN / plain on one batch
     memory         the device's peak bytes against memory_analysis() and against
                    launch/plan.py's plan for the same config and GPU
     hlo            the compiled step's HLO: copies over 1 MiB inside loops, the attention

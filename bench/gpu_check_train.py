@@ -17,7 +17,7 @@ from flax import nnx
 
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.model import counts, gpt
-from mtnlg_jax.plan import hlo_module, overlap, report
+from mtnlg_jax.plan import hlo_module, overlap, predict, report
 from mtnlg_jax.plan.clusters import CLUSTERS
 from mtnlg_jax.train import profile as profile_lib
 from mtnlg_jax.xla.devices import device_peak_tflops
@@ -57,6 +57,8 @@ def _throughput(step, steps=5):
     params = counts.count_params(step.setup.abstract_state['params'])
     model_tflops = counts.model_flops_per_token(config.model, params) * tokens / seconds / 1e12
     peak = device_peak_tflops(jax.devices()[0], config.model.compute_dtype)
+    target = _target()  # the plan's prediction of the same step on this GPU's cluster
+    predicted = target and predict.step_time(config, CLUSTERS[target])['predicted_step_s']
     return dict(
         params=params,
         compile_s=round(step.compile_s, 1),
@@ -64,6 +66,8 @@ def _throughput(step, steps=5):
         tokens_per_s=round(tokens / seconds),
         model_tflops=round(model_tflops, 1),
         mfu=round(model_tflops / peak, 4) if peak else None,
+        predicted_step_s=predicted and round(predicted, 4),
+        measured_vs_predicted=predicted and round(seconds / predicted, 3),
     )
 
 
