@@ -62,16 +62,19 @@ def test_the_fastest_is_the_hand_counts_and_they_come_fastest_first():
 
 
 def test_layouts_that_do_not_fit_are_dropped():
-    """2.65 MB a device: the hand count's best needs 3.27 MB (measured by the plan)."""
-    small = dataclasses.replace(FREE, hbm_bytes=2.65e6)
+    """2.81 MB a device: the hand count's best needs 3.27 MB (measured by the plan), and a
+    layout fits with FIT_MARGIN to spare."""
+    small = dataclasses.replace(FREE, hbm_bytes=2.81e6)
     result = search.search(inputs(), 8, small, progress=False, figures=WIDTH_MATTERS)
     best = result['best']
     assert len(best) == 10 and result['memory_checked'] > 10
-    assert all(entry['per_device_bytes']['total'] <= small.hbm_bytes for entry in best)
+    assert all(
+        entry['per_device_bytes']['total'] * search.FIT_MARGIN <= small.hbm_bytes for entry in best
+    )
     assert not any(is_hand_best(entry['keys']) for entry in best)
     # the fastest that fits: tensor 1, micro-batch 2 under selective recompute less the
-    # attention's projections (2.64 MB; keeping them, 2.77 MB, or the attention's output, 2.67
-    # MB, it does not fit), predicted only because
+    # attention's projections (2.64 MB, 2.79 with the margin; keeping them, 2.77 MB, or the
+    # attention's output, 2.67 MB, it does not fit), predicted only because
     # the layout without the names did not fit (the others with names are not predicted)
     assert best[0]['keys']['model.remat_recompute'] == 'qkv,attn_out'
     assert result['predicted'] < result['layouts']
