@@ -29,10 +29,10 @@ Each layout is resolved (config.resolve: what it refuses is skipped), its step p
 (plan/predict.py, the 'ours' semantics), and the layouts are ranked by that; memory per device
 (plan/report.make_plan, the planner's arithmetic) is then checked from the fastest down until
 `top` fit in the GPU's memory with FIT_MARGIN to spare, so the top is the same as checking
-every one; a layout with
-recompute names is predicted (and ranked) once the same layout without them is checked and
-holds over NEAR_FULL of the memory (search's docstring). `confirm` takes
-a compile callback (the GPU compile) to check the first few with XLA's own memory and FLOPs.
+every one; a layout with recompute names is predicted (and ranked) once the same layout
+without them is checked and holds over NEAR_FULL of the memory (search's docstring). `confirm`
+takes a compile callback (the GPU compile) to check the first few with XLA's own memory and
+FLOPs.
 """
 
 import functools
