@@ -94,6 +94,29 @@ def test_sequence_parallel_layer_gathers_and_scatters_over_tensor():
             assert users and all(hlo_module.shape_bytes(i.type_text) == shard for i in users)
 
 
+def test_sequence_parallel_backward_gathers_each_row_parallel_gradient_once():
+    """The train step's layer loop, Llama's block on two sequence pieces: per piece 2
+    all-gathers over tensor forward (before QKV and MLP-in) and 2 backward, one per
+    row-parallel product's output gradient, which both its transposed matmuls read
+    (layers.onto_residual; left to the partitioner, one of them was gathered twice here, and
+    on XLA:GPU a quarter of the 405 B's tensor all-gathers were such repeats)."""
+    config = support.small_config(
+        data=2, tensor=4, remat='none', sequence_parallel=True, sequence_pieces=2,
+        **support.LLAMA_BLOCK,
+    )  # fmt: skip
+    compiled, _, info = compile_lib.compile_train_step(config)
+    inventory = hlo.collective_inventory(compiled.as_text(), info['mesh'])
+    layer_runs = config.train.micro_steps * config.model.num_layers
+    gathers = [
+        e
+        for e in inventory
+        if e['kind'] == 'all-gather' and e['axes'] == ('tensor',) and e['count'] == layer_runs
+    ]
+    piece = _activation_bytes(config) // 2  # one of the two pieces
+    assert len(gathers) == 2 * (2 + 2)
+    assert all(e['bytes'] == piece for e in gathers)
+
+
 def test_compute_copy_is_gathered_in_the_compute_dtype():
     """The program (before XLA:CPU widens bf16 collectives to fp32 for its runtime) gathers
     bf16 parameters over 'data' and reduce-scatters fp32 gradients."""

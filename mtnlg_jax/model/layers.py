@@ -120,8 +120,30 @@ class MLP(nnx.Module):
 def project_down(mlp, h):
     """MLP-out: (batch, seq, mlp) -> (batch, residual_seq, embed), row parallel."""
     out = project(mlp, 'mlp_out', 'bsf,fe->bse', h, mlp.out_kernel)
-    out = add_bias(out, mlp.out_bias, mlp.dtype)
-    return checkpoint_name(constrain(out, ('batch', 'residual_seq', 'embed')), 'mlp_out')
+    return onto_residual(add_bias(out, mlp.out_bias, mlp.dtype), 'mlp_out')
+
+
+def onto_residual(out, name):
+    """A row-parallel product's output (batch, seq, embed), summed over `tensor`, onto the
+    residual stream (sequence parallel: a reduce-scatter onto its sequence shards) and named
+    for the recompute policy. Backward, its gradient is gathered along the sequence once, for
+    both the input's and the kernel's products: left to the partitioner, each of the two
+    transposed matmuls gathered it itself (two all-gathers of the same array a layer, a
+    quarter of the 405 B's tensor traffic: docs/benchmarks.md)."""
+    out = _whole_cotangent(out)
+    return checkpoint_name(constrain(out, ('batch', 'residual_seq', 'embed')), name)
+
+
+@jax.custom_vjp
+def _whole_cotangent(x):
+    return x
+
+
+def _whole_cotangent_backward(_, g):
+    return (constrain(g, ('batch', 'seq', 'embed')),)
+
+
+_whole_cotangent.defvjp(lambda x: (x, None), _whole_cotangent_backward)
 
 
 class SwiGLU(nnx.Module):
