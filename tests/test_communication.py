@@ -14,7 +14,7 @@ import support
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.parallel import footprint
 from mtnlg_jax.data import loader as loader_lib
-from mtnlg_jax.plan import arithmetic
+from mtnlg_jax.plan import arithmetic, comm, report
 from mtnlg_jax.plan import compile as compile_lib
 from mtnlg_jax.plan import hlo, hlo_module
 from mtnlg_jax.train.step import make_train_step
@@ -115,6 +115,24 @@ def test_sequence_parallel_backward_gathers_each_row_parallel_gradient_once():
     piece = _activation_bytes(config) // 2  # one of the two pieces
     assert len(gathers) == 2 * (2 + 2)
     assert all(e['bytes'] == piece for e in gathers)
+
+
+def test_selective_recompute_gathers_the_layer_inputs_again_as_planned():
+    """Under sequence parallelism selective recompute keeps the layer inputs' sequence shards,
+    so the backward all-gathers the attention's and the MLP's inputs again: the compiled train
+    step sends over tensor what keeping them whole (remat none) does plus half its layers'
+    gathers, as plan/comm.py counts (6 all-gathers a layer instead of 4)."""
+    sent, planned = {}, {}
+    for remat in ('none', 'selective'):
+        config = support.small_config(data=2, tensor=4, remat=remat, sequence_parallel=True)
+        compiled, _, info = compile_lib.compile_train_step(config)
+        inventory = hlo.collective_inventory(compiled.as_text(), info['mesh'])
+        sent[remat] = report.compiled_comm(inventory)['all-gather']['tensor']
+        planned[remat] = comm.comm_bytes_per_device(config)['all-gather']['tensor']
+    layer_runs = config.train.micro_steps * config.model.num_layers
+    gather = _activation_bytes(config) * 3 / 4  # a ring all-gather over 4
+    assert planned['selective'] - planned['none'] == 2 * layer_runs * gather
+    assert sent['selective'] - sent['none'] == pytest.approx(2 * layer_runs * gather, rel=0.01)
 
 
 def test_compute_copy_is_gathered_in_the_compute_dtype():

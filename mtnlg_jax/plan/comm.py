@@ -8,7 +8,10 @@ formulas of the literature (ring algorithms: an all-reduce of S bytes over n dev
                  layer, whose result only the discarded output needs (XLA removes it). The
                  vocabulary-parallel embedding and tied head add one each per micro-batch
                  (lookup forward, input gradient backward). With sequence parallelism each
-                 all-reduce of a layer becomes a reduce-scatter + an all-gather: the same bytes.
+                 all-reduce of a layer becomes a reduce-scatter + an all-gather: the same bytes;
+                 under selective recompute the backward gathers the attention's and the MLP's
+                 inputs again for their weights' gradients (the sequence shard is what is
+                 kept, as in Megatron): 6 all-gathers a layer and 4 reduce-scatters.
     stage   (p)  one (b, s, h) hand-off per pipeline iteration forward and one backward; the
                  circular schedule runs v m + p - 1 iterations on every stage, bubble included
     1F1B engine  (pipeline.schedule 1f1b / interleaved; parallel/pipeline.py) per device, the
@@ -231,6 +234,9 @@ def comm_bytes_per_device(config):
         if sequence_parallel:  # each layer all-reduce: a reduce-scatter + an all-gather
             for kind in ('reduce-scatter', 'all-gather'):
                 add(kind, 'tensor', layer_runs * _ring(kind, activation, mesh.tensor))
+            if model.remat == 'selective':  # the backward gathers the two inputs again
+                gather = _ring('all-gather', activation, mesh.tensor)
+                add('all-gather', 'tensor', layer_runs / 2 * gather)
             if rows:  # the experts' input gathered along the sequence (unfolded)
                 gather = _ring('all-gather', activation, mesh.tensor)
                 add('all-gather', 'tensor', layer_runs * gather)
