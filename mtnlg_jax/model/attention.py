@@ -276,7 +276,7 @@ class Attention(nnx.Module):
         """(batch, seq, heads, head_dim) -> (batch, seq, embed): row parallel, one all-reduce
         (sequence parallel: a reduce-scatter onto the residual stream's sequence shards)."""
         out = project(self, 'attn_out', 'bqhd,hde->bqe', context, self.out_kernel, contract=2)
-        return onto_residual(add_bias(out, self.out_bias, self.dtype), 'attn_out')
+        return onto_residual(out, self.out_bias, self.dtype, 'attn_out')
 
     def __call__(self, x, row_keys, site_base, positions=None, segment_ids=None):
         """positions (seq,) or (batch, seq): the tokens' positions for rope (None: 0 .. seq

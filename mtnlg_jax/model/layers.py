@@ -120,18 +120,19 @@ class MLP(nnx.Module):
 def project_down(mlp, h):
     """MLP-out: (batch, seq, mlp) -> (batch, residual_seq, embed), row parallel."""
     out = project(mlp, 'mlp_out', 'bsf,fe->bse', h, mlp.out_kernel)
-    return onto_residual(add_bias(out, mlp.out_bias, mlp.dtype), 'mlp_out')
+    return onto_residual(out, mlp.out_bias, mlp.dtype, 'mlp_out')
 
 
-def onto_residual(out, name):
+def onto_residual(out, bias, dtype, name):
     """A row-parallel product's output (batch, seq, embed), summed over `tensor`, onto the
-    residual stream (sequence parallel: a reduce-scatter onto its sequence shards) and named
-    for the recompute policy. Backward, its gradient is gathered along the sequence once, for
-    both the input's and the kernel's products: left to the partitioner, each of the two
-    transposed matmuls gathered it itself (two all-gathers of the same array a layer, a
-    quarter of the 405 B's tensor traffic: docs/benchmarks.md)."""
-    out = _whole_cotangent(out)
-    return checkpoint_name(constrain(out, ('batch', 'residual_seq', 'embed')), name)
+    residual stream (sequence parallel: a reduce-scatter onto its sequence shards), its bias
+    added there (on the shard) and the result named for the recompute policy. Backward, its
+    gradient is gathered along the sequence once, for both the input's and the kernel's
+    products: left to the partitioner, each of the two transposed matmuls gathered it itself
+    (two all-gathers of the same array a layer, a quarter of the 405 B's tensor traffic:
+    docs/benchmarks.md)."""
+    out = constrain(_whole_cotangent(out), ('batch', 'residual_seq', 'embed'))
+    return checkpoint_name(add_bias(out, bias, dtype), name)
 
 
 @jax.custom_vjp
