@@ -6,7 +6,9 @@
     python bench/hlo_diff.py --against DIR --saved NEW     # compare two saved sets
 
 A refactor that claims to change no behaviour proves it here: run --save on the old code
-(`git stash` or a worktree of the old commit), --against on the new. Each layout (LAYOUTS, a
+(`git stash`, or a worktree of the old commit with `PYTHONPATH=WORKTREE`: an editable install
+imports the checkout it was installed from whatever the working directory), --against on
+the new. Each layout (LAYOUTS, a
 small GPT on 8 XLA:CPU devices) compiles its train step and its eval step; the optimized HLO
 (`compiled.as_text()`) is compared with its debug information aside: `metadata={...}` (op
 names, source lines: they name the Python that traced the op), the stack-frame tables, the
