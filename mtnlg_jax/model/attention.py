@@ -22,6 +22,7 @@ from mtnlg_jax.model.layers import (
     add_bias,
     attention_dims,
     dropout,
+    gathers_once,
     maybe_bias,
     onto_residual,
     out_std,
@@ -43,7 +44,6 @@ SEED_AXES = ('batch', 'heads')
 SEGMENT_AXES = ('batch', 'seq')
 KV_GATHERED_AXES = ('batch', 'kv_seq', 'kv_heads', 'head_dim')  # whole over 'context'
 KV_SEGMENT_AXES = ('batch', 'kv_seq')
-RESIDUAL = ('batch', 'residual_seq', 'embed')
 
 
 def same_segment(segment_ids):
@@ -98,6 +98,7 @@ class Attention(nnx.Module):
             self.inv_freq = tuple(float(f) for f in freqs)
         self.dropout_rate = cfg.attention_dropout
         self.dtype = cfg.compute_dtype
+        self.gather_once = gathers_once(cfg)
         self.fp8 = fp8_sites.settings(cfg)
         self.kernel = kernel  # attention_kernel()'s choice
         self.gpu_generation = gpu_generation  # the flash kernel's blocks are chosen for it
@@ -276,7 +277,7 @@ class Attention(nnx.Module):
         """(batch, seq, heads, head_dim) -> (batch, seq, embed): row parallel, one all-reduce
         (sequence parallel: a reduce-scatter onto the residual stream's sequence shards)."""
         out = project(self, 'attn_out', 'bqhd,hde->bqe', context, self.out_kernel, contract=2)
-        return onto_residual(out, self.out_bias, self.dtype, 'attn_out')
+        return onto_residual(out, self.out_bias, self.dtype, 'attn_out', self.gather_once)
 
     def __call__(self, x, row_keys, site_base, positions=None, segment_ids=None):
         """positions (seq,) or (batch, seq): the tokens' positions for rope (None: 0 .. seq

@@ -11,10 +11,11 @@ plus an all-gather before the next column-parallel matmul (see parallel/rules.py
 from flax import nnx
 
 from mtnlg_jax.model import flash_attention, fp8, fp8_sites, moe
-from mtnlg_jax.model.attention import CONTEXT_AXES, KV_AXES, Q_AXES, RESIDUAL, Attention
+from mtnlg_jax.model.attention import CONTEXT_AXES, KV_AXES, Q_AXES, Attention
 from mtnlg_jax.model.layers import (
     ATTN_RESIDUAL,
     MLP_RESIDUAL,
+    RESIDUAL,
     SITES_PER_BLOCK,
     dropout,
     mlp,

@@ -18,6 +18,9 @@ from mtnlg_jax.parallel import taps
 from mtnlg_jax.parallel.rules import constrain, piece_index
 
 
+RESIDUAL = ('batch', 'residual_seq', 'embed')  # the residual stream's layout
+
+
 def param(rngs, shape, logical_axes, std=None):
     """A parameter drawn from normal(0, std), or zeros when std is None."""
     if std is None:
@@ -108,6 +111,7 @@ class MLP(nnx.Module):
         self.out_bias = maybe_bias(cfg, (cfg.hidden,), ('embed',))
         self.dtype = cfg.compute_dtype
         self.fp8 = fp8_sites.settings(cfg)
+        self.gather_once = gathers_once(cfg)
 
     def __call__(self, x):
         h = project(self, 'mlp_up', 'bse,ef->bsf', x, self.in_kernel)
@@ -120,18 +124,29 @@ class MLP(nnx.Module):
 def project_down(mlp, h):
     """MLP-out: (batch, seq, mlp) -> (batch, residual_seq, embed), row parallel."""
     out = project(mlp, 'mlp_out', 'bsf,fe->bse', h, mlp.out_kernel)
-    return onto_residual(out, mlp.out_bias, mlp.dtype, 'mlp_out')
+    return onto_residual(out, mlp.out_bias, mlp.dtype, 'mlp_out', mlp.gather_once)
 
 
-def onto_residual(out, bias, dtype, name):
+def gathers_once(cfg):
+    """Whether onto_residual gathers a row-parallel output's gradient once: on sequence
+    pieces (model.sequence_pieces > 1), where the other piece's work hides the one gather.
+    With whole sequences the partitioner's own two gathers (one for each transposed matmul)
+    let XLA:GPU order the input's gradient first and hide its reduce-scatter under the
+    kernel's (the 530 B on H100s: 0.347 s exposed, 0.454 with one gather: docs/benchmarks.md)."""
+    return cfg.get('sequence_pieces', 1) > 1
+
+
+def onto_residual(out, bias, dtype, name, once):
     """A row-parallel product's output (batch, seq, embed), summed over `tensor`, onto the
     residual stream (sequence parallel: a reduce-scatter onto its sequence shards), its bias
-    added there (on the shard) and the result named for the recompute policy. Backward, its
-    gradient is gathered along the sequence once, for both the input's and the kernel's
-    products: left to the partitioner, each of the two transposed matmuls gathered it itself
-    (two all-gathers of the same array a layer, a quarter of the 405 B's tensor traffic:
-    docs/benchmarks.md)."""
-    out = constrain(_whole_cotangent(out), ('batch', 'residual_seq', 'embed'))
+    added, named for the recompute policy. `once` (gathers_once): backward, its gradient is
+    gathered along the sequence once, for both the input's and the kernel's products, and the
+    bias is added after the sum, on the shard (its gradient from the shard); left to the
+    partitioner, each of the two transposed matmuls gathered it itself (a quarter of the
+    405 B's tensor traffic: docs/benchmarks.md)."""
+    if not once:
+        return checkpoint_name(constrain(add_bias(out, bias, dtype), RESIDUAL), name)
+    out = constrain(_whole_cotangent(out), RESIDUAL)
     return checkpoint_name(add_bias(out, bias, dtype), name)
 
 
@@ -163,6 +178,7 @@ class SwiGLU(nnx.Module):
         self.out_bias = maybe_bias(cfg, (cfg.hidden,), ('embed',))
         self.dtype = cfg.compute_dtype
         self.fp8 = fp8_sites.settings(cfg)
+        self.gather_once = gathers_once(cfg)
 
     def __call__(self, x):
         def up(h, bias):
