@@ -7,14 +7,13 @@
 
 A refactor that claims to change no behaviour proves it here: run --save on the old code
 (`git stash`, or a worktree of the old commit with `PYTHONPATH=WORKTREE`: an editable install
-imports the checkout it was installed from whatever the working directory), --against on
-the new. Each layout (LAYOUTS, a small GPT on 8 XLA:CPU devices) compiles its train step
-and its eval step; the optimized HLO
-(`compiled.as_text()`) is compared with its debug information aside: `metadata={...}` (op
-names, source lines: they name the Python that traced the op), the stack-frame tables, the
-module's name and the tracer's numbering of instruction names (renamed by first
-appearance). Prints one line per step, `same` or the first differing lines; exits 1 if any
-differs.
+imports the checkout it was installed from whatever the working directory), --against on the
+new. Each layout (LAYOUTS, a small GPT on 8 XLA:CPU devices) compiles its train step and its
+eval step; the optimized HLO (`compiled.as_text()`) is compared with its debug information
+aside: `metadata={...}` (op names, source lines: they name the Python that traced the op), the
+stack-frame tables, the module's name and the tracer's numbering of instruction names (renamed
+by first appearance). Prints one line per step, `same` or the first differing lines; exits 1 if
+any differs.
 """
 
 import argparse
