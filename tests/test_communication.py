@@ -117,6 +117,21 @@ def test_sequence_parallel_backward_gathers_each_row_parallel_gradient_once():
     assert all(e['bytes'] == piece for e in gathers)
 
 
+def test_the_gradient_is_gathered_once_on_pieces_unless_fp8_gathers_it_quantized():
+    """layers.gathers_once: on sequence pieces, but not under tensorwise or delayed FP8,
+    whose row-parallel products gather their gradient themselves in e5m2 (a bf16 gather
+    ahead of them would double the bytes); blockwise FP8 gathers nothing itself."""
+    from mtnlg_jax.model import layers
+
+    def once(**model):
+        return layers.gathers_once(support.small_config(compute_dtype='bfloat16', **model).model)
+
+    assert not once() and once(sequence_pieces=2)
+    assert once(sequence_pieces=2, fp8='blockwise')
+    assert not once(sequence_pieces=2, fp8='tensorwise')
+    assert not once(sequence_pieces=2, fp8='delayed')
+
+
 def test_selective_recompute_gathers_the_layer_inputs_again_as_planned():
     """Under sequence parallelism selective recompute keeps the layer inputs' sequence shards,
     so the backward all-gathers the attention's and the MLP's inputs again: the compiled train

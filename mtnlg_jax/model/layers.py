@@ -132,8 +132,11 @@ def gathers_once(cfg):
     pieces (model.sequence_pieces > 1), where the other piece's work hides the one gather.
     With whole sequences the partitioner's own two gathers (one for each transposed matmul)
     let XLA:GPU order the input's gradient first and hide its reduce-scatter under the
-    kernel's (the 530 B on H100s: 0.347 s exposed, 0.454 with one gather: docs/benchmarks.md)."""
-    return cfg.get('sequence_pieces', 1) > 1
+    kernel's (the 530 B on H100s: 0.347 s exposed, 0.454 with one gather: docs/benchmarks.md).
+    Under tensorwise and delayed FP8 the product gathers its gradient itself, once, in e5m2
+    (fp8_sites.gathering): a gather in bf16 ahead of it would double the bytes."""
+    fp8_gathers = fp8_sites.gathers_quantized(fp8_sites.settings(cfg))
+    return cfg.get('sequence_pieces', 1) > 1 and not fp8_gathers
 
 
 def onto_residual(out, bias, dtype, name, once):

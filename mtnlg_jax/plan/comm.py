@@ -234,11 +234,10 @@ def comm_bytes_per_device(config):
         if sequence_parallel:  # each layer all-reduce: a reduce-scatter + an all-gather
             for kind in ('reduce-scatter', 'all-gather'):
                 add(kind, 'tensor', layer_runs * _ring(kind, activation, mesh.tensor))
+            gather = _ring('all-gather', activation, mesh.tensor)
             if model.remat == 'selective':  # the backward gathers the two inputs again
-                gather = _ring('all-gather', activation, mesh.tensor)
                 add('all-gather', 'tensor', layer_runs / 2 * gather)
             if rows:  # the experts' input gathered along the sequence (unfolded)
-                gather = _ring('all-gather', activation, mesh.tensor)
                 add('all-gather', 'tensor', layer_runs * gather)
         elif handoff < activation:
             add('all-gather', 'tensor', gathers * _ring('all-gather', activation, mesh.tensor))
