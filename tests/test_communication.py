@@ -150,6 +150,31 @@ def test_selective_recompute_gathers_the_layer_inputs_again_as_planned():
     assert sent['selective'] - sent['none'] == pytest.approx(2 * layer_runs * gather, rel=0.01)
 
 
+def test_the_embedding_and_head_tables_cross_the_replicas_once_together():
+    """Untied tables on a pipeline: the embedding's gradient is stage 0's alone and the head's
+    the last stage's, so one fp32 reduce-scatter over 'data' carries both in one table's
+    bytes, and one over 'stage' of 2 / d of a table lands each on its ZeRO shard
+    (zero._owned_pair), as the plan counts. Neither crosses data x stage whole, the other
+    stages' zeros included: on the Llama 3 405B that was the last 2.1 GB a GPU after the
+    loop."""
+    config = support.small_config(
+        data=2, stage=2, tensor=2, repeats=2, num_layers=4, remat='none', **support.LLAMA_BLOCK
+    )
+    compiled, _, info = compile_lib.compile_train_step(config)
+    inventory = hlo.collective_inventory(compiled.as_text(), info['mesh'])
+    vocab, hidden = compile_lib.abstract_state(info['setup'])['params']['output_embed'].shape
+    table = 4 * vocab // config.mesh.tensor * hidden  # a device's fp32 gradient of one table
+    scatters = [e for e in inventory if e['kind'] == 'reduce-scatter']
+    assert not [e for e in scatters if e['axes'] == ('data', 'stage') and e['bytes'] >= table]
+    over_data = [e for e in scatters if e['axes'] == ('data',) and e['bytes'] == table]
+    over_stage = [e for e in scatters if e['axes'] == ('stage',)]
+    assert len(over_data) == 1 and not over_data[0]['in_loop']
+    assert [e['bytes'] for e in over_stage] == [2 * table // config.mesh.data]
+    planned = comm.comm_bytes_per_device(config)['reduce-scatter']  # as plan/comm.py counts
+    compiled = report.compiled_comm(inventory)['reduce-scatter']
+    assert {k: planned[k] for k in compiled} == pytest.approx(compiled)
+
+
 def test_compute_copy_is_gathered_in_the_compute_dtype():
     """The program (before XLA:CPU widens bf16 collectives to fp32 for its runtime) gathers
     bf16 parameters over 'data' and reduce-scatters fp32 gradients."""

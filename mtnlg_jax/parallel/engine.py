@@ -24,6 +24,8 @@ planner use instead of asking the mesh or the schedule's name:
                                               (embeddings, head, final norm) come as each
                                               stage's own share, stacked over 'stage' (S, ...),
                                               for parallel/zero.py to sum
+    head_stage                                the stage that runs the head (where
+                                              shared_grads_by_stage)
     block_grads_share                         the share of the block parameters one micro-step's
                                               compute-dtype gradients cover (the planner's
                                               memory): 1, or 1 / v where a tick differentiates
@@ -130,3 +132,20 @@ def engine(config):
     """The engine a config runs (pipeline.options), its stages' depths from
     stage_order.of_config."""
     return for_layout(**pipeline.options(config), stage_layers=stage_order.of_config(config))
+
+
+TABLES = ('token_embed', 'output_embed')  # the embedding's table, the head's (untied)
+
+
+def owned_tables(config):
+    """((the embedding's key, its stage), (the head's, its stage)) where the engine hands
+    each table's gradients as every stage's share, zero but on the one stage that runs it,
+    and those are two stages (untied tables; not the V, whose stage 0 runs both): one
+    reduce-scatter over the replicas then carries both (parallel/zero.py's `pair`); None
+    elsewhere."""
+    if config.model.get('tie_embeddings', True):
+        return None
+    run = engine(config)
+    if not run.shared_grads_by_stage or run.head_stage == 0:
+        return None
+    return ((TABLES[0], 0), (TABLES[1], run.head_stage))

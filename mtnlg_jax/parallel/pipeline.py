@@ -108,6 +108,11 @@ class TableEngine:
         return 1.0 / self.repeats  # a tick's backward differentiates one chunk (stage.py)
 
     @property
+    def head_stage(self):
+        """The stage that runs the head (schedule.Schedule.last_stage): 0 in the V."""
+        return 0 if self.schedule == 'zbv' else self.stages - 1
+
+    @property
     def name(self):
         name = 'interleaved 1F1B' if self.repeats > 1 else '1f1b'
         name = {

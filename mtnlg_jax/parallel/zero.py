@@ -149,11 +149,14 @@ def gather_compute_copy(params, layout_tree, dtype):
     return jax.tree.map(lambda x, lay: lay.unview(x), gathered, layout_tree)
 
 
-def reduce_scatter(per_replica, layout_tree, by_stage=None):
+def reduce_scatter(per_replica, layout_tree, by_stage=None, pair=None):
     """The fp32 sums over replicas on the ZeRO shards. per_replica: each leaf's gradient sums
     of every replica, stacked on a leading axis split over 'data' (D, *leaf shape); where
     `by_stage` (a tree of bools like layout_tree; None: nowhere) says so, each stage's own
-    partial sums, stacked over 'stage' after it (D, S, *leaf shape)."""
+    partial sums, stacked over 'stage' after it (D, S, *leaf shape). pair: ((key, stage),
+    (key, stage)), two top-level leaves of one layout, each stage's share, whose sums are
+    zero but on their own stage (the embedding's table and the head's): one reduce-scatter
+    carries both (`_owned_pair`)."""
     if by_stage is None:
         by_stage = jax.tree.map(lambda _: False, layout_tree)
 
@@ -181,11 +184,43 @@ def reduce_scatter(per_replica, layout_tree, by_stage=None):
         leading = (leading, STAGE_AXIS) if stacked else (leading,)
         return PartitionSpec(*leading, *lay.view_spec(with_data=False))
 
+    def scatter_all(views):
+        if pair is None:
+            return jax.tree.map(scatter, views, layout_tree, by_stage)
+        keys, owners = zip(*pair)
+        rest = [k for k in views if k not in keys]
+        scattered = {k: jax.tree.map(scatter, views[k], layout_tree[k], by_stage[k]) for k in rest}
+        a, b = (views[key][0][0] for key in keys)
+        return {**scattered, **_owned_pair(a, b, owners, layout_tree[keys[0]], keys)}
+
     views = jax.tree.map(view, per_replica, layout_tree, by_stage)
     shards = jax.shard_map(
-        lambda views: jax.tree.map(scatter, views, layout_tree, by_stage),
+        scatter_all,
         in_specs=(jax.tree.map(in_spec, layout_tree, by_stage),),
         out_specs=_specs(layout_tree),
         check_vma=False,
     )(views)
     return jax.tree.map(lambda x, lay: lay.unview(x), shards, layout_tree)
+
+
+def _owned_pair(a, b, owners, lay, keys):
+    """{key: its ZeRO shard} of two leaves split over ('stage', *replicas) (`lay`), a and b
+    this stage's shares, each zero but on its owner's stage (owners: two different stages):
+
+        stage s:   x = a on owners[0], b elsewhere (b on owners[1], zeros on the rest)
+        over the replicas: x viewed (S, R) along the split, reduce-scattered on R: 1 / R of x
+        over 'stage': [x on owners[0], x on owners[1]] reduce-scattered on S: the two shards
+
+    One leaf's bytes cross the replicas instead of both leaves' (each a reduce-scatter over
+    ('stage', *replicas) of the whole table, the other stages' zeros included: the Llama 3
+    405B's last 2.1 GB a GPU after its loop), and 2 / R of them the stages: the same sums
+    landing on the same shards as `reduce_scatter`'s (stage-major, as the axes are listed)."""
+    stage = jax.lax.axis_index(STAGE_AXIS)
+    d = lay.dim + 1  # the view's (stage x replicas) axis
+    x = jnp.where(stage == owners[0], a, b)
+    x = x.reshape(*x.shape[:d], jax.lax.axis_size(STAGE_AXIS), -1, *x.shape[d + 1 :])
+    x = jax.lax.psum_scatter(x, entry(lay.axes[1:]), scatter_dimension=d + 1, tiled=True)
+    both = jnp.stack([jnp.where(stage == owner, x, jnp.zeros_like(x)) for owner in owners])
+    both = jax.lax.psum_scatter(both, STAGE_AXIS, scatter_dimension=d + 1, tiled=True)
+    shape = (*x.shape[:d], 1, *x.shape[d + 2 :])
+    return {key: both[i].reshape(shape) for i, key in enumerate(keys)}

@@ -181,6 +181,20 @@ def local_shared_params(config, joint=None):
     return total
 
 
+def local_paired_table(config):
+    """Elements a device holds of one of the two tables whose gradients one reduce-scatter
+    carries (engine.owned_tables, parallel/zero.py's `pair`), where their ZeRO shards split
+    over 'stage' and the replicas; 0 where none do."""
+    if engine_lib.owned_tables(config) is None:
+        return 0
+    params, axes = abstract_params(config.model)
+    table, spec = params[engine_lib.TABLES[1]], planned_spec(axes[engine_lib.TABLES[1]])
+    sizes = mesh_sizes(config)
+    if not any(rules.is_stage_zero(a) for a in rules.state_spec(spec, table.shape, sizes)):
+        return 0
+    return _local_numel(table.shape, spec, sizes)
+
+
 def _is_axes(x):
     return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
 

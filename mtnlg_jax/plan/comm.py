@@ -85,6 +85,7 @@ from mtnlg_jax.plan.arithmetic import (
     expert_padding,
     folded,
     itemsize,
+    local_paired_table,
     local_param_counts,
     local_shared_params,
     mesh_sizes,
@@ -260,14 +261,22 @@ def comm_bytes_per_device(config):
         add('collective-permute', 'stage', sent * iterations * handoff)
     if context > 1:
         _add_context(add, config, e)
+    paired = local_paired_table(config)
     for axes, count in zero_groups(config, compute):
         # ZeRO-1's shards split over 'context' too (rules.zero_axes): the reduce-scatter
         # sums each context rank's partial gradients, the all-gather runs over both
         over = (*axes, 'context') if context > 1 else axes
-        for kind, size in zip(ZERO_KINDS, (4 * count, e * count)):
+        both = 2 * paired if STAGE_AXIS in axes else 0  # the tables' sums go as below
+        for kind, size in zip(ZERO_KINDS, (4 * (count - both), e * count)):
             group = math.prod(mesh_sizes(config)[a] for a in over)
             if group > 1:
                 add(kind, axes_key(config, over), _ring(kind, size, group))
+    if paired:  # one table's bytes over the replicas, then 2 / R of one over 'stage'
+        over = (*REPLICA_AXES, 'context') if context > 1 else REPLICA_AXES
+        group = math.prod(mesh_sizes(config)[a] for a in over)
+        add('reduce-scatter', axes_key(config, over), _ring('reduce-scatter', 4 * paired, group))
+        size = 4 * 2 * paired / group
+        add('reduce-scatter', 'stage', _ring('reduce-scatter', size, mesh.stage))
     return out
 
 

@@ -500,7 +500,7 @@ def step_time(config, cluster, figures=None, semantics='ours', overlap=None, cou
         rates.link(size, devices) * exposed(kind, key)
         for kind, key, size in comm.zero_bytes(counts['comm'])
     )
-    stage_s = per_step('stage', ('all-reduce',), replica)
+    stage_s = per_step('stage', ('all-reduce', 'reduce-scatter'), replica)  # the tables' too
     optimizer_s = rates.bytes(ADAM_BYTES_PER_PARAM * counts['zero'] + 4 * counts['compute'])
     busy = sum(v for k, v in work.items() if k != 'flops')
     handoffs = pipeline_s - busy if engine.pipelined else 0.0

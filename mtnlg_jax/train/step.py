@@ -151,12 +151,13 @@ def gradients_and_values(config, setup, params, tokens, row_ids, step, buffers=N
         model_specs=model_specs,
     )
     loss_sum, token_count = totals[0], totals[1]
+    pair = _owned_tables(config, layouts)
     if in_loop is None:
-        grads = zero.reduce_scatter(replica_grads, layouts, by_stage)
+        grads = zero.reduce_scatter(replica_grads, layouts, by_stage, pair)
     else:
         rest = [k for k in replica_grads if k != 'blocks']
         grads = zero.reduce_scatter(
-            *({k: t[k] for k in rest} for t in (replica_grads, layouts, by_stage))
+            *({k: t[k] for k in rest} for t in (replica_grads, layouts, by_stage)), pair
         )
         grads['blocks'] = jax.tree.map(
             lambda g, lay: g if grad_reduce.whole(lay) else lay.unview(g),
@@ -255,6 +256,16 @@ def _stage_shares(config, params):
         key: jax.tree.map(lambda _, s=stacked and key != 'blocks': s, tree)
         for key, tree in params.items()
     }
+
+
+def _owned_tables(config, layouts):
+    """engine.owned_tables where both tables' ZeRO shards split over ('stage', replicas)
+    alike (zero.reduce_scatter's `pair`); else None."""
+    pair = engine_lib.owned_tables(config)
+    if pair is None:
+        return None
+    first, head = (layouts.get(key) for key, _ in pair)
+    return pair if first == head and first and rules.is_stage_zero(first.axes) else None
 
 
 def _replica_specs(logical_tree):
