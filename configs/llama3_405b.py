@@ -16,24 +16,22 @@ as chunks of 1, 2, 2, 2 (stage 0, whose first chunk holds the embedding) and 2, 
 (stage 15, the head's last). Each block runs on two pieces of the sequence
 (model.sequence_pieces), so that one piece's tensor collectives overlap the other's matmuls.
 ZeRO-1's reduce-scatter runs inside the loop, a layer in each backward slot after its chunk's
-last (pipeline.overlap_grad_reduce), and XLA:GPU's scheduler orders the step by profiled costs
-(train.pgle_profile_steps: the run profiles three steps at each batch size of its ramp-up,
-1,024 then 2,048 sequences, and compiles that size's step again; train/pgle.py). The compute
-copy's all-gather of chunks 1 to 3 runs a layer at a time inside chunk 0's first forwards
-(pipeline.overlap_param_gather, parallel/gathering_tick.py; its step asks XLA for 8
-collectives in flight). launch/plan.py --target compiles it so, the replay's costs standing in
-for the profile: 72.5 GiB a GPU, 6.2 % of its compute waiting on communication; predicted
-11.6 s a step, MFU 47.0 %: 465 model TFLOP/s a GPU (6N + 12LHQT) against Meta's 430; replayed
-8.20 s, 10.09 s with each lockstep tick at its slowest stage (6.7 % and 10.12 s without the
-in-loop all-gather). By XLA's own estimate the reduce-scatter in the loop makes the ticks
-that run it the slowest of their stages (lockstep 10.56 s); after the loop the step is 71.4
-GiB, 9.0 % exposed, lockstep 10.19 s, predicted 11.73 s (docs/gpu.md, "Scheduled by the
-replay's costs"). The bound and the recompute are the pair that fits fastest (measured with the
-reduce-scatter after the loop): 16 micro-batches keeping every projection compile to 70.8 GiB
-and 10.71 s, 19 with 'qkv' to 73.8 GiB and 9.94 s (0.7 GiB from the 74.5 GiB of 80 GB),
-unbounded with 'qkv,attn_out' to 70.5 GiB and 10.22 s (docs/benchmarks.md, "More
-micro-batches in flight for the attention's projections"; "Llama blocks" has the other
-layouts: full recompute is slower).
+last (pipeline.overlap_grad_reduce); the embedding's and the head's tables, each one stage's,
+cross the replicas in one reduce-scatter after it (parallel/zero.py). The compute copy's
+all-gather of chunks 1 to 3 runs a layer at a time inside chunk 0's first forwards
+(pipeline.overlap_param_gather, parallel/gathering_tick.py; its step asks XLA for 8 collectives
+in flight). XLA:GPU's scheduler orders the step by its own estimate (train.pgle_profile_steps
+0). launch/plan.py --target compiles it so: 72.5 GiB a GPU, 4.0 % of its compute waiting on
+communication; predicted 11.46 s a step, MFU 47.7 %: 472 model TFLOP/s a GPU (6N + 12LHQT)
+against Meta's 430; replayed 8.02 s, 9.88 s with each lockstep tick at its slowest stage.
+Ordered by profiled costs instead (train.pgle_profile_steps 3, the replay's costs standing in
+for the profile) it waits more: 5.2 %, lockstep 9.99 s (docs/benchmarks.md, "The residual
+stream added piece by piece"). The bound and the recompute are the pair that fits fastest
+(measured with the reduce-scatter after the loop): 16 micro-batches keeping every projection
+compile to 70.8 GiB and 10.71 s, 19 with 'qkv' to 73.8 GiB and 9.94 s (0.7 GiB from the 74.5
+GiB of 80 GB), unbounded with 'qkv,attn_out' to 70.5 GiB and 10.22 s (docs/benchmarks.md, "More
+micro-batches in flight for the attention's projections"; "Llama blocks" has the other layouts:
+full recompute is slower).
 
 What differs from Meta's run:
 - The in-flight bound: unbounded, selective recompute holds 119.1 GiB a GPU on one chunk a
@@ -78,12 +76,13 @@ def get_config():
     config.pipeline.update(
         dict(first_stage_layers=7, last_stage_layers=7, repeats=4, max_in_flight=18)
     )
-    # ZeRO-1's reduce-scatter in the loop, scheduled by measured costs (train/pgle.py: each
-    # batch size of the ramp-up profiled): better than after the loop in every figure
+    # ZeRO-1's reduce-scatter in the loop: better than after the loop in every figure
     config.pipeline.overlap_grad_reduce = True
     # and the compute copy's all-gather inside chunk 0's first forwards (parallel/gathering_tick.py)
     config.pipeline.overlap_param_gather = True
-    config.train.pgle_profile_steps = 3
+    # XLA's own estimate orders it best (the replay's costs as a profile: 5.2 % exposed
+    # against 4.0, the docstring); 3 profiles each batch size of the ramp-up (train/pgle.py)
+    config.train.pgle_profile_steps = 0
     config.train.update(dict(global_batch=2048, micro_batch=1, steps=DECAY_STEPS))
     config.train.rampup.update(dict(start=1024, increment=1024, tokens=int(META_SWITCHES[1])))
     config.optimizer.update(

@@ -107,20 +107,33 @@ class Block(nnx.Module):
         """layers' body, `whole` making a normalised input whole along the sequence for the
         projections that read it (gathered, or as it lies where FP8 gathers it quantized)."""
         attention, n = self.attention, self.pieces
-        qkv = [attention.projections(whole(self.ln_attn(p))) for p in split(x, n, RESIDUAL)]
+        pieces = split(x, n, RESIDUAL)
+        qkv = [attention.projections(whole(self.ln_attn(p))) for p in pieces]
         q, k, v = (join(parts, axes) for parts, axes in zip(zip(*qkv), (Q_AXES, KV_AXES, KV_AXES)))
         context = attention.context(
             *attention.rotated(q, k, v, positions), row_keys, site, segment_ids, order
         )
-        h = join([attention.project_out(c) for c in split(context, n, CONTEXT_AXES)], RESIDUAL)
-        x = x + dropout(h, self.hidden_dropout, row_keys, site + ATTN_RESIDUAL)
+        h = [attention.project_out(c) for c in split(context, n, CONTEXT_AXES)]
+        pieces = self.added(pieces, h, row_keys, site + ATTN_RESIDUAL)
         values = {}
         if hasattr(self, 'moe'):  # whole sequences: capacity counts a sequence's choices
-            h, values = self.moe(self.ln_mlp(x), layer)  # it gathers what it needs
+            h, values = self.moe(self.ln_mlp(join(pieces, RESIDUAL)), layer)  # it gathers
+            pieces = self.added(pieces, split(h, n, RESIDUAL), row_keys, site + MLP_RESIDUAL)
         else:
-            h = join([self.mlp(whole(self.ln_mlp(p))) for p in split(x, n, RESIDUAL)], RESIDUAL)
-        x = x + dropout(h, self.hidden_dropout, row_keys, site + MLP_RESIDUAL)
-        return constrain(x, ('batch', 'residual_seq', 'embed')), values
+            h = [self.mlp(whole(self.ln_mlp(p))) for p in pieces]
+            pieces = self.added(pieces, h, row_keys, site + MLP_RESIDUAL)
+        return constrain(join(pieces, RESIDUAL), ('batch', 'residual_seq', 'embed')), values
+
+    def added(self, pieces, h, row_keys, site):
+        """The residual stream's pieces + their sublayer's outputs h (after dropout), piece
+        by piece: a piece's next norm and all-gather wait on its own reduce-scatter alone,
+        so XLA:GPU can run them while another piece's is on the wire (joined, the sum had
+        waited on every piece's). Dropout draws its mask on the whole sequence, as without
+        pieces (the sum then waits on every piece)."""
+        if self.hidden_dropout and row_keys is not None:
+            n = len(pieces)
+            h = split(dropout(join(h, RESIDUAL), self.hidden_dropout, row_keys, site), n, RESIDUAL)
+        return [p + d for p, d in zip(pieces, h)]
 
     def cached(self, x, cache, index, order=None):
         """The block on new tokens at positions index, ... with a KV cache (no dropout: for
