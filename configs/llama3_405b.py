@@ -22,7 +22,7 @@ all-gather of chunks 1 to 3 runs a layer at a time inside chunk 0's first forwar
 (pipeline.overlap_param_gather, parallel/gathering_tick.py; its step asks XLA for 8 collectives
 in flight). XLA:GPU's scheduler orders the step by its own estimate (train.pgle_profile_steps
 0). launch/plan.py --target compiles it so: 72.5 GiB a GPU, 4.0 % of its compute waiting on
-communication; predicted 11.46 s a step, MFU 47.7 %: 472 model TFLOP/s a GPU (6N + 12LHQT)
+communication; predicted 11.46 s a step, MFU 47.7 %: 471 model TFLOP/s a GPU (6N + 12LHQT)
 against Meta's 430; replayed 8.02 s, 9.88 s with each lockstep tick at its slowest stage.
 Ordered by profiled costs instead (train.pgle_profile_steps 3, the replay's costs standing in
 for the profile) it waits more: 5.2 %, lockstep 9.99 s (docs/benchmarks.md, "The residual
