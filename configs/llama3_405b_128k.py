@@ -12,14 +12,13 @@ the gathered keys (cuDNN's kernel takes no offset); documents are masked inside 
 sequences (data.reset_attention_mask), Meta's reason for gathering keys and values.
 ZeRO-1's reduce-scatter over data x context runs inside the loop, a layer in each backward
 slot after its chunk's last (pipeline.overlap_grad_reduce), as the 8K run. XLA:GPU's
-scheduler orders the step by profiled costs (train.pgle_profile_steps, as the 8K run: the
-run profiles three steps and compiles again; its own estimate starts the context
-reduce-scatter too late here). launch/plan.py --target compiles it so, the replay's costs
-standing in for the profile: 71.1 GiB a GPU (fits 80 GB) at 0.87 x the model's FLOPs (the
-flash kernels by the score blocks they compute), **9.6 %** of its compute waiting on
-communication (12.8 % by XLA's own estimate, 15.4 % with the reduce-scatter after the loop);
-predicted 10.6 s a step, 549 model TFLOP/s a GPU against Meta's 380 (docs/benchmarks.md,
-"Long context", says what that assumes of the flash kernel's speed).
+scheduler orders the step by profiled costs (train.pgle_profile_steps: the run profiles three
+steps and compiles again; its own estimate starts the context reduce-scatter too late here,
+unlike the 8K run's). launch/plan.py --target compiles it so, the replay's costs standing in
+for the profile: 71.2 GiB a GPU (fits 80 GB) at 0.87 x the model's FLOPs (the flash kernels
+by the score blocks they compute), **8.9 %** of its compute waiting on communication (11.9 %
+by XLA's own estimate); predicted 10.6 s a step, 550 model TFLOP/s a GPU against Meta's 380
+(docs/benchmarks.md, "Long context", says what that assumes of the flash kernel's speed).
 
 What differs from Meta's run:
 - Meta's long-context stage grew the sequence from 8K to 128K in six steps over about 800 B
