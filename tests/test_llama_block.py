@@ -15,6 +15,7 @@ from flax import nnx
 import support
 from mtnlg_jax import config as config_lib
 from mtnlg_jax.model import counts, gpt, rope
+from mtnlg_jax.model.block import Block
 from mtnlg_jax.checkpoint import store as checkpoint_lib
 from mtnlg_jax.model.decode import forward_cached, init_cache
 from mtnlg_jax.train import optimizer, resume
@@ -139,6 +140,35 @@ def test_fused_grouped_attention_gives_the_plain_loss_and_gradients():
     )
     np.testing.assert_allclose(fused_loss, plain_loss, rtol=1e-5)
     support.assert_within_leaf_scale(fused, plain, 1e-5, what='gradient')
+
+
+def _joins(jaxpr):
+    """The `stack`s (pieces.join) in a jaxpr and in the jaxprs inside it."""
+    found = 0
+    for eqn in jaxpr.eqns:
+        found += eqn.primitive.name == 'stack'
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(inner, 'jaxpr', inner)
+                found += _joins(inner) if hasattr(inner, 'eqns') else 0
+    return found
+
+
+@pytest.mark.parametrize('dropout, joins', [(0.0, 4), (0.1, 6)])
+def test_the_residual_stream_is_added_piece_by_piece(dropout, joins):
+    """On two sequence pieces a Llama block joins its pieces for the attention core's q, k
+    and v and once at its end: each sublayer's output is added to its own piece
+    (Block.added), so a piece's next norm and all-gather wait on that piece's reduce-scatter
+    alone (joined, XLA:GPU fused both pieces' norms into one kernel over the joined stream:
+    docs/gpu.md, "Sequence pieces"). Under hidden dropout each sublayer's outputs are joined
+    for the mask, drawn on the whole sequence as without pieces: two joins more. (Joined, the
+    block took 5 either way.)"""
+    cfg = support.small_config(sequence_pieces=2, hidden_dropout=dropout, **support.LLAMA_BLOCK)
+    block = Block(cfg.model, nnx.Rngs(0))
+    x = jnp.zeros((2, cfg.model.seq_len, cfg.model.hidden), jnp.float32)
+    keys = jax.random.split(jax.random.key(0), 2)
+    traced = jax.make_jaxpr(lambda x: block.layers_on(x, lambda h: h, keys, 0, 0, None, None, None))
+    assert _joins(traced(x).jaxpr) == joins
 
 
 @pytest.mark.parametrize('attention', ['plain', 'fused'])
