@@ -12,7 +12,10 @@ profiled costs (train.pgle_profile_steps, train/pgle.py): launch/plan.py --targe
 twice, the replay's costs standing in for the profile, to 15.1 % of its compute waiting on
 communication, replayed 25.82 s, 28.41 s with each lockstep tick at its slowest stage; by
 XLA's own estimate 16.5 %, 26.14 s, 28.74 s (docs/benchmarks.md, "The residual stream added
-piece by piece").
+piece by piece"). With XLA's reduce-scatter combiner off it waits less again, 10.2 %, 24.71 s,
+27.28 s lockstep (XLA_FLAGS=--xla_gpu_reduce_scatter_combine_threshold_bytes=1 before the
+command; no key sets it yet: the 405B, whose ZeRO-1 reduce-scatter runs in the loop, is
+slower so).
 
     python launch/plan.py --config configs/llama3_70b.py --devices 128 --target h100-80gb
 """
