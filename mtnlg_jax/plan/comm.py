@@ -266,17 +266,19 @@ def comm_bytes_per_device(config):
         # ZeRO-1's shards split over 'context' too (rules.zero_axes): the reduce-scatter
         # sums each context rank's partial gradients, the all-gather runs over both
         over = (*axes, 'context') if context > 1 else axes
+        group = math.prod(mesh_sizes(config)[a] for a in over)
         both = 2 * paired if STAGE_AXIS in axes else 0  # the tables' sums go as below
         for kind, size in zip(ZERO_KINDS, (4 * (count - both), e * count)):
-            group = math.prod(mesh_sizes(config)[a] for a in over)
             if group > 1:
                 add(kind, axes_key(config, over), _ring(kind, size, group))
-    if paired:  # one table's bytes over the replicas, then 2 / R of one over 'stage'
-        over = (*REPLICA_AXES, 'context') if context > 1 else REPLICA_AXES
-        group = math.prod(mesh_sizes(config)[a] for a in over)
-        add('reduce-scatter', axes_key(config, over), _ring('reduce-scatter', 4 * paired, group))
-        size = 4 * 2 * paired / group
-        add('reduce-scatter', 'stage', _ring('reduce-scatter', size, mesh.stage))
+        if both:  # one table's bytes over the replicas, then 2 / R of one over 'stage'
+            replicas = group // mesh.stage
+            add(
+                'reduce-scatter',
+                axes_key(config, over[1:]),
+                _ring('reduce-scatter', 4 * paired, replicas),
+            )
+            add('reduce-scatter', 'stage', _ring('reduce-scatter', 4 * both / replicas, mesh.stage))
     return out
 
 
