@@ -160,6 +160,8 @@ def main(argv):
     # tear down at exit: only a compile gets them
     set_cpu_flags(total // processes if args.compile else 1)
     distributed.initialize_for_config(config, args)  # before JAX starts
+    if args.compile:
+        check_xla_options(compiled_config)
 
     from mtnlg_jax.plan import report  # noqa: PLC0415 (imports JAX)
 
@@ -225,6 +227,7 @@ def plan_for_gpu(args, config):
     missing = gpu_compile.missing()
     if missing:
         fail(f'--target {args.target}: {missing}')
+    check_xla_options(config)
     from mtnlg_jax.plan import compile as compile_lib  # noqa: PLC0415 (imports JAX)
     from mtnlg_jax.plan import report  # noqa: PLC0415
 
@@ -238,12 +241,24 @@ def plan_for_gpu(args, config):
         flush=True,
     )
     notes = list(compile_lib.gpu_compile_notes(args.target, args.xla_flags))
+    if config.train.xla_options:
+        notes.append(f'XLA options of the config (train.xla_options): {config.train.xla_options}')
     # a config whose run schedules by a profile (train.pgle_profile_steps) compiles as it runs
     pgle = args.pgle or config.train.pgle_profile_steps > 0
     options = scheduled_by_replay(args, config, per_node, notes) if pgle else None
     compiled, info = compile_for_gpu(args, config, per_node, options)
     report.add_compiled(plan, config, compiled, info, notes, target=args.target)
     show(plan, args.json)
+
+
+def check_xla_options(config):
+    """Exit 2 naming train.xla_options if XLA does not take them: before the step's compile."""
+    from mtnlg_jax import config as config_lib  # noqa: PLC0415
+    from mtnlg_jax.xla import options  # noqa: PLC0415 (imports JAX)
+
+    why = options.refused(config_lib.xla_options(config.train))
+    if why:
+        fail(f'config key train.xla_options: XLA does not take them: {why}')
 
 
 def compile_for_gpu(args, config, per_node, compiler_options=None):

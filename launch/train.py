@@ -144,6 +144,7 @@ def main(argv):
     from mtnlg_jax.data.indexed import DataError
     from mtnlg_jax.run.storage import StorageError
     from mtnlg_jax.train import faults
+    from mtnlg_jax.xla import options as xla_options
 
     try:
         config = config_lib.resolve(args.config, jax.device_count())
@@ -152,6 +153,9 @@ def main(argv):
         if e.key == 'mesh' and jax.default_backend() == 'cpu' and jax.process_count() == 1:
             hint = ' (on CPU, leave XLA_FLAGS unset or set --xla_force_host_platform_device_count)'
         fail(f'{e}{hint}')
+    why = xla_options.refused(config_lib.xla_options(config.train))
+    if why:
+        fail(f'config key train.xla_options: XLA does not take them: {why}')
     steps = run_dir.saved_steps()
     if steps and steps[-1] >= config.train.steps:
         cli.nothing_to_do(

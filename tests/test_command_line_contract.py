@@ -87,6 +87,11 @@ CASES = [
     ('train.py', (*TINY, '--config.model=3'), '--config.model: is a section'),
     ('train.py', (*TINY, '--config.train.eval_every=-5'), 'train.eval_every: must be'),
     ('train.py', (*TINY, '--config.train.steps'), '--config.train.steps: give a value'),
+    (
+        'train.py',
+        (*TINY, '--config.train.xla_options=xla_nope=1'),
+        "train.xla_options: XLA does not take them: No such compile option: 'xla_nope'",
+    ),
     ('train.py', (*TINY, '--wrokdir', 'x'), 'unrecognized argument --wrokdir; did you mean'),
     ('train.py', (*TINY[:3], '{tmp}/a_file'), '--workdir {tmp}/a_file: exists and is not a dir'),
     (

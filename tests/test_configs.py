@@ -218,3 +218,24 @@ def test_a_key_checks_its_own_values_from_the_table(key, value, message):
     config[section][name] = value
     with pytest.raises(config_lib.ConfigError, match=re.escape(f'{key}: {message}')):
         config_lib.resolve(ml_collections.ConfigDict(config), 8)
+
+
+def test_xla_options_are_name_value_words_as_in_xla_flags():
+    train = ml_collections.ConfigDict(dict(xla_options=' --xla_a=1  xla_b_c=x,y xla_d=false'))
+    assert config_lib.xla_options(train) == {'xla_a': '1', 'xla_b_c': 'x,y', 'xla_d': False}
+    assert config_lib.xla_options(ml_collections.ConfigDict(dict(xla_options=''))) == {}
+
+
+@pytest.mark.parametrize(
+    'value, message',
+    [
+        ('xla_a=1 b=2', "'b=2' is not xla_NAME=VALUE"),
+        ('xla_a', "'xla_a' is not xla_NAME=VALUE"),
+        ('xla_a=1 --xla_a=2', 'xla_a is given twice'),
+    ],
+)
+def test_xla_options_not_name_value_are_refused_naming_the_key(value, message):
+    config = config_lib.defaults()
+    config.train.xla_options = value
+    with pytest.raises(config_lib.ConfigError, match=re.escape(f'train.xla_options: {message}')):
+        config_lib.resolve(config, 8)

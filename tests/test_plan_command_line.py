@@ -75,6 +75,10 @@ def test_a_bf16_pipelined_step_compiles_through_the_tool(tmp_path):
         (['--target', 'h200'], "--target 'h200' is not one of a100-80gb, h100-80gb, h200-141gb"),
         (['--target', 'a100-80gb', '--num_processes', '2'], 'leave out --num_processes'),
         (
+            ['--config.train.xla_options=xla_gpu_reduce_scatter_combine_threshold_bytes=abc'],
+            "train.xla_options: XLA does not take them: While setting option xla_gpu_reduce",
+        ),
+        (
             [
                 '--target',
                 'a100-80gb',

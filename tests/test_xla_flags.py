@@ -1,11 +1,20 @@
 """The recommended XLA:GPU flags: applied before JAX starts, the user's own XLA_FLAGS win, and
-the banner says which are in effect."""
+the banner says which are in effect. A config's own options (train.xla_options): checked by
+XLA before the step, then in the step's compile."""
 
 import os
 import pathlib
 
+import jax
+import pytest
+
+from mtnlg_jax import config as config_lib
+from mtnlg_jax.plan import compile as compile_lib
 from mtnlg_jax.xla import flags as xla_flags
 from mtnlg_jax.xla import gpu_compile
+from mtnlg_jax.xla import options as xla_options
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 LHS = 'xla_gpu_enable_latency_hiding_scheduler'
 
@@ -62,3 +71,21 @@ def test_flags_this_xla_does_not_know_are_named_not_fatal(monkeypatch):
     assert xla_flags.left_out(environ) == [*xla_flags.ONLY_ON_VERIFIED, 'xla_no_such_flag']
     xla_flags.apply(environ := {}, jaxlib=xla_flags.VERIFIED_JAXLIB)  # no child: all applied
     assert 'xla_no_such_flag' in environ['XLA_FLAGS']
+
+
+def test_a_configs_xla_options_are_checked_by_xla_before_the_step():
+    combine = 'xla_gpu_reduce_scatter_combine_threshold_bytes'
+    assert xla_options.refused({}) is None
+    assert xla_options.refused({combine: '1', LHS: False}) is None
+    assert "No such compile option: 'xla_nope'" in xla_options.refused({'xla_nope': '1'})
+    assert "'abc' is not a valid int64" in xla_options.refused({combine: 'abc'})
+
+
+def test_a_configs_xla_options_reach_the_train_steps_compile():
+    """An option XLA does not know, past the check, fails the step's own compile: so the
+    config's options are among the step's."""
+    config = config_lib.load(str(ROOT / 'configs' / 'tiny.py'))
+    config.train.xla_options = 'xla_not_an_option=1'
+    config = config_lib.resolve(config, 8)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="No such compile option: 'xla_not_an"):
+        compile_lib.compile_train_step(config)

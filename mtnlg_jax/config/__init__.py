@@ -17,6 +17,7 @@ from mtnlg_jax.config.checks import (
     recomputed,
     replicas,
     shared_ffn_hidden,
+    xla_options,
 )
 from mtnlg_jax.config.keys import ConfigError
 from mtnlg_jax.config.resolve import defaults, inputs_of, load, resolve, resolve_model
@@ -35,4 +36,5 @@ __all__ = [
     'resolve',
     'resolve_model',
     'shared_ffn_hidden',
+    'xla_options',
 ]

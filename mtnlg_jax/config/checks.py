@@ -7,6 +7,7 @@ optimizer.decay_tokens), which resolve() then records under `derived`.
 """
 
 import math
+import re
 
 from mtnlg_jax.config import rampup, stage_layers
 from mtnlg_jax.config.keys import BY_NAME, ConfigError, check_values
@@ -387,6 +388,7 @@ def check_train(config):
     train.micro_steps = train.global_batch // replica_batch
     _check_rampup(train, replica_batch)
     _check_pipeline(config, replica_batch)
+    xla_options(train)
     _require(
         train.spike_factor == 0 or train.spike_factor > 1,
         'train.spike_factor',
@@ -506,6 +508,28 @@ def _check_overlap_grad_reduce(config):
         'runs in the 1f1b / interleaved tick by slot over the data and context replicas, not '
         'with ' + ', '.join(others),
     )
+
+
+_XLA_OPTION = re.compile(r'(?:--)?(xla_[A-Za-z0-9_]+)=(\S+)')
+_BOOLS = {'true': True, 'false': False}  # XLA_FLAGS' spelling; compiler options take bools
+
+
+def xla_options(train):
+    """{name: value} of train.xla_options, words as in XLA_FLAGS ('--xla_a=1 xla_b=true', the
+    `--` optional): true and false as bools, the rest strings for XLA to parse. ConfigError on
+    a word that is not xla_NAME=VALUE or a name given twice; whether XLA takes them is the
+    compile's to say (mtnlg_jax/xla/options.py asks it first)."""
+    options = {}
+    for word in str(train.get('xla_options', '')).split():
+        match = _XLA_OPTION.fullmatch(word)
+        _require(
+            match,
+            'train.xla_options',
+            f'{word!r} is not xla_NAME=VALUE (e.g. xla_gpu_enable_latency_hiding_scheduler=true)',
+        )
+        _require(match[1] not in options, 'train.xla_options', f'{match[1]} is given twice')
+        options[match[1]] = _BOOLS.get(match[2].lower(), match[2])
+    return options
 
 
 def _check_rampup(train, replica_batch):

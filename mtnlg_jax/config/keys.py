@@ -410,6 +410,14 @@ KEYS = (
         'with the replay\'s costs; docs/gpu.md',
     ),
     Key(
+        'train.xla_options',
+        '',
+        'str',
+        'XLA options of this config\'s train step, `name=value` apart by spaces (XLA_FLAGS\' '
+        'spelling, `--` optional), after the step\'s own; a one-line program compiled with '
+        'them first refuses a name or value XLA does not take; docs/gpu.md',
+    ),
+    Key(
         'train.straggler_every',
         50,
         'int>=0',

@@ -56,6 +56,7 @@ def lines(config, setup, compile_seconds, train_data):
         f'pipeline     {pipeline_line(config)}',
         f'compile      {compile_seconds:.1f} s',
         f'XLA:GPU      {xla_flags.describe()}'
+        + (f'; train.xla_options {config.train.xla_options}' if config.train.xla_options else '')
         + (' (no effect on this CPU)' if device.platform == 'cpu' else ''),
         *data_lines(config, train_data),
     ]

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
 
+from mtnlg_jax import config as config_lib
 from mtnlg_jax.data.batch import BATCH_AXES
 from mtnlg_jax.data import packing
 from mtnlg_jax.model import buffers as buffers_lib
@@ -382,6 +383,7 @@ def make_train_step(config, setup, inject=None):
         compiler_options={
             **fp8_sites.compiler_options(config.model),
             **grad_reduce.compiler_options(_gathers_in_loop(config)),
+            **config_lib.xla_options(config.train),  # the config's own, last
         },
     )
 
