@@ -135,6 +135,9 @@ def test_missing_config_flag_is_an_error(tmp_path):
     )
 
 
+LHS_OFF = 'xla_gpu_enable_latency_hiding_scheduler=false'
+
+
 def test_a_short_run_writes_metrics_events_and_a_loss_curve(tmp_path, token_data):
     workdir = tmp_path / 'run'
     result = run_train(
@@ -144,11 +147,14 @@ def test_a_short_run_writes_metrics_events_and_a_loss_curve(tmp_path, token_data
         '--config.train.log_every=2',
         '--config.train.eval_every=4',
         '--config.train.eval_batches=2',
+        # a config's own XLA option: checked by XLA, compiled with, named by the banner
+        f'--config.train.xla_options={LHS_OFF}',
         data=token_data,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert 'mesh         data 4 x stage 1 x tensor 2' in result.stdout  # SMALL_MODEL's layout
     assert 'per device   parameters' in result.stdout
+    assert f'; train.xla_options {LHS_OFF}' in result.stdout
 
     config = json.loads((workdir / 'config.json').read_text())
     assert config['train']['micro_steps'] == 2 and config['model']['padded_vocab'] == 512
