@@ -31,5 +31,6 @@ def refused(options, python=sys.executable):
     child = subprocess.run([python, '-c', _PROBE, json.dumps(options)], env=environ,
                            capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
     if child.returncode:
-        return f'the check of them failed: {child.stderr.strip().splitlines()[-1:]}'
+        last = (child.stderr.strip().splitlines() or ['no output'])[-1]
+        return f'the check of them failed: {last}'
     return child.stdout.strip() or None
