@@ -258,7 +258,7 @@ def check_xla_options(config):
 
     why = options.refused(config_lib.xla_options(config.train))
     if why:
-        fail(f'config key train.xla_options: XLA does not take them: {why}')
+        fail(why)
 
 
 def compile_for_gpu(args, config, per_node, compiler_options=None):

@@ -155,7 +155,7 @@ def main(argv):
         fail(f'{e}{hint}')
     why = xla_options.refused(config_lib.xla_options(config.train))
     if why:
-        fail(f'config key train.xla_options: XLA does not take them: {why}')
+        fail(why)
     steps = run_dir.saved_steps()
     if steps and steps[-1] >= config.train.steps:
         cli.nothing_to_do(

@@ -23,7 +23,13 @@ except jax.errors.JaxRuntimeError as e:
 
 
 def refused(options, python=sys.executable):
-    """None if XLA takes every option of `options` ({name: value}), else XLA's reason."""
+    """None if XLA takes every option of `options` ({name: value}), else the error line
+    naming the key and XLA's reason."""
+    reason = _reason(options, python)
+    return reason and f'config key train.xla_options: XLA does not take them: {reason}'
+
+
+def _reason(options, python):
     if not options:
         return None
     environ = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
