@@ -330,3 +330,22 @@ def test_the_prediction_charges_the_all_to_all_and_the_exchanges_padding():
         selective.model.moe.fold_tensor = fold
         fast, slower = (predict.step_time(selective, c)['recompute_s'] for c in (cluster, slow))
         assert (slower > fast) == grows and fast > 0.0, (fold, fast, slower)
+
+
+def test_offloaded_names_leave_the_device_at_no_time():
+    """model.remat_offload='mlp_in' frees on the device what remat_recompute='mlp_in' frees
+    (SwiGLU's gate and up: the 405B's largest residuals), and makes nothing again."""
+
+    def planned(**names):
+        config = config_lib.load(str(ROOT / 'configs/llama3_405b.py'))
+        config.model.update(names)
+        config = config_lib.resolve(config, 8192)
+        h100 = clusters.CLUSTERS['h100-80gb']
+        made_again = predict.step_time(config, h100)['recompute_s']
+        return report.memory(config, h100)[0]['activations'], made_again
+
+    kept, made_again = planned()
+    offloaded, offloaded_made_again = planned(remat_offload='mlp_in')
+    recomputed, recomputed_made_again = planned(remat_recompute='qkv,mlp_in')
+    assert offloaded == recomputed < kept
+    assert offloaded_made_again == made_again < recomputed_made_again

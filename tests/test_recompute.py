@@ -61,3 +61,60 @@ def test_full_recompute_keeps_less_than_none_and_selective_in_between():
 def test_recompute_names_are_checked_naming_the_key(remat, names, says):
     with pytest.raises(config_lib.ConfigError, match=f'model.remat_recompute: .*{says}'):
         support.small_config(remat=remat, remat_recompute=names)  # resolved there
+
+
+# model.remat_offload: SwiGLU's / GeLU's MLP input held in host memory. Unpipelined, JAX's
+# offloading policy moves it; through the 1F1B table, the engine moves its residual slots
+# (parallel/offload.py); interleaved and ZB-H1 tables reach the same write and read.
+OFFLOADED = {
+    'unpipelined': dict(),
+    '1f1b': dict(stage=2, micro_steps=4),
+    'interleaved': dict(stage=2, micro_steps=4, repeats=2, num_layers=4, schedule='interleaved'),
+    'zbh1': dict(stage=2, micro_steps=4, schedule='zbh1'),
+}
+
+
+@pytest.mark.parametrize('layout', sorted(OFFLOADED))
+def test_offloaded_residuals_give_the_same_gradients(layout):
+    batch = support.random_batches(1)[0]
+    kwargs = dict(data=1, tensor=2, remat='selective', **OFFLOADED[layout])
+    _, loss, grads = support.gradients(support.small_config(**kwargs), batch)
+    config = support.small_config(remat_offload='mlp_in', **kwargs)
+    _, loss_offloaded, grads_offloaded = support.gradients(config, batch)
+    np.testing.assert_allclose(loss_offloaded, loss, rtol=1e-6)
+    support.assert_gradients_close(grads_offloaded, grads, atol=1e-6)
+
+
+def _lowered_for_gpus(config):
+    """The step's StableHLO as lowered for CUDA (a CPU's lowering of a move to the host is a
+    no-op; nothing is compiled)."""
+    mesh, setup = support.layout(config)
+    batch = support.random_batches(1)[0].astype(np.int32)
+    with jax.set_mesh(mesh):
+        state = state_lib.init_state(config, setup)
+        tokens, rows = batch_lib.place_batch(*batch_lib.to_micro_steps(batch, 2), mesh)
+        step = lambda p, t, r: step_lib.accumulate_gradients(config, setup, p, t, r, jnp.int32(0))  # noqa: E731
+        traced = jax.jit(step).trace(state['params'], tokens, rows)
+        return traced.lower(lowering_platforms=('cuda',)).as_text()
+
+
+def test_offloaded_residuals_are_placed_in_host_memory_by_the_engine():
+    """The 1F1B engine's residual slots of the named output are a pinned-host buffer, moved
+    outside the forward's conditional (XLA:GPU computes a slot written inside one on the
+    CPU); without the key nothing is placed on the host."""
+    kwargs = dict(stage=2, micro_steps=2, remat='selective')
+    plain = _lowered_for_gpus(support.small_config(**kwargs))
+    offloaded = _lowered_for_gpus(support.small_config(remat_offload='mlp_in', **kwargs))
+    assert 'pinned_host' not in plain
+    # the slots' buffer and a forward's write to it; the backward's read back to the device
+    assert offloaded.count('pinned_host') == 2, offloaded.count('pinned_host')
+    assert offloaded.count('annotate_device_placement') == 3
+
+
+@pytest.mark.parametrize(
+    'names,says',
+    [('mlp_in,softmax', 'softmax is not one of'), ('qkv', 'qkv is made again')],
+)
+def test_offloaded_names_are_checked_naming_the_key(names, says):
+    with pytest.raises(config_lib.ConfigError, match=f'model.remat_offload: .*{says}'):
+        support.small_config(remat='selective', remat_recompute='qkv', remat_offload=names)

@@ -287,18 +287,28 @@ def recomputed(model):
     return tuple(n.strip() for n in model.get('remat_recompute', '').split(',') if n.strip())
 
 
+def offloaded(model):
+    """model.remat_offload's names, in the order given."""
+    return tuple(n.strip() for n in model.get('remat_offload', '').split(',') if n.strip())
+
+
 def _check_recompute(model):
-    names = recomputed(model)
-    unknown = [n for n in names if n not in RECOMPUTABLE]
+    for key, names in (
+        ('model.remat_recompute', recomputed(model)),
+        ('model.remat_offload', offloaded(model)),
+    ):
+        unknown = [n for n in names if n not in RECOMPUTABLE]
+        _require(not unknown, key, f'{", ".join(unknown)} is not one of {", ".join(RECOMPUTABLE)}')
+        _require(
+            not names or model.remat == 'selective',
+            key,
+            f'names what selective recompute keeps, but model.remat={model.remat}',
+        )
+    both = [n for n in offloaded(model) if n in recomputed(model)]
     _require(
-        not unknown,
-        'model.remat_recompute',
-        f'{", ".join(unknown)} is not one of {", ".join(RECOMPUTABLE)}',
-    )
-    _require(
-        not names or model.remat == 'selective',
-        'model.remat_recompute',
-        f'names what selective recompute leaves out, but model.remat={model.remat}',
+        not both,
+        'model.remat_offload',
+        f'{", ".join(both)} is made again (model.remat_recompute): there is nothing to hold',
     )
 
 

@@ -326,6 +326,14 @@ KEYS = (
         "e.g. 'qkv,attn_out' (of qkv, context, attn_out, mlp_in, mlp_out; Megatron's "
         '--recompute-modules); docs/training.md',
     ),
+    Key(
+        'model.remat_offload',
+        '',
+        'str',
+        "under remat selective, kept matmul outputs held in the host's memory from the "
+        "forward to the backward instead of the GPU's, e.g. 'mlp_in' (of those "
+        'remat_recompute takes); docs/training.md',
+    ),
     Key('model.attention', 'auto', ('auto', 'fused', 'flash', 'plain'), ATTENTION_DOC),
     Key(
         'model.sequence_parallel',

@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtnlg_jax.config import block_stack_layers, recomputed
+from mtnlg_jax.config import block_stack_layers, offloaded, recomputed
 from mtnlg_jax.model.attention_kernel import attention_kernel, gpu_generation
 from mtnlg_jax.model.block import SELECTIVE_SAVED, Block
 from mtnlg_jax.model import fp8_sites, moe
@@ -79,17 +79,32 @@ def _cudnn_attention_forward(primitive, *_, **__):
     return primitive.name == CUDNN_ATTENTION_FORWARD
 
 
-def remat_policy(remat, recompute=()):
+def remat_policy(remat, recompute=(), offload=()):
     """`model.remat`'s jax.checkpoint policy (None for 'none'); under selective, the names
-    in `recompute` (model.remat_recompute) are made again by the backward, not kept."""
+    in `recompute` (model.remat_recompute) are made again by the backward, not kept, and
+    those in `offload` (model.remat_offload) are kept in the host's memory (JAX moves them
+    there in the forward and back in the backward; the pipeline engine moves its own:
+    parallel/offload.py)."""
     if remat == 'full':
         return jax.checkpoint_policies.nothing_saveable
     if remat != 'selective':
         return None
     kept = [name for name in SELECTIVE_SAVED if name not in recompute]
-    return jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.save_only_these_names(*kept), _cudnn_attention_forward
+    if not any(name in offload for name in kept):
+        return jax.checkpoint_policies.save_from_both_policies(
+            jax.checkpoint_policies.save_only_these_names(*kept), _cudnn_attention_forward
+        )
+    named = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[name for name in kept if name not in offload],
+        names_which_can_be_offloaded=[name for name in kept if name in offload],
+        offload_src='device',
+        offload_dst='pinned_host',
     )
+
+    def policy(primitive, *args, **params):  # save_from_both_policies takes bools only
+        return _cudnn_attention_forward(primitive) or named(primitive, *args, **params)
+
+    return policy
 
 
 class GPT(nnx.Module):
@@ -137,6 +152,7 @@ class GPT(nnx.Module):
         self.hidden_dropout = cfg.hidden_dropout
         self.remat = cfg.remat
         self.recompute = recomputed(cfg)
+        self.offload = offloaded(cfg)
         self.loss_chunks = cfg.loss_chunks
         self.dtype = cfg.compute_dtype
         self.fp8 = cfg.get('fp8', 'none')
@@ -159,6 +175,7 @@ class GPT(nnx.Module):
             segment_ids=segment_ids,
             declared=self.side_values(),
             recompute=self.recompute,
+            offload=self.offload,
         )
         return self.final_norm(x)
 
@@ -173,7 +190,7 @@ class GPT(nnx.Module):
         graphdef, stacked = nnx.split(self.dense_blocks)
         x, _ = apply_block_stack(
             graphdef, stacked, x, row_keys, self.remat, 0, positions, segment_ids, order=order,
-            recompute=self.recompute,
+            recompute=self.recompute, offload=self.offload,
         )  # fmt: skip
         return x
 
@@ -233,6 +250,7 @@ def apply_block_stack(
     unroll=False,
     weights=None,
     recompute=(),
+    offload=(),
 ):
     """(x, side values): blocks whose parameters are stacked on a leading axis run over x
     with lax.scan, the values each emits combined over the blocks (declared: {name:
@@ -242,7 +260,8 @@ def apply_block_stack(
     positions: the tokens' positions for rope (None: 0 .. seq - 1); segment_ids: (batch,
     seq) packed documents' ids, or None; used: how many of the stacked blocks are layers (a
     traced int; the rest are a short pipeline stage's padding slots, parallel/stage_order.py),
-    or None for all; recompute: model.remat_recompute's names (remat_policy); order: (batch,
+    or None for all; recompute, offload: model.remat_recompute's and model.remat_offload's names
+    (remat_policy); order: (batch,
     seq) the tokens' global positions under context
     parallelism (parallel/context.py), None: 0 .. seq - 1; unroll: the scan unrolled (the
     pipeline's steady tick: its forward's and backward's layers in one computation); weights:
@@ -274,7 +293,7 @@ def apply_block_stack(
         return (out, side.combine(declared, values, emitted)), None
 
     if remat != 'none':
-        policy = remat_policy(remat, recompute)
+        policy = remat_policy(remat, recompute, offload)
         one_block = jax.checkpoint(one_block, policy=policy, prevent_cse=False)
     slots = jnp.arange(num_layers)
     init = (x, side.identities(declared))
@@ -367,7 +386,7 @@ def stage_functions(graphdef, param_axes=None):
 
     def apply_blocks(
         chunk, hidden, batch, first_layer, remat, used=None, taps=None, unroll=False,
-        prepared=None,
+        prepared=None, offload=True,
     ):  # fmt: skip
         keys, positions, segment_ids = batch.row_keys, batch.positions, batch.segment_ids
         if skeleton.dense_layers:  # the block stack's layers follow the dense ones
@@ -388,6 +407,7 @@ def stage_functions(graphdef, param_axes=None):
             unroll=unroll,
             weights=prepared,
             recompute=skeleton.recompute,
+            offload=skeleton.offload if offload else (),
         )
 
     def head_loss_sum(shared, hidden, batch):
@@ -409,7 +429,8 @@ def stage_functions(graphdef, param_axes=None):
         head_loss_sum=head_loss_sum,
         logits_loss_sum=logits_loss_sum,
         remat=skeleton.remat,
-        remat_policy=remat_policy(skeleton.remat, skeleton.recompute),
+        remat_policy=remat_policy(skeleton.remat, skeleton.recompute, skeleton.offload),
+        offload=skeleton.offload,
         dtype=jnp.dtype(skeleton.dtype),
         param_axes=param_axes,
         values=declared,

@@ -24,6 +24,7 @@ gpipe.py             the GPipe engine (autodiff through the forwards)
 stage_functions.py   the model's pieces an engine is handed, the micro-batch a chunk gets
 stage_order.py       blocks stored stage-major; which chunk a stage runs (the V's too)
 residuals.py         a VJP taken apart for the residual slots
+offload.py           residual slots in host memory (model.remat_offload)
 taps.py              the block matmuls' taps: ZB-H1's W from the x and dy that B stashes
 branches.py          slot kinds, the table's columns in groups, how often each branch runs
 """

@@ -27,7 +27,7 @@ import functools
 
 import jax
 
-from mtnlg_jax.parallel import chained, taps
+from mtnlg_jax.parallel import chained, offload, taps
 from mtnlg_jax.parallel.branches import (
     ACCUMULATE,
     BACKWARD,
@@ -64,7 +64,7 @@ def slot_inputs(stage, bwd, stash, resids, grad_buf):
     """(the last chunk's stashed input, the output's gradient, the residuals) a backward
     slot reads: the slot's residuals read here, since a conditional handed the whole
     buffers would copy them (XLA:CPU does); a slice is what the branch needs."""
-    kept = [jax.lax.dynamic_index_in_dim(b, bwd.resid_slot, 0, False) for b in resids]
+    kept = [offload.read(b, bwd.resid_slot, host) for b, host in zip(resids, stage.hosted)]
     return stash[bwd.slot], grad_buf[bwd.grad_slot], kept
 
 

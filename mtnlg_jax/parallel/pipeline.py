@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from mtnlg_jax.parallel import chained, gpipe, grad_reduce, taps, zero_bubble, zero_bubble_v
-from mtnlg_jax.parallel import gathering_tick, reducing_tick, steady_tick, tick_by_slot
+from mtnlg_jax.parallel import gathering_tick, offload, reducing_tick, steady_tick, tick_by_slot
 from mtnlg_jax.parallel import stage_functions as side
 from mtnlg_jax.parallel import schedule as schedule_lib
 from mtnlg_jax.parallel.branches import columns as table_columns
@@ -340,7 +340,12 @@ def _for_gradients(stage, table, steady, fused_accumulation, grad_layouts):
         stage = dataclasses.replace(stage, sites=sites, fused=fused)
     first = functools.partial(stage.forward_with_residuals, repeat=0)  # chunk 0, static
     kept_shapes, layout = probe_layout(first, chunk, zero, stage.fill, zero)
-    stage = dataclasses.replace(stage, layout=layout)
+    stage = dataclasses.replace(stage, layout=layout, hosted=(False,) * len(kept_shapes))
+    if stage.fns.offload:  # which residuals model.remat_offload's names leave
+        offloading = functools.partial(first, offload=True)
+        hosted = offload.hosted(offloading, chunk, zero, stage.fill, zero)
+        assert len(hosted) == len(kept_shapes), 'the offloading policy kept another layout'
+        stage = dataclasses.replace(stage, hosted=hosted)
     pair_index = None
     if grad_layouts is not None:
         reduce = grad_reduce.plan(table, stage.per_chunk)
@@ -389,10 +394,9 @@ def scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index=None, warm=Non
             jnp.full((slots, rows, seq, hidden), bubble_fill, stage.fill.dtype), stage.handoff_axes
         )
 
-    def residual_buffer(r):  # a slot per micro-batch in flight
-        if jnp.issubdtype(r.dtype, jnp.floating):
-            return jnp.full((table.resid_slots, *r.shape), bubble_fill, r.dtype)
-        return jnp.zeros((table.resid_slots, *r.shape), r.dtype)
+    def residual_buffer(r, host):  # a slot per micro-batch in flight
+        fill = bubble_fill if jnp.issubdtype(r.dtype, jnp.floating) else 0
+        return offload.buffer(table.resid_slots, r.shape, r.dtype, fill, host)
 
     zeros32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)  # noqa: E731
     declared = stage.fns.values
@@ -409,7 +413,7 @@ def scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index=None, warm=Non
         arrived,
         arrived,
         buffer(table.stash_slots),
-        [residual_buffer(r) for r in kept_shapes],
+        [residual_buffer(r, host) for r, host in zip(kept_shapes, stage.hosted)],
         buffer(table.grad_slots),
         taps.hold([tuple(map(tap_buffer, s.arrays())) for s in sites], sites)
         or chained.scratch(stage),

@@ -67,6 +67,7 @@ class Stage:
     prepared: Any = None  # fns.prepare of each chunk, made once a step (None: no prepare)
     # pipeline.overlap_grad_reduce: (grad_reduce.Plan, the block leaves' zero.ShardLayouts)
     reduce: Any = None
+    hosted: tuple = ()  # with gradients: which kept residuals live in host memory (offload.py)
 
     def with_chunks(self, chunks):
         """This stage on `chunks` (fns.prepare made of each once)."""
@@ -86,7 +87,7 @@ class Stage:
         with jax.named_scope(CHUNK):
             return jax.lax.switch(repeat, branches)
 
-    def apply(self, chunk, h, micro, repeat, *tapped, prepared=None):
+    def apply(self, chunk, h, micro, repeat, *tapped, prepared=None, offload=False):
         """(the chunk's blocks over h, gathered over 'tensor' on arrival, their side values:
         fp32, those not differentiable cut from autodiff); tapped: (the blocks' taps,) of a
         split backward (taps.py), else (); prepared: fns.prepare's of the chunk, or None."""
@@ -98,6 +99,8 @@ class Stage:
             more['unroll'] = True
         if prepared is not None:
             more['prepared'] = prepared
+        if self.fns.offload:  # False: the engine moves them itself (offload.py)
+            more['offload'] = offload
         y, values = self.fns.apply_blocks(
             chunk, h, batch, first_layer, self.fns.remat, used=used, **more
         )
@@ -131,7 +134,7 @@ class Stage:
                 kind == SLOT_FIRST, first, lambda: constrain(h, ACTIVATION_AXES)
             )
 
-    def chunk_fn(self, kind, micro, repeat):
+    def chunk_fn(self, kind, micro, repeat, offload=False):
         """The chunk as a function of its parameters (params_of), the shared ones (the
         embedding's, for chunk 0) and its stashed input, returning (output, side values): what
         a forward differentiates."""
@@ -139,7 +142,7 @@ class Stage:
         def run(params, x, *tapped):
             chunk, shared, prepared = params
             h = self.input(kind, shared, x, micro)
-            return self.apply(chunk, h, micro, repeat, *tapped, prepared=prepared)
+            return self.apply(chunk, h, micro, repeat, *tapped, prepared=prepared, offload=offload)
 
         return run
 
@@ -149,14 +152,16 @@ class Stage:
         forward stashes (residuals.split_vjp); the prepared part gets no gradient."""
         return chunk, self.shared, None if self.prepared is None else self.prepared[k]
 
-    def forward_with_residuals(self, chunk, kind, x, micro, repeat):
+    def forward_with_residuals(self, chunk, kind, x, micro, repeat, offload=False):
         """((y, side values), what the chunk's backward needs under fns.remat, its layout):
         the VJP's residuals without the parameters (residuals.split_vjp), kept instead of
-        recomputed; a split backward's VJP also of the chunk's zero taps (taps.py)."""
+        recomputed; a split backward's VJP also of the chunk's zero taps (taps.py). offload:
+        model.remat_offload's names moved to the host by the policy (offload.hosted's
+        probe), not kept on the device for the engine to move."""
         tapped = () if self.sites is None else (taps.zeros(self.sites, self.per_chunk),)
         params = self.params_of(chunk, repeat)
         with taps.handed_out_as_read(self.fused):  # fused: gathered in B, beside its GEMMs
-            return split_vjp(self.chunk_fn(kind, micro, repeat), params, x, *tapped)
+            return split_vjp(self.chunk_fn(kind, micro, repeat, offload), params, x, *tapped)
 
     def forward_chunk(self, chunk, repeat, fwd, x):
         """((y, side values), the residuals its backward needs: [] without gradients) of

@@ -13,14 +13,17 @@ holds.
                  first_layer, remat,          over hidden, layer first_layer first (dropout),
                  used=None, taps=None,        each under the policy `remat` names ('none':
                  unroll=False,                none); values: {name: fp32 array} of every
-                 [prepared=])
+                 [prepared=], offload=True)
                                               declared side value (below), combined over the
                                               chunk's layers by the model; taps: the kernel
                                               matmuls' zero taps (parallel/taps.py), stacked
                                               over the chunk's layers, [] to probe them;
                                               unroll: the scan unrolled (one computation);
                                               prepared: prepare(chunk), given only where
-                                              the model has prepare (below)
+                                              the model has prepare (below); offload:
+                                              the policy moves `offload`'s outputs to the
+                                              host (False: kept on the device, the
+                                              1F1B engine moves them: offload.py)
     prepare(chunk)                            or None: what apply_blocks reads of a chunk
                                               beside it, made once a step before the loop
                                               (FP8's quantized weights); an engine hands it
@@ -262,6 +265,7 @@ class StageFunctions:
     # step outside an engine's loop and handed to it as apply_blocks(..., prepared=): FP8's
     # quantized weights (model/fp8_sites.py); None: nothing (each call works from the chunk)
     prepare: Any = None
+    offload: tuple = ()  # model.remat_offload: the names remat_policy keeps in host memory
 
 
 def shared_params(params):

@@ -36,7 +36,7 @@ def tick(stage, carry, xs):
     with jax.named_scope(STEADY):
         (y, values), kept_f, grads = jax.lax.switch(pairs[stage.index], branches)
     ran = (fwd.kind != SLOT_IDLE) & (fwd.kind != SLOT_LAST)
-    resids = [write(b, fwd.resid_slot, ran, r) for b, r in zip(resids, kept_f)]
+    resids = tick_by_slot.written(stage, resids, fwd.resid_slot, ran, kept_f)
     sums = (*sums[:3], stage.combine(sums[3], values))  # the forward's side values
     sums, dx, tapped = backward_slot.add_gradients(stage, bwd, sums, grads)
     if row.weights is not None:  # B wrote the taps; W (its own cond) reads them

@@ -39,7 +39,7 @@ the reducing tick's carries the ZeRO shards after them.
 import jax
 import jax.numpy as jnp
 
-from mtnlg_jax.parallel import backward_slot
+from mtnlg_jax.parallel import backward_slot, offload
 from mtnlg_jax.parallel.branches import FORWARD, SLOT_IDLE, SLOT_LAST
 from mtnlg_jax.parallel.rules import STAGE_AXIS, constrain
 from mtnlg_jax.parallel.slots import write
@@ -89,8 +89,13 @@ def forward(stage, fwd, stash, resids, pick=None):
             out, more = pick(idle, run)
     (y, values), kept = out
     ran = (fwd.kind != SLOT_IDLE) & (fwd.kind != SLOT_LAST)
-    resids = [write(b, fwd.resid_slot, ran, r) for b, r in zip(resids, kept)]
+    resids = written(stage, resids, fwd.resid_slot, ran, kept)
     return (y, resids, values) if pick is None else (y, resids, values, more)
+
+
+def written(stage, resids, slot, ran, kept):
+    """The residual buffers with a forward's kept residuals in `slot` where it ran."""
+    return [offload.write(b, slot, ran, r, host) for b, r, host in zip(resids, kept, stage.hosted)]
 
 
 def receive(stage, row, act_in, grad_in, stash, grad_buf):

@@ -305,7 +305,7 @@ def layer_activation_bytes(
         Measured per layer on XLA:CPU (tests/test_plan_compiled.py): GPT's and Llama's
         blocks, with and without sequence parallelism, within 1 %; Korthikanti's selective
         count, which this engine never kept, was 1.6 to 2.3 x it. model.remat_recompute's
-        names are not kept (_less_recomputed).
+        names are not kept, model.remat_offload's not on the device (_less_recomputed).
     full: the layer input only, s b h e.
     Sequence parallelism splits the replicated (s, b, h) ones over t."""
     whole, h, a = model_cfg.seq_len, model_cfg.hidden, model_cfg.heads
@@ -334,10 +334,11 @@ def layer_activation_bytes(
 
 
 def _less_recomputed(model_cfg, split, saved_mlp, fused_attention):
-    """selective's kept residual branches (of 2), Q, K, V and context width and MLP width,
-    less what model.remat_recompute makes again (a fused kernel keeps its output, the
-    context, whatever the names say)."""
-    dropped = config_lib.recomputed(model_cfg)
+    """selective's kept residual branches (of 2), Q, K, V and context width and MLP width
+    on the device, less what model.remat_recompute makes again and model.remat_offload
+    holds in host memory (a fused kernel keeps its output, the context, on the device
+    whatever the names say)."""
+    dropped = config_lib.recomputed(model_cfg) + config_lib.offloaded(model_cfg)
     heads, kv_heads, head_dim = attention_dims(model_cfg)
     if 'qkv' in dropped:
         split -= (heads + 2 * kv_heads) * head_dim

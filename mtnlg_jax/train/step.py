@@ -55,7 +55,7 @@ from mtnlg_jax.model import buffers as buffers_lib
 from mtnlg_jax.model import fp8_sites
 from mtnlg_jax.model import gpt
 from mtnlg_jax.parallel import engine as engine_lib
-from mtnlg_jax.parallel import context, grad_reduce, rules, stage_order, zero
+from mtnlg_jax.parallel import context, grad_reduce, offload, rules, stage_order, zero
 from mtnlg_jax.parallel import stage_functions as side
 from mtnlg_jax.parallel.stage_functions import MicroBatch
 from mtnlg_jax.train.optimizer import learning_rate_schedule
@@ -383,6 +383,7 @@ def make_train_step(config, setup, inject=None):
         compiler_options={
             **fp8_sites.compiler_options(config.model),
             **grad_reduce.compiler_options(_gathers_in_loop(config)),
+            **offload.compiler_options(bool(config_lib.offloaded(config.model))),
             **config_lib.xla_options(config.train),  # the config's own, last
         },
     )
