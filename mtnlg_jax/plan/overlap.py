@@ -19,6 +19,16 @@ where the compute that needs them waits. The replay walks that order:
   hlo.wire_bytes; no latency term);
 - at a collective's done, the compute stream waits until its bytes have arrived: that wait is
   the collective's exposed time. A synchronous collective is exposed whole.
+- a transfer between device memory and pinned host memory (an operand or result whose layout
+  is in memory space S(5): the pipeline's offloaded activations) runs on a 'host' stream of
+  its own at the target's host_bandwidth (the GPU's PCIe link, one way), queued behind the
+  earlier ones as collectives on a link; to host and from host share that one stream (a
+  simplification: the link is full duplex). An async pair (fusion-start / fusion-done of a
+  dynamic-slice or dynamic-update-slice, copy-start / copy-done) takes what crosses the link,
+  the slice read or the update written (Replay.traffic), not the host buffer around it; at its
+  done the compute stream waits for it ('exposed host transfers'). A synchronous one (a copy or
+  fusion touching S(5)) is exposed whole. A target without host_bandwidth prices them as
+  compute, as before;
 - a while loop, a conditional or a call runs as one block of compute whose time is its
   callee's replay (x trip count; a conditional's branches weighted as the inventory weighs
   them); the collectives inside are replayed with their own computation, and everything is
@@ -28,8 +38,9 @@ It times nothing that ran: it says what the schedule lets overlap on the target'
 `time_by_kind` splits the replayed step by what each instruction is (KINDS): matmuls
 (dots, GEMM calls, fusions with a dot), attention kernels (fused attention calls), copies,
 slicing and slot writes (dynamic-slice / dynamic-update-slice, slices, gathers, scatters,
-concatenations, pads), transposes, everything else as elementwise, and the exposed
-communication, so a user sees what to fix before renting the cluster.
+concatenations, pads), transposes, everything else as elementwise, the exposed
+communication and the exposed host transfers, so a user sees what to fix before renting the
+cluster.
 """
 
 import collections
