@@ -3,7 +3,7 @@ wire time = wire bytes / link bandwidth, compute = FLOPs / peak or bytes / HBM b
 
 import pytest
 
-from mtnlg_jax.plan import overlap
+from mtnlg_jax.plan import overlap, pgle
 
 # Round figures: 1e12 FLOP/s, 1e9 B/s of HBM, NVLink 1e6 B/s, network 1e5 B/s, 2 GPUs a node.
 TARGET = overlap.Target(1e12, 1e9, 1e6, 1e5, gpus_per_node=2)
@@ -240,3 +240,118 @@ def test_hbm_bytes_count_each_kernel_by_its_runs_a_slot_by_its_slice_and_no_coll
     bytes); the all-gather none; the condition none, as the replay prices a loop by its body:
     80,060 bytes."""
     assert overlap.hbm_bytes(LOOP) == 5 * (8000 + 8000 + 12)
+
+
+# Activation offload: a stash buffer of 10 rows (40,000 bytes) in pinned host memory (layout
+# memory space S(5)), one row (4,000 bytes) fetched by an async dynamic-slice fusion, as
+# XLA:GPU emits it: over a host link of 1e6 B/s, 4 ms. The dot fusion after its start takes
+# 12 ms (HBM); the negate 8 us.
+HOST_TARGET = overlap.Target(1e12, 1e9, 1e6, 1e5, gpus_per_node=2, host_bandwidth=1e6)
+FETCH = (
+    HEADER
+    + """
+%wrapped_slice (p0: f32[10,1000], p1: s32[]) -> f32[1,1000] {
+  %p0 = f32[10,1000]{1,0:S(5)} parameter(0)
+  %p1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  ROOT %ds = f32[1,1000]{1,0} dynamic-slice(%p0, %p1, %zero), dynamic_slice_sizes={1,1000}
+}
+
+ENTRY %main (h: f32[10,1000], i: s32[], w: f32[1000,1000], v: f32[1000]) -> (f32[1,1000], f32[1000,1000], f32[1000]) {
+  %h = f32[10,1000]{1,0:S(5)} parameter(0)
+  %i = s32[] parameter(1)
+  %w = f32[1000,1000]{1,0} parameter(2)
+  %v = f32[1000]{0} parameter(3)
+  %dss = ((f32[10,1000]{1,0:S(5)}, s32[]), f32[1,1000]{1,0}, u32[]) fusion-start(%h, %i), kind=kLoop, calls=%wrapped_slice
+  %f = f32[1000,1000]{1,0} fusion(%w, %w), kind=kCustom, calls=%fused_dot
+  %n = f32[1000]{0} negate(%v)
+  %dsd = f32[1,1000]{1,0} fusion-done(%dss)
+  ROOT %out = (f32[1,1000]{1,0}, f32[1000,1000]{1,0}, f32[1000]{0}) tuple(%dsd, %f, %n)
+}
+"""
+)
+FETCH_AWAITED = FETCH.replace(
+    '  %f = f32[1000,1000]{1,0} fusion(%w, %w), kind=kCustom, calls=%fused_dot\n', ''
+).replace(
+    '  ROOT %out = ',
+    '  %f = f32[1000,1000]{1,0} fusion(%w, %w), kind=kCustom, calls=%fused_dot\n  ROOT %out = ',
+)
+
+
+def test_a_row_fetched_from_host_memory_behind_compute_is_hidden_and_costs_its_slice():
+    result = overlap.collective_overlap(FETCH, MESH, HOST_TARGET)
+    host = result['host']
+    assert host['bytes'] == host['from_host_bytes'] == 4000 and host['to_host_bytes'] == 0
+    assert host['transfer_s'] == pytest.approx(4e-3)  # the row, not the 40,000-byte buffer
+    assert host['exposed_s'] == 0.0 and host['count'] == 1
+    assert result['step_s'] == pytest.approx(12e-3 + 8e-6)  # compute alone
+    assert result['time_by_kind']['exposed host transfers'] == 0.0
+    assert result['collectives'] == [] and result['exposed_s'] == 0.0
+    # XLA's latency profile (plan/pgle.py) costs the start at its link time, not as compute
+    assert dict(pgle.costs(result['replay']))['dss'] == pytest.approx(4e-3)
+
+
+def test_a_row_fetched_with_too_little_compute_between_is_exposed():
+    """Only the 8 us negate between start and done: the compute stream waits 4 ms - 8 us."""
+    result = overlap.collective_overlap(FETCH_AWAITED, MESH, HOST_TARGET)
+    assert result['host']['exposed_s'] == pytest.approx(4e-3 - 8e-6)
+    assert result['time_by_kind']['exposed host transfers'] == pytest.approx(4e-3 - 8e-6)
+    assert result['step_s'] == pytest.approx(4e-3 + 12e-3)
+    assert result['compute_s'] == pytest.approx(12e-3 + 8e-6)
+    assert result['exposed_s'] == 0.0  # the collectives' share: none
+
+
+def test_the_same_module_without_host_memory_replays_as_before():
+    """Without S(5) the fusion-start is compute, priced as it always was: its whole tuple type
+    written, the row read for the buffer and again for the index the slice alone reads (52,008
+    bytes); with or without a host link."""
+    text = FETCH.replace(':S(5)', '')
+    before = overlap.collective_overlap(text, MESH, TARGET)
+    after = overlap.collective_overlap(text, MESH, HOST_TARGET)
+    assert after['step_s'] == before['step_s'] == pytest.approx(12e-3 + 8e-6 + 52008 / 1e9)
+    assert after['time_by_kind'] == before['time_by_kind']
+    assert after['host']['bytes'] == after['host']['count'] == 0
+    # with no host link figure (a target built by hand), host memory is not told apart
+    assert overlap.collective_overlap(FETCH, MESH, TARGET)['step_s'] == before['step_s']
+
+
+def test_a_slot_written_to_host_costs_its_update_and_a_synchronous_copy_is_exposed_whole():
+    """A row written into the host buffer by an async dynamic-update-slice fusion awaited at
+    once (4,000 bytes: 4 ms exposed, not the buffer's 40 ms), then a synchronous copy of a
+    row to host memory (4 ms, exposed whole), queued on the same host stream."""
+    text = (
+        HEADER
+        + """
+%wrapped_update (p0: f32[10,1000], p1: f32[1,1000], p2: s32[]) -> f32[10,1000] {
+  %p0 = f32[10,1000]{1,0:S(5)} parameter(0)
+  %p1 = f32[1,1000]{1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  ROOT %dus = f32[10,1000]{1,0:S(5)} dynamic-update-slice(%p0, %p1, %p2, %zero)
+}
+
+ENTRY %main (h: f32[10,1000], r: f32[1,1000], i: s32[]) -> (f32[10,1000], f32[1,1000]) {
+  %h = f32[10,1000]{1,0:S(5)} parameter(0)
+  %r = f32[1,1000]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %uss = ((f32[10,1000]{1,0:S(5)}, f32[1,1000]{1,0}, s32[]), f32[10,1000]{1,0:S(5)}, u32[]) fusion-start(%h, %r, %i), kind=kLoop, calls=%wrapped_update
+  %usd = f32[10,1000]{1,0:S(5)} fusion-done(%uss)
+  %c = f32[1,1000]{1,0:S(5)} copy(%r)
+  ROOT %out = (f32[10,1000]{1,0:S(5)}, f32[1,1000]{1,0:S(5)}) tuple(%usd, %c)
+}
+"""
+    )
+    result = overlap.collective_overlap(text, MESH, HOST_TARGET)
+    host = result['host']
+    assert host['to_host_bytes'] == 8000 and host['from_host_bytes'] == 0
+    assert host['transfer_s'] == pytest.approx(8e-3) and host['count'] == 2
+    assert host['exposed_s'] == pytest.approx(8e-3) == result['step_s']
+    assert result['compute_s'] == pytest.approx(0.0)
+
+
+def test_a_clusters_target_carries_its_host_link():
+    from mtnlg_jax.plan import clusters  # noqa: PLC0415
+
+    for name, bandwidth in (('a100-80gb', 25e9), ('h100-80gb', 50e9), ('h200-141gb', 50e9)):
+        target = overlap.Target.of_cluster(clusters.CLUSTERS[name], 'bfloat16')
+        assert target.host_bandwidth == bandwidth

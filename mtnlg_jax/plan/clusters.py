@@ -34,6 +34,9 @@ class Cluster:
     hbm_bandwidth: float  # bytes/s
     nvlink_bandwidth: float  # bytes/s per GPU, one direction
     internode_bandwidth: float  # bytes/s per GPU, one direction
+    # bytes/s, one direction, between a GPU and pinned host memory (its PCIe link): what a
+    # pinned-memory copy reaches, about 0.8 of the link's theoretical figure
+    host_bandwidth: float
     gpus_per_node: int
     compute_capability: str  # picks the attention kernel (model/attention_kernel.py)
 
@@ -47,6 +50,7 @@ CLUSTERS = {
         hbm_bandwidth=2.0e12,
         nvlink_bandwidth=300 * GIGA,
         internode_bandwidth=25 * GIGA,
+        host_bandwidth=25e9,  # PCIe Gen4 x16: 32 GB/s theoretical
         gpus_per_node=8,
         compute_capability='8.0',
     ),
@@ -59,11 +63,12 @@ CLUSTERS = {
         hbm_bandwidth=3.35e12,
         nvlink_bandwidth=450 * GIGA,
         internode_bandwidth=50 * GIGA,
+        host_bandwidth=50e9,  # PCIe Gen5 x16: 64 GB/s theoretical
         gpus_per_node=8,
         compute_capability='9.0',
     ),
 }
-# An H200 is an H100 with more and faster memory: the same peaks, NVLink and network.
+# An H200 is an H100 with more and faster memory: the same peaks, NVLink, network and host link.
 CLUSTERS['h200-141gb'] = dataclasses.replace(
     CLUSTERS['h100-80gb'],
     name='h200-141gb',

@@ -19,6 +19,16 @@ where the compute that needs them waits. The replay walks that order:
   hlo.wire_bytes; no latency term);
 - at a collective's done, the compute stream waits until its bytes have arrived: that wait is
   the collective's exposed time. A synchronous collective is exposed whole.
+- a transfer between device memory and pinned host memory (an operand or result whose layout
+  is in memory space S(5): the pipeline's offloaded activations) runs on a 'host' stream of
+  its own at the target's host_bandwidth (the GPU's PCIe link, one way), queued behind the
+  earlier ones as collectives on a link; to host and from host share that one stream (a
+  simplification: the link is full duplex). An async pair (fusion-start / fusion-done of a
+  dynamic-slice or dynamic-update-slice, copy-start / copy-done) takes what crosses the link,
+  the slice read or the update written (Replay.traffic), not the host buffer around it; at its
+  done the compute stream waits for it ('exposed host transfers'). A synchronous one (a copy or
+  fusion touching S(5)) is exposed whole. A target without host_bandwidth prices them as
+  compute, as before;
 - a while loop, a conditional or a call runs as one block of compute whose time is its
   callee's replay (x trip count; a conditional's branches weighted as the inventory weighs
   them); the collectives inside are replayed with their own computation, and everything is
@@ -28,8 +38,9 @@ It times nothing that ran: it says what the schedule lets overlap on the target'
 `time_by_kind` splits the replayed step by what each instruction is (KINDS): matmuls
 (dots, GEMM calls, fusions with a dot), attention kernels (fused attention calls), copies,
 slicing and slot writes (dynamic-slice / dynamic-update-slice, slices, gathers, scatters,
-concatenations, pads), transposes, everything else as elementwise, and the exposed
-communication, so a user sees what to fix before renting the cluster.
+concatenations, pads), transposes, everything else as elementwise, the exposed
+communication and the exposed host transfers, so a user sees what to fix before renting the
+cluster.
 """
 
 import collections
@@ -45,23 +56,27 @@ _FREE = frozenset(
 _CALLS = frozenset(('while', 'conditional', 'call', 'async-start'))
 _OPERANDS = re.compile(r'%([\w.\-]+)')
 KINDS = ('matmuls', 'attention kernels', 'copies', 'slicing and slot writes', 'transposes',
-         'elementwise', 'exposed communication')  # fmt: skip
+         'elementwise', 'exposed communication', 'exposed host transfers')  # fmt: skip
 HEAVIEST = 6
 _SLICING = frozenset(('dynamic-slice', 'dynamic-update-slice', 'slice', 'gather', 'scatter',
                       'concatenate', 'pad'))  # fmt: skip
 _LAYOUT = frozenset(('parameter', 'bitcast', 'reshape', 'constant', 'tuple', 'get-tuple-element'))
+_HOST_MEMORY = re.compile(r'\{[^{}]*:[^{}]*\bS\(5\)')  # a layout in pinned host memory
 
 
 class Target:
     """The figures a replay needs (from a plan/clusters.Cluster and a compute dtype): a matmul
     of FP8 by FP8 runs at `fp8_peak_flops` where the GPU has FP8 tensor cores, any other at
-    `peak_flops` (the compute dtype's)."""
+    `peak_flops` (the compute dtype's). `host_bandwidth`: bytes/s one way between a GPU and
+    pinned host memory; None prices a transfer to or from host memory as any other
+    instruction (the replay before host transfers had a stream of their own)."""
 
     def __init__(self, peak_flops, hbm_bandwidth, nvlink_bandwidth, network_bandwidth,
-                 gpus_per_node, fp8_peak_flops=None):  # fmt: skip
+                 gpus_per_node, fp8_peak_flops=None, host_bandwidth=None):  # fmt: skip
         self.peak_flops, self.hbm_bandwidth = peak_flops, hbm_bandwidth
         self.nvlink_bandwidth, self.network_bandwidth = nvlink_bandwidth, network_bandwidth
         self.gpus_per_node, self.fp8_peak_flops = gpus_per_node, fp8_peak_flops
+        self.host_bandwidth = host_bandwidth
 
     @classmethod
     def of_cluster(cls, cluster, compute_dtype):
@@ -73,6 +88,7 @@ class Target:
             cluster.internode_bandwidth,
             cluster.gpus_per_node,
             fp8 and fp8 * 1e12,
+            cluster.host_bandwidth,
         )
 
     def peak_for(self, dtypes):
@@ -137,6 +153,7 @@ class Replay:
         self.durations = {}  # computation -> seconds of one run
         self.by_kind = {}  # computation -> {kind: seconds of one run}
         self.exposed = collections.defaultdict(float)  # (computation, name) -> s per run
+        self.transfers = {}  # (computation, name) -> (bytes to host, from host, s) per run
         self.spent = []  # (computation, instruction, kind, seconds of one run)
 
     def reweigh(self, branch_weights):
@@ -204,15 +221,23 @@ class Replay:
         """Bytes read and written: operands and result, except where a buffer is sliced or
         updated in place (a stash slot): a dynamic-slice reads only its slice, a
         dynamic-update-slice writes only its update (also inside a fusion)."""
+        written, read = self.traffic(instruction, types, fused)
+        return written + sum(read)
+
+    def traffic(self, instruction, types, fused=None, result_type=None):
+        """(bytes written, [bytes read of each operand]) as bytes_moved counts them;
+        result_type: the type written, if not the instruction's (an async start's output)."""
         operands = _operand_names(instruction)
         sizes = [hlo_module.shape_bytes(types[name]) if name in types else 0 for name in operands]
-        result = hlo_module.shape_bytes(instruction.type_text)
+        result_type = instruction.type_text if result_type is None else result_type
+        result = hlo_module.shape_bytes(result_type)
         if instruction.opcode == 'dynamic-slice':
-            return 2 * result
+            return result, [result] + [0] * (len(sizes) - 1)
         if instruction.opcode == 'dynamic-update-slice':
-            return 2 * (sizes[1] if len(sizes) > 1 else result)
+            update = sizes[1] if len(sizes) > 1 else result
+            return update, [0, update] + [0] * (len(sizes) - 2)
         if fused is None:
-            return result + sum(sizes)
+            return result, sizes
         body = self.computations.get(fused, [])
         params = {i.name: hlo_module.ints(i.rest)[0] for i in body if i.opcode == 'parameter'}
         by_name = {i.name: i for i in body}
@@ -244,12 +269,36 @@ class Replay:
                 )
                 result = small
         if 'kind=kLoop' in instruction.rest:  # each output element reads one of each operand
-            elements = _elements(instruction.type_text)
+            elements = _elements(result_type)
             for index, name in enumerate(operands):
                 if name in types and elements is not None:
                     width = _element_bytes(types[name])
                     sizes[index] = min(sizes[index], elements * width) if width else sizes[index]
-        return result + sum(sizes)
+        return result, sizes
+
+    def host_transfer(self, instruction, types):
+        """(bytes to host memory, bytes from it) that an instruction moves over the host link,
+        None where it moves none (no operand or result in pinned host memory, S(5)) or the
+        target has no host link figure. An async start's output is its result (a
+        fusion-start's type is ((operands), output, context), a copy-start's (output, operand,
+        context)); the bytes are what crosses the link: a slice read from a host buffer, an
+        update written into one, a whole array copied, not the host buffer around them."""
+        if self.target is None or not self.target.host_bandwidth:
+            return None
+        if instruction.opcode in _FREE | _CALLS or instruction.opcode.endswith('-done'):
+            return None
+        operand_types = [types.get(name, '') for name in _operand_names(instruction)]
+        result_type = instruction.type_text
+        if instruction.opcode.endswith('-start') and result_type.startswith('('):
+            parts = hlo_module.split_top(result_type[1:-1])
+            result_type = parts[1] if parts[0].startswith('(') else parts[0]
+        to_host = bool(_HOST_MEMORY.search(result_type))
+        from_host = [bool(_HOST_MEMORY.search(t)) for t in operand_types]
+        if not to_host and not any(from_host):
+            return None
+        fused = [c for a, c in instruction.callees() if a == 'calls']
+        written, read = self.traffic(instruction, types, fused[0] if fused else None, result_type)
+        return written if to_host else 0, sum(r for r, host in zip(read, from_host) if host)
 
     def bytes_of(self, name):
         """Device-memory bytes one run of a computation reads and writes, as the replay prices
@@ -324,28 +373,35 @@ class Replay:
         kinds = self.by_kind[name] = collections.defaultdict(float)
         now = 0.0
         link_free = collections.defaultdict(float)  # link -> when its stream is idle
-        arrives = {}  # start name -> (op key, when its bytes have arrived)
+        arrives = {}  # start name -> (op key, when its bytes have arrived, kind of its wait)
         for instruction in instructions:
             op = self.collective(name, instruction)
+            moved = None if op is not None else self.host_transfer(instruction, types)
             if op is not None:
-                link = self.link(op, instruction)
+                link, kind = self.link(op, instruction), 'exposed communication'
+                key, seconds = (op['computation'], op['name']), self.wire_seconds(op, link)
+            elif moved is not None:  # to or from host memory: one stream, both ways
+                link, kind = 'host', 'exposed host transfers'
+                key, seconds = (name, instruction.name), sum(moved) / self.target.host_bandwidth
+                self.transfers[key] = (*moved, seconds)
+            if op is not None or moved is not None:
                 begin = max(now, link_free[link])
-                end = begin + self.wire_seconds(op, link)
+                end = begin + seconds
                 link_free[link] = end
-                if instruction.opcode.endswith('-start') or instruction.opcode == 'async-start':
-                    arrives[instruction.name] = ((op['computation'], op['name']), end)
+                if instruction.opcode.endswith('-start'):
+                    arrives[instruction.name] = (key, end, kind)
                 else:  # synchronous: the compute stream waits for it
                     self.exposed[name, instruction.name] += end - now
-                    kinds['exposed communication'] += end - now
+                    kinds[kind] += end - now
                     now = end
                 continue
             if instruction.opcode.endswith('-done'):
                 started = [n for n in _operand_names(instruction) if n in arrives]
                 for start in started:
-                    key, end = arrives.pop(start)
+                    key, end, kind = arrives.pop(start)
                     if end > now:
                         self.exposed[key] += end - now
-                        kinds['exposed communication'] += end - now
+                        kinds[kind] += end - now
                         now = end
                 continue
             seconds = self.instruction_seconds(instruction, types, name)
@@ -375,6 +431,23 @@ class Replay:
             group['runs'] += runs
         rows = [dict(kind=k, type=t, op=o, **g) for (k, t, o), g in groups.items()]
         return sorted(rows, key=lambda row: -row['seconds'])[:top]
+
+    def host_figures(self):
+        """The step's transfers to and from host memory, per step (x runs per step):
+        {'bytes', 'to_host_bytes', 'from_host_bytes', 'transfer_s': their time on the host
+        link, 'exposed_s': the compute stream's wait for them, 'count': transfers run}."""
+        host = dict.fromkeys(
+            ('bytes', 'to_host_bytes', 'from_host_bytes', 'transfer_s', 'exposed_s', 'count'), 0.0
+        )
+        for key, (to_host, from_host, seconds) in self.transfers.items():
+            runs = self.counts.get(key[0], (0, False))[0]
+            host['to_host_bytes'] += runs * to_host
+            host['from_host_bytes'] += runs * from_host
+            host['bytes'] += runs * (to_host + from_host)
+            host['transfer_s'] += runs * seconds
+            host['exposed_s'] += runs * self.exposed.get(key, 0.0)
+            host['count'] += runs
+        return host
 
     def collective(self, computation, instruction):
         """The inventory's entry for a collective instruction (an async-start: the collective
@@ -410,7 +483,10 @@ def collective_overlap(hlo_text, mesh, target, branch_weights=None):
                         (per step: x runs per step),
          'table': [{kind, axes, link, wire_bytes, wire_s, exposed_s, overlapped}] by kind,
                   axes and link, 'overlapped' = 1 - exposed / wire time,
-         'step_s': the replayed step (compute at peak + exposed), 'exposed_s', 'compute_s',
+         'step_s': the replayed step (compute at peak + exposed), 'exposed_s' (collectives'),
+         'compute_s',
+         'host': {bytes, to_host_bytes, from_host_bytes, transfer_s, exposed_s, count} per step
+                 of the transfers between device and host memory (Replay.host_figures),
          'time_by_kind': {kind: seconds of the replayed step} (KINDS),
          'heaviest': the largest shares of the step beyond matmuls and attention (HEAVIEST
                      rows of Replay.heaviest: what to fix first),
@@ -462,12 +538,14 @@ def collective_overlap(hlo_text, mesh, target, branch_weights=None):
     ]
     step_s = replay.duration(entry)
     exposed_s = sum(row['exposed_s'] for row in rows)
+    host = replay.host_figures()
     return dict(
         collectives=rows,
         table=summary,
         step_s=step_s,
-        compute_s=step_s - exposed_s,
+        compute_s=step_s - exposed_s - host['exposed_s'],
         exposed_s=exposed_s,
+        host=host,
         time_by_kind={k: replay.by_kind[entry].get(k, 0.0) for k in KINDS},
         heaviest=replay.heaviest(HEAVIEST),
         replay=replay,

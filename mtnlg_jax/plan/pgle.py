@@ -29,7 +29,11 @@ def costs(replay):
         types = {i.name: i.type_text for i in instructions}
         for instruction in instructions:
             op = replay.collective(computation, instruction)
-            if op is not None:
+            moved = None if op is not None else replay.host_transfer(instruction, types)
+            if moved is not None:  # to or from host memory: its time on the host link
+                if not instruction.opcode.endswith('-done'):
+                    rows.append((instruction.name, sum(moved) / replay.target.host_bandwidth))
+            elif op is not None:
                 if instruction.opcode.endswith('-start') or instruction.opcode == 'async-start':
                     rows.append(
                         (instruction.name, replay.wire_seconds(op, replay.link(op, instruction)))

@@ -222,6 +222,7 @@ def gpu_lines(compiled):
     kernels = ', '.join(f'{k} x {n}' for k, n in sorted(attention['kernels'].items()))
     over = compiled['overlap']
     links = over['links']
+    host = over.get('host') or dict(bytes=0)  # plans written before host transfers
     out = [
         '  attention  '
         + (
@@ -231,12 +232,18 @@ def gpu_lines(compiled):
         ),
         f'  overlap    replayed step {over["step_s"]:.3f} s = compute at peak '
         f'{over["compute_s"]:.3f} + exposed communication {over["exposed_s"]:.3f} '
-        f'({100 * over["exposed_vs_compute"]:.1f} % of compute); links per GPU: NVLink '
+        + (f'+ exposed host transfers {host["exposed_s"]:.3f} ' if host['bytes'] else '')
+        + f'({100 * over["exposed_vs_compute"]:.1f} % of compute); links per GPU: NVLink '
         f'{links["nvlink_bytes_per_s"] / 1e9:.0f} GB/s inside a node of '
         f'{links["gpus_per_node"]}, network {links["network_bytes_per_s"] / 1e9:.0f} GB/s',
+        *host_lines(host, links),
         *lockstep_lines(over.get('lockstep')),
         '  time by kind (replayed s): '
-        + ', '.join(f'{k} {v:.2f}' for k, v in over['time_by_kind'].items()),
+        + ', '.join(
+            f'{k} {v:.2f}'
+            for k, v in over['time_by_kind'].items()
+            if v or k != 'exposed host transfers'
+        ),
         *(
             f'  {"heaviest" if i == 0 else "":<10} {row["seconds"]:.2f} s {row["kind"]}: '
             f'{row["type"]} {row["op"]}, {row["runs"]:.0f} runs'
@@ -255,6 +262,18 @@ def gpu_lines(compiled):
             f'{row["exposed_s"]:>11.3g}'
         )
     return out
+
+
+def host_lines(host, links):
+    """The step's transfers to and from pinned host memory (offloaded activations)."""
+    if not host['bytes']:
+        return []
+    return [
+        f'  host       offloaded activations: {host["to_host_bytes"] / 1e9:.1f} GB a step to '
+        f'host memory and {host["from_host_bytes"] / 1e9:.1f} GB back over the host link '
+        f'({links["host_bytes_per_s"] / 1e9:.0f} GB/s, one stream both ways), '
+        f'{host["transfer_s"]:.2f} s of transfers, {host["exposed_s"]:.3f} s exposed'
+    ]
 
 
 def lockstep_lines(ticks):
