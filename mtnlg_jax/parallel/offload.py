@@ -31,10 +31,11 @@ def hosted(forward, *args):
 
 
 def buffer(slot_count, shape, dtype, fill, host):
-    """A residual's slots: on the device, or in host memory with one spare slot."""
+    """A residual's slots: on the device, or in host memory with one spare slot, left
+    unwritten (a filled one is filled on the GPU and copied over whole, each step)."""
     if not host:
         return jnp.full((slot_count, *shape), fill, dtype)
-    return jax.device_put(jnp.full((slot_count + 1, *shape), fill, dtype), HOST)
+    return jax.device_put(jax.lax.empty((slot_count + 1, *shape), dtype), HOST)
 
 
 def write(buffer, slot, ran, value, host):
@@ -43,6 +44,14 @@ def write(buffer, slot, ran, value, host):
         return slots.write(buffer, slot, ran, value)
     slot = jnp.where(ran, slot, buffer.shape[0] - 1)
     return jax.lax.dynamic_update_index_in_dim(buffer, jax.device_put(value, HOST), slot, 0)
+
+
+def read_from(hosted, before, after):
+    """The residual buffers a tick's backward reads: a host buffer as it was before the
+    tick's forward wrote to it (the slot a backward reads is never the one its tick's
+    forward writes: schedule.py frees a slot the tick after its backward), so that its copy
+    back starts with the tick and runs beside the forward, not after the forward's write."""
+    return [b if host else a for b, a, host in zip(before, after, hosted)]
 
 
 def read(buffer, slot, host):

@@ -9,7 +9,7 @@ import functools
 
 import jax
 
-from mtnlg_jax.parallel import backward_slot, grad_reduce, tick_by_slot
+from mtnlg_jax.parallel import backward_slot, grad_reduce, offload, tick_by_slot
 from mtnlg_jax.parallel import stage_functions as side
 from mtnlg_jax.parallel.branches import BACKWARD, REDUCE, SLOT_IDLE
 
@@ -23,10 +23,12 @@ def tick(stage, carry, xs):
     row = jax.tree.map(lambda a: a[stage.index], columns)
     branch, chunk, layer = (a[stage.index] for a in reduce_columns)
     stash, grad_buf = tick_by_slot.receive(stage, row, act_in, grad_in, stash, grad_buf)
+    before = resids
     y, resids, values = tick_by_slot.forward(stage, row.forward, stash, resids)
     sums = (*sums[:3], stage.combine(sums[3], values))
     bwd = row.backward
-    h, g, kept = backward_slot.slot_inputs(stage, bwd, stash, resids, grad_buf)
+    read_from = offload.read_from(stage.hosted, before, resids)
+    h, g, kept = backward_slot.slot_inputs(stage, bwd, stash, read_from, grad_buf)
     idle = lambda: (stage.without_taps(stage.no_gradients()), grad_reduce.no_piece(shards))  # noqa: E731
     with jax.named_scope(BACKWARD):
         grads, piece = jax.lax.cond(
