@@ -36,8 +36,11 @@ STEADY = dict(steady_tick=True)  # pipeline.steady_tick: the tick as one switch 
 # pipeline.overlap_grad_reduce: ZeRO-1's reduce-scatter in the loop (parallel/grad_reduce.py);
 # 1F1B's one chunk finishes last: all of it after the loop, inside the engine
 OVERLAP = dict(overlap_grad_reduce=True)
-# and pipeline.overlap_param_gather: the blocks' compute copy gathered chunk by chunk in it
+# and pipeline.overlap_param_gather: the blocks' compute copy gathered chunk by chunk in it;
+# there with the MLP's input held in host memory (model.remat_offload, parallel/offload.py):
+# the reducing and gathering ticks' residual slots read before their forward's write
 GATHER = dict(overlap_grad_reduce=True, overlap_param_gather=True)
+OFFLOAD = dict(remat='selective', remat_offload='mlp_in')
 PIPELINE_KEYS = ('steady_tick', 'overlap_grad_reduce', 'overlap_param_gather')
 LAYOUTS = [
     # m < p, m not a multiple of p, dropout on; the steady tick (its edges: most of the table)
@@ -47,7 +50,7 @@ LAYOUTS = [
     (2, 2, 2, 1, 4, 'zbh1', DROPOUT),  # the last chunk's B runs its forward: same masks
     (2, 2, 2, 2, 4, 'interleaved', dict(sequence_parallel=True, **OVERLAP)),
     (2, 2, 2, 1, 4, '1f1b', OVERLAP),
-    (2, 2, 2, 2, 4, 'interleaved', GATHER),
+    (2, 2, 2, 2, 4, 'interleaved', {**GATHER, **OFFLOAD}),
 ]
 # Their train steps' losses, step after step (the optimizer's update under stage x data, ZeRO
 # included): test_resume.py's two layout cases run 5 steps each after the restore under
@@ -62,6 +65,7 @@ def _name(layout):
         + ('-steady' if model.get('steady_tick') else '')
         + ('-overlap_grad_reduce' if model.get('overlap_grad_reduce') else '')
         + ('-overlap_param_gather' if model.get('overlap_param_gather') else '')
+        + ('-offload' if model.get('remat_offload') else '')
     )
     return f'd{data}s{stage}t{tensor}v{repeats}m{micro}-{schedule}{extra}'
 

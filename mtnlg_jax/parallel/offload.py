@@ -31,11 +31,13 @@ def hosted(forward, *args):
 
 
 def buffer(slot_count, shape, dtype, fill, host):
-    """A residual's slots: on the device, or in host memory with one spare slot, left
-    unwritten (a filled one is filled on the GPU and copied over whole, each step)."""
+    """A residual's slots: on the device, or in host memory with one spare slot. A host
+    buffer is a host scalar broadcast, which XLA:GPU allocates in host memory unwritten, laid
+    out as its sharding propagates (a buffer filled on the GPU would be copied over whole each
+    step; lax.empty's allocation is not sharded)."""
     if not host:
         return jnp.full((slot_count, *shape), fill, dtype)
-    return jax.device_put(jax.lax.empty((slot_count + 1, *shape), dtype), HOST)
+    return jax.lax.broadcast(jax.device_put(jnp.zeros((), dtype), HOST), (slot_count + 1, *shape))
 
 
 def write(buffer, slot, ran, value, host):
