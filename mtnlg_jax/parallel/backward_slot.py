@@ -41,11 +41,11 @@ from mtnlg_jax.parallel.branches import (
 from mtnlg_jax.parallel.slots import add, add_unless, read, write
 
 
-def backward(stage, bwd, sums, stash, resids, grad_buf, tap_bufs):
+def backward(stage, bwd, sums, stash, resids, grad_buf, tap_bufs, fetched=None):
     """One chunk's backward (branches.Backward) through the VJP its forward kept; the last
     chunk runs its forward here, then final norm, head and loss, whose gradient starts the
     VJP. Without gradients: the last chunk's loss only. Returns (sums, dx, tap_bufs)."""
-    h, g, kept = slot_inputs(stage, bwd, stash, resids, grad_buf)
+    h, g, kept = slot_inputs(stage, bwd, stash, resids, grad_buf, fetched)
     if not stage.with_grads:
         with jax.named_scope(EVAL), jax.named_scope(LAST):
             return *jax.lax.cond(
@@ -60,11 +60,16 @@ def backward(stage, bwd, sums, stash, resids, grad_buf, tap_bufs):
     return backward_chunks(stage, bwd, sums, h, g, kept)
 
 
-def slot_inputs(stage, bwd, stash, resids, grad_buf):
+def slot_inputs(stage, bwd, stash, resids, grad_buf, fetched=None):
     """(the last chunk's stashed input, the output's gradient, the residuals) a backward
     slot reads: the slot's residuals read here, since a conditional handed the whole
-    buffers would copy them (XLA:CPU does); a slice is what the branch needs."""
-    kept = [offload.read(b, bwd.resid_slot, host) for b, host in zip(resids, stage.hosted)]
+    buffers would copy them (XLA:CPU does); a slice is what the branch needs. fetched:
+    offload.fetch's residuals already read from host buffers (None: read here)."""
+    fetched = fetched or [None] * len(resids)
+    kept = [
+        offload.read(b, bwd.resid_slot, host) if f is None else f
+        for b, f, host in zip(resids, fetched, stage.hosted)
+    ]
     return stash[bwd.slot], grad_buf[bwd.grad_slot], kept
 
 
@@ -141,12 +146,12 @@ def add_chunk(stage, acc, d_chunk):
     return taps.add_weight_grads(acc, stage.sites, tapped)
 
 
-def backward_input(stage, bwd, slot, sums, stash, resids, grad_buf, tap_bufs):
+def backward_input(stage, bwd, slot, sums, stash, resids, grad_buf, tap_bufs, fetched=None):
     """A split backward's B (one chunk a stage): the whole backward through the VJP its
     forward kept, but for the tapped kernels' gradients: every other gradient added to
     sums, the chunk's taps (each kernel matmul's x and dy, taps.py) written into
     tap_bufs[slot] for W. Returns (sums, the input's gradient, tap_bufs)."""
-    h, g, kept = slot_inputs(stage, bwd, stash, resids, grad_buf)
+    h, g, kept = slot_inputs(stage, bwd, stash, resids, grad_buf, fetched)
     chunks = backward_one_chunk if len(stage.chunks) == 1 else backward_chunks
     sums, dx, tapped = chunks(stage, bwd, sums, h, g, kept, BACKWARD_INPUT)
     ran = bwd.kind != SLOT_IDLE

@@ -48,12 +48,20 @@ def write(buffer, slot, ran, value, host):
     return jax.lax.dynamic_update_index_in_dim(buffer, jax.device_put(value, HOST), slot, 0)
 
 
-def read_from(hosted, before, after):
-    """The residual buffers a tick's backward reads: a host buffer as it was before the
-    tick's forward wrote to it (the slot a backward reads is never the one its tick's
-    forward writes: schedule.py frees a slot the tick after its backward), so that its copy
-    back starts with the tick and runs beside the forward, not after the forward's write."""
-    return [b if host else a for b, a, host in zip(before, after, hosted)]
+def fetch(hosted, resids, slot):
+    """A tick's backward residuals from its host buffers, read as the tick starts: (their
+    device copies, None for a device buffer; the buffers). The slot a backward reads is never
+    the one its tick's forward writes (schedule.py frees a slot the tick after its
+    backward), so the copies back run beside the forward; the barrier orders the reads
+    before the forward's write, which then updates each buffer in place (without it XLA
+    copies the whole buffer each tick to keep the version read)."""
+    if not any(hosted):
+        return [None] * len(resids), resids
+    fetched = [read(b, slot, True) if host else None for b, host in zip(resids, hosted)]
+    on_host = [b for b, host in zip(resids, hosted) if host]
+    fetched, on_host = jax.lax.optimization_barrier((fetched, on_host))
+    on_host = iter(on_host)
+    return fetched, [next(on_host) if host else b for b, host in zip(resids, hosted)]
 
 
 def read(buffer, slot, host):

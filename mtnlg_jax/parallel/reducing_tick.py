@@ -23,12 +23,11 @@ def tick(stage, carry, xs):
     row = jax.tree.map(lambda a: a[stage.index], columns)
     branch, chunk, layer = (a[stage.index] for a in reduce_columns)
     stash, grad_buf = tick_by_slot.receive(stage, row, act_in, grad_in, stash, grad_buf)
-    before = resids
+    bwd = row.backward
+    fetched, resids = offload.fetch(stage.hosted, resids, bwd.resid_slot)
     y, resids, values = tick_by_slot.forward(stage, row.forward, stash, resids)
     sums = (*sums[:3], stage.combine(sums[3], values))
-    bwd = row.backward
-    read_from = offload.read_from(stage.hosted, before, resids)
-    h, g, kept = backward_slot.slot_inputs(stage, bwd, stash, read_from, grad_buf)
+    h, g, kept = backward_slot.slot_inputs(stage, bwd, stash, resids, grad_buf, fetched)
     idle = lambda: (stage.without_taps(stage.no_gradients()), grad_reduce.no_piece(shards))  # noqa: E731
     with jax.named_scope(BACKWARD):
         grads, piece = jax.lax.cond(

@@ -50,18 +50,17 @@ def tick(stage, carry, columns):
     act_in, grad_in, stash, resids, grad_buf, tap_bufs, sums = carry
     row = jax.tree.map(lambda a: a[stage.index], columns)
     stash, grad_buf = receive(stage, row, act_in, grad_in, stash, grad_buf)
-    before = resids
+    fetched, resids = offload.fetch(stage.hosted, resids, row.backward.resid_slot)
     y, resids, values = forward(stage, row.forward, stash, resids)
     sums = (*sums[:3], stage.combine(sums[3], values))  # the forward's side values
-    read_from = offload.read_from(stage.hosted, before, resids)
     if row.weights is None or not stage.with_grads:
         sums, dx, tap_bufs = backward_slot.backward(
-            stage, row.backward, sums, stash, read_from, grad_buf, tap_bufs
+            stage, row.backward, sums, stash, resids, grad_buf, tap_bufs, fetched
         )
     else:  # a split backward: B, then W (which may be another micro-batch's)
         slot = row.weights.b_tap_slot
         sums, dx, tap_bufs = backward_slot.backward_input(
-            stage, row.backward, slot, sums, stash, read_from, grad_buf, tap_bufs
+            stage, row.backward, slot, sums, stash, resids, grad_buf, tap_bufs, fetched
         )
         sums = backward_slot.weights(stage, row.weights, sums, tap_bufs)
     act_in, grad_in = send(stage, y, dx)
