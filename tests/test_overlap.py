@@ -318,7 +318,9 @@ def test_the_same_module_without_host_memory_replays_as_before():
 def test_a_slot_written_to_host_costs_its_update_and_a_synchronous_copy_is_exposed_whole():
     """A row written into the host buffer by an async dynamic-update-slice fusion awaited at
     once (4,000 bytes: 4 ms exposed, not the buffer's 40 ms), then a synchronous copy of a
-    row to host memory (4 ms, exposed whole), queued on the same host stream."""
+    row to host memory (4 ms, exposed whole), queued on the same host stream; a buffer XLA
+    allocates in host memory (AllocateBuffer: the engine's slots, parallel/offload.py) moves
+    nothing."""
     text = (
         HEADER
         + """
@@ -330,14 +332,15 @@ def test_a_slot_written_to_host_costs_its_update_and_a_synchronous_copy_is_expos
   ROOT %dus = f32[10,1000]{1,0:S(5)} dynamic-update-slice(%p0, %p1, %p2, %zero)
 }
 
-ENTRY %main (h: f32[10,1000], r: f32[1,1000], i: s32[]) -> (f32[10,1000], f32[1,1000]) {
+ENTRY %main (h: f32[10,1000], r: f32[1,1000], i: s32[]) -> (f32[10,1000], f32[1,1000], f32[10,1000]) {
   %h = f32[10,1000]{1,0:S(5)} parameter(0)
   %r = f32[1,1000]{1,0} parameter(1)
   %i = s32[] parameter(2)
   %uss = ((f32[10,1000]{1,0:S(5)}, f32[1,1000]{1,0}, s32[]), f32[10,1000]{1,0:S(5)}, u32[]) fusion-start(%h, %r, %i), kind=kLoop, calls=%wrapped_update
   %usd = f32[10,1000]{1,0:S(5)} fusion-done(%uss)
   %c = f32[1,1000]{1,0:S(5)} copy(%r)
-  ROOT %out = (f32[10,1000]{1,0:S(5)}, f32[1,1000]{1,0:S(5)}) tuple(%usd, %c)
+  %a = f32[10,1000]{1,0:S(5)} custom-call(), custom_call_target="AllocateBuffer"
+  ROOT %out = (f32[10,1000]{1,0:S(5)}, f32[1,1000]{1,0:S(5)}, f32[10,1000]{1,0:S(5)}) tuple(%usd, %c, %a)
 }
 """
     )

@@ -62,6 +62,7 @@ _SLICING = frozenset(('dynamic-slice', 'dynamic-update-slice', 'slice', 'gather'
                       'concatenate', 'pad'))  # fmt: skip
 _LAYOUT = frozenset(('parameter', 'bitcast', 'reshape', 'constant', 'tuple', 'get-tuple-element'))
 _HOST_MEMORY = re.compile(r'\{[^{}]*:[^{}]*\bS\(5\)')  # a layout in pinned host memory
+_ALLOCATION = 'custom_call_target="AllocateBuffer"'  # memory, nothing written to it
 
 
 class Target:
@@ -198,7 +199,7 @@ class Replay:
 
     def instruction_seconds(self, instruction, types, computation):
         """Roofline time of one non-collective instruction, callees included."""
-        if instruction.opcode in _FREE:
+        if instruction.opcode in _FREE or _ALLOCATION in instruction.rest:
             return 0.0
         callees = instruction.callees()
         if instruction.opcode in _CALLS:
@@ -286,6 +287,8 @@ class Replay:
         if self.target is None or not self.target.host_bandwidth:
             return None
         if instruction.opcode in _FREE | _CALLS or instruction.opcode.endswith('-done'):
+            return None
+        if _ALLOCATION in instruction.rest:  # a buffer allocated in host memory: no bytes
             return None
         operand_types = [types.get(name, '') for name in _operand_names(instruction)]
         result_type = instruction.type_text
