@@ -27,7 +27,7 @@ import functools
 
 import jax
 
-from mtnlg_jax.parallel import chained, offload, taps
+from mtnlg_jax.parallel import chained, taps
 from mtnlg_jax.parallel.branches import (
     ACCUMULATE,
     BACKWARD,
@@ -64,12 +64,8 @@ def slot_inputs(stage, bwd, stash, resids, grad_buf, fetched=None):
     """(the last chunk's stashed input, the output's gradient, the residuals) a backward
     slot reads: the slot's residuals read here, since a conditional handed the whole
     buffers would copy them (XLA:CPU does); a slice is what the branch needs. fetched:
-    offload.fetch's residuals already read from host buffers (None: read here)."""
-    fetched = fetched or [None] * len(resids)
-    kept = [
-        offload.read(b, bwd.resid_slot, host) if f is None else f
-        for b, f, host in zip(resids, fetched, stage.hosted)
-    ]
+    offload.Slots.fetch's, read from host buffers as the tick started (None: read here)."""
+    kept = stage.residual_slots.read(resids, bwd.resid_slot, fetched)
     return stash[bwd.slot], grad_buf[bwd.grad_slot], kept
 
 

@@ -263,12 +263,12 @@ def run_table(
             stage_fns, chunks, shared, batch, table, bubble_fill, stage_layers, unroll,
             handoff_axes,
         )  # fmt: skip
-        kept_shapes, pair_index = [], None
+        pair_index = None
         if with_grads:
-            stage, kept_shapes, pair_index = _for_gradients(
+            stage, pair_index = _for_gradients(
                 stage, table, steady_tick, fused_accumulation, grad_layouts
             )
-        return scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index, warm)
+        return scan_ticks(stage, table, bubble_fill, pair_index, warm)
 
     return _over_stages(per_stage, params, shared, batch, stage_fns, with_grads)
 
@@ -340,12 +340,14 @@ def _for_gradients(stage, table, steady, fused_accumulation, grad_layouts):
         stage = dataclasses.replace(stage, sites=sites, fused=fused)
     first = functools.partial(stage.forward_with_residuals, repeat=0)  # chunk 0, static
     kept_shapes, layout = probe_layout(first, chunk, zero, stage.fill, zero)
-    stage = dataclasses.replace(stage, layout=layout, hosted=(False,) * len(kept_shapes))
+    hosted = (False,) * len(kept_shapes)
     if stage.fns.offload:  # which residuals model.remat_offload's names leave
         offloading = functools.partial(first, offload=True)
         hosted = offload.hosted(offloading, chunk, zero, stage.fill, zero)
         assert len(hosted) == len(kept_shapes), 'the offloading policy kept another layout'
-        stage = dataclasses.replace(stage, hosted=hosted)
+    stage = dataclasses.replace(
+        stage, layout=layout, residual_slots=offload.Slots(kept_shapes, hosted)
+    )
     pair_index = None
     if grad_layouts is not None:
         reduce = grad_reduce.plan(table, stage.per_chunk)
@@ -354,7 +356,7 @@ def _for_gradients(stage, table, steady, fused_accumulation, grad_layouts):
     elif steady:
         keys, pair_index = steady_pairs(table)
         stage = dataclasses.replace(stage, pairs=keys)
-    return stage, kept_shapes, pair_index
+    return stage, pair_index
 
 
 def _over_stages(per_stage, params, shared, batch, stage_fns, with_grads):
@@ -380,7 +382,7 @@ def _over_stages(per_stage, params, shared, batch, stage_fns, with_grads):
     return loss, count, {**shared_grads, 'blocks': block_grads}, values
 
 
-def scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index=None, warm=None):
+def scan_ticks(stage, table, bubble_fill, pair_index=None, warm=None):
     """The scan over the table's ticks on one stage; (loss, side values) or (loss, side
     values, fp32 block grads in stored form, fp32 shared grads), the loss and the values
     combined over 'stage', the shared grads this stage's own share (stacked over 'stage'
@@ -388,15 +390,15 @@ def scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index=None, warm=Non
     branch of each slot pair (branches.steady_pairs), or None; warm: a Warm, whose gathering
     ticks scan first (the stage's chunks all chunk 0 until then), or None."""
     rows, seq, hidden = stage.fill.shape
+    residual_slots = stage.residual_slots or offload.Slots([], ())  # none without gradients
 
     def buffer(slots):
         return constrain(
             jnp.full((slots, rows, seq, hidden), bubble_fill, stage.fill.dtype), stage.handoff_axes
         )
 
-    def residual_buffer(r, host):  # a slot per micro-batch in flight
-        fill = bubble_fill if jnp.issubdtype(r.dtype, jnp.floating) else 0
-        return offload.buffer(table.resid_slots, r.shape, r.dtype, fill, host)
+    def fill(dtype):  # a residual slot's before its first write
+        return bubble_fill if jnp.issubdtype(dtype, jnp.floating) else 0
 
     zeros32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)  # noqa: E731
     declared = stage.fns.values
@@ -413,7 +415,7 @@ def scan_ticks(stage, table, kept_shapes, bubble_fill, pair_index=None, warm=Non
         arrived,
         arrived,
         buffer(table.stash_slots),
-        [residual_buffer(r, host) for r, host in zip(kept_shapes, stage.hosted)],
+        residual_slots.buffers(table.resid_slots, fill),  # a slot a micro-batch in flight
         buffer(table.grad_slots),
         taps.hold([tuple(map(tap_buffer, s.arrays())) for s in sites], sites)
         or chained.scratch(stage),

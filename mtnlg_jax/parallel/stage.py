@@ -67,7 +67,8 @@ class Stage:
     prepared: Any = None  # fns.prepare of each chunk, made once a step (None: no prepare)
     # pipeline.overlap_grad_reduce: (grad_reduce.Plan, the block leaves' zero.ShardLayouts)
     reduce: Any = None
-    hosted: tuple = ()  # with gradients: which kept residuals live in host memory (offload.py)
+    # with gradients: where the kept residuals wait (offload.Slots: on the device or the host)
+    residual_slots: Any = None
 
     def with_chunks(self, chunks):
         """This stage on `chunks` (fns.prepare made of each once)."""
@@ -174,10 +175,11 @@ class Stage:
         assert layout[1] == self.layout[1], 'a forward kept another layout'
         return out, kept
 
-    def idle_forward(self, resids):
+    def idle_forward(self):
         """An idle forward's ((the fill, the identities), zero residuals)."""
         no_values = side.identities(self.fns.values)
-        return (self.fill, no_values), [jnp.zeros(b.shape[1:], b.dtype) for b in resids]
+        zeros = [] if self.residual_slots is None else self.residual_slots.zeros()
+        return (self.fill, no_values), zeros
 
     def without_taps(self, grads):
         """pull_back's tuple with None at the tapped kernels (split: W computes those), so a

@@ -52,7 +52,7 @@ def pair(stage, key, fwd, bwd, x, h, g, kept, resids):
     """A steady branch: ((y, side values), the forward's residuals, pull_back's tuple) of
     key's forward (chunk f, -1: idle) and backward (chunk b, the head's when `last`)."""
     f, b, last = key
-    out = stage.idle_forward(resids) if f < 0 else stage.forward_chunk(stage.chunks[f], f, fwd, x)
+    out = stage.idle_forward() if f < 0 else stage.forward_chunk(stage.chunks[f], f, fwd, x)
     d_values = side.cotangents(stage.fns.values)
     if b < 0:
         grads = stage.no_gradients()

@@ -39,7 +39,7 @@ the reducing tick's carries the ZeRO shards after them.
 import jax
 import jax.numpy as jnp
 
-from mtnlg_jax.parallel import backward_slot, offload
+from mtnlg_jax.parallel import backward_slot
 from mtnlg_jax.parallel.branches import FORWARD, SLOT_IDLE, SLOT_LAST
 from mtnlg_jax.parallel.rules import STAGE_AXIS, constrain
 from mtnlg_jax.parallel.slots import write
@@ -50,7 +50,7 @@ def tick(stage, carry, columns):
     act_in, grad_in, stash, resids, grad_buf, tap_bufs, sums = carry
     row = jax.tree.map(lambda a: a[stage.index], columns)
     stash, grad_buf = receive(stage, row, act_in, grad_in, stash, grad_buf)
-    fetched, resids = offload.fetch(stage.hosted, resids, row.backward.resid_slot)
+    fetched, resids = stage.residual_slots.fetch(resids, row.backward.resid_slot)
     y, resids, values = forward(stage, row.forward, stash, resids)
     sums = (*sums[:3], stage.combine(sums[3], values))  # the forward's side values
     if row.weights is None or not stage.with_grads:
@@ -81,7 +81,7 @@ def forward(stage, fwd, stash, resids, pick=None):
         return stage.on_chunk(fwd.repeat, run_chunk)
 
     def idle():
-        return stage.idle_forward(resids)
+        return stage.idle_forward()
 
     with jax.named_scope(FORWARD):
         if pick is None:
@@ -96,7 +96,7 @@ def forward(stage, fwd, stash, resids, pick=None):
 
 def written(stage, resids, slot, ran, kept):
     """The residual buffers with a forward's kept residuals in `slot` where it ran."""
-    return [offload.write(b, slot, ran, r, host) for b, r, host in zip(resids, kept, stage.hosted)]
+    return stage.residual_slots.write(resids, slot, ran, kept)
 
 
 def receive(stage, row, act_in, grad_in, stash, grad_buf):
