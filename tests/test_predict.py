@@ -300,3 +300,15 @@ def test_the_grouped_kernels_rows_cost_their_measured_speed_where_it_runs(
     rate = predict.FIGURES['h100-80gb'].matmul_efficiency * 989e12
     extra = flops * padding / tensor / rate * (1 / 0.59 - 1) * micro * model.num_layers
     assert slow - dense == pytest.approx(3 * extra if kernel else 0.0, rel=1e-6, abs=1e-12)
+
+
+def test_the_wait_for_host_memory_a_replay_measured_is_charged_whole():
+    """model.remat_offload's transfers have no analytic term: what a GPU compile's replay
+    says the step waits for them (report.predict_with_overlap's host_s) is added as it is."""
+    config = support.small_config(stage=2, tensor=2, micro_steps=4)
+    h100 = clusters.CLUSTERS['h100-80gb']
+    without = predict.step_time(config, h100)
+    waiting = predict.step_time(config, h100, host_s=0.25)
+    assert waiting['predicted_step_s'] == pytest.approx(without['predicted_step_s'] + 0.25)
+    assert waiting['host_s'] == 0.25 and without['host_s'] == 0.0
+    assert waiting['mfu'] < without['mfu']

@@ -443,14 +443,18 @@ def traffic(config):
     return dict(compute=compute, zero=zero, comm=comm.comm_bytes_per_device(config))
 
 
-def step_time(config, cluster, figures=None, semantics='ours', overlap=None, counts=None):
+def step_time(
+    config, cluster, figures=None, semantics='ours', overlap=None, counts=None, host_s=0.0
+):
     """The predicted step of a resolved config on `cluster` (clusters.Cluster), as a dict of
     seconds (predicted_step_s and its parts), TFLOP/s per GPU and MFU.
 
     figures: an Efficiency (default: FIGURES[cluster.name]); semantics: 'ours' or
     'megatron' (module docstring); overlap: {(kind, axis): share of its bytes hidden behind
     computation}, from a GPU compile's overlap table (default: the documented rule, nothing
-    hidden); counts: `traffic(config)`, when the caller has it."""
+    hidden); counts: `traffic(config)`, when the caller has it; host_s: what the step waits
+    for its transfers to and from host memory (model.remat_offload), from a GPU compile's
+    replay (the analytic parts have no term for them)."""
     figures = figures or FIGURES[cluster.name]
     overlap = overlap or {}
     counts = counts or traffic(config)
@@ -506,7 +510,7 @@ def step_time(config, cluster, figures=None, semantics='ours', overlap=None, cou
     handoffs = pipeline_s - busy if engine.pipelined else 0.0
     table = engine.table(train.micro_steps)
     pipeline_comm_s = handoff * (table.ticks if table is not None else 0)
-    total = pipeline_s + data_s + stage_s + optimizer_s
+    total = pipeline_s + data_s + stage_s + optimizer_s + host_s
     peak = cluster.peak_tflops[model.compute_dtype] * 1e12
     model_flops = arithmetic.model_flops_per_step(config) / devices
     return dict(
@@ -523,6 +527,7 @@ def step_time(config, cluster, figures=None, semantics='ours', overlap=None, cou
         data_comm_s=data_s,
         stage_comm_s=stage_s,
         optimizer_s=optimizer_s,
+        host_s=host_s,
         tflops_per_gpu=flops / total / 1e12,
         mfu=model_flops / total / peak,
         semantics=semantics,

@@ -13,6 +13,11 @@ def _gib(n):
     return ('-' if n < 0 else '') + footprint.format_bytes(abs(n))
 
 
+def host_part(step):
+    """The predicted line's wait for host memory (offloaded activations), where there is one."""
+    return f' + host {step["host_s"]:.3f}' if step.get('host_s') else ''
+
+
 def predicted_line(step):
     """One line of plan/predict.py's step: the total and its parts."""
     return (
@@ -23,8 +28,8 @@ def predicted_line(step):
         f'+ pipeline '
         f'{step["pipeline_comm_s"]:.3f} + bubble {step["bubble_s"]:.3f} + data '
         f'{step["data_comm_s"] + step["stage_comm_s"]:.3f} + optimizer '
-        f'{step["optimizer_s"]:.3f}; {step["tflops_per_gpu"]:.1f} TFLOP/s per GPU, MFU '
-        f'{100 * step["mfu"]:.1f} % ({step["efficiency"]["source"]}; docs/planner.md)'
+        f'{step["optimizer_s"]:.3f}{host_part(step)}; {step["tflops_per_gpu"]:.1f} TFLOP/s per '
+        f'GPU, MFU {100 * step["mfu"]:.1f} % ({step["efficiency"]["source"]}; docs/planner.md)'
     )
 
 

@@ -250,11 +250,15 @@ def overlap_shares(table):
 
 def predict_with_overlap(plan, config, target):
     """The cluster's predicted step again, what each collective hides taken from the GPU
-    compile's overlap table instead of the documented rule (nothing hidden)."""
+    compile's overlap table instead of the documented rule (nothing hidden), and what its
+    replay waits for the host link charged."""
     if plan.get('cluster', {}).get('cluster') != target:
         return
-    shares = overlap_shares(plan['compiled']['overlap']['table'])
-    step = predict.step_time(config, clusters.CLUSTERS[target], overlap=shares)
+    over = plan['compiled']['overlap']
+    host_s = over.get('host', {}).get('exposed_s', 0.0)  # the offloaded activations' wait
+    step = predict.step_time(
+        config, clusters.CLUSTERS[target], overlap=overlap_shares(over['table']), host_s=host_s
+    )
     plan['cluster'].update(
         predicted_step_s_rule=plan['cluster']['predicted_step_s'],
         predicted_step_s=step['predicted_step_s'],
