@@ -65,11 +65,11 @@ def test_recompute_names_are_checked_naming_the_key(remat, names, says):
 
 # model.remat_offload: SwiGLU's / GeLU's MLP input held in host memory. Unpipelined, JAX's
 # offloading policy moves it; through the 1F1B table, the engine moves its residual slots
-# (parallel/offload.py); interleaved and ZB-H1 tables reach the same write and read.
+# (parallel/offload.py), read by a whole backward (1f1b) or by B of a split one (zbh1); the
+# reducing and gathering ticks: test_pipeline.py's interleaved layout with the key.
 OFFLOADED = {
     'unpipelined': dict(),
     '1f1b': dict(stage=2, micro_steps=4),
-    'interleaved': dict(stage=2, micro_steps=4, repeats=2, num_layers=4, schedule='interleaved'),
     'zbh1': dict(stage=2, micro_steps=4, schedule='zbh1'),
 }
 
