@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 
 from mtnlg_jax.parallel import slots
-from mtnlg_jax.parallel.branches import BACKWARD, FORWARD
 
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
 
@@ -74,19 +73,14 @@ class Slots:
         return [jnp.zeros(s.shape, s.dtype) for s in self.shapes]
 
     def write(self, buffers, slot, ran, kept):
-        """The buffers with `kept` in `slot` where `ran` (a host group's write skipped
-        otherwise, under a conditional whose other branch hands the buffer through)."""
+        """The buffers with `kept` in `slot` where `ran` (a host group's idle write: the
+        spare slot)."""
         device, host = buffers[: len(self.device)], buffers[len(self.device) :]
         device = [slots.write(b, slot, ran, kept[i]) for b, i in zip(device, self.device)]
         for k, (b, g) in enumerate(zip(host, self.groups)):
-            stacked = jnp.stack([kept[i] for i in g])
-
-            def move(b, stacked=stacked):
-                moved = jax.device_put(stacked, HOST)
-                return jax.lax.dynamic_update_index_in_dim(b, moved, slot, 0)
-
-            with jax.named_scope(FORWARD):  # weighed as the forward's slot (plan/lockstep.py)
-                host[k] = jax.lax.cond(jnp.logical_not(ran), lambda b: b, move, b)
+            where = jnp.where(ran, slot, b.shape[0] - 1)
+            moved = jax.device_put(jnp.stack([kept[i] for i in g]), HOST)
+            host[k] = jax.lax.dynamic_update_index_in_dim(b, moved, where, 0)
         return device + host
 
     def read(self, buffers, slot, fetched=None):
@@ -100,33 +94,22 @@ class Slots:
                 kept[i] = values[k]
         return kept
 
-    def fetch(self, buffers, slot, idle):
-        """(A tick's backward residuals from the host groups, read as the tick starts, zeros
-        where the backward is `idle`; the buffers). The slot a backward reads is never the
-        one its tick's forward writes (schedule.py frees a slot the tick after its backward),
-        so the copies back run
+    def fetch(self, buffers, slot):
+        """(A tick's backward residuals from the host groups, read as the tick starts; the
+        buffers). The slot a backward reads is never the one its tick's forward writes
+        (schedule.py frees a slot the tick after its backward), so the copies back run
         beside the forward; the barrier orders the reads before the forward's write, which
         then updates each buffer in place (without it XLA copies the whole buffer each tick
         to keep the version read)."""
         if not self.groups:
             return None, buffers
         device, host = buffers[: len(self.device)], buffers[len(self.device) :]
-        fetched = self._fetched(buffers, slot, idle)
-        fetched, host = jax.lax.optimization_barrier((fetched, host))
+        fetched, host = jax.lax.optimization_barrier((self._fetched(buffers, slot), host))
         return fetched, device + list(host)
 
-    def _fetched(self, buffers, slot, idle=None):
+    def _fetched(self, buffers, slot):
         host = buffers[len(self.device) :]
-        fetched = []
-        for b in host:
-            fetch = lambda b=b: jax.device_put(slots.read(b, slot), DEVICE)  # noqa: E731
-            zeros = lambda b=b: jnp.zeros(b.shape[1:], b.dtype)  # noqa: E731
-            if idle is None:
-                fetched.append(fetch())
-                continue
-            with jax.named_scope(BACKWARD):  # weighed as the backward's slot
-                fetched.append(jax.lax.cond(idle, zeros, fetch))
-        return fetched
+        return [jax.device_put(slots.read(b, slot), DEVICE) for b in host]
 
 
 # XLA:GPU of jaxlib 0.10.2 aborts in its analytical latency estimator on a step that moves

@@ -390,8 +390,7 @@ def scan_ticks(stage, table, bubble_fill, pair_index=None, warm=None):
     branch of each slot pair (branches.steady_pairs), or None; warm: a Warm, whose gathering
     ticks scan first (the stage's chunks all chunk 0 until then), or None."""
     rows, seq, hidden = stage.fill.shape
-    if stage.residual_slots is None:  # without gradients: no residuals
-        stage = dataclasses.replace(stage, residual_slots=offload.Slots([], ()))
+    residual_slots = stage.residual_slots or offload.Slots([], ())  # none without gradients
 
     def buffer(slots):
         return constrain(
@@ -416,7 +415,7 @@ def scan_ticks(stage, table, bubble_fill, pair_index=None, warm=None):
         arrived,
         arrived,
         buffer(table.stash_slots),
-        stage.residual_slots.buffers(table.resid_slots, fill),  # a slot a micro-batch in flight
+        residual_slots.buffers(table.resid_slots, fill),  # a slot a micro-batch in flight
         buffer(table.grad_slots),
         taps.hold([tuple(map(tap_buffer, s.arrays())) for s in sites], sites)
         or chained.scratch(stage),

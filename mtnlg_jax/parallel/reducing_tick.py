@@ -24,7 +24,7 @@ def tick(stage, carry, xs):
     branch, chunk, layer = (a[stage.index] for a in reduce_columns)
     stash, grad_buf = tick_by_slot.receive(stage, row, act_in, grad_in, stash, grad_buf)
     bwd = row.backward
-    fetched, resids = stage.residual_slots.fetch(resids, bwd.resid_slot, bwd.kind == SLOT_IDLE)
+    fetched, resids = stage.residual_slots.fetch(resids, bwd.resid_slot)
     y, resids, values = tick_by_slot.forward(stage, row.forward, stash, resids)
     sums = (*sums[:3], stage.combine(sums[3], values))
     h, g, kept = backward_slot.slot_inputs(stage, bwd, stash, resids, grad_buf, fetched)

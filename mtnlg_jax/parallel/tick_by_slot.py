@@ -50,8 +50,7 @@ def tick(stage, carry, columns):
     act_in, grad_in, stash, resids, grad_buf, tap_bufs, sums = carry
     row = jax.tree.map(lambda a: a[stage.index], columns)
     stash, grad_buf = receive(stage, row, act_in, grad_in, stash, grad_buf)
-    bwd = row.backward
-    fetched, resids = stage.residual_slots.fetch(resids, bwd.resid_slot, bwd.kind == SLOT_IDLE)
+    fetched, resids = stage.residual_slots.fetch(resids, row.backward.resid_slot)
     y, resids, values = forward(stage, row.forward, stash, resids)
     sums = (*sums[:3], stage.combine(sums[3], values))  # the forward's side values
     if row.weights is None or not stage.with_grads:
