@@ -352,6 +352,26 @@ ENTRY %main (h: f32[10,1000], r: f32[1,1000], i: s32[]) -> (f32[10,1000], f32[1,
     assert result['compute_s'] == pytest.approx(0.0)
 
 
+def test_a_row_fetched_and_a_row_written_share_no_stream():
+    """PCIe is full duplex: a fetch from the host and a write to it started together both
+    arrive 4 ms later (a stream each way), not one after the other."""
+    text = FETCH_AWAITED.replace(
+        '  %dsd = f32[1,1000]{1,0} fusion-done(%dss)\n',
+        '  %cs = (f32[1,1000]{1,0:S(5)}, f32[1,1000]{1,0}, u32[]) copy-start(%n1)\n'
+        '  %dsd = f32[1,1000]{1,0} fusion-done(%dss)\n'
+        '  %cd = f32[1,1000]{1,0:S(5)} copy-done(%cs)\n',
+    ).replace(
+        '  %n = f32[1000]{0} negate(%v)\n',
+        '  %n = f32[1000]{0} negate(%v)\n  %n1 = f32[1,1000]{1,0} bitcast(%n)\n',
+    )
+    result = overlap.collective_overlap(text, MESH, HOST_TARGET)
+    assert result['host']['to_host_bytes'] == result['host']['from_host_bytes'] == 4000
+    assert result['host']['transfer_s'] == pytest.approx(8e-3)
+    # the fetch waited for from the start, the write (started 8 us later) 8 us more: 4 ms,
+    # where one stream for both would make it 8 ms
+    assert result['host']['exposed_s'] == pytest.approx(4e-3)
+
+
 def test_a_clusters_target_carries_its_host_link():
     from mtnlg_jax.plan import clusters  # noqa: PLC0415
 

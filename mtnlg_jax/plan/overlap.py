@@ -20,10 +20,10 @@ where the compute that needs them waits. The replay walks that order:
 - at a collective's done, the compute stream waits until its bytes have arrived: that wait is
   the collective's exposed time. A synchronous collective is exposed whole.
 - a transfer between device memory and pinned host memory (an operand or result whose layout
-  is in memory space S(5): the pipeline's offloaded activations) runs on a 'host' stream of
-  its own at the target's host_bandwidth (the GPU's PCIe link, one way), queued behind the
-  earlier ones as collectives on a link; to host and from host share that one stream (a
-  simplification: the link is full duplex). An async pair (fusion-start / fusion-done of a
+  is in memory space S(5): the pipeline's offloaded activations) runs on a stream of its
+  own at the target's host_bandwidth (the GPU's PCIe link, one way), queued behind the
+  earlier ones in its direction as collectives on a link: PCIe is full duplex, so the copies
+  to the host and those back each have a stream. An async pair (fusion-start / fusion-done of a
   dynamic-slice or dynamic-update-slice, copy-start / copy-done) takes what crosses the link,
   the slice read or the update written (Replay.traffic), not the host buffer around it; at its
   done the compute stream waits for it ('exposed host transfers'). A synchronous one (a copy or
@@ -383,8 +383,8 @@ class Replay:
             if op is not None:
                 link, kind = self.link(op, instruction), 'exposed communication'
                 key, seconds = (op['computation'], op['name']), self.wire_seconds(op, link)
-            elif moved is not None:  # to or from host memory: one stream, both ways
-                link, kind = 'host', 'exposed host transfers'
+            elif moved is not None:  # to or from host memory: a stream each way
+                link, kind = 'to host' if moved[0] else 'from host', 'exposed host transfers'
                 key, seconds = (name, instruction.name), sum(moved) / self.target.host_bandwidth
                 self.transfers[key] = (*moved, seconds)
             if op is not None or moved is not None:

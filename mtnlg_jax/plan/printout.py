@@ -276,7 +276,7 @@ def host_lines(host, links):
     return [
         f'  host       offloaded activations: {host["to_host_bytes"] / 1e9:.1f} GB a step to '
         f'host memory and {host["from_host_bytes"] / 1e9:.1f} GB back over the host link '
-        f'({links["host_bytes_per_s"] / 1e9:.0f} GB/s, one stream both ways), '
+        f'({links["host_bytes_per_s"] / 1e9:.0f} GB/s each way), '
         f'{host["transfer_s"]:.2f} s of transfers, {host["exposed_s"]:.3f} s exposed'
     ]
 
