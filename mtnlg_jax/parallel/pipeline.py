@@ -390,7 +390,11 @@ def scan_ticks(stage, table, bubble_fill, pair_index=None, warm=None):
     branch of each slot pair (branches.steady_pairs), or None; warm: a Warm, whose gathering
     ticks scan first (the stage's chunks all chunk 0 until then), or None."""
     rows, seq, hidden = stage.fill.shape
-    residual_slots = stage.residual_slots or offload.Slots([], ())  # none without gradients
+    if stage.residual_slots is None:  # without gradients: no residuals
+        stage = dataclasses.replace(stage, residual_slots=offload.Slots([], ()))
+    # a host group's last forward is written as the next tick starts: the table ends on
+    # backwards, so the last tick's forward keeps nothing
+    assert not stage.residual_slots.groups or (table.fwd_resid_slot[-1] < 0).all()
 
     def buffer(slots):
         return constrain(
@@ -415,7 +419,7 @@ def scan_ticks(stage, table, bubble_fill, pair_index=None, warm=None):
         arrived,
         arrived,
         buffer(table.stash_slots),
-        residual_slots.buffers(table.resid_slots, fill),  # a slot a micro-batch in flight
+        stage.residual_slots.buffers(table.resid_slots, fill),  # a slot a micro-batch in flight
         buffer(table.grad_slots),
         taps.hold([tuple(map(tap_buffer, s.arrays())) for s in sites], sites)
         or chained.scratch(stage),

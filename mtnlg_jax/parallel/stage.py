@@ -178,8 +178,7 @@ class Stage:
     def idle_forward(self):
         """An idle forward's ((the fill, the identities), zero residuals)."""
         no_values = side.identities(self.fns.values)
-        zeros = [] if self.residual_slots is None else self.residual_slots.zeros()
-        return (self.fill, no_values), zeros
+        return (self.fill, no_values), self.residual_slots.zeros()
 
     def without_taps(self, grads):
         """pull_back's tuple with None at the tapped kernels (split: W computes those), so a
