@@ -48,7 +48,6 @@ def tick(stage, plan, views, carry, xs):
     row = jax.tree.map(lambda a: a[stage.index], columns)
     branch, chunk, layer = (a[stage.index] for a in gather_columns)
     stash, grad_buf = tick_by_slot.receive(stage, row, act_in, grad_in, stash, grad_buf)
-    resids = stage.residual_slots.flush(resids)  # the last tick's forward's, to the host
     pick = functools.partial(_pick, plan, views, stage.reduce[1], buffers, branch)
     y, resids, values, piece = tick_by_slot.forward(stage, row.forward, stash, resids, pick)
     tap_bufs, sums, *shards = rest

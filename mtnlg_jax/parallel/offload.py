@@ -1,8 +1,7 @@
 """Residual slots in the host's memory (model.remat_offload): the 1F1B engine's own moves.
 
-    tick t         forward's kept residuals (device) --stack--> pending
-    tick t + 1     pending --DUS--> buffer[slot] (host), beside the tick's work
-    a later tick   buffer[slot] --dynamic slice--> device, as it starts --unstack--> the VJP
+    forward tick   kept residuals (device) --stack--> host --DUS--> buffer[resid_slot]
+    backward tick  buffer[resid_slot] --dynamic slice--> device --unstack--> the VJP
 
 JAX's offloading policy (jax.checkpoint_policies.save_and_offload_only_these_names) moves a
 named output to the host inside the forward's own computation; in this engine that is a
@@ -14,11 +13,9 @@ host buffer asynchronously (dynamic-slice and dynamic-update-slice fusions on th
 stream), which the latency-hiding scheduler overlaps with the tick's work, and the GPU holds
 none of those slots. Residuals alike in shape and dtype share one host buffer, so that a tick
 moves one slice each way (XLA:GPU keeps two such copies in flight: four of SwiGLU's gate and
-up each way a tick left half of them waiting). Both copies of a tick start with it (`fetch`):
-its backward's slice read back, the last tick's forward's written, so that each runs beside a
-whole tick of work (a write after its own forward held a tick with little else to do, at
-the pipeline's ends). An idle forward writes into a spare slot at the buffer's end, so that
-a write needs no read of the slot it keeps (a read would be a copy back).
+up each way a tick left half of them waiting). A tick's backward reads its slice as the tick
+starts (`fetch`), beside the forward. An idle forward writes into a spare slot at the buffer's
+end, so that a write needs no read of the slot it keeps (a read would be a copy back).
 """
 
 import collections
@@ -41,9 +38,8 @@ def hosted(forward, *args):
 class Slots:
     """Where a stage's kept residuals wait between forward and backward: a buffer of slots
     on the device for each residual the GPU keeps (in their order: without offloading, one a
-    residual, as before offloading existed), then for each group of hosted residuals alike
-    in shape and dtype a host buffer with a spare slot, the last forward's residuals stacked
-    on the device and the slot they go to (`pending`: written as the next tick starts)."""
+    residual, as before offloading existed), then one in host memory for each group of
+    hosted residuals alike in shape and dtype, with a spare slot."""
 
     def __init__(self, shapes, hosted):
         self.shapes, self.hosted = list(shapes), tuple(hosted)
@@ -63,13 +59,13 @@ class Slots:
                      self.shapes[i].dtype)
             for i in self.device
         ]  # fmt: skip
-        host = []
-        for g in self.groups:
-            shape, dtype = (len(g), *self.shapes[g[0]].shape), self.shapes[g[0]].dtype
-            buffer = jax.lax.broadcast(
-                jax.device_put(jnp.zeros((), dtype), HOST), (slot_count + 1, *shape)
+        host = [
+            jax.lax.broadcast(
+                jax.device_put(jnp.zeros((), self.shapes[g[0]].dtype), HOST),
+                (slot_count + 1, len(g), *self.shapes[g[0]].shape),
             )
-            host.append((buffer, jnp.zeros(shape, dtype), jnp.int32(slot_count)))  # spare
+            for g in self.groups
+        ]
         return device + host
 
     def zeros(self):
@@ -77,53 +73,43 @@ class Slots:
         return [jnp.zeros(s.shape, s.dtype) for s in self.shapes]
 
     def write(self, buffers, slot, ran, kept):
-        """The buffers with `kept` in `slot` where `ran`: a host group's stacked as pending,
-        for the spare slot where the forward was idle."""
+        """The buffers with `kept` in `slot` where `ran` (a host group's idle write: the
+        spare slot)."""
         device, host = buffers[: len(self.device)], buffers[len(self.device) :]
         device = [slots.write(b, slot, ran, kept[i]) for b, i in zip(device, self.device)]
-        host = [
-            (b, jnp.stack([kept[i] for i in g]), jnp.where(ran, slot, b.shape[0] - 1))
-            for (b, _, _), g in zip(host, self.groups)
-        ]
+        for k, (b, g) in enumerate(zip(host, self.groups)):
+            where = jnp.where(ran, slot, b.shape[0] - 1)
+            moved = jax.device_put(jnp.stack([kept[i] for i in g]), HOST)
+            host[k] = jax.lax.dynamic_update_index_in_dim(b, moved, where, 0)
         return device + host
 
     def read(self, buffers, slot, fetched=None):
-        """The residuals in `slot`, on the device: the device buffers' read here, the host
-        groups' as `fetch` read them."""
+        """The residuals in `slot`, on the device; fetched: `fetch`'s host groups, or None."""
         kept = [None] * len(self.shapes)
         for b, i in zip(buffers, self.device):
             kept[i] = slots.read(b, slot)
-        for values, g in zip(fetched or [], self.groups):
+        fetched = fetched if fetched is not None else self._fetched(buffers, slot)
+        for values, g in zip(fetched, self.groups):
             for k, i in enumerate(g):
                 kept[i] = values[k]
         return kept
 
     def fetch(self, buffers, slot):
-        """As a tick starts: (the host groups' residuals in `slot` for its backward, on the
-        device; the buffers with the last forward's pending residuals written). The copies
-        run beside the tick's forward and backward: the write is not waited for until the
-        next tick's, and a backward reads residuals at least two ticks old (a hop to the
-        next stage and one back), never the pending ones. The barrier orders each read
-        before its buffer's write, which then updates it in place (otherwise XLA copies the
-        whole buffer each tick to keep the version read)."""
+        """(A tick's backward residuals from the host groups, read as the tick starts; the
+        buffers). The slot a backward reads is never the one its tick's forward writes
+        (schedule.py frees a slot the tick after its backward), so the copies back run
+        beside the forward; the barrier orders the reads before the forward's write, which
+        then updates each buffer in place (without it XLA copies the whole buffer each tick
+        to keep the version read)."""
         if not self.groups:
             return None, buffers
         device, host = buffers[: len(self.device)], buffers[len(self.device) :]
-        fetched = [jax.device_put(slots.read(b, slot), DEVICE) for b, _, _ in host]
-        fetched, host = jax.lax.optimization_barrier((fetched, host))
-        return fetched, device + self._flushed(host)
+        fetched, host = jax.lax.optimization_barrier((self._fetched(buffers, slot), host))
+        return fetched, device + list(host)
 
-    def flush(self, buffers):
-        """The buffers with the last forward's pending residuals written (a tick without a
-        backward: the gathering ticks)."""
-        return buffers[: len(self.device)] + self._flushed(buffers[len(self.device) :])
-
-    @staticmethod
-    def _flushed(host):
-        return [
-            (jax.lax.dynamic_update_index_in_dim(b, jax.device_put(p, HOST), at, 0), p, at)
-            for b, p, at in host
-        ]
+    def _fetched(self, buffers, slot):
+        host = buffers[len(self.device) :]
+        return [jax.device_put(slots.read(b, slot), DEVICE) for b in host]
 
 
 # XLA:GPU of jaxlib 0.10.2 aborts in its analytical latency estimator on a step that moves

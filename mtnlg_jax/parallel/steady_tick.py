@@ -29,8 +29,7 @@ def tick(stage, carry, xs):
     stash, grad_buf = tick_by_slot.receive(stage, row, act_in, grad_in, stash, grad_buf)
     fwd, bwd = row.forward, row.backward
     x = read(stash, fwd.slot)
-    fetched, resids = stage.residual_slots.fetch(resids, bwd.resid_slot)
-    h, g, kept = backward_slot.slot_inputs(stage, bwd, stash, resids, grad_buf, fetched)
+    h, g, kept = backward_slot.slot_inputs(stage, bwd, stash, resids, grad_buf)
     branches = [
         functools.partial(pair, stage, key, fwd, bwd, x, h, g, kept, resids) for key in stage.pairs
     ]
