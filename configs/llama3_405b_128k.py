@@ -43,9 +43,7 @@ def get_config():
     config = config_lib.load(str(pathlib.Path(__file__).with_name('llama3_405b.py')))
     config.model.seq_len = SEQ
     # 16 micro-batches a replica: all in flight under any bound, so every projection is kept
-    # on the GPU (71 GiB: the 8K run's host offload not measured here)
     config.model.remat_recompute = ''
-    config.model.remat_offload = ''
     config.pipeline.overlap_grad_reduce = True  # the step's tail: docs/benchmarks.md
     # XLA's scheduler by measured costs (train/pgle.py): its own estimate starts the context
     # reduce-scatter too late here; launch/plan.py --target compiles with the replay's costs
