@@ -37,9 +37,9 @@ def hosted(forward, *args):
 
 class Slots:
     """Where a stage's kept residuals wait between forward and backward: a buffer of slots
-    on the device for each residual the GPU keeps (in their order: without offloading, one a
-    residual, as before offloading existed), then one in host memory for each group of
-    hosted residuals alike in shape and dtype, with a spare slot."""
+    on the device for each residual the GPU keeps, in their order (without offloading, that
+    is all), then one in host memory for each group of hosted residuals alike in shape and
+    dtype, with a spare slot."""
 
     def __init__(self, shapes, hosted):
         self.shapes, self.hosted = list(shapes), tuple(hosted)
