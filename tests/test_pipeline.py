@@ -37,14 +37,15 @@ STEADY = dict(steady_tick=True)  # pipeline.steady_tick: the tick as one switch 
 # 1F1B's one chunk finishes last: all of it after the loop, inside the engine
 OVERLAP = dict(overlap_grad_reduce=True)
 # and pipeline.overlap_param_gather: the blocks' compute copy gathered chunk by chunk in it;
-# there with the MLP's input held in host memory (model.remat_offload, parallel/offload.py):
-# the reducing and gathering ticks' residual slots read before their forward's write
+# there and in the steady tick's layout with the MLP's input held in host memory
+# (model.remat_offload, parallel/offload.py): the reducing and gathering ticks' residual slots
+# read before their forward's write, the steady tick's read before its switch
 GATHER = dict(overlap_grad_reduce=True, overlap_param_gather=True)
 OFFLOAD = dict(remat='selective', remat_offload='mlp_in')
 PIPELINE_KEYS = ('steady_tick', 'overlap_grad_reduce', 'overlap_param_gather')
 LAYOUTS = [
     # m < p, m not a multiple of p, dropout on; the steady tick (its edges: most of the table)
-    (1, 4, 2, 1, 2, '1f1b', {**DROPOUT, **STEADY}),
+    (1, 4, 2, 1, 2, '1f1b', {**DROPOUT, **STEADY, **OFFLOAD}),
     (1, 2, 4, 2, 2, 'interleaved', {}),  # m = p with v > 1; tensor 4 splits the hand-offs
     (2, 2, 2, 2, 4, 'interleaved', dict(sequence_parallel=True)),
     (2, 2, 2, 1, 4, 'zbh1', DROPOUT),  # the last chunk's B runs its forward: same masks
