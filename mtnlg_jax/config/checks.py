@@ -282,14 +282,18 @@ def check_block(model):
 RECOMPUTABLE = ('qkv', 'context', 'attn_out', 'mlp_in', 'mlp_out')  # model/block.py's names
 
 
+def _names(model, key):
+    return tuple(n.strip() for n in model.get(key, '').split(',') if n.strip())
+
+
 def recomputed(model):
     """model.remat_recompute's names, in the order given."""
-    return tuple(n.strip() for n in model.get('remat_recompute', '').split(',') if n.strip())
+    return _names(model, 'remat_recompute')
 
 
 def offloaded(model):
     """model.remat_offload's names, in the order given."""
-    return tuple(n.strip() for n in model.get('remat_offload', '').split(',') if n.strip())
+    return _names(model, 'remat_offload')
 
 
 def _check_recompute(model):

@@ -260,9 +260,8 @@ def apply_block_stack(
     positions: the tokens' positions for rope (None: 0 .. seq - 1); segment_ids: (batch,
     seq) packed documents' ids, or None; used: how many of the stacked blocks are layers (a
     traced int; the rest are a short pipeline stage's padding slots, parallel/stage_order.py),
-    or None for all; recompute, offload: model.remat_recompute's and model.remat_offload's names
-    (remat_policy); order: (batch,
-    seq) the tokens' global positions under context
+    or None for all; recompute, offload: model.remat_recompute's and model.remat_offload's
+    names (remat_policy); order: (batch, seq) the tokens' global positions under context
     parallelism (parallel/context.py), None: 0 .. seq - 1; unroll: the scan unrolled (the
     pipeline's steady tick: its forward's and backward's layers in one computation); weights:
     the blocks' FP8 weights quantized once a step (fp8_sites.quantized_weights, a pipeline

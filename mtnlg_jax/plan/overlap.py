@@ -28,7 +28,7 @@ where the compute that needs them waits. The replay walks that order:
   the slice read or the update written (Replay.traffic), not the host buffer around it; at its
   done the compute stream waits for it ('exposed host transfers'). A synchronous one (a copy or
   fusion touching S(5)) is exposed whole. A target without host_bandwidth prices them as
-  compute, as before;
+  compute;
 - a while loop, a conditional or a call runs as one block of compute whose time is its
   callee's replay (x trip count; a conditional's branches weighted as the inventory weighs
   them); the collectives inside are replayed with their own computation, and everything is
@@ -70,7 +70,7 @@ class Target:
     of FP8 by FP8 runs at `fp8_peak_flops` where the GPU has FP8 tensor cores, any other at
     `peak_flops` (the compute dtype's). `host_bandwidth`: bytes/s one way between a GPU and
     pinned host memory; None prices a transfer to or from host memory as any other
-    instruction (the replay before host transfers had a stream of their own)."""
+    instruction."""
 
     def __init__(self, peak_flops, hbm_bandwidth, nvlink_bandwidth, network_bandwidth,
                  gpus_per_node, fp8_peak_flops=None, host_bandwidth=None):  # fmt: skip
@@ -303,6 +303,10 @@ class Replay:
         written, read = self.traffic(instruction, types, fused[0] if fused else None, result_type)
         return written if to_host else 0, sum(r for r, host in zip(read, from_host) if host)
 
+    def host_seconds(self, moved):
+        """Time on the host link of host_transfer's (bytes to host, bytes from host)."""
+        return sum(moved) / self.target.host_bandwidth
+
     def bytes_of(self, name):
         """Device-memory bytes one run of a computation reads and writes, as the replay prices
         each kernel (bytes_moved), callees x their runs; collectives left out."""
@@ -385,7 +389,7 @@ class Replay:
                 key, seconds = (op['computation'], op['name']), self.wire_seconds(op, link)
             elif moved is not None:  # to or from host memory: a stream each way
                 link, kind = 'to host' if moved[0] else 'from host', 'exposed host transfers'
-                key, seconds = (name, instruction.name), sum(moved) / self.target.host_bandwidth
+                key, seconds = (name, instruction.name), self.host_seconds(moved)
                 self.transfers[key] = (*moved, seconds)
             if op is not None or moved is not None:
                 begin = max(now, link_free[link])

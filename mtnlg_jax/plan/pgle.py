@@ -32,7 +32,7 @@ def costs(replay):
             moved = None if op is not None else replay.host_transfer(instruction, types)
             if moved is not None:  # to or from host memory: its time on the host link
                 if not instruction.opcode.endswith('-done'):
-                    rows.append((instruction.name, sum(moved) / replay.target.host_bandwidth))
+                    rows.append((instruction.name, replay.host_seconds(moved)))
             elif op is not None:
                 if instruction.opcode.endswith('-start') or instruction.opcode == 'async-start':
                     rows.append(

@@ -227,7 +227,7 @@ def gpu_lines(compiled):
     kernels = ', '.join(f'{k} x {n}' for k, n in sorted(attention['kernels'].items()))
     over = compiled['overlap']
     links = over['links']
-    host = over.get('host') or dict(bytes=0)  # plans written before host transfers
+    host = over.get('host') or dict(bytes=0)  # a plan's JSON without host figures
     out = [
         '  attention  '
         + (
