@@ -35,6 +35,7 @@ INTERLEAVED = dict(stage=2, repeats=2, micro_steps=4, schedule='interleaved')
 STEADY = dict(steady_tick=True)
 FUSED = dict(fused_accumulation=True)
 OVERLAP = dict(overlap_grad_reduce=True, overlap_param_gather=True)
+LLAMA = dict(position='rope', norm='rmsnorm', mlp='swiglu', kv_heads=2, bias=False)
 MOE = dict(experts=8, top_k=2, ffn_hidden=32, shared_experts=1, aux_loss_coeff=0.01)
 LAYOUTS = {
     'sequential': dict(data=2, tensor=2),
@@ -61,6 +62,8 @@ LAYOUTS = {
     'fused_interleaved': dict(INTERLEAVED, pipeline=FUSED),
     'overlap_grad_reduce': dict(INTERLEAVED, data=2, pipeline=OVERLAP),
     'unequal': dict(stage=2, micro_steps=4, pipeline=dict(first_stage_layers=1)),
+    # Llama's block (rope, RMSNorm, SwiGLU, grouped queries), its projections named apart
+    'llama_selective': dict(stage=2, tensor=2, micro_steps=4, remat='selective', **LLAMA),
 }
 
 

@@ -63,23 +63,27 @@ def test_recompute_names_are_checked_naming_the_key(remat, names, says):
         support.small_config(remat=remat, remat_recompute=names)  # resolved there
 
 
-# model.remat_offload: SwiGLU's / GeLU's MLP input held in host memory. Unpipelined, JAX's
-# offloading policy moves it; through the 1F1B table, the engine moves its residual slots
+# model.remat_offload: GeLU's MLP input held in host memory, or SwiGLU's gate alone (its up
+# kept on the device: two slot kinds, one of them hosted). Unpipelined, JAX's offloading
+# policy moves it; through the 1F1B table, the engine moves its residual slots
 # (parallel/offload.py), read by a whole backward (1f1b) or by B of a split one (zbh1); the
 # reducing and gathering ticks: test_pipeline.py's interleaved layout with the key.
+SWIGLU = dict(mlp='swiglu', position='rope', bias=False)
 OFFLOADED = {
-    'unpipelined': dict(),
-    '1f1b': dict(stage=2, micro_steps=4),
-    'zbh1': dict(stage=2, micro_steps=4, schedule='zbh1'),
+    'unpipelined': (dict(), 'mlp_in'),
+    '1f1b': (dict(stage=2, micro_steps=4), 'mlp_in'),
+    'zbh1': (dict(stage=2, micro_steps=4, schedule='zbh1'), 'mlp_in'),
+    'swiglu-gate-1f1b': (dict(stage=2, micro_steps=4, **SWIGLU), 'mlp_gate'),
 }
 
 
 @pytest.mark.parametrize('layout', sorted(OFFLOADED))
 def test_offloaded_residuals_give_the_same_gradients(layout):
     batch = support.random_batches(1)[0]
-    kwargs = dict(data=1, tensor=2, remat='selective', **OFFLOADED[layout])
+    layout, names = OFFLOADED[layout]
+    kwargs = dict(data=1, tensor=2, remat='selective', **layout)
     _, loss, grads = support.gradients(support.small_config(**kwargs), batch)
-    config = support.small_config(remat_offload='mlp_in', **kwargs)
+    config = support.small_config(remat_offload=names, **kwargs)
     _, loss_offloaded, grads_offloaded = support.gradients(config, batch)
     np.testing.assert_allclose(loss_offloaded, loss, rtol=1e-6)
     support.assert_gradients_close(grads_offloaded, grads, atol=1e-6)
@@ -112,9 +116,20 @@ def test_offloaded_residuals_are_placed_in_host_memory_by_the_engine():
 
 
 @pytest.mark.parametrize(
-    'names,says',
-    [('mlp_in,softmax', 'softmax is not one of'), ('qkv', 'qkv is made again')],
+    'recompute,names,says',
+    [
+        ('qkv', 'mlp_in,softmax', 'softmax is not one of'),
+        ('qkv', 'qkv', 'qkv is made again'),
+        ('mlp_in', 'mlp_up', 'mlp_up is made again'),  # 'mlp_in' is SwiGLU's gate and up
+    ],
 )
-def test_offloaded_names_are_checked_naming_the_key(names, says):
+def test_offloaded_names_are_checked_naming_the_key(recompute, names, says):
     with pytest.raises(config_lib.ConfigError, match=f'model.remat_offload: .*{says}'):
-        support.small_config(remat='selective', remat_recompute='qkv', remat_offload=names)
+        support.small_config(
+            remat='selective', remat_recompute=recompute, remat_offload=names, **SWIGLU
+        )
+
+
+def test_swiglu_projection_names_are_refused_for_gelu():
+    with pytest.raises(config_lib.ConfigError, match="model.remat_recompute: mlp_gate names a Sw"):
+        support.small_config(remat='selective', remat_recompute='mlp_gate')

@@ -10,6 +10,7 @@
 """
 
 from mtnlg_jax.config.checks import (
+    SWIGLU_INPUTS,
     block_stack_layers,
     default_ffn_hidden,
     moe_ffn_hidden,
@@ -24,6 +25,7 @@ from mtnlg_jax.config.keys import ConfigError
 from mtnlg_jax.config.resolve import defaults, inputs_of, load, resolve, resolve_model
 
 __all__ = [
+    'SWIGLU_INPUTS',
     'block_stack_layers',
     'ConfigError',
     'default_ffn_hidden',

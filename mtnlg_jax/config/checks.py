@@ -279,30 +279,46 @@ def check_block(model):
     _check_recompute(model)
 
 
-RECOMPUTABLE = ('qkv', 'context', 'attn_out', 'mlp_in', 'mlp_out')  # model/block.py's names
+RECOMPUTABLE = ('qkv', 'context', 'attn_out', 'mlp_in', 'mlp_gate', 'mlp_up', 'mlp_out')
+SWIGLU_INPUTS = ('mlp_gate', 'mlp_up')  # SwiGLU's input projections: 'mlp_in' names both
 
 
-def _names(model, key):
+def _given(model, key):
     return tuple(n.strip() for n in model.get(key, '').split(',') if n.strip())
 
 
+def _names(model, key):
+    """The model's names (model/block.py's SELECTIVE_SAVED) for those given: under SwiGLU
+    'mlp_in' is its gate and up projections."""
+    if model.get('mlp', 'gelu') != 'swiglu':
+        return _given(model, key)
+    parts = (SWIGLU_INPUTS if n == 'mlp_in' else (n,) for n in _given(model, key))
+    return tuple(dict.fromkeys(n for names in parts for n in names))
+
+
 def recomputed(model):
-    """model.remat_recompute's names, in the order given."""
+    """model.remat_recompute's names, in the order given ('mlp_in' read as the model's)."""
     return _names(model, 'remat_recompute')
 
 
 def offloaded(model):
-    """model.remat_offload's names, in the order given."""
+    """model.remat_offload's names, in the order given ('mlp_in' read as the model's)."""
     return _names(model, 'remat_offload')
 
 
 def _check_recompute(model):
-    for key, names in (
-        ('model.remat_recompute', recomputed(model)),
-        ('model.remat_offload', offloaded(model)),
-    ):
+    swiglu = model.get('mlp', 'gelu') == 'swiglu'
+    for key in ('model.remat_recompute', 'model.remat_offload'):
+        names = _given(model, key.split('.')[1])
         unknown = [n for n in names if n not in RECOMPUTABLE]
         _require(not unknown, key, f'{", ".join(unknown)} is not one of {", ".join(RECOMPUTABLE)}')
+        gelu = [n for n in names if n in SWIGLU_INPUTS and not swiglu]
+        _require(
+            not gelu,
+            key,
+            f'{", ".join(gelu)} names a SwiGLU projection, but model.mlp is gelu (its input '
+            "projection is 'mlp_in')",
+        )
         _require(
             not names or model.remat == 'selective',
             key,

@@ -323,15 +323,15 @@ KEYS = (
         '',
         'str',
         "under remat selective, the kept matmul outputs the backward makes again instead, "
-        "e.g. 'qkv,attn_out' (of qkv, context, attn_out, mlp_in, mlp_out; Megatron's "
-        '--recompute-modules); docs/training.md',
+        "e.g. 'qkv,attn_out' (of qkv, context, attn_out, mlp_in, mlp_gate, mlp_up, mlp_out: "
+        "SwiGLU's mlp_in is its gate and up; Megatron's --recompute-modules); docs/training.md",
     ),
     Key(
         'model.remat_offload',
         '',
         'str',
         "under remat selective, kept matmul outputs held in the host's memory from the "
-        "forward to the backward instead of the GPU's, e.g. 'mlp_in' (of those "
+        "forward to the backward instead of the GPU's, e.g. 'mlp_gate' (of those "
         'remat_recompute takes); docs/training.md',
     ),
     Key('model.attention', 'auto', ('auto', 'fused', 'flash', 'plain'), ATTENTION_DOC),

@@ -28,7 +28,9 @@ from mtnlg_jax.parallel.rules import constrain
 # core (scores, softmax, dropout) is recomputed in the backward pass, as in Megatron's
 # selective recompute (arXiv 2205.05198): cheap FLOPs, large memory. With GQA 'qkv' is the
 # query and the (smaller) key/value projections, before rope (the rotation is recomputed);
-# with SwiGLU 'mlp_in' is both the gate and the up projection (silu(gate) * up recomputed).
+# SwiGLU's gate and up projections are 'mlp_gate' and 'mlp_up' (silu(gate) * up recomputed;
+# config/checks.py reads 'mlp_in' in model.remat_recompute and remat_offload as both), GeLU's
+# one 'mlp_in'.
 # The flash kernel's own out and log-sum-exp are kept too, so its forward does not run again;
 # of a mixture of experts, the router's choice (the backward never routes again) and the
 # grouped matmuls' outputs (model/moe.py). Under model.fp8 the products' quantized inputs and
@@ -36,7 +38,7 @@ from mtnlg_jax.parallel.rules import constrain
 # quantized weights are not kept: they would cost more memory than requantizing saves time;
 # a row-parallel product keeps its scale alone and requantizes its recomputed x: fp8_sites).
 SELECTIVE_SAVED = (
-    'qkv', 'context', 'attn_out', 'mlp_in', 'mlp_out',
+    'qkv', 'context', 'attn_out', 'mlp_in', 'mlp_gate', 'mlp_up', 'mlp_out',
     *flash_attention.SAVED_NAMES, *moe.SAVED_NAMES, fp8.SAVED_NAMES[0],
 )  # fmt: skip
 

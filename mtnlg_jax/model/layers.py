@@ -184,17 +184,20 @@ class SwiGLU(nnx.Module):
         self.gather_once = gathers_once(cfg)
 
     def __call__(self, x):
-        def up(h, bias):
+        def up(h, bias, name):  # named apart for the recompute policy: 'mlp_gate', 'mlp_up'
             h = add_bias(h, bias, self.dtype)
-            return checkpoint_name(constrain(h, ('batch', 'seq', 'mlp')), 'mlp_in')
+            return checkpoint_name(constrain(h, ('batch', 'seq', 'mlp')), name)
 
-        if self.fp8 is None or self.fp8[0] == 'blockwise':
-            gate = up(project(self, 'mlp_up', 'bse,ef->bsf', x, self.gate_kernel), self.gate_bias)
-            h = up(project(self, 'mlp_up', 'bse,ef->bsf', x, self.in_kernel), self.in_bias)
+        if self.fp8 is None or self.fp8[0] == 'blockwise':  # FP8's site 'mlp_up' is both
+            gate = project(self, 'mlp_up', 'bse,ef->bsf', x, self.gate_kernel)
+            gate = up(gate, self.gate_bias, 'mlp_gate')
+            h = up(
+                project(self, 'mlp_up', 'bse,ef->bsf', x, self.in_kernel), self.in_bias, 'mlp_up'
+            )
         else:  # one FP8 product of the two kernels stacked as slots (model/fp8_sites.py)
             w = tuple(use(k, self.dtype) for k in (self.gate_kernel, self.in_kernel))
             gate, h = jnp.moveaxis(fp8_sites.project(self.fp8, 'mlp_up', x, w), -2, 0)
-            gate, h = up(gate, self.gate_bias), up(h, self.in_bias)
+            gate, h = up(gate, self.gate_bias, 'mlp_gate'), up(h, self.in_bias, 'mlp_up')
         return project_down(self, jax.nn.silu(gate) * h)
 
 

@@ -345,7 +345,9 @@ def _less_recomputed(model_cfg, split, saved_mlp, fused_attention):
     if 'context' in dropped and not fused_attention:
         split -= heads * head_dim
     branches = 2 - ('attn_out' in dropped) - ('mlp_out' in dropped)
-    return branches, split, 0 if 'mlp_in' in dropped else saved_mlp
+    swiglu = model_cfg.get('mlp', 'gelu') == 'swiglu'
+    inputs = config_lib.SWIGLU_INPUTS if swiglu else ('mlp_in',)
+    return branches, split, saved_mlp * sum(n not in dropped for n in inputs) / len(inputs)
 
 
 def boundary_activation_bytes(model_cfg, sequences):

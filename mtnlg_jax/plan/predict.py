@@ -285,11 +285,13 @@ def _recomputed_products(model, tokens, t, f):
     here: a fused kernel keeps its output whatever the name says)."""
     dropped = config_lib.recomputed(model)
     heads, kv_heads, head_dim = attention_dims(model)
-    h, mlps = model.hidden, counts.mlp_matrices(model) - 1  # in (and gate)
+    h = model.hidden
     widths = dict(
         qkv=h * (heads + 2 * kv_heads) * head_dim,
         attn_out=heads * head_dim * h,
-        mlp_in=mlps * h * f,
+        mlp_in=h * f,  # GeLU's; SwiGLU's gate and up are named apart (config.recomputed)
+        mlp_gate=h * f,
+        mlp_up=h * f,
         mlp_out=f * h,
     )
     flops = sum(2 * tokens * widths[n] / t for n in dropped if n in widths)
