@@ -338,7 +338,7 @@ def test_offloaded_names_leave_the_device_at_no_time():
 
     def planned(**names):
         config = config_lib.load(str(ROOT / 'configs/llama3_405b.py'))
-        config.model.update(names)
+        config.model.update(dict(dict(remat_recompute='qkv', remat_offload=''), **names))
         config = config_lib.resolve(config, 8192)
         h100 = clusters.CLUSTERS['h100-80gb']
         made_again = predict.step_time(config, h100)['recompute_s']
@@ -349,3 +349,7 @@ def test_offloaded_names_leave_the_device_at_no_time():
     recomputed, recomputed_made_again = planned(remat_recompute='qkv,mlp_in')
     assert offloaded == recomputed < kept
     assert offloaded_made_again == made_again < recomputed_made_again
+    # the gate alone ('mlp_gate', as the config) frees half, the up kept
+    gate, gate_made_again = planned(remat_offload='mlp_gate')
+    assert kept - gate == pytest.approx((kept - offloaded) / 2, rel=1e-12)
+    assert gate_made_again == made_again

@@ -75,7 +75,7 @@ REMATS = ('none', 'selective', 'full')
 # (docs/benchmarks.md, "The search over the bounds above p and the recompute names").
 RECOMPUTES = ('', 'qkv', 'qkv,attn_out')
 # A layout fits where its plan times this does: the compiled peaks of the configs on record
-# are 1.00 to 1.06 x their plans (Llama 3 405B's 72.5 GiB against 68.6; docs/planner.md).
+# are 1.00 to 1.06 x their plans (Llama 3 405B's 65.9 GiB against 62.1; docs/planner.md).
 FIT_MARGIN = 1.06
 # The names are tried where the layout without them holds more than this share of the GPU's
 # memory (a plan that fits by a few percent may not once compiled).
