@@ -23,8 +23,9 @@ cross the replicas in one reduce-scatter after it (parallel/zero.py). The comput
 all-gather of chunks 1 to 3 runs a layer at a time inside chunk 0's first forwards
 (pipeline.overlap_param_gather, parallel/gathering_tick.py; its step asks XLA for 8 collectives
 in flight). XLA:GPU's scheduler orders the step by its own estimate (train.pgle_profile_steps
-0; its analytical estimate is off with the host copies: parallel/offload.py).
-launch/plan.py --target compiles it so: 65.9 GiB a GPU (and 16.3 GiB in the host's
+0; its analytical estimate is off with the host copies: parallel/offload.py; by the replay's
+costs as a profile it waits more: 5.4 %, lockstep 9.77 s). launch/plan.py --target compiles
+it so: 65.9 GiB a GPU (and 16.3 GiB in the host's
 memory), 3.9 % of its compute waiting on communication, 45 GB a step to the host and 41 GB
 back, 0.002 s of it waited for; predicted 10.69 s a step, MFU 51.1 %: 506 model TFLOP/s a GPU
 (6N + 12LHQT) against Meta's 430; replayed 7.81 s, 9.63 s with each lockstep tick at its
@@ -86,8 +87,8 @@ def get_config():
     config.pipeline.overlap_grad_reduce = True
     # and the compute copy's all-gather inside chunk 0's first forwards (parallel/gathering_tick.py)
     config.pipeline.overlap_param_gather = True
-    # XLA's own estimate orders it best (the replay's costs as a profile: 5.2 % exposed
-    # against 4.0, the docstring); 3 profiles each batch size of the ramp-up (train/pgle.py)
+    # XLA's own estimate orders it best (the replay's costs as a profile: 5.4 % exposed
+    # against 3.9, the docstring); 3 profiles each batch size of the ramp-up (train/pgle.py)
     config.train.pgle_profile_steps = 0
     config.train.update(dict(global_batch=2048, micro_batch=1, steps=DECAY_STEPS))
     config.train.rampup.update(dict(start=1024, increment=1024, tokens=int(META_SWITCHES[1])))
