@@ -10,9 +10,9 @@
 """
 
 from mtnlg_jax.config.checks import (
-    SWIGLU_INPUTS,
     block_stack_layers,
     default_ffn_hidden,
+    mlp_inputs,
     moe_ffn_hidden,
     padded_vocab_size,
     offloaded,
@@ -25,11 +25,11 @@ from mtnlg_jax.config.keys import ConfigError
 from mtnlg_jax.config.resolve import defaults, inputs_of, load, resolve, resolve_model
 
 __all__ = [
-    'SWIGLU_INPUTS',
     'block_stack_layers',
     'ConfigError',
     'default_ffn_hidden',
     'defaults',
+    'mlp_inputs',
     'inputs_of',
     'load',
     'moe_ffn_hidden',

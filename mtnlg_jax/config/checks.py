@@ -287,12 +287,15 @@ def _given(model, key):
     return tuple(n.strip() for n in model.get(key, '').split(',') if n.strip())
 
 
+def mlp_inputs(model):
+    """The model's names of its MLP's input projections: SwiGLU's gate and up, GeLU's one."""
+    return SWIGLU_INPUTS if model.get('mlp', 'gelu') == 'swiglu' else ('mlp_in',)
+
+
 def _names(model, key):
-    """The model's names (model/block.py's SELECTIVE_SAVED) for those given: under SwiGLU
-    'mlp_in' is its gate and up projections."""
-    if model.get('mlp', 'gelu') != 'swiglu':
-        return _given(model, key)
-    parts = (SWIGLU_INPUTS if n == 'mlp_in' else (n,) for n in _given(model, key))
+    """The model's names (model/block.py's SELECTIVE_SAVED) for those given: 'mlp_in' is
+    every input projection of the MLP (mlp_inputs)."""
+    parts = (mlp_inputs(model) if n == 'mlp_in' else (n,) for n in _given(model, key))
     return tuple(dict.fromkeys(n for names in parts for n in names))
 
 
@@ -307,12 +310,11 @@ def offloaded(model):
 
 
 def _check_recompute(model):
-    swiglu = model.get('mlp', 'gelu') == 'swiglu'
-    for key in ('model.remat_recompute', 'model.remat_offload'):
-        names = _given(model, key.split('.')[1])
+    for name in ('remat_recompute', 'remat_offload'):
+        key, names = f'model.{name}', _given(model, name)
         unknown = [n for n in names if n not in RECOMPUTABLE]
         _require(not unknown, key, f'{", ".join(unknown)} is not one of {", ".join(RECOMPUTABLE)}')
-        gelu = [n for n in names if n in SWIGLU_INPUTS and not swiglu]
+        gelu = [n for n in names if n in SWIGLU_INPUTS and n not in mlp_inputs(model)]
         _require(
             not gelu,
             key,

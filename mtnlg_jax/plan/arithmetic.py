@@ -345,8 +345,7 @@ def _less_recomputed(model_cfg, split, saved_mlp, fused_attention):
     if 'context' in dropped and not fused_attention:
         split -= heads * head_dim
     branches = 2 - ('attn_out' in dropped) - ('mlp_out' in dropped)
-    swiglu = model_cfg.get('mlp', 'gelu') == 'swiglu'
-    inputs = config_lib.SWIGLU_INPUTS if swiglu else ('mlp_in',)
+    inputs = config_lib.mlp_inputs(model_cfg)
     return branches, split, saved_mlp * sum(n not in dropped for n in inputs) / len(inputs)
 
 
