@@ -449,7 +449,8 @@ def step_time(
     config, cluster, figures=None, semantics='ours', overlap=None, counts=None, host_s=0.0
 ):
     """The predicted step of a resolved config on `cluster` (clusters.Cluster), as a dict of
-    seconds (predicted_step_s and its parts), TFLOP/s per GPU and MFU.
+    seconds (predicted_step_s and its parts), TFLOP/s per GPU (executed, and the model's)
+    and MFU.
 
     figures: an Efficiency (default: FIGURES[cluster.name]); semantics: 'ours' or
     'megatron' (module docstring); overlap: {(kind, axis): share of its bytes hidden behind
@@ -530,7 +531,8 @@ def step_time(
         stage_comm_s=stage_s,
         optimizer_s=optimizer_s,
         host_s=host_s,
-        tflops_per_gpu=flops / total / 1e12,
+        tflops_per_gpu=flops / total / 1e12,  # executed: recompute, whole kernel blocks, padding
+        model_tflops_per_gpu=model_flops / total / 1e12,  # MFU's: 6N + 12LHQT a token
         mfu=model_flops / total / peak,
         semantics=semantics,
         efficiency=dataclasses.asdict(figures),
