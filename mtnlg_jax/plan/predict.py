@@ -531,8 +531,8 @@ def step_time(
         stage_comm_s=stage_s,
         optimizer_s=optimizer_s,
         host_s=host_s,
-        tflops_per_gpu=flops / total / 1e12,  # executed: recompute, whole kernel blocks, padding
-        model_tflops_per_gpu=model_flops / total / 1e12,  # MFU's: 6N + 12LHQT a token
+        tflops_per_gpu=flops / total / 1e12,  # executed: recompute, padding, a causal triangle
+        model_tflops_per_gpu=model_flops / total / 1e12,  # MFU's: 6N + 12LHQT (the whole square)
         mfu=model_flops / total / peak,
         semantics=semantics,
         efficiency=dataclasses.asdict(figures),

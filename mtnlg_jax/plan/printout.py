@@ -29,7 +29,7 @@ def predicted_line(step):
         f'{step["pipeline_comm_s"]:.3f} + bubble {step["bubble_s"]:.3f} + data '
         f'{step["data_comm_s"] + step["stage_comm_s"]:.3f} + optimizer '
         f'{step["optimizer_s"]:.3f}{host_part(step)}; {step["tflops_per_gpu"]:.1f} TFLOP/s '
-        f'executed per GPU, {step["model_tflops_per_gpu"]:.1f} of them the model\'s: MFU '
+        f'executed per GPU, {step["model_tflops_per_gpu"]:.1f} by the model\'s count: MFU '
         f'{100 * step["mfu"]:.1f} % ({step["efficiency"]["source"]}; docs/planner.md)'
     )
 
